@@ -1,0 +1,358 @@
+"""The checkpoint model: a directory of safetensors shards, opened from headers alone.
+
+Accepted layouts:
+- a plain directory, as ``hf download --local-dir`` or ``k3ckpt fetch`` leaves it;
+- a Hugging Face cache snapshot (``.../models--org--name/snapshots/<commit>``) or the repo's
+  cache folder itself (``.../models--org--name``, resolved through ``refs/main``);
+- either with ``model.safetensors.index.json`` or a single ``model.safetensors``.
+
+Opening reads ``config.json``, the index and every shard's header - never tensor data. Problems
+that do not stop us from describing the checkpoint (the index and the headers disagree, the
+config contradicts the tensors) are collected in :attr:`Checkpoint.problems`; problems that do
+(a missing shard, a malformed header) raise a :class:`~k3ckpt.errors.K3ckptError`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from contextlib import contextmanager
+import multiprocessing as mp
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Iterator
+
+import numpy as np
+
+from .config import ModelConfig, load_config
+from .errors import CheckpointNotFoundError, ConfigError, IndexError_
+from .roles import Kind, Role, classify
+from .safetensors_header import ShardHeader, TensorInfo, header_from_columns, header_to_columns, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something wrong that does not stop us from describing the checkpoint."""
+
+    where: str  # a file or tensor name
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+@dataclass
+class Source:
+    """Where the checkpoint came from, when the layout tells us."""
+
+    layout: str  # "local-dir" or "hf-cache"
+    repo: str | None = None
+    revision: str | None = None
+    hub: str | None = None
+
+
+@dataclass
+class Checkpoint:
+    root: Path
+    config: ModelConfig | None
+    shards: dict[str, ShardHeader]
+    tensors: dict[str, TensorInfo]
+    index_file: str | None
+    source: Source
+    problems: list[Problem] = field(default_factory=list)
+    _roles: dict[str, Role] | None = field(default=None, repr=False)
+
+    # -- queries -----------------------------------------------------------------------------
+
+    @property
+    def roles(self) -> dict[str, Role]:
+        """Role of every tensor, computed on first use."""
+        if self._roles is None:
+            with _bulk_allocation():
+                self._roles = dict(zip(self.tensors, map(classify, self.tensors)))
+        return self._roles
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all shard files (headers included), as a download would move them."""
+        return sum(h.file_size for h in self.shards.values())
+
+    def unknown_tensors(self) -> list[str]:
+        return [n for n, r in self.roles.items() if r.kind is Kind.UNKNOWN]
+
+    def path_of(self, file: str) -> Path:
+        return self.root / file
+
+    def iter_files(self) -> Iterator[str]:
+        """Every regular file of the checkpoint, relative posix paths, sorted (hidden dirs skipped)."""
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            rel = Path(dirpath).relative_to(self.root)
+            for fn in sorted(filenames):
+                yield (rel / fn).as_posix() if rel.parts else fn
+
+    # -- data --------------------------------------------------------------------------------
+
+    def read_tensor(self, name: str) -> np.ndarray:
+        """Read one tensor's data (only its bytes) as a numpy array of its dtype."""
+        info = self.tensors[name]
+        header = self.shards[info.file]
+        raw = np.fromfile(
+            self.path_of(info.file), dtype=np.uint8, count=info.nbytes, offset=header.data_start + info.begin
+        )
+        if raw.size != info.nbytes:
+            raise IndexError_(f"{info.file}: tensor {name!r}: file is truncated ({raw.size} of {info.nbytes} bytes)")
+        return raw.view(numpy_dtype(info.dtype)).reshape(info.shape)
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype for a safetensors dtype (ml_dtypes for BF16 and the FP8 family)."""
+    import ml_dtypes
+
+    table = {
+        "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16,
+        "I32": np.int32, "U32": np.uint32, "I64": np.int64, "U64": np.uint64,
+        "F16": np.float16, "F32": np.float32, "F64": np.float64, "C64": np.complex64,
+        "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+        "F8_E5M2": ml_dtypes.float8_e5m2, "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+    }
+    if dtype not in table:
+        raise ValueError(f"no numpy dtype for {dtype}; read it as raw bytes")
+    return np.dtype(table[dtype])
+
+
+# -- opening ---------------------------------------------------------------------------------
+
+
+def resolve_root(path: str | os.PathLike[str]) -> tuple[Path, Source]:
+    """Find the directory holding the files, and what the layout says about its origin."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointNotFoundError(f"{p}: no such directory")
+    if p.is_file():
+        raise CheckpointNotFoundError(f"{p}: is a file; pass the checkpoint directory")
+    p = p.resolve()
+    # The repo folder of an HF cache: models--org--name/{refs,snapshots,blobs}
+    if p.name.startswith("models--") and (p / "snapshots").is_dir():
+        ref = p / "refs" / "main"
+        snaps = sorted((p / "snapshots").iterdir())
+        if ref.is_file():
+            rev = ref.read_text().strip()
+            p = p / "snapshots" / rev
+        elif len(snaps) == 1:
+            p = snaps[0]
+        else:
+            raise CheckpointNotFoundError(
+                f"{p}: HF cache repo with {len(snaps)} snapshots and no refs/main; pass one snapshots/<commit> folder"
+            )
+    if _is_hf_snapshot(p):
+        repo_dir = p.parent.parent.name  # models--org--name
+        repo = "/".join(repo_dir.split("--")[1:])
+        return p, Source("hf-cache", repo=repo, revision=p.name, hub="hf")
+    return p, Source("local-dir", revision=_local_dir_revision(p))
+
+
+def _is_hf_snapshot(p: Path) -> bool:
+    return p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--")
+
+
+def _local_dir_revision(root: Path) -> str | None:
+    # `hf download --local-dir` records "<commit>\n<etag>\n<timestamp>" per file here.
+    meta = root / ".cache" / "huggingface" / "download" / (CONFIG_NAME + ".metadata")
+    try:
+        first = meta.read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        return None
+    return first if len(first) == 40 else None
+
+
+def _safe_relpath(root: Path, rel: str, what: str) -> str:
+    pp = PurePosixPath(rel)
+    if not rel or pp.is_absolute() or ".." in pp.parts or "\\" in rel:
+        raise IndexError_(f"{what}: refuses shard path {rel!r} (absolute or outside the checkpoint)")
+    return pp.as_posix()
+
+
+def read_index(root: Path) -> tuple[dict[str, str], str]:
+    """``weight_map`` of ``model.safetensors.index.json``, or the single file's implied map.
+
+    Returns ``(weight_map, index_file)``; for a single file the map is empty and filled from
+    its header by the caller.
+    """
+    index_path = root / INDEX_NAME
+    if index_path.is_file():
+        try:
+            data = json.loads(index_path.read_bytes())
+        except json.JSONDecodeError as e:
+            raise IndexError_(f"{index_path}: not valid JSON ({e})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise IndexError_(f"{index_path}: cannot read ({e})") from None
+        wm = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wm, dict) or not wm:
+            raise IndexError_(f"{index_path}: no weight_map (or it is empty)")
+        for name, file in wm.items():
+            if not isinstance(file, str):
+                raise IndexError_(f"{index_path}: tensor {name!r} maps to {file!r}, not a file name")
+        files = {f: _safe_relpath(root, f, str(index_path)) for f in set(wm.values())}
+        if any(f != norm for f, norm in files.items()):  # e.g. "./model-1.safetensors"
+            wm = {n: files[f] for n, f in wm.items()}
+        return wm, INDEX_NAME
+    if (root / SINGLE_NAME).is_file():
+        return {}, SINGLE_NAME
+    raise CheckpointNotFoundError(
+        f"{root}: no {INDEX_NAME} and no {SINGLE_NAME}; is this a safetensors checkpoint?"
+    )
+
+
+@contextmanager
+def _bulk_allocation() -> Iterator[None]:
+    """Pause the cyclic GC while building ~10^6 acyclic objects: otherwise every generation-2
+    pass re-walks all headers parsed so far and opening the full K3 inventory takes 3x longer."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def open_checkpoint(
+    path: str | os.PathLike[str], *, jobs: int | None = None, require_config: bool = False
+) -> Checkpoint:
+    """Open the checkpoint at ``path`` from its config, index and shard headers.
+
+    Args:
+        path: a checkpoint directory, an HF cache snapshot, or an HF cache repo folder.
+        jobs: threads reading headers (I/O overlaps; parsing holds the GIL).
+        require_config: raise :class:`ConfigError` when ``config.json`` is missing.
+
+    Raises:
+        CheckpointNotFoundError, IndexError_, SafetensorsHeaderError, ConfigError.
+    """
+    with _bulk_allocation():
+        return _open(path, jobs, require_config)
+
+
+def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool) -> Checkpoint:
+    root, source = resolve_root(path)
+    config: ModelConfig | None = None
+    if (root / CONFIG_NAME).is_file():
+        config = load_config(root / CONFIG_NAME)
+    elif require_config:
+        raise ConfigError(f"{root / CONFIG_NAME}: not found")
+
+    reader = HeaderReader(root, jobs)
+    try:
+        weight_map, index_file = read_index(root)
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE_NAME]
+        for f in files:
+            if not (root / f).is_file():
+                raise IndexError_(f"{root / f}: listed in {index_file} but missing")
+    except BaseException:
+        reader.close()
+        raise
+    headers = reader.collect(files)
+    shards = {h.file: h for h in headers}
+
+    problems: list[Problem] = []
+    tensors: dict[str, TensorInfo] = {}
+    for h in headers:
+        tensors.update(h.tensors)
+    if len(tensors) != sum(len(h.tensors) for h in headers):
+        problems.extend(_duplicate_problems(headers))
+        tensors = {}
+        for h in reversed(headers):  # the first shard holding a name wins, as in the loop above
+            tensors.update(h.tensors)
+    if weight_map:
+        problems.extend(_index_problems(weight_map, tensors, headers, index_file))
+    ckpt = Checkpoint(root, config, shards, tensors, index_file if weight_map else None, source, problems)
+    return ckpt
+
+
+#: Below this many shards, starting worker processes costs more than it saves.
+PARALLEL_HEADER_MIN_FILES = 16
+
+
+class HeaderReader:
+    """Reads and validates shard headers, in worker processes for large checkpoints.
+
+    JSON decoding holds the GIL, so with many shards the headers are parsed in forked workers
+    that send back compact columns rather than pickled objects. Work starts at construction on
+    the ``*.safetensors`` files seen on disk, so it overlaps the parent's parse of the (60 MB,
+    for K3) index; :meth:`collect` then returns exactly the files the index names.
+    """
+
+    def __init__(self, root: Path, jobs: int | None = None) -> None:
+        self.root = root
+        self._futures: dict[str, Future] = {}
+        self._pool: ProcessPoolExecutor | None = None
+        try:
+            seen = sorted(e.name for e in os.scandir(root) if e.name.endswith(".safetensors") and e.is_file())
+        except OSError:
+            seen = []
+        workers = min(jobs or os.cpu_count() or 1, len(seen))
+        if workers > 1 and len(seen) >= PARALLEL_HEADER_MIN_FILES and "fork" in mp.get_all_start_methods():
+            self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork"))
+            for f in seen:
+                self._futures[f] = self._pool.submit(_header_columns_job, (str(root / f), f))
+
+    def collect(self, files: list[str]) -> list[ShardHeader]:
+        try:
+            out = []
+            for f in files:
+                fut = self._futures.get(f)
+                out.append(header_from_columns(fut.result()) if fut else read_header(self.root / f, file=f))
+            return out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+def _header_columns_job(args: tuple[str, str]) -> tuple:
+    path, file = args
+    gc.disable()  # the worker only allocates acyclic objects; see _bulk_allocation
+    return header_to_columns(read_header(path, file=file))
+
+
+def _duplicate_problems(headers: list[ShardHeader]) -> list[Problem]:
+    first: dict[str, str] = {}
+    out: list[Problem] = []
+    for h in headers:
+        for name in h.tensors:
+            prev = first.setdefault(name, h.file)
+            if prev != h.file:
+                out.append(Problem(name, f"tensor appears in both {prev} and {h.file}"))
+    return out
+
+
+def _index_problems(
+    weight_map: dict[str, str], tensors: dict[str, TensorInfo], headers: list[ShardHeader], index_file: str
+) -> list[Problem]:
+    # Fast proof of agreement (C-level loops): same names, and each shard's names all map to it.
+    if weight_map.keys() == tensors.keys() and all(
+        set(map(weight_map.__getitem__, h.tensors)) <= {h.file} for h in headers
+    ):
+        return []
+    out: list[Problem] = []
+    for name, file in weight_map.items():
+        info = tensors.get(name)
+        if info is None:
+            out.append(Problem(name, f"listed in {index_file} under {file} but in no shard header"))
+        elif info.file != file:
+            out.append(Problem(name, f"{index_file} says {file} but the tensor is in {info.file}"))
+    if len(tensors) != len(weight_map) or out:
+        for name, info in tensors.items():
+            if name not in weight_map:
+                out.append(Problem(name, f"in {info.file} but not listed in {index_file}"))
+    return out

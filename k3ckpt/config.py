@@ -1,0 +1,168 @@
+"""``config.json`` reading, normalized across the families k3ckpt supports.
+
+K3 nests the text model under ``text_config`` (``model_type: kimi_k3`` around a
+``kimi_linear`` text model); Kimi-K2 and DeepSeek-V3 are flat with ``n_routed_experts``;
+gpt-oss uses ``num_local_experts`` and ``layer_types``. :class:`ModelConfig` gives every
+consumer the same field names and keeps the raw dict for anything else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+
+def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    return default
+
+
+@dataclass
+class ModelConfig:
+    """What k3ckpt needs from a config, in one vocabulary.
+
+    ``attention_kinds[i]`` is the attention of 0-based layer ``i``: ``kda``, ``mla``,
+    ``full``, ``sliding`` or ``mha``; ``moe_layers`` the 0-based layers with routed experts.
+    """
+
+    family: str
+    model_type: str
+    text_model_type: str
+    architectures: list[str]
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_experts: int
+    experts_per_token: int
+    num_shared_experts: int
+    moe_intermediate_size: int | None
+    intermediate_size: int | None
+    routed_expert_hidden_size: int | None
+    first_k_dense: int
+    moe_layer_freq: int
+    attention_kinds: list[str]
+    quantization: dict[str, Any]
+    tie_word_embeddings: bool
+    has_vision: bool
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        if self.num_experts <= 1:
+            return []
+        return [
+            i
+            for i in range(self.num_layers)
+            if i >= self.first_k_dense and (i - self.first_k_dense) % max(self.moe_layer_freq, 1) == 0
+        ]
+
+    @property
+    def quant_format(self) -> str | None:
+        """A short name for the weight format the config declares, e.g. ``mxfp4-pack-quantized``."""
+        q = self.quantization
+        if not q:
+            return None
+        method = q.get("quant_method")
+        if method == "compressed-tensors":
+            return str(q.get("format") or "compressed-tensors")
+        if method == "fp8":
+            return "fp8-block" if q.get("weight_block_size") else "fp8"
+        return str(method) if method else None
+
+
+def _family(model_type: str, text_model_type: str, archs: list[str]) -> str:
+    mt = {model_type, text_model_type}
+    if "kimi_k3" in mt or any("KimiK3" in a for a in archs):
+        return "kimi_k3"
+    if "gpt_oss" in mt:
+        return "gpt_oss"
+    if mt & {"kimi_k2", "deepseek_v3", "deepseek_v2"} or any("Deepseek" in a for a in archs):
+        return "deepseek_v3"
+    if "kimi_linear" in mt:
+        return "kimi_k3"
+    return "unknown"
+
+
+def _attention_kinds(family: str, text: dict[str, Any], num_layers: int) -> list[str]:
+    lac = text.get("linear_attn_config")
+    if isinstance(lac, dict) and (lac.get("kda_layers") or lac.get("full_attn_layers")):
+        # 1-based layer numbers in the K3 / Kimi-Linear config.
+        full = {int(i) - 1 for i in lac.get("full_attn_layers") or []}
+        kda = {int(i) - 1 for i in lac.get("kda_layers") or []}
+        kinds = []
+        for i in range(num_layers):
+            kinds.append("mla" if i in full else "kda" if i in kda or not full else "mla")
+        return kinds
+    layer_types = text.get("layer_types")
+    if isinstance(layer_types, list) and len(layer_types) == num_layers:
+        return ["sliding" if "sliding" in str(t) else "full" for t in layer_types]
+    if family == "deepseek_v3" or text.get("kv_lora_rank"):
+        return ["mla"] * num_layers
+    return ["mha"] * num_layers
+
+
+def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Normalize a parsed ``config.json``.
+
+    Raises:
+        ConfigError: when a field every family has (layers, hidden size) is missing.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: not a JSON object")
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    model_type = str(raw.get("model_type", ""))
+    text_model_type = str(text.get("model_type", model_type))
+    archs = [str(a) for a in raw.get("architectures") or []]
+    family = _family(model_type, text_model_type, archs)
+    try:
+        num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers"))
+        hidden = int(_first(text, "hidden_size", "n_embd", "d_model"))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: missing num_hidden_layers or hidden_size") from None
+    num_experts = int(_first(text, "num_experts", "n_routed_experts", "num_local_experts", default=0))
+    quant = _first(raw, "quantization_config", default=None) or _first(text, "quantization_config", default={}) or {}
+    return ModelConfig(
+        family=family,
+        model_type=model_type,
+        text_model_type=text_model_type,
+        architectures=archs,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        vocab_size=int(_first(text, "vocab_size", default=0)),
+        num_attention_heads=int(_first(text, "num_attention_heads", "n_head", default=0)),
+        num_experts=num_experts,
+        experts_per_token=int(
+            _first(text, "num_experts_per_token", "num_experts_per_tok", "experts_per_token", default=0)
+        ),
+        num_shared_experts=int(_first(text, "num_shared_experts", "n_shared_experts", default=0)),
+        moe_intermediate_size=_first(text, "moe_intermediate_size", default=None),
+        intermediate_size=_first(text, "intermediate_size", default=None),
+        routed_expert_hidden_size=_first(text, "routed_expert_hidden_size", default=None),
+        first_k_dense=int(_first(text, "first_k_dense_replace", default=0)),
+        moe_layer_freq=int(_first(text, "moe_layer_freq", default=1)),
+        attention_kinds=_attention_kinds(family, text, num_layers),
+        quantization=quant if isinstance(quant, dict) else {},
+        tie_word_embeddings=bool(_first(text, "tie_word_embeddings", default=_first(raw, "tie_word_embeddings", default=False))),
+        has_vision=isinstance(raw.get("vision_config"), dict),
+        raw=raw,
+    )
+
+
+def load_config(path: Path) -> ModelConfig:
+    """Read and normalize ``path`` (a ``config.json``)."""
+    try:
+        raw = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return parse_config(raw, str(path))

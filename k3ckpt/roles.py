@@ -1,0 +1,191 @@
+"""What each tensor *is*: role classification from rule tables.
+
+A rule is data: a regular expression over the tensor name with its numbers replaced by ``#``
+(``language_model.model.layers.#.block_sparse_moe.experts.#.w1.weight_packed``), the role it
+gives, the tensor-parallel rule, and which of the numbers are the layer and the expert. One
+table covers K3, Kimi-K2 / DeepSeek-V3 (per-expert FP8 with ``weight_scale_inv``) and gpt-oss
+(stacked MXFP4 experts). Classification is cached per template, so the ~497k names of the full
+K3 inventory cost one substitution each, not a scan of the table each.
+
+Names that match no rule get :data:`Kind.UNKNOWN`; callers report them, never drop them.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+from functools import lru_cache, partial
+
+from .safetensors_header import TensorInfo
+
+
+class Kind(str, enum.Enum):
+    ROUTED_EXPERT = "routed_expert"
+    SHARED_EXPERT = "shared_expert"
+    ROUTER = "router"
+    ROUTER_BIAS = "router_bias"
+    LATENT_PROJ = "latent_proj"
+    DENSE_MLP = "dense_mlp"
+    ATTENTION = "attention"
+    NORM = "norm"
+    RESIDUAL = "residual"
+    EMBEDDING = "embedding"
+    LM_HEAD = "lm_head"
+    MTP = "mtp"
+    VISION = "vision"
+    PROJECTOR = "projector"
+    UNKNOWN = "unknown"
+
+
+class TP(str, enum.Enum):
+    """How a dense tensor is split across tensor-parallel ranks (rank-layout.md)."""
+
+    COLUMN = "column"  # dim 0
+    ROW = "row"  # dim 1
+    VOCAB = "vocab"  # dim 0 of embeddings / lm_head
+    REPLICATED = "replicated"
+    EXPERT = "expert"  # placed by expert parallelism; w1/w3 dim 0, w2 dim 1 when moe_tp > 1
+
+
+class Role(NamedTuple):
+    """A tensor's role. A named tuple because the full K3 inventory has ~497k of them."""
+
+    kind: Kind
+    tp: TP
+    layer: int | None = None
+    expert: int | None = None  # None for non-expert tensors and for stacked (all-expert) tensors
+    proj: str | None = None  # gate / up / down / gate_up / q_proj / ...
+    part: str = "weight"  # weight, weight_packed, weight_scale, weight_scale_inv, bias, blocks, scales, ...
+
+    @property
+    def is_quant_scale(self) -> bool:
+        return self.part in _SCALE_PARTS
+
+
+_SCALE_PARTS = frozenset(
+    {"weight_scale", "weight_scale_inv", "scales", "input_scale", "weight_global_scale", "weight_zero_point"}
+)
+
+_LAYER = r"^(?:language_model\.(?:model\.)?|model\.(?:language_model\.)?)?layers\.#\."
+_TOP = r"^(?:language_model\.(?:model\.)?|model\.(?:language_model\.)?)?"
+_PART = r"(?P<part>weight|weight_packed|weight_scale|weight_scale_inv|weight_global_scale|weight_zero_point|input_scale|bias)"
+_MOE = r"(?:block_sparse_moe|mlp)\."
+
+_C, _R, _V, _P, _E = TP.COLUMN, TP.ROW, TP.VOCAB, TP.REPLICATED, TP.EXPERT
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    kind: Kind
+    tp: TP | dict[str, TP]  # a dict maps the ``proj`` group to its TP rule
+    numbers: tuple[str, ...] = ()  # which ``#`` are the layer / expert, in order
+    proj: str | None = None  # fixed proj when the pattern has no ``proj`` group
+
+
+#: The rule table. First match wins, so specific rules come before general ones.
+RULES: tuple[Rule, ...] = (
+    # Routed experts, one tensor per expert (K3 w1/w2/w3, DeepSeek/K2 gate/up/down).
+    Rule(_LAYER + _MOE + r"experts\.#\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\." + _PART + "$",
+         Kind.ROUTED_EXPERT, _E, ("layer", "expert")),
+    # gpt-oss: all experts of a layer stacked in one tensor.
+    Rule(_LAYER + r"mlp\.experts\.(?P<proj>gate_up_proj|down_proj)(?:_(?P<part>blocks|scales|bias))?$",
+         Kind.ROUTED_EXPERT, _E, ("layer",)),
+    Rule(_LAYER + _MOE + r"shared_experts?\.(?P<proj>gate_proj|up_proj|down_proj)\." + _PART + "$",
+         Kind.SHARED_EXPERT, {"gate_proj": _C, "up_proj": _C, "down_proj": _R}, ("layer",)),
+    Rule(_LAYER + _MOE + r"gate\.e_score_correction_bias$", Kind.ROUTER_BIAS, _P, ("layer",), "gate"),
+    Rule(_LAYER + _MOE + r"(?P<proj>gate|router)\.(?P<part>weight|bias)$", Kind.ROUTER, _P, ("layer",)),
+    Rule(_LAYER + r"block_sparse_moe\.routed_expert_norm\.(?P<part>weight)$", Kind.NORM, _P, ("layer",),
+         "routed_expert_norm"),
+    Rule(_LAYER + r"block_sparse_moe\.routed_expert_(?P<proj>down_proj|up_proj)\." + _PART + "$",
+         Kind.LATENT_PROJ, _P, ("layer",)),
+    Rule(_LAYER + r"mlp\.(?P<proj>gate_proj|up_proj|down_proj)\." + _PART + "$",
+         Kind.DENSE_MLP, {"gate_proj": _C, "up_proj": _C, "down_proj": _R}, ("layer",)),
+    # Attention: MLA (q_a/q_b/kv_a/kv_b), KDA (q/k/v, f_a/f_b, b, g, conv1d, A_log, dt_bias), MHA.
+    Rule(_LAYER + r"self_attn\.(?P<proj>q_a_layernorm|kv_a_layernorm|o_norm|q_norm|k_norm)\.(?P<part>weight|bias)$",
+         Kind.NORM, _P, ("layer",)),
+    Rule(_LAYER + r"self_attn\.(?P<proj>q_b_proj|kv_b_proj|q_proj|k_proj|v_proj|f_b_proj|b_proj|g_proj)\." + _PART + "$",
+         Kind.ATTENTION, _C, ("layer",)),
+    Rule(_LAYER + r"self_attn\.(?P<proj>o_proj)\." + _PART + "$", Kind.ATTENTION, _R, ("layer",)),
+    Rule(_LAYER + r"self_attn\.(?P<proj>q_a_proj|kv_a_proj_with_mqa|f_a_proj|q_conv1d|k_conv1d|v_conv1d)\." + _PART + "$",
+         Kind.ATTENTION, _P, ("layer",)),
+    Rule(_LAYER + r"self_attn\.(?P<proj>A_log|dt_bias|sinks)$", Kind.ATTENTION, _P, ("layer",)),
+    Rule(_LAYER + r"(?P<proj>input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm)\.(?P<part>weight|bias)$",
+         Kind.NORM, _P, ("layer",)),
+    # K3 attention residuals: [hidden] norms and [1, hidden] projections.
+    Rule(_LAYER + r"(?P<proj>self_attention_res_norm|self_attention_res_proj|mlp_res_norm|mlp_res_proj)(?:\.(?P<part>weight))?$",
+         Kind.RESIDUAL, _P, ("layer",)),
+    # DeepSeek-V3 multi-token-prediction layer (beyond num_hidden_layers).
+    Rule(_LAYER + r"(?P<proj>enorm|hnorm|eh_proj|shared_head\.head|shared_head\.norm|embed_tokens)\.(?P<part>weight)$",
+         Kind.MTP, _P, ("layer",)),
+    Rule(_TOP + r"embed_tokens\.(?P<part>weight)$", Kind.EMBEDDING, _V, (), "embed_tokens"),
+    Rule(r"^(?:language_model\.)?(?:model\.)?lm_head\.(?P<part>weight)$", Kind.LM_HEAD, _V, (), "lm_head"),
+    Rule(_TOP + r"norm\.(?P<part>weight)$", Kind.NORM, _P, (), "norm"),
+    Rule(r"^(?:model\.)?(?:vision_tower|vision_model|visual|vision_encoder)\.", Kind.VISION, _P),
+    Rule(r"^(?:model\.)?(?:mm_projector|multi_modal_projector|mm_proj)\.", Kind.PROJECTOR, _P),
+)
+
+_COMPILED = tuple(re.compile(r.pattern) for r in RULES)
+# A number between dots (or at the end) is an index: a layer, an expert, a vision block.
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
+_PROJ_ALIASES = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+UNKNOWN_ROLE = Role(Kind.UNKNOWN, TP.REPLICATED)
+
+
+@lru_cache(maxsize=65536)
+def _classify_template(template: str) -> tuple[Kind, TP, tuple[str, ...], str | None, str] | None:
+    for rule, rx in zip(RULES, _COMPILED):
+        m = rx.match(template)
+        if m is None:
+            continue
+        groups = m.groupdict()
+        proj = groups.get("proj") or rule.proj
+        tp = rule.tp[proj] if isinstance(rule.tp, dict) else rule.tp  # type: ignore[index]
+        if rule.kind in (Kind.ROUTED_EXPERT, Kind.SHARED_EXPERT, Kind.DENSE_MLP) and proj:
+            proj = _PROJ_ALIASES.get(proj, proj)
+        part = groups.get("part") or "weight"
+        return rule.kind, tp, rule.numbers, proj, part
+    return None
+
+
+# Routed-expert names are >99% of a K3 inventory: split them with one match and look the
+# template up by its parts, instead of a findall + sub + cached scan per name.
+_EXPERT_NAME = re.compile(r"(.*layers\.)(\d+)(\.(?:block_sparse_moe|mlp)\.experts\.)(\d+)(\..*)")
+_expert_templates: dict[tuple[str, str, str], tuple | None] = {}
+_new_role = partial(tuple.__new__, Role)
+
+
+def classify(name: str) -> Role:
+    """The :class:`Role` of tensor ``name``; :data:`UNKNOWN_ROLE` when no rule matches."""
+    m = _EXPERT_NAME.fullmatch(name)
+    if m is not None:
+        pre, layer, mid, expert, rest = m.groups()
+        key = (pre, mid, rest)
+        try:
+            hit = _expert_templates[key]
+        except KeyError:
+            hit = _expert_templates[key] = _classify_template(pre + "#" + mid + "#" + rest)
+        if hit is not None and len(hit[2]) == 2:
+            return _new_role((hit[0], hit[1], int(layer), int(expert), hit[3], hit[4]))
+    numbers = _NUMBER.findall(name)
+    template = _NUMBER.sub("#", name) if numbers else name
+    hit = _classify_template(template)
+    if hit is None:
+        return UNKNOWN_ROLE
+    kind, tp, slots, proj, part = hit
+    layer = int(numbers[0]) if slots else None
+    expert = int(numbers[1]) if len(slots) > 1 else None
+    return Role(kind, tp, layer, expert, proj, part)
+
+
+def logical_params(info: TensorInfo, role: Role) -> int:
+    """Model parameters a tensor stores: packed 4-bit tensors hold two per byte, and quantization
+    scales hold none (they are part of the encoding, not the model)."""
+    if role.is_quant_scale:
+        return 0
+    if role.part in ("weight_packed", "blocks") and info.dtype in ("U8", "I8"):
+        return info.numel * 2
+    return info.numel

@@ -1,0 +1,410 @@
+"""A strict reader and a streaming writer for the safetensors container format.
+
+Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length ``N``,
+``N`` bytes of UTF-8 JSON (``{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__":
+{str: str}}``, right-padded with spaces), then the data buffer. Offsets are relative to the
+start of the data buffer.
+
+We parse headers ourselves rather than through ``safetensors.safe_open`` because opening a
+checkpoint must read *only* headers (a 17 GB shard is never mapped just to list it), must say
+precisely which file and which tensor is wrong, and must bound what a hostile file can make us
+allocate. Tensor data is read with the ``safetensors`` library or ``numpy.memmap`` when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from functools import partial
+from itertools import chain, repeat
+from typing import Any, BinaryIO, Iterable, NamedTuple
+
+from .errors import SafetensorsHeaderError
+
+#: Largest header we accept. The real K3 shards have headers under 1 MB; the safetensors
+#: library itself caps at 100 MB. Overridable for exotic checkpoints.
+MAX_HEADER_BYTES: int = int(os.environ.get("K3CKPT_MAX_HEADER_BYTES", 100_000_000))
+
+#: dtype name -> size in bits, as defined by the safetensors ``Dtype`` enum.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
+
+_HEADER_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+
+
+class TensorInfo(NamedTuple):
+    """Where one tensor lives. ``begin``/``end`` are relative to the file's data buffer.
+
+    A named tuple rather than a dataclass: the full K3 inventory has ~497k of these and
+    creating them must cost well under a microsecond each.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    file: str  # file name relative to the checkpoint root
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(slots=True)
+class ShardHeader:
+    """A parsed safetensors header. ``data_start`` is the absolute file offset of the buffer."""
+
+    file: str
+    path: str
+    file_size: int
+    header_len: int
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+    @property
+    def data_len(self) -> int:
+        return self.file_size - self.data_start
+
+    def absolute_range(self, name: str) -> tuple[int, int]:
+        """Absolute ``[start, stop)`` file offsets of tensor ``name``."""
+        t = self.tensors[name]
+        return self.data_start + t.begin, self.data_start + t.end
+
+
+def header_to_columns(h: ShardHeader) -> tuple:
+    """A compact, fast-to-pickle form of ``h`` (plain lists instead of ~5k named tuples)."""
+    ts = list(h.tensors.values())
+    return (
+        h.file, h.path, h.file_size, h.header_len, h.metadata,
+        [t.name for t in ts], [t.dtype for t in ts], [t.shape for t in ts],
+        [t.begin for t in ts], [t.end for t in ts],
+    )
+
+
+def header_from_columns(cols: tuple) -> ShardHeader:
+    file, path, size, hlen, metadata, names, dtypes, shapes, begins, ends = cols
+    make = partial(tuple.__new__, TensorInfo)
+    infos = map(make, zip(names, dtypes, shapes, begins, ends, repeat(file)))
+    return ShardHeader(file, path, size, hlen, metadata, dict(zip(names, infos)))
+
+
+def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
+    """Bytes a tensor of ``dtype`` and ``shape`` occupies; sub-byte dtypes must fill whole bytes."""
+    bits = DTYPE_BITS[dtype] * math.prod(shape)
+    if bits % 8:
+        raise ValueError(f"{dtype} tensor of shape {list(shape)} does not fill whole bytes")
+    return bits // 8
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return d
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _is_int(x: Any) -> bool:
+    # bool is an int subclass; a header saying "shape": [true] is malformed, not [1].
+    return type(x) is int
+
+
+def parse_header_bytes(
+    raw: bytes, *, file: str, path: str, file_size: int
+) -> ShardHeader:
+    """Validate header JSON ``raw`` (the ``N`` bytes after the length prefix) of a file of
+    ``file_size`` bytes and return its :class:`ShardHeader`.
+
+    Checks: UTF-8, a JSON object, no duplicate keys, ``__metadata__`` maps str to str, every
+    entry has exactly ``dtype``/``shape``/``data_offsets``, a known dtype, non-negative integer
+    dims and offsets, ``dtype size x shape == end - begin``, and the entries tile the data
+    buffer exactly (no overlap, no gap, nothing past the end).
+
+    Raises:
+        SafetensorsHeaderError: on any violation, naming ``path`` and the tensor.
+    """
+    header_len = len(raw)
+    data_len = file_size - 8 - header_len
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SafetensorsHeaderError(path, f"header is not valid UTF-8 (byte {e.start})") from None
+    if not text.startswith("{"):
+        raise SafetensorsHeaderError(path, "header does not start with '{'")
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise SafetensorsHeaderError(path, f"header is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise SafetensorsHeaderError(path, "header JSON is not an object")
+
+    metadata = obj.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise SafetensorsHeaderError(path, "__metadata__ must map strings to strings")
+
+    n = len(obj)
+    # Exactly one of each key per entry proves there was no duplicate key anywhere (json.loads
+    # keeps the last of duplicates, leaving fewer entries than keys). Inside a JSON string every
+    # quote is escaped, so these substrings only ever match keys or whole string values.
+    tensors = None
+    if text.count('"dtype"') == n and text.count('"shape"') == n and text.count('"data_offsets"') == n:
+        tensors = _entries_fast(obj, file, data_len)
+    if tensors is None:
+        _reject_duplicate_keys(text, path)
+        tensors = _entries_exact(obj, file, path, data_len)
+    _check_tiling(tensors, path, data_len)
+    return ShardHeader(file, path, file_size, header_len, metadata, tensors)
+
+
+def _entries_fast(obj: dict[str, Any], file: str, data_len: int) -> dict[str, TensorInfo] | None:
+    """The common case, validated column by column in C-level loops (``map``, ``zip``, list
+    comparisons) because the full K3 inventory has ~497k entries. Returns ``None`` at the first
+    irregularity: the exact validator then finds it and words the error; it also checks the
+    tiling itself, so a ``None`` is never a silent acceptance."""
+    entries = list(obj.values())
+    if not entries:
+        return {}
+    try:
+        if set(map(type, entries)) != {dict} or set(map(len, entries)) != {3}:
+            return None
+        dtypes = list(map(_DTYPE, entries))
+        dims = list(map(_SHAPE, entries))
+        offsets = list(map(_OFFSETS, entries))
+        if set(map(type, dims)) != {list} or set(map(type, offsets)) != {list}:
+            return None
+        if set(map(len, offsets)) != {2}:
+            return None
+        numbers = list(chain(chain.from_iterable(dims), chain.from_iterable(offsets)))
+        # bool and float compare equal to ints ([true] == [1]); only real ints are valid.
+        if set(map(type, numbers)) != {int} or min(numbers) < 0:
+            return None
+        shapes = list(map(tuple, dims))
+        keys = list(zip(dtypes, shapes))
+        sizes: dict[tuple[str, tuple[int, ...]], int] = {}
+        canonical: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for dtype, shape in set(keys):
+            bits = DTYPE_BITS.get(dtype) if type(dtype) is str else None
+            if bits is None or (bits * math.prod(shape)) % 8:
+                return None
+            sizes[(dtype, shape)] = bits * math.prod(shape) // 8
+            canonical.setdefault(shape, shape)
+        begins = list(map(_FIRST, offsets))
+        ends = list(map(_SECOND, offsets))
+        if list(map(operator.sub, ends, begins)) != list(map(sizes.__getitem__, keys)):
+            return None
+    except (KeyError, TypeError):
+        return None
+    if max(ends) > data_len:
+        return None
+    shapes = list(map(canonical.__getitem__, shapes))  # share one tuple per distinct shape
+    make = partial(tuple.__new__, TensorInfo)
+    infos = map(make, zip(obj.keys(), dtypes, shapes, begins, ends, repeat(file)))
+    return dict(zip(obj.keys(), infos))
+
+
+_DTYPE = operator.itemgetter("dtype")
+_SHAPE = operator.itemgetter("shape")
+_OFFSETS = operator.itemgetter("data_offsets")
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
+
+
+def _reject_duplicate_keys(text: str, path: str) -> None:
+    try:
+        json.loads(text, object_pairs_hook=_reject_duplicates)
+    except _DuplicateKey as e:
+        raise SafetensorsHeaderError(path, "duplicate key in header", tensor=str(e)) from None
+
+
+def _entries_exact(obj: dict[str, Any], file: str, path: str, data_len: int) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in obj.items():
+        if not isinstance(entry, dict):
+            raise SafetensorsHeaderError(path, "entry is not an object", name)
+        if entry.keys() != _HEADER_KEYS:
+            extra = sorted(set(entry) - _HEADER_KEYS)
+            missing = sorted(_HEADER_KEYS - set(entry))
+            what = f"missing {missing}" if missing else f"unexpected keys {extra}"
+            raise SafetensorsHeaderError(path, what, name)
+        dtype = entry["dtype"]
+        bits = DTYPE_BITS.get(dtype) if isinstance(dtype, str) else None
+        if bits is None:
+            raise SafetensorsHeaderError(path, f"unknown dtype {dtype!r}", name)
+        shape = entry["shape"]
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise SafetensorsHeaderError(path, f"shape {shape!r} is not a list of non-negative integers", name)
+        offsets = entry["data_offsets"]
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_int(o) and o >= 0 for o in offsets)
+        ):
+            raise SafetensorsHeaderError(path, f"data_offsets {offsets!r} is not [begin, end]", name)
+        begin, end = offsets
+        if end < begin:
+            raise SafetensorsHeaderError(path, f"data_offsets [{begin}, {end}] end before begin", name)
+        nbits = bits * math.prod(shape)
+        if nbits % 8 or nbits // 8 != end - begin:
+            raise SafetensorsHeaderError(
+                path,
+                f"{dtype} {shape} needs {nbits / 8:g} bytes but data_offsets span {end - begin}",
+                name,
+            )
+        if end > data_len:
+            raise SafetensorsHeaderError(
+                path, f"data_offsets end {end} is past the data buffer ({data_len} bytes)", name
+            )
+        tensors[name] = TensorInfo(name, dtype, tuple(shape), begin, end, file)
+    return tensors
+
+
+def _check_tiling(tensors: dict[str, TensorInfo], path: str, data_len: int) -> None:
+    """The buffer must be tiled exactly: no overlaps (two tensors sharing bytes) and no gaps
+    (unaccounted bytes could hide anything)."""
+    spans = sorted(map(_SPAN, tensors.values()))
+    starts = [b for b, _ in spans]
+    stops = [e for _, e in spans]
+    if spans and starts[0] == 0 and starts[1:] == stops[:-1] and stops[-1] == data_len:
+        return
+    if not spans and data_len == 0:
+        return
+    by_span = {(t.begin, t.end): t.name for t in tensors.values()}
+    pos = 0
+    for begin, end in spans:
+        name = by_span[(begin, end)]
+        if begin < pos:
+            raise SafetensorsHeaderError(
+                path, f"overlaps the previous tensor (begins at {begin}, previous ends at {pos})", name
+            )
+        if begin > pos:
+            raise SafetensorsHeaderError(path, f"gap of {begin - pos} bytes before this tensor (at {pos})", name)
+        pos = end
+    raise SafetensorsHeaderError(path, f"tensors cover {pos} bytes but the data buffer is {data_len} bytes")
+
+
+_SPAN = operator.itemgetter(3, 4)  # (begin, end) of a TensorInfo
+
+
+def read_header(path: str | os.PathLike[str], file: str | None = None) -> ShardHeader:
+    """Read and validate the header of the safetensors file at ``path`` (header bytes only).
+
+    Args:
+        path: the file.
+        file: its name relative to the checkpoint root (defaults to the base name).
+    """
+    p = os.fspath(path)
+    file = file if file is not None else os.path.basename(p)
+    try:
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            return _read_header_from(f, size, p, file)
+    except FileNotFoundError:
+        raise SafetensorsHeaderError(p, "file not found") from None
+    except IsADirectoryError:
+        raise SafetensorsHeaderError(p, "is a directory, not a safetensors file") from None
+    except PermissionError:
+        raise SafetensorsHeaderError(p, "permission denied") from None
+    except OSError as e:
+        raise SafetensorsHeaderError(p, f"cannot read ({e.strerror or e})") from None
+
+
+def _read_header_from(f: BinaryIO, size: int, path: str, file: str) -> ShardHeader:
+    if size < 8:
+        raise SafetensorsHeaderError(path, f"file is {size} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n > MAX_HEADER_BYTES:
+        raise SafetensorsHeaderError(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + n > size:
+        raise SafetensorsHeaderError(path, f"header length {n} runs past the end of the {size}-byte file (truncated?)")
+    raw = f.read(n)
+    if len(raw) != n:
+        raise SafetensorsHeaderError(path, f"short read: header is {n} bytes, got {len(raw)}")
+    return parse_header_bytes(raw, file=file, path=path, file_size=size)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A tensor to be written: its name, dtype and shape (bytes come later, in this order)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape)
+
+
+def build_header(
+    specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None, align: int = 8
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """Serialize a header for ``specs`` laid out back to back in the given order.
+
+    Returns the full prefix (8-byte length + JSON padded with spaces so that the data buffer
+    starts at a multiple of ``align``) and the ``(begin, end)`` of each tensor.
+    """
+    entries: dict[str, Any] = {}
+    if metadata:
+        entries["__metadata__"] = dict(metadata)
+    offsets: list[tuple[int, int]] = []
+    pos = 0
+    for s in specs:
+        if s.name in entries:
+            raise ValueError(f"duplicate tensor name {s.name!r}")
+        end = pos + s.nbytes
+        entries[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [pos, end]}
+        offsets.append((pos, end))
+        pos = end
+    raw = json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    pad = (-(8 + len(raw))) % align
+    raw += b" " * pad
+    return struct.pack("<Q", len(raw)) + raw, offsets
