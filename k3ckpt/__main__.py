@@ -1,0 +1,5 @@
+"""``python -m k3ckpt``."""
+
+from .cli import main
+
+main(prog_name="k3ckpt")

@@ -1,0 +1,397 @@
+"""``k3ckpt inspect``: what a person wants to know about a checkpoint before committing hardware.
+
+Everything here is computed from the config and the shard headers - parameter counts included
+(from shapes, never quoted from a model card) - so it runs on a headers-only checkpoint and on
+the full K3 inventory in seconds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checkpoint import Checkpoint
+from .roles import Kind, logical_params
+
+#: Kinds that belong to the vision side of a multimodal checkpoint, not the text model.
+VISION_KINDS = frozenset({Kind.VISION, Kind.PROJECTOR})
+
+
+@dataclass
+class LayerSummary:
+    layer: int
+    attention: str  # kda / mla / full / sliding / mha / ?
+    mlp: str  # dense / moe / none
+    experts: int  # routed experts with tensors in this layer
+    tensors: int = 0
+    bytes: int = 0
+    params: int = 0
+
+
+@dataclass
+class Finding:
+    severity: str  # "error" (config and tensors disagree) or "warning"
+    where: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.severity.upper()} {self.where}: {self.message}"
+
+
+@dataclass
+class InspectReport:
+    path: str
+    source: dict[str, Any]
+    architectures: list[str]
+    model_type: str
+    text_model_type: str
+    family: str
+    num_layers: int
+    dense_layers: list[int]
+    moe_layers: list[int]
+    attention_layers: dict[str, list[int]]
+    routed_experts: int
+    experts_per_token: int
+    shared_experts: int
+    params_total: int
+    params_text: int
+    params_vision: int
+    params_routed: int
+    params_active: int
+    params_active_no_embed: int
+    params_by_role: dict[str, int]
+    bytes_total: int
+    bytes_by_dtype: dict[str, int]
+    bytes_by_role: dict[str, int]
+    quant_config: str | None
+    quant_tensors: dict[str, int]
+    shards: int
+    shard_bytes_min: int
+    shard_bytes_median: int
+    shard_bytes_max: int
+    tensors: int
+    layers: list[LayerSummary]
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    def to_json(self, *, layers: bool = True) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("layers", "findings")}
+        d["findings"] = [f.__dict__ for f in self.findings]
+        if layers:
+            d["layers"] = [lay.__dict__ for lay in self.layers]
+        return d
+
+
+def inspect_checkpoint(ckpt: Checkpoint) -> InspectReport:
+    """Summarize ``ckpt`` (opened with :func:`~k3ckpt.checkpoint.open_checkpoint`)."""
+    cfg = ckpt.config
+    roles = ckpt.roles
+    bytes_by_dtype: Counter[str] = Counter()
+    bytes_by_role: Counter[str] = Counter()
+    params_by_role: Counter[str] = Counter()
+    quant_tensors: Counter[str] = Counter()
+    layer_tensors: Counter[int] = Counter()
+    layer_bytes: Counter[int] = Counter()
+    layer_params: Counter[int] = Counter()
+    experts_seen: dict[int, set[int]] = defaultdict(set)
+    parts_per_expert: Counter[tuple[int, int]] = Counter()
+    names_by_layer_proj: dict[int, set[str]] = defaultdict(set)
+    stacked_expert_layers: set[int] = set()
+    routed_shapes: dict[tuple[str, str], set[tuple[int, ...]]] = defaultdict(set)
+
+    for name, info in ckpt.tensors.items():
+        role = roles[name]
+        nbytes = info.end - info.begin
+        params = logical_params(info, role)
+        kind = role.kind.value
+        bytes_by_dtype[info.dtype] += nbytes
+        bytes_by_role[kind] += nbytes
+        params_by_role[kind] += params
+        part = role.part
+        if part in ("weight_packed", "blocks"):
+            quant_tensors["mxfp4"] += 1
+        elif part == "weight_scale_inv" or info.dtype in ("F8_E4M3", "F8_E5M2"):
+            quant_tensors["fp8" if part != "weight_scale_inv" else "fp8_scales"] += 1
+        layer = role.layer
+        if layer is not None:
+            layer_tensors[layer] += 1
+            layer_bytes[layer] += nbytes
+            layer_params[layer] += params
+            if role.expert is not None:
+                experts_seen[layer].add(role.expert)
+                parts_per_expert[(layer, role.expert)] += 1
+                routed_shapes[(role.proj or "", part)].add(info.shape)
+            elif role.kind is Kind.ROUTED_EXPERT:
+                stacked_expert_layers.add(layer)
+            elif role.proj:
+                names_by_layer_proj[layer].add(role.proj)
+
+    num_layers = cfg.num_layers if cfg else (max(layer_tensors) + 1 if layer_tensors else 0)
+    attn_kinds = cfg.attention_kinds if cfg else ["?"] * num_layers
+    cfg_moe = set(cfg.moe_layers) if cfg else set(experts_seen) | stacked_expert_layers
+    moe_layers = sorted(set(experts_seen) | stacked_expert_layers | cfg_moe)
+    dense_layers = [i for i in range(num_layers) if i not in moe_layers]
+
+    n_experts = cfg.num_experts if cfg else max((len(v) for v in experts_seen.values()), default=0)
+    k = cfg.experts_per_token if cfg else 0
+    params_total = sum(params_by_role.values())
+    params_vision = sum(params_by_role[v.value] for v in VISION_KINDS)
+    params_text = params_total - params_vision
+    params_routed = params_by_role[Kind.ROUTED_EXPERT.value]
+    frac = (k / n_experts) if n_experts and k else 1.0
+    params_active = params_text - params_routed + round(params_routed * frac)
+    embed = params_by_role[Kind.EMBEDDING.value] + params_by_role[Kind.LM_HEAD.value]
+
+    layers = []
+    for i in range(max(num_layers, max(layer_tensors, default=-1) + 1)):
+        layers.append(LayerSummary(
+            layer=i,
+            attention=attn_kinds[i] if i < len(attn_kinds) else "?",
+            mlp="moe" if i in moe_layers else ("dense" if i < num_layers else "extra"),
+            experts=n_experts if i in stacked_expert_layers else len(experts_seen.get(i, ())),
+            tensors=layer_tensors[i], bytes=layer_bytes[i], params=layer_params[i],
+        ))
+
+    shard_sizes = sorted(h.file_size for h in ckpt.shards.values())
+    attention_layers: dict[str, list[int]] = defaultdict(list)
+    for i, a in enumerate(attn_kinds):
+        attention_layers[a].append(i)
+
+    report = InspectReport(
+        path=str(ckpt.root),
+        source={k2: v for k2, v in ckpt.source.__dict__.items() if v is not None},
+        architectures=cfg.architectures if cfg else [],
+        model_type=cfg.model_type if cfg else "",
+        text_model_type=cfg.text_model_type if cfg else "",
+        family=cfg.family if cfg else "unknown",
+        num_layers=num_layers,
+        dense_layers=dense_layers,
+        moe_layers=moe_layers,
+        attention_layers=dict(attention_layers),
+        routed_experts=n_experts,
+        experts_per_token=k,
+        shared_experts=cfg.num_shared_experts if cfg else 0,
+        params_total=params_total,
+        params_text=params_text,
+        params_vision=params_vision,
+        params_routed=params_routed,
+        params_active=params_active,
+        params_active_no_embed=params_active - embed,
+        params_by_role=dict(params_by_role.most_common()),
+        bytes_total=ckpt.total_bytes,
+        bytes_by_dtype=dict(bytes_by_dtype.most_common()),
+        bytes_by_role=dict(bytes_by_role.most_common()),
+        quant_config=cfg.quant_format if cfg else None,
+        quant_tensors=dict(quant_tensors),
+        shards=len(shard_sizes),
+        shard_bytes_min=shard_sizes[0] if shard_sizes else 0,
+        shard_bytes_median=int(statistics.median(shard_sizes)) if shard_sizes else 0,
+        shard_bytes_max=shard_sizes[-1] if shard_sizes else 0,
+        tensors=len(ckpt.tensors),
+        layers=layers,
+    )
+    report.findings = _findings(ckpt, report, experts_seen, parts_per_expert, names_by_layer_proj,
+                                stacked_expert_layers, routed_shapes)
+    return report
+
+
+def _compact(nums: list[int], limit: int = 6) -> str:
+    shown = ", ".join(map(str, nums[:limit]))
+    return shown + (f", ... ({len(nums)} in all)" if len(nums) > limit else "")
+
+
+_MLA_ONLY = frozenset({"q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_b_proj"})
+_KDA_ONLY = frozenset({"f_a_proj", "f_b_proj", "b_proj", "q_conv1d", "A_log", "dt_bias"})
+
+
+def _findings(
+    ckpt: Checkpoint,
+    rep: InspectReport,
+    experts_seen: dict[int, set[int]],
+    parts_per_expert: Counter[tuple[int, int]],
+    names_by_layer_proj: dict[int, set[str]],
+    stacked_expert_layers: set[int],
+    routed_shapes: dict[tuple[str, str], set[tuple[int, ...]]],
+) -> list[Finding]:
+    """Where the config, the index and the tensors disagree."""
+    out = [Finding("error", p.where, p.message) for p in ckpt.problems]
+    unknown = ckpt.unknown_tensors()
+    if unknown:
+        out.append(Finding("warning", unknown[0], f"{len(unknown)} tensor(s) of unknown role (first shown); "
+                                                  "they are kept and counted, but no rule describes them"))
+    cfg = ckpt.config
+    if cfg is None:
+        out.append(Finding("warning", "config.json", "missing: layer schedule and expert counts come from tensor names"))
+        return out
+    for layer in sorted(experts_seen):
+        if layer not in cfg.moe_layers:
+            out.append(Finding("error", f"layer {layer}", "has routed-expert tensors but the config makes it dense"))
+    for layer in cfg.moe_layers:
+        seen = experts_seen.get(layer, set())
+        if layer in stacked_expert_layers:
+            continue
+        missing = sorted(set(range(cfg.num_experts)) - seen)
+        if missing:
+            out.append(Finding("error", f"layer {layer}",
+                               f"{len(missing)} of {cfg.num_experts} routed experts missing: {_compact(missing)}"))
+        extra = sorted(e for e in seen if e >= cfg.num_experts)
+        if extra:
+            out.append(Finding("error", f"layer {layer}", f"expert ids beyond num_experts {cfg.num_experts}: {_compact(extra)}"))
+    if parts_per_expert:
+        usual = Counter(parts_per_expert.values()).most_common(1)[0][0]
+        short = sorted(k for k, n in parts_per_expert.items() if n != usual)
+        if short:
+            l0, e0 = short[0]
+            out.append(Finding("error", f"layer {l0} expert {e0}",
+                               f"{len(short)} expert(s) do not have the usual {usual} tensors (first shown: "
+                               f"{parts_per_expert[short[0]]})"))
+    for (proj, part), shapes in sorted(routed_shapes.items()):
+        if len(shapes) > 1:
+            out.append(Finding("error", f"experts {proj}.{part}", f"inconsistent shapes across experts: {sorted(shapes)[:3]}"))
+    _check_expert_widths(cfg, routed_shapes, out)
+    for layer, projs in sorted(names_by_layer_proj.items()):
+        if layer >= len(cfg.attention_kinds):
+            continue
+        kind = cfg.attention_kinds[layer]
+        if kind == "kda" and projs & _MLA_ONLY:
+            out.append(Finding("error", f"layer {layer}", f"config says KDA but MLA tensors are present ({sorted(projs & _MLA_ONLY)[0]})"))
+        if kind == "mla" and projs & _KDA_ONLY:
+            out.append(Finding("error", f"layer {layer}", f"config says MLA but KDA tensors are present ({sorted(projs & _KDA_ONLY)[0]})"))
+    layers_with_tensors = {lay.layer for lay in rep.layers if lay.tensors}
+    if layers_with_tensors and max(layers_with_tensors) + 1 < cfg.num_layers:
+        out.append(Finding("error", "config.json",
+                           f"num_hidden_layers is {cfg.num_layers} but tensors stop at layer {max(layers_with_tensors)}"))
+    roles = ckpt.roles
+    for name, info in ckpt.tensors.items():
+        r = roles[name]
+        if r.kind is Kind.EMBEDDING and len(info.shape) == 2:
+            if cfg.vocab_size and info.shape[0] != cfg.vocab_size:
+                out.append(Finding("error", name, f"has {info.shape[0]} rows but vocab_size is {cfg.vocab_size}"))
+            if info.shape[1] != cfg.hidden_size:
+                out.append(Finding("error", name, f"has width {info.shape[1]} but hidden_size is {cfg.hidden_size}"))
+    quant = cfg.quant_format
+    has_mx = rep.quant_tensors.get("mxfp4", 0) > 0
+    if quant and "mxfp4" in quant and not has_mx:
+        out.append(Finding("error", "config.json", f"quantization_config says {quant} but no MXFP4 tensors are present"))
+    if has_mx and not (quant and "mxfp4" in quant):
+        out.append(Finding("error", "config.json", f"MXFP4 tensors are present but quantization_config says {quant or 'nothing'}"))
+    if quant and quant.startswith("fp8") and not rep.quant_tensors.get("fp8"):
+        out.append(Finding("error", "config.json", f"quantization_config says {quant} but no FP8 tensors are present"))
+    _check_mx_pairs(ckpt, out)
+    return out
+
+
+def _check_expert_widths(cfg: Any, routed_shapes: dict[tuple[str, str], set[tuple[int, ...]]], out: list[Finding]) -> None:
+    inter = cfg.moe_intermediate_size
+    width = cfg.routed_expert_hidden_size or cfg.hidden_size
+    if not inter:
+        return
+    expect = {("gate", "weight_packed"): (inter, width // 2), ("up", "weight_packed"): (inter, width // 2),
+              ("down", "weight_packed"): (width, inter // 2), ("gate", "weight"): (inter, width),
+              ("up", "weight"): (inter, width), ("down", "weight"): (width, inter)}
+    for key, want in expect.items():
+        for shape in routed_shapes.get(key, ()):
+            if tuple(shape) != want:
+                out.append(Finding("error", f"experts {key[0]}.{key[1]}",
+                                   f"shape {list(shape)} but the config implies {list(want)} "
+                                   f"(moe_intermediate_size {inter}, expert width {width})"))
+
+
+def _check_mx_pairs(ckpt: Checkpoint, out: list[Finding]) -> None:
+    """Every ``weight_packed`` [out, in/2] U8 needs a ``weight_scale`` [out, in/32] U8."""
+    tensors = ckpt.tensors
+    bad = 0
+    first = ""
+    why = ""
+    for name, info in tensors.items():
+        if not name.endswith(".weight_packed"):
+            continue
+        scale = tensors.get(name[: -len("weight_packed")] + "weight_scale")
+        problem = None
+        if scale is None:
+            problem = "has no weight_scale"
+        elif info.dtype != "U8" or scale.dtype != "U8":
+            problem = f"packed {info.dtype} / scale {scale.dtype}, expected U8 / U8"
+        elif len(info.shape) != 2 or scale.shape != (info.shape[0], info.shape[1] // 16) or info.shape[1] % 16:
+            problem = f"packed {list(info.shape)} and scale {list(scale.shape)} do not pair as [out, in/2] + [out, in/32]"
+        if problem:
+            bad += 1
+            if not first:
+                first, why = name, problem
+    if bad:
+        out.append(Finding("error", first, why + (f" ({bad} such tensors)" if bad > 1 else "")))
+
+
+# -- text rendering ---------------------------------------------------------------------------
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def human_count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+def _ranges(nums: list[int]) -> str:
+    if not nums:
+        return "none"
+    out, start, prev = [], nums[0], nums[0]
+    for x in nums[1:] + [None]:  # type: ignore[list-item]
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ",".join(out)
+
+
+def render_text(rep: InspectReport, *, show_layers: bool = False) -> str:
+    lines = [f"checkpoint   {rep.path}"]
+    if rep.source.get("repo") or rep.source.get("revision"):
+        lines.append(f"source       {rep.source.get('repo', '?')} @ {rep.source.get('revision', '?')} ({rep.source.get('layout')})")
+    lines.append(f"architecture {', '.join(rep.architectures) or '?'}  (model_type {rep.model_type or '?'}"
+                 + (f", text {rep.text_model_type}" if rep.text_model_type and rep.text_model_type != rep.model_type else "")
+                 + f"; family {rep.family})")
+    attn = ", ".join(f"{k.upper()} {len(v)} [{_ranges(v)}]" for k, v in sorted(rep.attention_layers.items()))
+    lines.append(f"layers       {rep.num_layers}: dense {len(rep.dense_layers)} [{_ranges(rep.dense_layers)}], "
+                 f"MoE {len(rep.moe_layers)} [{_ranges(rep.moe_layers)}]")
+    lines.append(f"attention    {attn}")
+    if rep.routed_experts:
+        lines.append(f"experts      {rep.routed_experts} routed, {rep.experts_per_token} active per token, "
+                     f"{rep.shared_experts} shared")
+    lines.append(f"parameters   {human_count(rep.params_total)} total ({human_count(rep.params_text)} text"
+                 + (f", {human_count(rep.params_vision)} vision" if rep.params_vision else "")
+                 + f"); {human_count(rep.params_active)} active per token "
+                 f"({human_count(rep.params_active_no_embed)} without embeddings and lm_head)")
+    lines.append(f"size         {human_bytes(rep.bytes_total)} in {rep.shards} shards "
+                 f"(min {human_bytes(rep.shard_bytes_min)}, median {human_bytes(rep.shard_bytes_median)}, "
+                 f"max {human_bytes(rep.shard_bytes_max)}), {rep.tensors:,} tensors")
+    q = ", ".join(f"{k} {v:,}" for k, v in rep.quant_tensors.items()) or "none"
+    lines.append(f"quantization {rep.quant_config or 'none declared'}; quantized tensors: {q}")
+    lines.append("bytes by dtype  " + ", ".join(f"{k} {human_bytes(v)}" for k, v in rep.bytes_by_dtype.items()))
+    lines.append("bytes by role   " + ", ".join(f"{k} {human_bytes(v)}" for k, v in rep.bytes_by_role.items()))
+    lines.append("params by role  " + ", ".join(f"{k} {human_count(v)}" for k, v in rep.params_by_role.items() if v))
+    if show_layers:
+        lines.append("")
+        lines.append(f"{'layer':>5}  {'attn':<7} {'mlp':<6} {'experts':>7} {'tensors':>8} {'bytes':>11} {'params':>9}")
+        for lay in rep.layers:
+            lines.append(f"{lay.layer:>5}  {lay.attention:<7} {lay.mlp:<6} {lay.experts:>7} {lay.tensors:>8} "
+                         f"{human_bytes(lay.bytes):>11} {human_count(lay.params):>9}")
+    if rep.findings:
+        lines.append("")
+        lines.extend(str(f) for f in rep.findings)
+    return "\n".join(lines)
