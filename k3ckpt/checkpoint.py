@@ -15,21 +15,25 @@ config contradicts the tensors) are collected in :attr:`Checkpoint.problems`; pr
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
-import os
-from contextlib import contextmanager
 import multiprocessing as mp
+import operator
+import os
+from collections import Counter
 from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from .config import ModelConfig, load_config
 from .errors import CheckpointNotFoundError, ConfigError, IndexError_
 from .roles import Kind, Role, classify
-from .safetensors_header import ShardHeader, TensorInfo, header_from_columns, header_to_columns, read_header
+from .safetensors_header import HeaderColumns, ShardHeader, TensorInfo, read_header, read_header_columns
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -57,6 +61,35 @@ class Source:
     hub: str | None = None
 
 
+Signature = tuple  # (layer, kind, part, proj, dtype, shape, nbytes)
+_LAYER, _EXPERT, _KIND, _PART, _PROJ = (operator.itemgetter(i) for i in (2, 3, 0, 5, 4))
+
+
+@dataclass
+class InventoryStats:
+    """Counts that summarize an inventory: ~497k tensors collapse to a few thousand distinct
+    signatures, so summaries cost per signature, not per tensor."""
+
+    signatures: Counter  # Signature -> number of tensors
+    expert_parts: Counter  # (layer, expert) -> number of tensors of that routed expert
+
+    def merge(self, other: "InventoryStats") -> None:
+        self.signatures.update(other.signatures)
+        self.expert_parts.update(other.expert_parts)
+
+
+def inventory_stats(
+    roles: list[Role], dtypes: list[str], shapes: list[tuple[int, ...]], nbytes: list[int]
+) -> InventoryStats:
+    """Count signatures with C-level loops (``Counter`` over ``zip`` of ``map``s)."""
+    sig = Counter(zip(map(_LAYER, roles), map(_KIND, roles), map(_PART, roles), map(_PROJ, roles),
+                      dtypes, shapes, nbytes))
+    parts = Counter(zip(map(_LAYER, roles), map(_EXPERT, roles)))
+    for key in [k for k in parts if k[1] is None]:
+        del parts[key]
+    return InventoryStats(sig, parts)
+
+
 @dataclass
 class Checkpoint:
     root: Path
@@ -67,6 +100,7 @@ class Checkpoint:
     source: Source
     problems: list[Problem] = field(default_factory=list)
     _roles: dict[str, Role] | None = field(default=None, repr=False)
+    _stats: InventoryStats | None = field(default=None, repr=False)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -74,9 +108,21 @@ class Checkpoint:
     def roles(self) -> dict[str, Role]:
         """Role of every tensor, computed on first use."""
         if self._roles is None:
-            with _bulk_allocation():
+            with bulk_allocation():
                 self._roles = dict(zip(self.tensors, map(classify, self.tensors)))
         return self._roles
+
+    @property
+    def stats(self) -> InventoryStats:
+        """:class:`InventoryStats` of every tensor, computed on first use (or by the workers
+        that read the headers)."""
+        if self._stats is None:
+            infos = list(self.tensors.values())
+            with bulk_allocation():
+                self._stats = inventory_stats(
+                    list(map(self.roles.__getitem__, self.tensors)), [t.dtype for t in infos],
+                    [t.shape for t in infos], [t.end - t.begin for t in infos])
+        return self._stats
 
     @property
     def total_bytes(self) -> int:
@@ -84,7 +130,7 @@ class Checkpoint:
         return sum(h.file_size for h in self.shards.values())
 
     def unknown_tensors(self) -> list[str]:
-        return [n for n, r in self.roles.items() if r.kind is Kind.UNKNOWN]
+        return [n for n, r in self.roles.items() if r.kind == Kind.UNKNOWN]
 
     def path_of(self, file: str) -> Path:
         return self.root / file
@@ -211,7 +257,7 @@ def read_index(root: Path) -> tuple[dict[str, str], str]:
 
 
 @contextmanager
-def _bulk_allocation() -> Iterator[None]:
+def bulk_allocation() -> Iterator[None]:
     """Pause the cyclic GC while building ~10^6 acyclic objects: otherwise every generation-2
     pass re-walks all headers parsed so far and opening the full K3 inventory takes 3x longer."""
     was_enabled = gc.isenabled()
@@ -236,7 +282,7 @@ def open_checkpoint(
     Raises:
         CheckpointNotFoundError, IndexError_, SafetensorsHeaderError, ConfigError.
     """
-    with _bulk_allocation():
+    with bulk_allocation():
         return _open(path, jobs, require_config)
 
 
@@ -250,15 +296,21 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool) 
 
     reader = HeaderReader(root, jobs)
     try:
-        weight_map, index_file = read_index(root)
-        files = sorted(set(weight_map.values())) if weight_map else [SINGLE_NAME]
+        index_digests = reader.index_digests()
+        if index_digests is not None:
+            weight_map: dict[str, str] | None = None
+            index_file = INDEX_NAME
+            files = sorted(index_digests)
+        else:
+            weight_map, index_file = read_index(root)
+            files = sorted(set(weight_map.values())) if weight_map else [SINGLE_NAME]
         for f in files:
             if not (root / f).is_file():
                 raise IndexError_(f"{root / f}: listed in {index_file} but missing")
     except BaseException:
         reader.close()
         raise
-    headers = reader.collect(files)
+    headers, roles, stats, header_digests = reader.collect(files)
     shards = {h.file: h for h in headers}
 
     problems: list[Problem] = []
@@ -270,10 +322,21 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool) 
         tensors = {}
         for h in reversed(headers):  # the first shard holding a name wins, as in the loop above
             tensors.update(h.tensors)
-    if weight_map:
+    has_index = index_file == INDEX_NAME
+    if has_index and (index_digests is None or index_digests != header_digests):
+        if weight_map is None:  # the digests disagree: parse here to say exactly where
+            weight_map, _ = read_index(root)
         problems.extend(_index_problems(weight_map, tensors, headers, index_file))
-    ckpt = Checkpoint(root, config, shards, tensors, index_file if weight_map else None, source, problems)
-    return ckpt
+    if roles is not None and len(roles) != len(tensors):
+        roles = stats = None  # duplicates across shards: recompute from what was kept
+    return Checkpoint(root, config, shards, tensors, index_file if has_index else None, source, problems,
+                      roles, stats)
+
+
+def names_digest(names: Iterable[str]) -> tuple[int, str]:
+    """Order-independent fingerprint of a set of tensor names: ``(count, blake2b of sorted)``."""
+    ordered = sorted(names)
+    return len(ordered), hashlib.blake2b("\n".join(ordered).encode(), digest_size=16).hexdigest()
 
 
 #: Below this many shards, starting worker processes costs more than it saves.
@@ -298,18 +361,44 @@ class HeaderReader:
         except OSError:
             seen = []
         workers = min(jobs or os.cpu_count() or 1, len(seen))
+        self._index: Future | None = None
         if workers > 1 and len(seen) >= PARALLEL_HEADER_MIN_FILES and "fork" in mp.get_all_start_methods():
             self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork"))
+            if (root / INDEX_NAME).is_file():
+                self._index = self._pool.submit(_index_digests_job, str(root))
             for f in seen:
                 self._futures[f] = self._pool.submit(_header_columns_job, (str(root / f), f))
 
-    def collect(self, files: list[str]) -> list[ShardHeader]:
+    def index_digests(self) -> dict[str, tuple[int, str]] | None:
+        """``{shard: names_digest}`` of the index, parsed by a worker; ``None`` when the index is
+        read in this process instead. Raises the worker's :class:`IndexError_`."""
+        return self._index.result() if self._index is not None else None
+
+    def collect(
+        self, files: list[str]
+    ) -> tuple[list[ShardHeader], dict[str, Role] | None, InventoryStats | None, dict[str, tuple[int, str]]]:
+        """Headers of ``files`` in order; when workers read every one of them, the roles and
+        :class:`InventoryStats` of their tensors (``None`` otherwise: computed on demand); and
+        the :func:`names_digest` of each file."""
         try:
             out = []
+            roles: dict[str, Role] | None = {}
+            stats: InventoryStats | None = InventoryStats(Counter(), Counter())
+            digests: dict[str, tuple[int, str]] = {}
             for f in files:
                 fut = self._futures.get(f)
-                out.append(header_from_columns(fut.result()) if fut else read_header(self.root / f, file=f))
-            return out
+                if fut is None:
+                    h = read_header(self.root / f, file=f)
+                    out.append(h)
+                    digests[f] = names_digest(h.tensors)
+                    roles = stats = None
+                    continue
+                cols, role_rows, shard_stats, digests[f] = fut.result()
+                out.append(cols.to_header())
+                if roles is not None and stats is not None:
+                    roles.update(zip(cols.names, map(_new_role, role_rows)))
+                    stats.merge(shard_stats)
+            return out, roles, stats, digests
         finally:
             self.close()
 
@@ -319,10 +408,29 @@ class HeaderReader:
             self._pool = None
 
 
-def _header_columns_job(args: tuple[str, str]) -> tuple:
+def _header_columns_job(args: tuple[str, str]) -> tuple[HeaderColumns, list[tuple], InventoryStats, tuple[int, str]]:
+    """Parse one header, classify its tensors and count their signatures: the CPU-bound part of
+    opening a checkpoint, shared out to the workers."""
     path, file = args
-    gc.disable()  # the worker only allocates acyclic objects; see _bulk_allocation
-    return header_to_columns(read_header(path, file=file))
+    gc.disable()  # the worker only allocates acyclic objects; see bulk_allocation
+    cols = read_header_columns(path, file=file)
+    roles = list(map(classify, cols.names))
+    stats = inventory_stats(roles, cols.dtypes, cols.shapes, list(map(operator.sub, cols.ends, cols.begins)))
+    return cols, list(map(tuple, roles)), stats, names_digest(cols.names)
+
+
+def _index_digests_job(root: str) -> dict[str, tuple[int, str]]:
+    """Parse the index in a worker and send back only a fingerprint of each shard's names, so
+    the parent can prove agreement with the headers without re-parsing 60 MB of JSON."""
+    gc.disable()
+    weight_map, _ = read_index(Path(root))
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, []).append(name)
+    return {f: names_digest(ns) for f, ns in by_file.items()}
+
+
+_new_role = partial(tuple.__new__, Role)
 
 
 def _duplicate_problems(headers: list[ShardHeader]) -> list[Problem]:

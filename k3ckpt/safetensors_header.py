@@ -105,21 +105,26 @@ class ShardHeader:
         return self.data_start + t.begin, self.data_start + t.end
 
 
-def header_to_columns(h: ShardHeader) -> tuple:
-    """A compact, fast-to-pickle form of ``h`` (plain lists instead of ~5k named tuples)."""
-    ts = list(h.tensors.values())
-    return (
-        h.file, h.path, h.file_size, h.header_len, h.metadata,
-        [t.name for t in ts], [t.dtype for t in ts], [t.shape for t in ts],
-        [t.begin for t in ts], [t.end for t in ts],
-    )
+class HeaderColumns(NamedTuple):
+    """A validated header as columns: what the parser produces, cheap to pickle between
+    processes, and turned into a :class:`ShardHeader` with C-level loops."""
 
+    file: str
+    path: str
+    file_size: int
+    header_len: int
+    metadata: dict[str, str]
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    begins: list[int]
+    ends: list[int]
 
-def header_from_columns(cols: tuple) -> ShardHeader:
-    file, path, size, hlen, metadata, names, dtypes, shapes, begins, ends = cols
-    make = partial(tuple.__new__, TensorInfo)
-    infos = map(make, zip(names, dtypes, shapes, begins, ends, repeat(file)))
-    return ShardHeader(file, path, size, hlen, metadata, dict(zip(names, infos)))
+    def to_header(self) -> ShardHeader:
+        make = partial(tuple.__new__, TensorInfo)
+        infos = map(make, zip(self.names, self.dtypes, self.shapes, self.begins, self.ends, repeat(self.file)))
+        return ShardHeader(self.file, self.path, self.file_size, self.header_len, self.metadata,
+                           dict(zip(self.names, infos)))
 
 
 def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
@@ -150,9 +155,12 @@ def _is_int(x: Any) -> bool:
     return type(x) is int
 
 
-def parse_header_bytes(
-    raw: bytes, *, file: str, path: str, file_size: int
-) -> ShardHeader:
+def parse_header_bytes(raw: bytes, *, file: str, path: str, file_size: int) -> ShardHeader:
+    """:func:`parse_header_columns` as a :class:`ShardHeader`."""
+    return parse_header_columns(raw, file=file, path=path, file_size=file_size).to_header()
+
+
+def parse_header_columns(raw: bytes, *, file: str, path: str, file_size: int) -> HeaderColumns:
     """Validate header JSON ``raw`` (the ``N`` bytes after the length prefix) of a file of
     ``file_size`` bytes and return its :class:`ShardHeader`.
 
@@ -191,24 +199,28 @@ def parse_header_bytes(
     # Exactly one of each key per entry proves there was no duplicate key anywhere (json.loads
     # keeps the last of duplicates, leaving fewer entries than keys). Inside a JSON string every
     # quote is escaped, so these substrings only ever match keys or whole string values.
-    tensors = None
+    cols = None
     if text.count('"dtype"') == n and text.count('"shape"') == n and text.count('"data_offsets"') == n:
-        tensors = _entries_fast(obj, file, data_len)
-    if tensors is None:
+        cols = _entries_fast(obj, data_len)
+    if cols is None:
         _reject_duplicate_keys(text, path)
-        tensors = _entries_exact(obj, file, path, data_len)
-    _check_tiling(tensors, path, data_len)
-    return ShardHeader(file, path, file_size, header_len, metadata, tensors)
+        cols = _entries_exact(obj, path, data_len)
+    names = list(obj)
+    _check_tiling(names, cols[2], cols[3], path, data_len)
+    return HeaderColumns(file, path, file_size, header_len, metadata, names, *cols)
 
 
-def _entries_fast(obj: dict[str, Any], file: str, data_len: int) -> dict[str, TensorInfo] | None:
+_Columns = tuple[list[str], list[tuple[int, ...]], list[int], list[int]]  # dtypes, shapes, begins, ends
+
+
+def _entries_fast(obj: dict[str, Any], data_len: int) -> _Columns | None:
     """The common case, validated column by column in C-level loops (``map``, ``zip``, list
     comparisons) because the full K3 inventory has ~497k entries. Returns ``None`` at the first
     irregularity: the exact validator then finds it and words the error; it also checks the
     tiling itself, so a ``None`` is never a silent acceptance."""
     entries = list(obj.values())
     if not entries:
-        return {}
+        return [], [], [], []
     try:
         if set(map(type, entries)) != {dict} or set(map(len, entries)) != {3}:
             return None
@@ -242,9 +254,7 @@ def _entries_fast(obj: dict[str, Any], file: str, data_len: int) -> dict[str, Te
     if max(ends) > data_len:
         return None
     shapes = list(map(canonical.__getitem__, shapes))  # share one tuple per distinct shape
-    make = partial(tuple.__new__, TensorInfo)
-    infos = map(make, zip(obj.keys(), dtypes, shapes, begins, ends, repeat(file)))
-    return dict(zip(obj.keys(), infos))
+    return dtypes, shapes, begins, ends
 
 
 _DTYPE = operator.itemgetter("dtype")
@@ -261,8 +271,8 @@ def _reject_duplicate_keys(text: str, path: str) -> None:
         raise SafetensorsHeaderError(path, "duplicate key in header", tensor=str(e)) from None
 
 
-def _entries_exact(obj: dict[str, Any], file: str, path: str, data_len: int) -> dict[str, TensorInfo]:
-    tensors: dict[str, TensorInfo] = {}
+def _entries_exact(obj: dict[str, Any], path: str, data_len: int) -> _Columns:
+    cols: _Columns = ([], [], [], [])
     for name, entry in obj.items():
         if not isinstance(entry, dict):
             raise SafetensorsHeaderError(path, "entry is not an object", name)
@@ -299,21 +309,22 @@ def _entries_exact(obj: dict[str, Any], file: str, path: str, data_len: int) -> 
             raise SafetensorsHeaderError(
                 path, f"data_offsets end {end} is past the data buffer ({data_len} bytes)", name
             )
-        tensors[name] = TensorInfo(name, dtype, tuple(shape), begin, end, file)
-    return tensors
+        for col, value in zip(cols, (dtype, tuple(shape), begin, end)):
+            col.append(value)  # type: ignore[attr-defined]
+    return cols
 
 
-def _check_tiling(tensors: dict[str, TensorInfo], path: str, data_len: int) -> None:
+def _check_tiling(names: list[str], begins: list[int], ends: list[int], path: str, data_len: int) -> None:
     """The buffer must be tiled exactly: no overlaps (two tensors sharing bytes) and no gaps
     (unaccounted bytes could hide anything)."""
-    spans = sorted(map(_SPAN, tensors.values()))
+    spans = sorted(zip(begins, ends))
     starts = [b for b, _ in spans]
     stops = [e for _, e in spans]
     if spans and starts[0] == 0 and starts[1:] == stops[:-1] and stops[-1] == data_len:
         return
     if not spans and data_len == 0:
         return
-    by_span = {(t.begin, t.end): t.name for t in tensors.values()}
+    by_span = dict(zip(zip(begins, ends), names))
     pos = 0
     for begin, end in spans:
         name = by_span[(begin, end)]
@@ -327,7 +338,6 @@ def _check_tiling(tensors: dict[str, TensorInfo], path: str, data_len: int) -> N
     raise SafetensorsHeaderError(path, f"tensors cover {pos} bytes but the data buffer is {data_len} bytes")
 
 
-_SPAN = operator.itemgetter(3, 4)  # (begin, end) of a TensorInfo
 
 
 def read_header(path: str | os.PathLike[str], file: str | None = None) -> ShardHeader:
@@ -336,7 +346,15 @@ def read_header(path: str | os.PathLike[str], file: str | None = None) -> ShardH
     Args:
         path: the file.
         file: its name relative to the checkpoint root (defaults to the base name).
+
+    Raises:
+        SafetensorsHeaderError: naming the file (and tensor) and what is wrong.
     """
+    return read_header_columns(path, file).to_header()
+
+
+def read_header_columns(path: str | os.PathLike[str], file: str | None = None) -> HeaderColumns:
+    """:func:`read_header` as :class:`HeaderColumns`."""
     p = os.fspath(path)
     file = file if file is not None else os.path.basename(p)
     try:
@@ -353,7 +371,7 @@ def read_header(path: str | os.PathLike[str], file: str | None = None) -> ShardH
         raise SafetensorsHeaderError(p, f"cannot read ({e.strerror or e})") from None
 
 
-def _read_header_from(f: BinaryIO, size: int, path: str, file: str) -> ShardHeader:
+def _read_header_from(f: BinaryIO, size: int, path: str, file: str) -> HeaderColumns:
     if size < 8:
         raise SafetensorsHeaderError(path, f"file is {size} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", f.read(8))
@@ -364,7 +382,7 @@ def _read_header_from(f: BinaryIO, size: int, path: str, file: str) -> ShardHead
     raw = f.read(n)
     if len(raw) != n:
         raise SafetensorsHeaderError(path, f"short read: header is {n} bytes, got {len(raw)}")
-    return parse_header_bytes(raw, file=file, path=path, file_size=size)
+    return parse_header_columns(raw, file=file, path=path, file_size=size)
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpoint import Checkpoint
-from .roles import Kind, logical_params
+from .checkpoint import Checkpoint, bulk_allocation
+from .roles import Kind, logical_params_of
 
 #: Kinds that belong to the vision side of a multimodal checkpoint, not the text model.
 VISION_KINDS = frozenset({Kind.VISION, Kind.PROJECTOR})
@@ -89,8 +89,15 @@ class InspectReport:
 
 def inspect_checkpoint(ckpt: Checkpoint) -> InspectReport:
     """Summarize ``ckpt`` (opened with :func:`~k3ckpt.checkpoint.open_checkpoint`)."""
+    with bulk_allocation():
+        return _inspect(ckpt)
+
+
+def _inspect(ckpt: Checkpoint) -> InspectReport:
     cfg = ckpt.config
-    roles = ckpt.roles
+    # Every statistic is computed per distinct signature x count, never per tensor.
+    signatures = ckpt.stats.signatures
+    parts_per_expert = ckpt.stats.expert_parts
     bytes_by_dtype: Counter[str] = Counter()
     bytes_by_role: Counter[str] = Counter()
     params_by_role: Counter[str] = Counter()
@@ -98,38 +105,37 @@ def inspect_checkpoint(ckpt: Checkpoint) -> InspectReport:
     layer_tensors: Counter[int] = Counter()
     layer_bytes: Counter[int] = Counter()
     layer_params: Counter[int] = Counter()
-    experts_seen: dict[int, set[int]] = defaultdict(set)
-    parts_per_expert: Counter[tuple[int, int]] = Counter()
     names_by_layer_proj: dict[int, set[str]] = defaultdict(set)
     stacked_expert_layers: set[int] = set()
     routed_shapes: dict[tuple[str, str], set[tuple[int, ...]]] = defaultdict(set)
+    experts_seen: dict[int, set[int]] = defaultdict(set)
+    for lay, ex in parts_per_expert:
+        experts_seen[lay].add(ex)
 
-    for name, info in ckpt.tensors.items():
-        role = roles[name]
-        nbytes = info.end - info.begin
-        params = logical_params(info, role)
-        kind = role.kind.value
-        bytes_by_dtype[info.dtype] += nbytes
+    for (layer, kind, part, proj, dtype, shape, nbytes), count in signatures.items():
+        params = logical_params_of(dtype, shape, part) * count
+        nbytes *= count
+        bytes_by_dtype[dtype] += nbytes
         bytes_by_role[kind] += nbytes
         params_by_role[kind] += params
-        part = role.part
         if part in ("weight_packed", "blocks"):
-            quant_tensors["mxfp4"] += 1
-        elif part == "weight_scale_inv" or info.dtype in ("F8_E4M3", "F8_E5M2"):
-            quant_tensors["fp8" if part != "weight_scale_inv" else "fp8_scales"] += 1
-        layer = role.layer
-        if layer is not None:
-            layer_tensors[layer] += 1
-            layer_bytes[layer] += nbytes
-            layer_params[layer] += params
-            if role.expert is not None:
-                experts_seen[layer].add(role.expert)
-                parts_per_expert[(layer, role.expert)] += 1
-                routed_shapes[(role.proj or "", part)].add(info.shape)
-            elif role.kind is Kind.ROUTED_EXPERT:
+            quant_tensors["mxfp4"] += count
+        elif part == "weight_scale_inv":
+            quant_tensors["fp8_scales"] += count
+        elif dtype in ("F8_E4M3", "F8_E5M2"):
+            quant_tensors["fp8"] += count
+        if layer is None:
+            continue
+        layer_tensors[layer] += count
+        layer_bytes[layer] += nbytes
+        layer_params[layer] += params
+        if kind == Kind.ROUTED_EXPERT:
+            if layer in experts_seen:
+                routed_shapes[(proj or "", part)].add(shape)
+            else:
                 stacked_expert_layers.add(layer)
-            elif role.proj:
-                names_by_layer_proj[layer].add(role.proj)
+        elif proj:
+            names_by_layer_proj[layer].add(proj)
 
     num_layers = cfg.num_layers if cfg else (max(layer_tensors) + 1 if layer_tensors else 0)
     attn_kinds = cfg.attention_kinds if cfg else ["?"] * num_layers
@@ -140,12 +146,12 @@ def inspect_checkpoint(ckpt: Checkpoint) -> InspectReport:
     n_experts = cfg.num_experts if cfg else max((len(v) for v in experts_seen.values()), default=0)
     k = cfg.experts_per_token if cfg else 0
     params_total = sum(params_by_role.values())
-    params_vision = sum(params_by_role[v.value] for v in VISION_KINDS)
+    params_vision = sum(params_by_role[v] for v in VISION_KINDS)
     params_text = params_total - params_vision
-    params_routed = params_by_role[Kind.ROUTED_EXPERT.value]
+    params_routed = params_by_role[Kind.ROUTED_EXPERT]
     frac = (k / n_experts) if n_experts and k else 1.0
     params_active = params_text - params_routed + round(params_routed * frac)
-    embed = params_by_role[Kind.EMBEDDING.value] + params_by_role[Kind.LM_HEAD.value]
+    embed = params_by_role[Kind.EMBEDDING] + params_by_role[Kind.LM_HEAD]
 
     layers = []
     for i in range(max(num_layers, max(layer_tensors, default=-1) + 1)):
@@ -267,9 +273,9 @@ def _findings(
         out.append(Finding("error", "config.json",
                            f"num_hidden_layers is {cfg.num_layers} but tensors stop at layer {max(layers_with_tensors)}"))
     roles = ckpt.roles
-    for name, info in ckpt.tensors.items():
-        r = roles[name]
-        if r.kind is Kind.EMBEDDING and len(info.shape) == 2:
+    for name in [n for n, r in roles.items() if r.kind == Kind.EMBEDDING]:
+        info = ckpt.tensors[name]
+        if len(info.shape) == 2:
             if cfg.vocab_size and info.shape[0] != cfg.vocab_size:
                 out.append(Finding("error", name, f"has {info.shape[0]} rows but vocab_size is {cfg.vocab_size}"))
             if info.shape[1] != cfg.hidden_size:
@@ -303,28 +309,40 @@ def _check_expert_widths(cfg: Any, routed_shapes: dict[tuple[str, str], set[tupl
 
 
 def _check_mx_pairs(ckpt: Checkpoint, out: list[Finding]) -> None:
-    """Every ``weight_packed`` [out, in/2] U8 needs a ``weight_scale`` [out, in/32] U8."""
-    tensors = ckpt.tensors
-    bad = 0
-    first = ""
-    why = ""
-    for name, info in tensors.items():
-        if not name.endswith(".weight_packed"):
+    """Every ``weight_packed`` [out, in/2] U8 needs a ``weight_scale`` [out, in/32] U8.
+
+    Routed experts are checked per signature (each expert having its usual tensor count is
+    checked elsewhere, so a missing scale shows there); other packed tensors name by name."""
+    groups: dict[tuple, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
+    for (layer, kind, part, proj, dtype, shape, _), n in ckpt.stats.signatures.items():
+        if kind == Kind.ROUTED_EXPERT and part in ("weight_packed", "weight_scale"):
+            groups[(layer, proj)][part][(dtype, shape)] += n
+    for (layer, proj), by_part in sorted(groups.items(), key=str):
+        packed, scale = by_part.get("weight_packed", Counter()), by_part.get("weight_scale", Counter())
+        if not packed:
             continue
-        scale = tensors.get(name[: -len("weight_packed")] + "weight_scale")
-        problem = None
-        if scale is None:
-            problem = "has no weight_scale"
-        elif info.dtype != "U8" or scale.dtype != "U8":
-            problem = f"packed {info.dtype} / scale {scale.dtype}, expected U8 / U8"
-        elif len(info.shape) != 2 or scale.shape != (info.shape[0], info.shape[1] // 16) or info.shape[1] % 16:
-            problem = f"packed {list(info.shape)} and scale {list(scale.shape)} do not pair as [out, in/2] + [out, in/32]"
+        for (pd, ps), n in packed.items():
+            sd, ss = next(iter(scale)) if len(scale) == 1 else (None, None)
+            problem = _mx_pair_problem(pd, ps, sd, ss) if sd else "has no single weight_scale shape to pair with"
+            if problem or sum(scale.values()) != sum(packed.values()):
+                out.append(Finding("error", f"layer {layer} experts {proj}.weight_packed",
+                                   problem or f"{sum(packed.values())} packed tensors but {sum(scale.values())} scales"))
+    tensors, roles = ckpt.tensors, ckpt.roles
+    for name in [n for n in tensors if n.endswith(".weight_packed") and roles[n].kind != Kind.ROUTED_EXPERT]:
+        p, s = tensors[name], tensors.get(name[: -len("weight_packed")] + "weight_scale")
+        problem = _mx_pair_problem(p.dtype, p.shape, s.dtype if s else None, s.shape if s else None)
         if problem:
-            bad += 1
-            if not first:
-                first, why = name, problem
-    if bad:
-        out.append(Finding("error", first, why + (f" ({bad} such tensors)" if bad > 1 else "")))
+            out.append(Finding("error", name, problem))
+
+
+def _mx_pair_problem(pdtype: str, pshape: tuple, sdtype: str | None, sshape: tuple | None) -> str:
+    if sdtype is None:
+        return "has no weight_scale"
+    if pdtype != "U8" or sdtype != "U8":
+        return f"packed {pdtype} / scale {sdtype}, expected U8 / U8"
+    if len(pshape) != 2 or pshape[1] % 16 or sshape != (pshape[0], pshape[1] // 16):
+        return f"packed {list(pshape)} and scale {list(sshape or ())} do not pair as [out, in/2] + [out, in/32]"
+    return ""
 
 
 # -- text rendering ---------------------------------------------------------------------------
