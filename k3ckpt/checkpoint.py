@@ -15,7 +15,6 @@ config contradicts the tensors) are collected in :attr:`Checkpoint.problems`; pr
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import multiprocessing as mp
 import operator
@@ -23,12 +22,13 @@ import os
 from collections import Counter
 from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
-from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+
 
 from .config import ModelConfig, load_config
 from .errors import CheckpointNotFoundError, ConfigError, IndexError_
@@ -130,6 +130,9 @@ class Checkpoint:
         return sum(h.file_size for h in self.shards.values())
 
     def unknown_tensors(self) -> list[str]:
+        """Names no role rule describes (cheap when there are none: the stats say so)."""
+        if not any(sig[1] == Kind.UNKNOWN for sig in self.stats.signatures):
+            return []
         return [n for n, r in self.roles.items() if r.kind == Kind.UNKNOWN]
 
     def path_of(self, file: str) -> Path:
@@ -145,8 +148,10 @@ class Checkpoint:
 
     # -- data --------------------------------------------------------------------------------
 
-    def read_tensor(self, name: str) -> np.ndarray:
+    def read_tensor(self, name: str) -> "np.ndarray":
         """Read one tensor's data (only its bytes) as a numpy array of its dtype."""
+        import numpy as np
+
         info = self.tensors[name]
         header = self.shards[info.file]
         raw = np.fromfile(
@@ -157,9 +162,10 @@ class Checkpoint:
         return raw.view(numpy_dtype(info.dtype)).reshape(info.shape)
 
 
-def numpy_dtype(dtype: str) -> np.dtype:
+def numpy_dtype(dtype: str) -> "np.dtype":
     """The numpy dtype for a safetensors dtype (ml_dtypes for BF16 and the FP8 family)."""
     import ml_dtypes
+    import numpy as np
 
     table = {
         "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16,
@@ -310,7 +316,7 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool) 
     except BaseException:
         reader.close()
         raise
-    headers, roles, stats, header_digests = reader.collect(files)
+    headers, stats, header_digests = reader.collect(files)
     shards = {h.file: h for h in headers}
 
     problems: list[Problem] = []
@@ -327,16 +333,20 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool) 
         if weight_map is None:  # the digests disagree: parse here to say exactly where
             weight_map, _ = read_index(root)
         problems.extend(_index_problems(weight_map, tensors, headers, index_file))
-    if roles is not None and len(roles) != len(tensors):
-        roles = stats = None  # duplicates across shards: recompute from what was kept
+    if stats is not None and sum(stats.signatures.values()) != len(tensors):
+        stats = None  # duplicates across shards: recompute from what was kept
     return Checkpoint(root, config, shards, tensors, index_file if has_index else None, source, problems,
-                      roles, stats)
+                      _stats=stats)
 
 
-def names_digest(names: Iterable[str]) -> tuple[int, str]:
-    """Order-independent fingerprint of a set of tensor names: ``(count, blake2b of sorted)``."""
-    ordered = sorted(names)
-    return len(ordered), hashlib.blake2b("\n".join(ordered).encode(), digest_size=16).hexdigest()
+def names_digest(names: Iterable[str]) -> tuple[int, int]:
+    """Order-independent fingerprint of a set of names: ``(count, sum of str hashes mod 2**64)``.
+
+    Computed in C (``sum(map(hash, ...))``). ``str`` hashes are salted per process, so digests
+    are only comparable within one process and its forked workers - which is how they are used.
+    """
+    names = list(names)
+    return len(names), sum(map(hash, names)) & 0xFFFF_FFFF_FFFF_FFFF
 
 
 #: Below this many shards, starting worker processes costs more than it saves.
@@ -369,36 +379,34 @@ class HeaderReader:
             for f in seen:
                 self._futures[f] = self._pool.submit(_header_columns_job, (str(root / f), f))
 
-    def index_digests(self) -> dict[str, tuple[int, str]] | None:
+    def index_digests(self) -> dict[str, tuple[int, int]] | None:
         """``{shard: names_digest}`` of the index, parsed by a worker; ``None`` when the index is
         read in this process instead. Raises the worker's :class:`IndexError_`."""
         return self._index.result() if self._index is not None else None
 
     def collect(
         self, files: list[str]
-    ) -> tuple[list[ShardHeader], dict[str, Role] | None, InventoryStats | None, dict[str, tuple[int, str]]]:
-        """Headers of ``files`` in order; when workers read every one of them, the roles and
+    ) -> tuple[list[ShardHeader], InventoryStats | None, dict[str, tuple[int, int]]]:
+        """Headers of ``files`` in order; when workers read every one of them, the
         :class:`InventoryStats` of their tensors (``None`` otherwise: computed on demand); and
         the :func:`names_digest` of each file."""
         try:
             out = []
-            roles: dict[str, Role] | None = {}
             stats: InventoryStats | None = InventoryStats(Counter(), Counter())
-            digests: dict[str, tuple[int, str]] = {}
+            digests: dict[str, tuple[int, int]] = {}
             for f in files:
                 fut = self._futures.get(f)
                 if fut is None:
                     h = read_header(self.root / f, file=f)
                     out.append(h)
                     digests[f] = names_digest(h.tensors)
-                    roles = stats = None
+                    stats = None
                     continue
-                cols, role_rows, shard_stats, digests[f] = fut.result()
+                cols, shard_stats, digests[f] = fut.result()
                 out.append(cols.to_header())
-                if roles is not None and stats is not None:
-                    roles.update(zip(cols.names, map(_new_role, role_rows)))
+                if stats is not None:
                     stats.merge(shard_stats)
-            return out, roles, stats, digests
+            return out, stats, digests
         finally:
             self.close()
 
@@ -408,7 +416,7 @@ class HeaderReader:
             self._pool = None
 
 
-def _header_columns_job(args: tuple[str, str]) -> tuple[HeaderColumns, list[tuple], InventoryStats, tuple[int, str]]:
+def _header_columns_job(args: tuple[str, str]) -> tuple[HeaderColumns, InventoryStats, tuple[int, int]]:
     """Parse one header, classify its tensors and count their signatures: the CPU-bound part of
     opening a checkpoint, shared out to the workers."""
     path, file = args
@@ -416,10 +424,10 @@ def _header_columns_job(args: tuple[str, str]) -> tuple[HeaderColumns, list[tupl
     cols = read_header_columns(path, file=file)
     roles = list(map(classify, cols.names))
     stats = inventory_stats(roles, cols.dtypes, cols.shapes, list(map(operator.sub, cols.ends, cols.begins)))
-    return cols, list(map(tuple, roles)), stats, names_digest(cols.names)
+    return cols, stats, names_digest(cols.names)
 
 
-def _index_digests_job(root: str) -> dict[str, tuple[int, str]]:
+def _index_digests_job(root: str) -> dict[str, tuple[int, int]]:
     """Parse the index in a worker and send back only a fingerprint of each shard's names, so
     the parent can prove agreement with the headers without re-parsing 60 MB of JSON."""
     gc.disable()
@@ -430,7 +438,6 @@ def _index_digests_job(root: str) -> dict[str, tuple[int, str]]:
     return {f: names_digest(ns) for f, ns in by_file.items()}
 
 
-_new_role = partial(tuple.__new__, Role)
 
 
 def _duplicate_problems(headers: list[ShardHeader]) -> list[Problem]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .checkpoint import Checkpoint, bulk_allocation
-from .roles import Kind, logical_params_of
+from .roles import Kind, classify, logical_params_of
 
 #: Kinds that belong to the vision side of a multimodal checkpoint, not the text model.
 VISION_KINDS = frozenset({Kind.VISION, Kind.PROJECTOR})
@@ -272,8 +272,8 @@ def _findings(
     if layers_with_tensors and max(layers_with_tensors) + 1 < cfg.num_layers:
         out.append(Finding("error", "config.json",
                            f"num_hidden_layers is {cfg.num_layers} but tensors stop at layer {max(layers_with_tensors)}"))
-    roles = ckpt.roles
-    for name in [n for n, r in roles.items() if r.kind == Kind.EMBEDDING]:
+    embeddings = [n for n in ckpt.tensors if n.endswith("embed_tokens.weight") and classify(n).kind == Kind.EMBEDDING]
+    for name in embeddings:
         info = ckpt.tensors[name]
         if len(info.shape) == 2:
             if cfg.vocab_size and info.shape[0] != cfg.vocab_size:
@@ -327,6 +327,8 @@ def _check_mx_pairs(ckpt: Checkpoint, out: list[Finding]) -> None:
             if problem or sum(scale.values()) != sum(packed.values()):
                 out.append(Finding("error", f"layer {layer} experts {proj}.weight_packed",
                                    problem or f"{sum(packed.values())} packed tensors but {sum(scale.values())} scales"))
+    if not any(sig[2] == "weight_packed" and sig[1] != Kind.ROUTED_EXPERT for sig in ckpt.stats.signatures):
+        return
     tensors, roles = ckpt.tensors, ckpt.roles
     for name in [n for n in tensors if n.endswith(".weight_packed") and roles[n].kind != Kind.ROUTED_EXPERT]:
         p, s = tensors[name], tensors.get(name[: -len("weight_packed")] + "weight_scale")

@@ -1,0 +1,31 @@
+# Sourced by demo.sh and test.sh: make .venv (if missing) and install the project into it.
+# Re-runs are fast: the install is skipped while pyproject.toml and the extras are unchanged.
+# Usage: ensure_venv EXTRAS   (e.g. "" or "test")
+ensure_venv() {
+  local extras="$1" root py stamp want
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  py="${PYTHON:-}"
+  if [ -z "$py" ]; then
+    for cand in python3.13 python3.12 python3.11 python3.10 python3; do
+      if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+        py="$cand"; break
+      fi
+    done
+  fi
+  [ -n "$py" ] || { echo "k3ckpt: need Python >= 3.10 (set PYTHON=/path/to/python)" >&2; return 2; }
+  if [ ! -x "$root/.venv/bin/python" ]; then
+    echo "== creating $root/.venv with $py" >&2
+    "$py" -m venv "$root/.venv"
+  fi
+  stamp="$root/.venv/.k3ckpt-installed"
+  want="$(cat "$root/pyproject.toml" | sha256sum | cut -c1-16) extras=$extras"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "== installing k3ckpt${extras:+[$extras]} into .venv" >&2
+    "$root/.venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    "$root/.venv/bin/python" -m pip install -q -e "$root${extras:+[$extras]}" 2>&1 \
+      | grep -v -e '^WARNING: Location' -e 'BuildBackendWarning' || true
+    "$root/.venv/bin/python" -c 'import k3ckpt' || { echo "k3ckpt: install failed" >&2; return 2; }
+    echo "$want" > "$stamp"
+  fi
+  export PATH="$root/.venv/bin:$PATH"
+}
