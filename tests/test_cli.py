@@ -1,0 +1,119 @@
+"""The CLI: help with examples, one-line errors with the right exit codes, --json, --version."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from k3ckpt import __version__
+from k3ckpt.cli import main
+
+
+def run(*args: str) -> "CliRunner.invoke":
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_version_and_module_entry_point() -> None:
+    assert run("--version").output.strip() == f"k3ckpt, version {__version__}"
+    out = subprocess.run([sys.executable, "-m", "k3ckpt", "--version"], capture_output=True, text=True, check=True)
+    assert __version__ in out.stdout
+
+
+@pytest.mark.parametrize("command", sorted(main.commands))
+def test_every_command_has_help_with_an_example(command: str) -> None:
+    res = run(command, "--help")
+    assert res.exit_code == 0
+    assert "Example" in res.output and f"k3ckpt {command}" in res.output
+
+
+def test_inspect_text_and_json(k3_tiny: Path) -> None:
+    res = run("inspect", str(k3_tiny))
+    assert res.exit_code == 0, res.output
+    assert "16 routed, 4 active per token" in res.output
+    res = run("inspect", str(k3_tiny), "--json", "--layers")
+    assert res.exit_code == 0
+    data = json.loads(res.output)
+    assert data["num_layers"] == 5 and len(data["layers"]) == 5
+    assert data["findings"] == [] and data["family"] == "kimi_k3"
+
+
+def _assert_one_line_error(res, code: int, *needles: str) -> None:
+    assert res.exit_code == code, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("k3ckpt: error: "), res.output
+    assert "Traceback" not in res.output
+    for n in needles:
+        assert n in lines[0]
+
+
+def test_missing_directory_exits_2(tmp_path: Path) -> None:
+    _assert_one_line_error(run("inspect", str(tmp_path / "nope")), 2, "nope", "no such directory")
+
+
+def test_not_a_checkpoint_exits_2(tmp_path: Path) -> None:
+    _assert_one_line_error(run("inspect", str(tmp_path)), 2, "no model.safetensors.index.json and no model.safetensors")
+
+
+def test_malformed_header_exits_2_naming_the_shard(k3_tiny: Path, tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(k3_tiny, root)
+    shard = root / "model-00003-of-000008.safetensors"
+    data = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    data[8 + n // 2] = 0xFF  # not UTF-8 inside the JSON
+    shard.write_bytes(bytes(data))
+    _assert_one_line_error(run("inspect", str(root)), 2, "model-00003-of-000008.safetensors", "not valid UTF-8")
+
+
+def test_truncated_shard_exits_2(k3_tiny: Path, tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(k3_tiny, root)
+    shard = root / "model-00002-of-000008.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    _assert_one_line_error(run("inspect", str(root)), 2, "model-00002-of-000008.safetensors", "data buffer")
+
+
+def test_contradicting_config_exits_1(k3_tiny: Path, tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(k3_tiny, root)
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["text_config"]["num_experts"] = 20
+    (root / "config.json").write_text(json.dumps(cfg))
+    res = run("inspect", str(root))
+    assert res.exit_code == 1
+    assert "ERROR layer 1: 4 of 20 routed experts missing" in res.output
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    from k3ckpt.errors import CheckpointNotFoundError
+
+    with pytest.raises(CheckpointNotFoundError):
+        run("--debug", "inspect", str(tmp_path / "nope"))
+
+
+def test_synth_cli_json_and_refusals(tmp_path: Path) -> None:
+    res = run("synth", str(tmp_path / "s"), "--preset", "k3-tiny", "--layers", "2", "--experts", "4",
+              "--active", "2", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["tensors"] > 0 and Path(data["path"]).is_dir()
+    again = run("synth", str(tmp_path / "s"), "--preset", "k3-tiny")
+    _assert_one_line_error(again, 2, "not empty")
+    bad = run("synth", str(tmp_path / "t"), "--moe-intermediate", "40")
+    _assert_one_line_error(bad, 2, "multiple of the MXFP4 block size")
+
+
+def test_console_script_subprocess(k3_tiny: Path) -> None:
+    """The installed entry point, as a user runs it: quiet stderr on success."""
+    exe = Path(sys.executable).with_name("k3ckpt")
+    out = subprocess.run([str(exe), "inspect", str(k3_tiny), "--json"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stderr == ""
+    assert json.loads(out.stdout)["tensors"] > 500
