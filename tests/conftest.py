@@ -1,0 +1,88 @@
+"""Shared fixtures: synthetic checkpoints of the three families, built once per session, and a
+writer for deliberately malformed safetensors files.
+
+The session fixtures are shared by many tests and must never be modified: a test that needs
+to break something copies one first (``shutil.copytree``, or the ``clone_checkpoint`` fixture).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from k3ckpt.synth import spec_from_preset, synthesize
+
+
+def write_raw_safetensors(
+    path: str | os.PathLike[str],
+    header_obj_or_bytes: Any,
+    data: bytes = b"",
+    *,
+    length: int | None = None,
+) -> Path:
+    """Write ``<8-byte LE length><header bytes><data>`` to ``path``, whatever the header says.
+
+    ``header_obj_or_bytes`` is written verbatim when it is ``bytes`` (UTF-8 encoded when it is a
+    ``str``), otherwise serialized with ``json.dumps``. ``length`` overrides the length prefix
+    (default: the real length of the header bytes), to fake oversized or truncated headers.
+    """
+    if isinstance(header_obj_or_bytes, (bytes, bytearray)):
+        raw = bytes(header_obj_or_bytes)
+    elif isinstance(header_obj_or_bytes, str):
+        raw = header_obj_or_bytes.encode("utf-8")
+    else:
+        raw = json.dumps(header_obj_or_bytes).encode("utf-8")
+    n = len(raw) if length is None else length
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(struct.pack("<Q", n) + raw + bytes(data))
+    return p
+
+
+@pytest.fixture(scope="session")
+def write_raw() -> Callable[..., Path]:
+    """:func:`write_raw_safetensors`, as a fixture (no import of ``conftest`` needed)."""
+    return write_raw_safetensors
+
+
+def _synth(preset: str, factory: pytest.TempPathFactory) -> Path:
+    dest = factory.mktemp(preset.replace("-", "_")) / preset
+    synthesize(spec_from_preset(preset), dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def k3_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``k3-tiny`` preset (read-only: copy before changing anything)."""
+    return _synth("k3-tiny", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def gptoss_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``gptoss-tiny`` preset (read-only)."""
+    return _synth("gptoss-tiny", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def k2_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``k2-tiny`` preset (read-only)."""
+    return _synth("k2-tiny", tmp_path_factory)
+
+
+@pytest.fixture
+def clone_checkpoint(tmp_path: Path) -> Callable[[Path], Path]:
+    """``clone(src) -> copy``: a private copy of a session checkpoint that a test may break."""
+    counter = iter(range(1_000_000))
+
+    def clone(src: Path) -> Path:
+        dest = tmp_path / f"clone-{next(counter)}-{src.name}"
+        shutil.copytree(src, dest)
+        return dest
+
+    return clone
