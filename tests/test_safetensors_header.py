@@ -365,8 +365,8 @@ def test_huge_shape_size_mismatch(tmp_path: Path, write_raw) -> None:
 
 
 @pytest.mark.xfail(strict=True, reason="library bug: a tensor name with a lone surrogate escape (\\ud800) is "
-                   "accepted; it cannot be encoded back to UTF-8 and open_checkpoint then crashes with "
-                   "UnicodeEncodeError (the reference safetensors parser refuses it)")
+                   "accepted although it is not valid Unicode (the reference safetensors parser refuses "
+                   "the header); any later .encode() of the name raises UnicodeEncodeError")
 def test_lone_surrogate_in_name(tmp_path: Path, write_raw) -> None:
     p = write_raw(tmp_path / "e.safetensors", b'{"\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x")
     refuse(p)
