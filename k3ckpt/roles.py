@@ -126,13 +126,15 @@ RULES: tuple[Rule, ...] = (
     Rule(_TOP + r"embed_tokens\.(?P<part>weight)$", Kind.EMBEDDING, _V, (), "embed_tokens"),
     Rule(r"^(?:language_model\.)?(?:model\.)?lm_head\.(?P<part>weight)$", Kind.LM_HEAD, _V, (), "lm_head"),
     Rule(_TOP + r"norm\.(?P<part>weight)$", Kind.NORM, _P, (), "norm"),
-    Rule(r"^(?:model\.)?(?:vision_tower|vision_model|visual|vision_encoder)\.", Kind.VISION, _P),
-    Rule(r"^(?:model\.)?(?:mm_projector|multi_modal_projector|mm_proj)\.", Kind.PROJECTOR, _P),
+    Rule(r"^(?:model\.)?(?:vision_tower|vision_model|visual|vision_encoder)\..*?(?:\.(?P<part>weight|bias))?$",
+         Kind.VISION, _P),
+    Rule(r"^(?:model\.)?(?:mm_projector|multi_modal_projector|mm_proj)\..*?(?:\.(?P<part>weight|bias))?$",
+         Kind.PROJECTOR, _P),
 )
 
 _COMPILED = tuple(re.compile(r.pattern) for r in RULES)
 # A number between dots (or at the end) is an index: a layer, an expert, a vision block.
-_NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)", re.ASCII)
 _PROJ_ALIASES = {"gate_up_proj": "gate_up", "w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 UNKNOWN_ROLE = Role(Kind.UNKNOWN, TP.REPLICATED)
@@ -147,9 +149,11 @@ def _classify_template(template: str) -> tuple[str, str, tuple[str, ...], str | 
         groups = m.groupdict()
         proj = groups.get("proj") or rule.proj
         tp = rule.tp[proj] if isinstance(rule.tp, dict) else rule.tp  # type: ignore[index]
+        part = groups.get("part") or "weight"
+        if tp == TP.ROW and part == "bias":
+            tp = TP.REPLICATED  # a row-parallel layer adds its bias once, after the all-reduce
         if rule.kind in (Kind.ROUTED_EXPERT, Kind.SHARED_EXPERT, Kind.DENSE_MLP) and proj:
             proj = _PROJ_ALIASES.get(proj, proj)
-        part = groups.get("part") or "weight"
         return rule.kind, tp, rule.numbers, proj, part
     return None
 
@@ -177,7 +181,7 @@ def classify(name: str) -> Role:
     head, sep, rest = name.partition(".experts.")
     if sep:
         expert, dot, tail = rest.partition(".")
-        if dot and expert.isdigit():
+        if dot and expert.isascii() and expert.isdigit():
             key = (head, tail)
             try:
                 t = _expert_templates[key]

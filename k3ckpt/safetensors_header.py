@@ -135,19 +135,31 @@ def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
     return bits // 8
 
 
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+class _Duplicate:
+    """Returned (not raised) by the hook for an object with a repeated key, so the enclosing
+    object's hook can say *which* entry it was in."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, where: str | None, key: str) -> None:
+        self.where, self.key = where, key
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> Any:
     d = dict(pairs)
+    for k, v in pairs:
+        if isinstance(v, _Duplicate):
+            raise _DuplicateKey(k, v.key)
     if len(d) != len(pairs):
         seen: set[str] = set()
         for k, _ in pairs:
             if k in seen:
-                raise _DuplicateKey(k)
+                return _Duplicate(k)
             seen.add(k)
     return d
-
-
-class _DuplicateKey(Exception):
-    pass
 
 
 def _is_int(x: Any) -> bool:
@@ -182,11 +194,12 @@ def parse_header_columns(raw: bytes, *, file: str, path: str, file_size: int) ->
         raise SafetensorsHeaderError(path, "header does not start with '{'")
     try:
         obj = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, and ints over 4300 digits
         raise SafetensorsHeaderError(path, f"header is not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise SafetensorsHeaderError(path, "header JSON is not an object")
+    if "\\u" in text:
+        _reject_surrogates(obj, path)
 
+    had_metadata = "__metadata__" in obj
     metadata = obj.pop("__metadata__", None)
     if metadata is None:
         metadata = {}
@@ -195,13 +208,13 @@ def parse_header_columns(raw: bytes, *, file: str, path: str, file_size: int) ->
     ):
         raise SafetensorsHeaderError(path, "__metadata__ must map strings to strings")
 
-    n = len(obj)
-    # Exactly one of each key per entry proves there was no duplicate key anywhere (json.loads
-    # keeps the last of duplicates, leaving fewer entries than keys). Inside a JSON string every
-    # quote is escaped, so these substrings only ever match keys or whole string values.
-    cols = None
-    if text.count('"dtype"') == n and text.count('"shape"') == n and text.count('"data_offsets"') == n:
-        cols = _entries_fast(obj, data_len)
+    cols = _entries_fast(obj, data_len)
+    # json.loads keeps the last of duplicate keys, silently. Every pair but the first of an
+    # object, and every element but the first of an array, is preceded by a comma, so the raw
+    # text has exactly as many commas as the parsed structure implies - more when a key was
+    # repeated anywhere (or a comma sits inside a string: then the exact check decides).
+    if cols is not None and text.count(",") != _implied_commas(len(obj), metadata, cols[1], had_metadata):
+        cols = None
     if cols is None:
         _reject_duplicate_keys(text, path)
         cols = _entries_exact(obj, path, data_len)
@@ -264,11 +277,33 @@ _FIRST = operator.itemgetter(0)
 _SECOND = operator.itemgetter(1)
 
 
+def _implied_commas(entries: int, metadata: dict[str, str], shapes: list[tuple[int, ...]], had_metadata: bool) -> int:
+    top = entries + had_metadata
+    dims = sum(map(len, shapes)) - (len(shapes) - shapes.count(()))  # (len - 1) per non-empty shape
+    return (max(top - 1, 0) + max(len(metadata) - 1, 0) + 3 * entries + dims)
+
+
 def _reject_duplicate_keys(text: str, path: str) -> None:
     try:
-        json.loads(text, object_pairs_hook=_reject_duplicates)
+        top = json.loads(text, object_pairs_hook=_reject_duplicates)
     except _DuplicateKey as e:
-        raise SafetensorsHeaderError(path, "duplicate key in header", tensor=str(e)) from None
+        raise SafetensorsHeaderError(path, f"duplicate key {e.key!r}", tensor=e.where) from None
+    if isinstance(top, _Duplicate):
+        raise SafetensorsHeaderError(path, "duplicate key in header", tensor=top.key)
+
+
+def _reject_surrogates(obj: dict[str, Any], path: str) -> None:
+    """``\\ud800`` escapes decode to lone surrogates: not Unicode, and unencodable later."""
+    strings = list(obj)
+    metadata = obj.get("__metadata__")
+    if isinstance(metadata, dict):
+        strings += [x for pair in metadata.items() for x in pair if isinstance(x, str)]
+    strings += [e["dtype"] for e in obj.values() if isinstance(e, dict) and isinstance(e.get("dtype"), str)]
+    for s in strings:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise SafetensorsHeaderError(path, f"name {s!r} is not valid Unicode (lone surrogate escape)") from None
 
 
 def _entries_exact(obj: dict[str, Any], path: str, data_len: int) -> _Columns:
@@ -300,10 +335,10 @@ def _entries_exact(obj: dict[str, Any], path: str, data_len: int) -> _Columns:
             raise SafetensorsHeaderError(path, f"data_offsets [{begin}, {end}] end before begin", name)
         nbits = bits * math.prod(shape)
         if nbits % 8 or nbits // 8 != end - begin:
+            # Exact decimal (no float: a hostile shape can be 10**400 elements).
+            need = f"{nbits // 8}" + (f".{nbits % 8 * 125:03d}".rstrip("0") if nbits % 8 else "")
             raise SafetensorsHeaderError(
-                path,
-                f"{dtype} {shape} needs {nbits / 8:g} bytes but data_offsets span {end - begin}",
-                name,
+                path, f"{dtype} {shape} needs {need} bytes but data_offsets span {end - begin}", name
             )
         if end > data_len:
             raise SafetensorsHeaderError(

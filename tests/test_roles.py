@@ -187,9 +187,6 @@ def test_gptoss(name: str, role: Role) -> None:
     assert got.is_quant_scale == (role.part == "scales")
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: o_proj.bias (1-D [hidden]) gets tp 'row' (split dim 1), "
-                   "which a 1-D tensor does not have; rank-layout.md splits only the o_proj weight and "
-                   "replicates everything else (a row-parallel bias is added after the all-reduce)")
 def test_row_parallel_bias_is_replicated() -> None:
     assert classify("model.layers.5.self_attn.o_proj.bias").tp == P
 
@@ -230,9 +227,6 @@ def test_unknown_names(name: str) -> None:
     assert role.kind == Kind.UNKNOWN and role.layer is None and role.expert is None
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: classify() checks the expert id with str.isdigit(), which "
-                   "accepts digits int() rejects ('\\u00b2' superscript two): int() raises ValueError "
-                   "instead of the name being reported unknown")
 @pytest.mark.parametrize("expert", ["\u00b2", "\u2460"])
 def test_unknown_never_raises_on_non_decimal_digits(expert: str) -> None:
     assert classify(f"model.layers.1.mlp.experts.{expert}.gate_proj.weight").kind == Kind.UNKNOWN

@@ -142,23 +142,17 @@ def test_duplicate_key_inside_an_entry(tmp_path: Path, write_raw) -> None:
     refuse(p, "duplicate key", "dtype")
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: a duplicate key inside entry 't' is reported as "
-                   "\"tensor 'dtype': duplicate key in header\" (the key is named as the tensor)")
 def test_duplicate_key_inside_an_entry_names_the_tensor(tmp_path: Path, write_raw) -> None:
     raw = b'{"t":{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
     p = write_raw(tmp_path / "dupkey.safetensors", raw, b"x")
     refuse(p, "duplicate key", "dtype", tensor="t")
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: the fast path's key count misses a duplicate tensor "
-                   "whose first occurrence lacks the entry keys ({\"t\": {}, \"t\": {valid}} is accepted)")
 def test_duplicate_tensor_key_first_occurrence_empty(tmp_path: Path, write_raw) -> None:
     p = write_raw(tmp_path / "dup2.safetensors", f'{{"t":{{}},"t":{json.dumps(U8_1)}}}'.encode(), b"x")
     refuse(p, "duplicate key")
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: duplicate keys inside __metadata__ (or a repeated "
-                   "__metadata__) are accepted silently, the last value winning")
 @pytest.mark.parametrize("raw", [
     b'{"__metadata__":{"a":"1","a":"2"},"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
     b'{"__metadata__":{"a":"1"},"__metadata__":{"b":"2"},"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
@@ -348,25 +342,18 @@ def test_not_a_file(tmp_path: Path) -> None:
 # Library bugs: hostile headers that escape as other exceptions
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: json.loads raises ValueError (int > 4300 digits) which "
-                   "parse_header_columns does not catch (it catches only JSONDecodeError/RecursionError)")
 def test_integer_too_long_to_parse(tmp_path: Path, write_raw) -> None:
     raw = ('{"w":{"dtype":"U8","shape":[%s],"data_offsets":[0,1]}}' % ("1" * 5000)).encode()
     p = write_raw(tmp_path / "e.safetensors", raw, b"x")
-    refuse(p, "w")
+    refuse(p, "header is not valid JSON", "4300 digits")
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: _entries_exact formats nbits / 8 as a float; a shape "
-                   "of 10**400 raises OverflowError instead of SafetensorsHeaderError")
 def test_huge_shape_size_mismatch(tmp_path: Path, write_raw) -> None:
     raw = ('{"w":{"dtype":"U8","shape":[1%s],"data_offsets":[0,1]}}' % ("0" * 400)).encode()
     p = write_raw(tmp_path / "e.safetensors", raw, b"x")
     refuse(p, "data_offsets span 1", tensor="w")
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: a tensor name with a lone surrogate escape (\\ud800) is "
-                   "accepted although it is not valid Unicode (the reference safetensors parser refuses "
-                   "the header); any later .encode() of the name raises UnicodeEncodeError")
 def test_lone_surrogate_in_name(tmp_path: Path, write_raw) -> None:
     p = write_raw(tmp_path / "e.safetensors", b'{"\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x")
     refuse(p)
