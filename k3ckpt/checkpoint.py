@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 from .config import ModelConfig, load_config
-from .errors import CheckpointNotFoundError, ConfigError, IndexError_
+from .errors import CheckpointNotFoundError, ConfigError, IndexError_, SafetensorsHeaderError
 from .roles import Kind, Role, classify
 from .safetensors_header import HeaderColumns, ShardHeader, TensorInfo, read_header, read_header_columns
 
@@ -46,6 +46,7 @@ class Problem:
 
     where: str  # a file or tensor name
     message: str
+    kind: str = "index"  # "index" (index vs headers), "header" (malformed shard), "missing-file"
 
     def __str__(self) -> str:
         return f"{self.where}: {self.message}"
@@ -276,23 +277,26 @@ def bulk_allocation() -> Iterator[None]:
 
 
 def open_checkpoint(
-    path: str | os.PathLike[str], *, jobs: int | None = None, require_config: bool = False
+    path: str | os.PathLike[str], *, jobs: int | None = None, require_config: bool = False, strict: bool = True
 ) -> Checkpoint:
     """Open the checkpoint at ``path`` from its config, index and shard headers.
 
     Args:
         path: a checkpoint directory, an HF cache snapshot, or an HF cache repo folder.
-        jobs: threads reading headers (I/O overlaps; parsing holds the GIL).
+        jobs: processes reading headers (parsing is CPU-bound).
         require_config: raise :class:`ConfigError` when ``config.json`` is missing.
+        strict: raise on the first missing or malformed shard. ``False`` (what ``verify``
+            uses, to report everything at once) records them in :attr:`Checkpoint.problems`
+            with kind ``missing-file`` / ``header`` and opens the rest.
 
     Raises:
         CheckpointNotFoundError, IndexError_, SafetensorsHeaderError, ConfigError.
     """
     with bulk_allocation():
-        return _open(path, jobs, require_config)
+        return _open(path, jobs, require_config, strict)
 
 
-def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool) -> Checkpoint:
+def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool, strict: bool = True) -> Checkpoint:
     root, source = resolve_root(path)
     config: ModelConfig | None = None
     if (root / CONFIG_NAME).is_file():
@@ -310,16 +314,22 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool) 
         else:
             weight_map, index_file = read_index(root)
             files = sorted(set(weight_map.values())) if weight_map else [SINGLE_NAME]
-        for f in files:
+        problems: list[Problem] = []
+        for f in list(files):
             if not (root / f).is_file():
-                raise IndexError_(f"{root / f}: listed in {index_file} but missing")
+                if strict:
+                    raise IndexError_(f"{root / f}: listed in {index_file} but missing")
+                problems.append(Problem(f, f"listed in {index_file} but missing", "missing-file"))
+                files.remove(f)
     except BaseException:
         reader.close()
         raise
-    headers, stats, header_digests = reader.collect(files)
+    bad_files: dict[str, SafetensorsHeaderError] | None = None if strict else {}
+    headers, stats, header_digests = reader.collect(files, bad_files)
+    for f, err in (bad_files or {}).items():
+        problems.append(Problem(f, err.problem if err.tensor is None else f"tensor {err.tensor!r}: {err.problem}", "header"))
     shards = {h.file: h for h in headers}
 
-    problems: list[Problem] = []
     tensors: dict[str, TensorInfo] = {}
     for h in headers:
         tensors.update(h.tensors)
@@ -332,6 +342,9 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool) 
     if has_index and (index_digests is None or index_digests != header_digests):
         if weight_map is None:  # the digests disagree: parse here to say exactly where
             weight_map, _ = read_index(root)
+        skip = {p.where for p in problems if p.kind in ("header", "missing-file")}
+        if skip:  # a shard we could not read is reported once, not once per tensor in it
+            weight_map = {n: f for n, f in weight_map.items() if f not in skip}
         problems.extend(_index_problems(weight_map, tensors, headers, index_file))
     if stats is not None and sum(stats.signatures.values()) != len(tensors):
         stats = None  # duplicates across shards: recompute from what was kept
@@ -385,24 +398,31 @@ class HeaderReader:
         return self._index.result() if self._index is not None else None
 
     def collect(
-        self, files: list[str]
+        self, files: list[str], errors: dict[str, SafetensorsHeaderError] | None = None
     ) -> tuple[list[ShardHeader], InventoryStats | None, dict[str, tuple[int, int]]]:
         """Headers of ``files`` in order; when workers read every one of them, the
         :class:`InventoryStats` of their tensors (``None`` otherwise: computed on demand); and
-        the :func:`names_digest` of each file."""
+        the :func:`names_digest` of each file. With ``errors``, a malformed shard is recorded
+        there and skipped instead of raising."""
         try:
             out = []
             stats: InventoryStats | None = InventoryStats(Counter(), Counter())
             digests: dict[str, tuple[int, int]] = {}
             for f in files:
                 fut = self._futures.get(f)
-                if fut is None:
-                    h = read_header(self.root / f, file=f)
-                    out.append(h)
-                    digests[f] = names_digest(h.tensors)
-                    stats = None
+                try:
+                    if fut is None:
+                        h = read_header(self.root / f, file=f)
+                        out.append(h)
+                        digests[f] = names_digest(h.tensors)
+                        stats = None
+                        continue
+                    cols, shard_stats, digests[f] = fut.result()
+                except SafetensorsHeaderError as e:
+                    if errors is None:
+                        raise
+                    errors[f] = e
                     continue
-                cols, shard_stats, digests[f] = fut.result()
                 out.append(cols.to_header())
                 if stats is not None:
                     stats.merge(shard_stats)

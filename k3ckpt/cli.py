@@ -160,5 +160,208 @@ def synth(dest: str, preset: str, jobs: int | None, force: bool, as_json: bool, 
                    f"{human_bytes(res.total_bytes)}{' (sparse, headers only)' if spec.headers_only else ''}")
 
 
+# -- progress ----------------------------------------------------------------------------------
+
+
+class ByteProgress:
+    """A tqdm bar for bytes (rate, ETA) on an interactive stderr; silent otherwise or with --json.
+
+    Callable from several hashing threads at once."""
+
+    def __init__(self, enabled: bool, desc: str) -> None:
+        import threading
+
+        self._bar = None
+        self._lock = threading.Lock()
+        self._enabled = enabled and sys.stderr.isatty()
+        self._desc = desc
+
+    def plan(self, total: int) -> None:
+        if self._enabled and total:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000,
+                             desc=self._desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def __call__(self, n: int) -> None:
+        if self._bar is not None:
+            with self._lock:
+                self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# -- manifest ----------------------------------------------------------------------------------
+
+
+@main.group(context_settings=CONTEXT)
+def manifest() -> None:
+    """Build, pull and diff manifests: what a checkpoint is, file by file and tensor by tensor.
+
+    \b
+    Examples:
+      k3ckpt manifest build ./Kimi-K3 -o manifests/kimi-k3.json --tensor-hashes
+      k3ckpt manifest pull --source hf --repo moonshotai/Kimi-K3 -o kimi-k3.json
+      k3ckpt manifest diff old.json new.json
+    """
+
+
+@manifest.command("build", context_settings=CONTEXT)
+@click.argument("path", type=click.Path(file_okay=False, path_type=str))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str),
+              help="Where to write the manifest (JSON).")
+@click.option("--tensor-hashes", is_flag=True,
+              help="Also a sha256 per tensor, computed in the same read as the file hashes.")
+@click.option("--jobs", type=click.IntRange(1), default=None, help="Files hashed in parallel [default: CPU count].")
+@click.option("--json", "as_json", is_flag=True, help="Print a summary as JSON.")
+@handle_errors
+def manifest_build(path: str, output: str, tensor_hashes: bool, jobs: int | None, as_json: bool) -> None:
+    """Hash every file of a local checkpoint and write its manifest.
+
+    Deterministic JSON (sorted keys, one file or tensor per line), so manifests can be
+    committed and diffed. The source (repo, revision) is recorded when the layout tells it.
+
+    \b
+    Examples:
+      k3ckpt manifest build work/k3-small -o k3-small.json
+      k3ckpt manifest build ./Kimi-K3 -o kimi-k3.json --tensor-hashes --jobs 8
+    """
+    from .checkpoint import open_checkpoint
+    from .manifest import build_manifest
+
+    ckpt = open_checkpoint(path, jobs=jobs)
+    bar = ByteProgress(not as_json, "hashing")
+    bar.plan(sum((ckpt.root / f).stat().st_size for f in ckpt.iter_files()))
+    try:
+        m = build_manifest(ckpt, tensor_hashes=tensor_hashes, jobs=jobs, progress=bar)
+    finally:
+        bar.close()
+    m.save(output)
+    if as_json:
+        _emit_json({"output": output, "files": len(m.files), "tensors": len(m.tensors),
+                    "bytes": m.total_bytes, "tensor_hashes": m.tensor_hashes, "source": m.source})
+
+
+@manifest.command("diff", context_settings=CONTEXT)
+@click.argument("a", type=click.Path(dir_okay=False, path_type=str))
+@click.argument("b", type=click.Path(dir_okay=False, path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@handle_errors
+def manifest_diff(a: str, b: str, as_json: bool) -> None:
+    """List what changed from manifest A to manifest B (exit 1 when anything did).
+
+    Lines start with + (added), - (removed) or ~ (changed, with the old and new values).
+
+    \b
+    Examples:
+      k3ckpt manifest diff manifests/k3-tiny.json new.json
+      k3ckpt manifest diff a.json b.json --json | jq '.[] | select(.what == "tensor")'
+    """
+    from .manifest import Manifest, diff_manifests
+
+    changes = diff_manifests(Manifest.load(a), Manifest.load(b))
+    if as_json:
+        _emit_json([c.__dict__ for c in changes])
+    else:
+        for c in changes:
+            click.echo(str(c))
+    if changes:
+        sys.exit(EXIT_PROBLEMS)
+
+
+# -- verify ------------------------------------------------------------------------------------
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("path", type=click.Path(file_okay=False, path_type=str))
+@click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False, path_type=str),
+              help="Verify against this manifest (sizes, sha256, tensor hashes when it has them).")
+@click.option("--against", type=click.Choice(["hf", "modelscope"]), help="Verify against a hub's listing.")
+@click.option("--repo", help="Repository id for --against, e.g. moonshotai/Kimi-K3.")
+@click.option("--revision", help="Revision for --against [default: the repo's main, resolved].")
+@click.option("--endpoint", help="Hub endpoint for --against [default: HF_ENDPOINT / MODELSCOPE_ENDPOINT].")
+@click.option("--quick", is_flag=True, help="Sizes and structure only, trusting digests from the stat cache.")
+@click.option("--no-scan", is_flag=True, help="Skip the NaN scale-byte scan.")
+@click.option("--no-cache", is_flag=True, help="Neither read nor write the stat cache.")
+@click.option("--jobs", type=click.IntRange(1), default=None, help="Files hashed in parallel [default: CPU count].")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@handle_errors
+def verify(path: str, manifest_path: str | None, against: str | None, repo: str | None, revision: str | None,
+           endpoint: str | None, quick: bool, no_scan: bool, no_cache: bool, jobs: int | None, as_json: bool) -> None:
+    """Prove a checkpoint intact, or say exactly what is wrong (exit 1).
+
+    Always checks structure: every shard header, index vs headers, paths, config vs tensors,
+    MXFP4 pairs, NaN scale bytes. With --manifest or --against it also checks the set of files,
+    their sizes and sha256 (and with tensor hashes, which tensors differ). --quick re-verifies
+    an unchanged directory in seconds from the stat cache a full run leaves behind.
+
+    \b
+    Examples:
+      k3ckpt verify ./Kimi-K3 --manifest manifests/kimi-k3.json
+      k3ckpt verify ./Kimi-K3 --against hf --repo moonshotai/Kimi-K3 --revision f831ab66
+      k3ckpt verify ./Kimi-K3 --manifest kimi-k3.json --quick
+      k3ckpt verify ./Kimi-K3 --json | jq .issues
+    """
+    from .errors import K3ckptError as _E
+    from .verify import Expected, verify_checkpoint
+
+    if manifest_path and against:
+        raise click.UsageError("use --manifest or --against, not both")
+    if against and not repo:
+        raise click.UsageError("--against needs --repo")
+    kwargs: dict[str, Any] = {}
+    if manifest_path:
+        from .manifest import Manifest
+
+        kwargs.update(manifest=Manifest.load(manifest_path), manifest_label=manifest_path)
+    elif against:
+        from .hubclient import list_repo
+
+        listing = list_repo(against, repo, revision, endpoint=endpoint)  # type: ignore[arg-type]
+        kwargs.update(
+            expected_files={f.path: Expected(f.size, f.sha256, f.git_sha1) for f in listing.files.values()},
+            reference=f"{against}:{listing.repo}@{listing.revision}",
+        )
+    bar = ByteProgress(not as_json, "verifying")
+    try:
+        rep = verify_checkpoint(path, quick=quick, scan=not no_scan, jobs=jobs, use_cache=not no_cache,
+                                progress=bar, on_plan=bar.plan, **kwargs)
+    except _E:
+        raise
+    finally:
+        bar.close()
+    if as_json:
+        _emit_json(rep.to_json())
+    else:
+        click.echo(render_verify(rep))
+    if not rep.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
+def render_verify(rep: Any) -> str:
+    from .summary import human_bytes
+
+    rate = f" at {human_bytes(rep.bytes_hashed / rep.seconds)}/s" if rep.bytes_hashed and rep.seconds else ""
+    head = (f"{'ok' if rep.ok else 'FAILED'}: {rep.root} ({rep.mode}; reference: {rep.reference}): "
+            f"{rep.files} files, {rep.files_hashed} hashed ({human_bytes(rep.bytes_hashed)}{rate})")
+    if rep.files_trusted:
+        head += f", {len(rep.files_trusted)} trusted from the stat cache"
+    if rep.files_size_only:
+        head += f", {len(rep.files_size_only)} checked by size only (no cached digest)"
+    if rep.structure_cached:
+        head += ", structure unchanged since the last check"
+    head += f", {rep.seconds:.1f} s"
+    lines = [head]
+    for kind, items in rep.grouped().items():
+        label = "warning" if items[0].is_warning else "problem"
+        lines.append(f"[{kind}] {len(items)} {label}{'s' if len(items) != 1 else ''}")
+        lines += [f"  {i}" for i in items[:200]]
+        if len(items) > 200:
+            lines.append(f"  ... and {len(items) - 200} more (--json lists all)")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -12,6 +12,7 @@ Per-tensor digests come from the same bytes as the file digest - one read, two h
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import threading
@@ -42,6 +43,7 @@ class FileDigest:
     sha256: str
     spans: dict[str, str] | None = None  # span name -> sha256, when spans were asked for
     git_sha1: str | None = None  # git blob id ("blob <size>\\0" + bytes), when asked for
+    flagged: list[str] | None = None  # scanned spans that contain the needle byte
 
 
 class HashError(OSError):
@@ -53,11 +55,15 @@ def hash_file(
     *,
     rel: str | None = None,
     spans: Sequence[Span] = (),
+    scan: Sequence[Span] = (),
+    needle: bytes = b"\xff",
     git_sha1: bool = False,
     progress: Progress | None = None,
     buffer: bytearray | None = None,
 ) -> FileDigest:
-    """sha256 of the file at ``path`` and of each of ``spans`` (which must not overlap), in one read.
+    """sha256 of the file at ``path`` and of each of ``spans`` (which must not overlap), in one
+    read; spans of ``scan`` are searched for ``needle`` (an E8M0 NaN scale is byte 0xFF) in the
+    same pass.
 
     Raises:
         HashError: the file shrank while it was read, or reading failed.
@@ -68,6 +74,9 @@ def hash_file(
     whole = hashlib.sha256()
     ordered = sorted(spans, key=lambda s: s.start)
     span_hashers = [hashlib.sha256() for _ in ordered]
+    scanning = _Cursor(sorted(scan, key=lambda s: s.start))
+    hashing = _Cursor(ordered)
+    flagged: set[str] = set()
     blob = None
     try:
         fd = os.open(p, os.O_RDONLY)
@@ -80,7 +89,6 @@ def hash_file(
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         pos = 0
-        si = 0  # first span that may still overlap the current chunk
         with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
             while True:
                 n = f.readinto(view)
@@ -91,15 +99,11 @@ def hash_file(
                 if blob is not None:
                     blob.update(chunk)
                 end = pos + n
-                while si < len(ordered) and ordered[si].stop <= pos:
-                    si += 1
-                k = si
-                while k < len(ordered) and ordered[k].start < end:
-                    s = ordered[k]
-                    lo, hi = max(s.start, pos), min(s.stop, end)
-                    if hi > lo:
-                        span_hashers[k].update(chunk[lo - pos: hi - pos])
-                    k += 1
+                for k, lo, hi in hashing.overlapping(pos, end):
+                    span_hashers[k].update(chunk[lo - pos: hi - pos])
+                for k, lo, hi in scanning.overlapping(pos, end):
+                    if buf.find(needle, lo - pos, hi - pos) >= 0:
+                        flagged.add(scanning.spans[k].name)
                 pos = end
                 if progress is not None:
                     progress(n)
@@ -117,7 +121,93 @@ def hash_file(
         sha256=whole.hexdigest(),
         spans={s.name: h.hexdigest() for s, h in zip(ordered, span_hashers)} if ordered else None,
         git_sha1=blob.hexdigest() if blob is not None else None,
+        flagged=sorted(flagged) if scan else None,
     )
+
+
+class _Cursor:
+    """Walks sorted, non-overlapping spans alongside a sequential read."""
+
+    def __init__(self, spans: list[Span]) -> None:
+        self.spans = spans
+        self.first = 0  # first span that may still overlap the current chunk
+
+    def overlapping(self, pos: int, end: int) -> Iterable[tuple[int, int, int]]:
+        """``(index, lo, hi)`` of each span's part inside ``[pos, end)``."""
+        spans = self.spans
+        while self.first < len(spans) and spans[self.first].stop <= pos:
+            self.first += 1
+        k = self.first
+        while k < len(spans) and spans[k].start < end:
+            lo, hi = max(spans[k].start, pos), min(spans[k].stop, end)
+            if hi > lo:
+                yield k, lo, hi
+            k += 1
+
+
+def scan_file(path: str | os.PathLike[str], spans: Sequence[Span], needle: bytes = b"\xff") -> list[str]:
+    """Names of ``spans`` of the file that contain ``needle``, reading only those spans - and
+    skipping holes of sparse files (``SEEK_DATA``), which read as zeros and cannot contain it
+    unless the needle is zero.
+
+    Raises:
+        HashError: the file cannot be read.
+    """
+    p = os.fspath(path)
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError as e:
+        raise HashError(e.errno, f"cannot open: {e.strerror}", p) from None
+    found = []
+    try:
+        size = os.fstat(fd).st_size
+        data = _data_segments(fd, size) if needle != b"\x00" else [(0, size)]
+        for s in sorted(spans, key=lambda s: s.start):
+            for lo, hi in data:
+                a, b = max(lo, s.start), min(hi, s.stop)
+                if b <= a:
+                    continue
+                while a < b:
+                    n = min(b - a, BUFFER_BYTES)
+                    chunk = os.pread(fd, n, a)
+                    if len(chunk) != n:
+                        raise HashError(0, f"short read at {a} ({len(chunk)} of {n} bytes; truncated?)", p)
+                    if needle in chunk:
+                        found.append(s.name)
+                        break
+                    a += n
+                if found and found[-1] == s.name:
+                    break
+    except OSError as e:
+        if isinstance(e, HashError):
+            raise
+        raise HashError(e.errno, f"read failed: {e.strerror}", p) from None
+    finally:
+        os.close(fd)
+    return found
+
+
+def _data_segments(fd: int, size: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of a file that hold data (not holes); the whole file when the
+    filesystem cannot tell."""
+    if not hasattr(os, "SEEK_DATA"):
+        return [(0, size)]
+    out = []
+    pos = 0
+    try:
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # no data after pos: the rest is a hole
+                    break
+                raise
+            stop = os.lseek(fd, start, os.SEEK_HOLE)
+            out.append((start, min(stop, size)))
+            pos = stop
+    except OSError:
+        return [(0, size)]
+    return out
 
 
 def hash_files(
@@ -126,6 +216,7 @@ def hash_files(
     *,
     jobs: int | None = None,
     spans: dict[str, Sequence[Span]] | None = None,
+    scan: dict[str, Sequence[Span]] | None = None,
     git_sha1: Callable[[str], bool] | None = None,
     progress: Progress | None = None,
     on_done: Callable[[FileDigest], None] | None = None,
@@ -154,7 +245,7 @@ def hash_files(
         if buf is None:
             buf = local.buf = bytearray(BUFFER_BYTES)
         try:
-            d = hash_file(root / f, rel=f, spans=(spans or {}).get(f, ()),
+            d = hash_file(root / f, rel=f, spans=(spans or {}).get(f, ()), scan=(scan or {}).get(f, ()),
                           git_sha1=bool(git_sha1 and git_sha1(f)), progress=progress, buffer=buf)
         except HashError as e:
             with lock:

@@ -1,0 +1,438 @@
+"""``k3ckpt verify``: prove a checkpoint intact, and say exactly what is wrong.
+
+Three layers, each reported by kind with file, tensor, expected and actual:
+
+- **structure** (always): every shard header by the strict parser's rules; the index and the
+  headers agree; no weight_map path that escapes the directory (absolute, ``..``, or a symlink
+  leading out); config and tensors agree (every MoE layer has all its experts with all their
+  tensors, shapes consistent with the config); MXFP4 pairs agree; no NaN scale bytes (0xFF in
+  an E8M0 ``weight_scale``) unless ``scan=False``;
+- **content** (against a manifest or a hub listing): the set of files, each file's size and
+  sha256 - and with a manifest that has tensor hashes, exactly which tensors differ;
+- **quick** mode: sizes and structure, plus a stat cache (path, size, mtime, inode -> verified
+  digest) so re-verifying an unchanged directory takes seconds. A full run refreshes the cache.
+
+Hashing runs in threads across files (see :mod:`k3ckpt.hashing`); the scale scan and the tensor
+hashes ride along in the same read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .hashing import FileDigest, HashError, Span, hash_files, scan_file
+from .manifest import Manifest, tensors_from_headers
+
+#: Order in which kinds are reported (most fundamental first).
+KINDS = (
+    "missing-file", "unreadable", "size", "sha256", "tensor-sha256", "tensor-layout", "header",
+    "index", "path", "config", "mxfp4", "nan-scale", "extra-file",
+)
+#: Kinds that are warnings: reported, but do not fail verification.
+WARNING_KINDS = frozenset({"extra-file"})
+
+
+@dataclass(frozen=True)
+class Issue:
+    kind: str
+    file: str | None
+    message: str
+    tensor: str | None = None
+    expected: str | None = None
+    actual: str | None = None
+
+    @property
+    def is_warning(self) -> bool:
+        return self.kind in WARNING_KINDS
+
+    def __str__(self) -> str:
+        where = self.file or ""
+        if self.tensor:
+            where += f" tensor {self.tensor}" if where else f"tensor {self.tensor}"
+        exp = f" (expected {self.expected}, got {self.actual})" if self.expected is not None else ""
+        return f"{where}: {self.message}{exp}" if where else f"{self.message}{exp}"
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a file should be, from a manifest or a hub listing."""
+
+    size: int
+    sha256: str | None = None
+    git_sha1: str | None = None
+
+
+@dataclass
+class VerifyReport:
+    root: str
+    mode: str  # "full" | "quick"
+    reference: str  # "manifest <path>", "hf:<repo>@<rev>", or "none (structure only)"
+    files: int = 0
+    files_hashed: int = 0
+    bytes_hashed: int = 0
+    files_trusted: list[str] = field(default_factory=list)  # content trusted from the stat cache
+    files_size_only: list[str] = field(default_factory=list)  # quick mode, no cached digest
+    structure_cached: bool = False
+    seconds: float = 0.0
+    issues: list[Issue] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[Issue]:
+        return [i for i in self.issues if not i.is_warning]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def grouped(self) -> dict[str, list[Issue]]:
+        out: dict[str, list[Issue]] = {}
+        for kind in KINDS:
+            got = [i for i in self.issues if i.kind == kind]
+            if got:
+                out[kind] = got
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        d["issues"] = {k: [asdict(i) for i in v] for k, v in self.grouped().items()}
+        return d
+
+
+# -- the stat cache ---------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """``$K3CKPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/k3ckpt``, else ``~/.cache/k3ckpt``."""
+    env = os.environ.get("K3CKPT_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "k3ckpt"
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+
+
+class StatCache:
+    """Verified digests and scan verdicts keyed by (path, size, mtime, inode, device).
+
+    A file whose stat is unchanged since a full run had verified it is trusted without being
+    read again. The cache lives outside the checkpoint (one JSON file per checkpoint path) so
+    verifying never writes into what it verifies.
+    """
+
+    def __init__(self, root: Path, directory: Path | None = None) -> None:
+        key = hashlib.sha256(str(root).encode()).hexdigest()[:20]
+        self.path = (directory or cache_dir()) / "verify" / f"{key}.json"
+        self.root = str(root)
+        try:
+            data = json.loads(self.path.read_text())
+            ok = isinstance(data, dict) and data.get("root") == self.root
+        except (OSError, ValueError):
+            ok = False
+        self.files: dict[str, dict[str, Any]] = data.get("files", {}) if ok else {}
+        self.structure: dict[str, Any] = data.get("structure", {}) if ok else {}
+
+    def lookup(self, rel: str, st: os.stat_result) -> dict[str, Any] | None:
+        e = self.files.get(rel)
+        return e if e is not None and e.get("stat") == _stat_key(st) else None
+
+    def record(self, rel: str, st: os.stat_result, **facts: Any) -> None:
+        prev = self.lookup(rel, st) or {}
+        self.files[rel] = {**prev, **facts, "stat": _stat_key(st)}
+
+    def save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"root": self.root, "files": self.files, "structure": self.structure}))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a cache that cannot be written only costs speed next time
+
+
+# -- verification -----------------------------------------------------------------------------
+
+
+def verify_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    manifest: Manifest | None = None,
+    manifest_label: str | None = None,
+    expected_files: dict[str, Expected] | None = None,
+    reference: str | None = None,
+    quick: bool = False,
+    scan: bool = True,
+    jobs: int | None = None,
+    use_cache: bool = True,
+    cache_directory: Path | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Verify the checkpoint at ``path``.
+
+    Args:
+        manifest: expected files and tensors (with tensor hashes when it has them).
+        expected_files: expected files from elsewhere (a hub listing); ignored with ``manifest``.
+        reference: how to name the reference in the report.
+        quick: sizes and structure only; content comes from the stat cache where it can.
+        scan: look for NaN (0xFF) scale bytes in E8M0 ``weight_scale`` tensors.
+        progress: called with byte counts as files are hashed; ``on_plan`` first with the total.
+
+    Raises:
+        CheckpointNotFoundError, IndexError_: there is no checkpoint to verify (exit 2).
+    """
+    t0 = time.perf_counter()
+    ckpt = open_checkpoint(path, jobs=jobs, strict=False)
+    root = ckpt.root
+    if manifest is not None:
+        expected = {f: Expected(e.size, e.sha256) for f, e in manifest.files.items()}
+        ref = reference or f"manifest {manifest_label or ''}".strip()
+    elif expected_files is not None:
+        expected = dict(expected_files)
+        ref = reference or "hub listing"
+    else:
+        expected = {}
+        ref = "none (structure only)"
+    report = VerifyReport(str(root), "quick" if quick else "full", ref)
+    cache = StatCache(root, cache_directory) if use_cache else None
+
+    present = list(ckpt.iter_files())
+    report.files = len(present)
+    stats: dict[str, os.stat_result] = {}
+    for f in present:
+        try:
+            stats[f] = os.stat(root / f)
+        except OSError as e:
+            report.issues.append(Issue("unreadable", f, f"cannot stat ({e.strerror})"))
+    issues = report.issues
+
+    # -- structure: reuse the previous verdict when nothing it depends on changed ---------------
+    structure_key = _structure_key(stats, manifest, scan)
+    cached = cache.structure if cache is not None else {}
+    if quick and cached.get("key") == structure_key:
+        issues += [Issue(**i) for i in cached.get("issues", [])]
+        report.structure_cached = True
+    else:
+        structure = _structure_issues(ckpt, manifest)
+        issues += structure
+        if cache is not None:
+            cache.structure = {"key": structure_key, "issues": [asdict(i) for i in structure]}
+
+    # -- file set and sizes -----------------------------------------------------------------------
+    if expected:
+        for f in sorted(expected.keys() - set(present)):
+            issues.append(Issue("missing-file", f, "listed in the reference but not present"))
+        for f in sorted(set(present) - expected.keys()):
+            issues.append(Issue("extra-file", f, "present but not in the reference"))
+    size_bad = set()
+    for f in sorted(expected.keys() & stats.keys()):
+        if stats[f].st_size != expected[f].size:
+            size_bad.add(f)
+            issues.append(Issue("size", f, "size differs", expected=str(expected[f].size), actual=str(stats[f].st_size)))
+
+    # -- content ----------------------------------------------------------------------------------
+    tensor_spans = manifest.spans_by_file() if manifest is not None and manifest.tensor_hashes else {}
+    scan_spans = _scale_spans(ckpt) if scan else {}
+    to_hash: list[str] = []
+    to_scan: list[str] = []
+    for f in sorted(stats):
+        hit = cache.lookup(f, stats[f]) if cache is not None else None
+        exp = expected.get(f)
+        checkable = exp is not None and (exp.sha256 or exp.git_sha1) and (f not in size_bad or f in tensor_spans)
+        if quick:
+            if checkable:
+                if hit and _cached_digest_matches(hit, exp):
+                    report.files_trusted.append(f)
+                elif hit and _cached_digest_known(hit, exp):
+                    issues.append(_content_issue(f, exp, hit))  # known bad, from the last full run
+                else:
+                    report.files_size_only.append(f)
+            if f in scan_spans and not (hit and hit.get("scan_ok") is True):
+                to_scan.append(f)
+        elif checkable or f in scan_spans:
+            to_hash.append(f)
+
+    if to_hash:
+        if on_plan is not None:
+            on_plan(sum(stats[f].st_size for f in to_hash))
+        digests, errors = hash_files(
+            root, to_hash, jobs=jobs,
+            spans={f: tensor_spans[f] for f in to_hash if f in tensor_spans},
+            scan={f: scan_spans[f] for f in to_hash if f in scan_spans},
+            git_sha1=lambda f: bool(expected.get(f) and not expected[f].sha256 and expected[f].git_sha1),
+            progress=progress,
+        )
+        for f, err in sorted(errors.items()):
+            issues.append(Issue("unreadable", f, str(err.strerror)))
+        for f, d in sorted(digests.items()):
+            report.files_hashed += 1
+            report.bytes_hashed += d.size
+            exp = expected.get(f)
+            tensor_issues = _tensor_hash_issues(f, d, manifest) if d.spans and manifest is not None else []
+            if exp is not None and not _digest_matches(d, exp) and f not in size_bad:
+                issue = _content_issue(f, exp, {"sha256": d.sha256, "git_sha1": d.git_sha1})
+                if d.spans and not tensor_issues:  # every tensor matched: the header or padding changed
+                    issue = Issue(issue.kind, f, "content differs outside the tensor data (header or padding)",
+                                  expected=issue.expected, actual=issue.actual)
+                issues.append(issue)
+            issues += tensor_issues
+            if d.flagged:
+                issues += _nan_issues(f, d.flagged, ckpt)
+            if cache is not None:
+                cache.record(f, stats[f], sha256=d.sha256, git_sha1=d.git_sha1,
+                             scan_ok=(not d.flagged) if f in scan_spans else None)
+    if to_scan:
+        for f, flagged in _scan_files(root, to_scan, scan_spans, jobs).items():
+            if isinstance(flagged, HashError):
+                issues.append(Issue("unreadable", f, str(flagged.strerror)))
+                continue
+            issues += _nan_issues(f, flagged, ckpt)
+            if cache is not None:
+                cache.record(f, stats[f], scan_ok=not flagged)
+
+    if cache is not None:
+        cache.save()
+    order = {k: i for i, k in enumerate(KINDS)}
+    report.issues = sorted(issues, key=lambda i: (order.get(i.kind, 99), i.file or "", i.tensor or ""))
+    report.seconds = round(time.perf_counter() - t0, 3)
+    return report
+
+
+def _structure_key(stats: dict[str, os.stat_result], manifest: Manifest | None, scan: bool) -> str:
+    h = hashlib.sha256()
+    for f in sorted(stats):
+        h.update(f"{f}\0{_stat_key(stats[f])}\n".encode())
+    if manifest is not None:
+        h.update(manifest.to_json().encode())
+    h.update(b"scan" if scan else b"noscan")
+    return h.hexdigest()
+
+
+def _structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue]:
+    from .summary import inspect_checkpoint
+
+    out = [Issue(p.kind, p.where if p.kind != "index" else None, p.message,
+                 tensor=p.where if p.kind == "index" else None) for p in ckpt.problems]
+    out += _path_issues(ckpt)
+    for f in inspect_checkpoint(ckpt).findings:
+        if f.severity != "error" or any(f.message == p.message for p in ckpt.problems):
+            continue
+        kind = "mxfp4" if "weight_packed" in f.where or "weight_scale" in f.message else "config"
+        out.append(Issue(kind, None, f"{f.where}: {f.message}"))
+    if manifest is not None:
+        out += _layout_issues(ckpt, manifest)
+    return out
+
+
+def _path_issues(ckpt: Checkpoint) -> list[Issue]:
+    """Shards that are symlinks leading out of the checkpoint (an HF cache snapshot's links into
+    its own ``blobs/`` are how the cache is built, and allowed)."""
+    out = []
+    root = ckpt.root.resolve()
+    allowed = [root]
+    if ckpt.source.layout == "hf-cache":
+        allowed.append((ckpt.root.parent.parent / "blobs").resolve())
+    for f in ckpt.shards:
+        p = ckpt.root / f
+        if not p.is_symlink():
+            continue
+        target = p.resolve()
+        if not any(target == a or a in target.parents for a in allowed):
+            out.append(Issue("path", f, f"is a symlink leading out of the checkpoint, to {target}"))
+    return out
+
+
+def _layout_issues(ckpt: Checkpoint, manifest: Manifest) -> list[Issue]:
+    """Tensors the manifest describes differently from the headers (or not at all)."""
+    actual = tensors_from_headers(ckpt.shards.values())
+    bad_files = {p.where for p in ckpt.problems if p.kind in ("header", "missing-file")}
+    out = []
+    for name in sorted(manifest.tensors.keys() - actual.keys()):
+        if manifest.tensors[name].file not in bad_files:
+            out.append(Issue("tensor-layout", manifest.tensors[name].file, "in the manifest but in no header", tensor=name))
+    for name in sorted(actual.keys() - manifest.tensors.keys()):
+        out.append(Issue("tensor-layout", actual[name].file, "in a header but not in the manifest", tensor=name))
+    for name in sorted(actual.keys() & manifest.tensors.keys()):
+        a, m = actual[name], manifest.tensors[name]
+        for attr in ("file", "dtype", "shape", "offsets"):
+            if getattr(a, attr) != getattr(m, attr):
+                out.append(Issue("tensor-layout", a.file, f"{attr} differs", tensor=name,
+                                 expected=str(getattr(m, attr)), actual=str(getattr(a, attr))))
+    return out
+
+
+def _scale_spans(ckpt: Checkpoint) -> dict[str, list[Span]]:
+    """E8M0 scale tensors (one byte per scale: 0xFF is NaN) by file."""
+    out: dict[str, list[Span]] = {}
+    for file, h in ckpt.shards.items():
+        ds = h.data_start
+        spans = [Span(n, ds + t.begin, ds + t.end) for n, t in h.tensors.items()
+                 if t.dtype in ("U8", "F8_E8M0") and (n.endswith(".weight_scale") or n.endswith("_scales"))]
+        if spans:
+            out[file] = spans
+    return out
+
+
+def _scan_files(root: Path, files: list[str], spans: dict[str, list[Span]], jobs: int | None) -> dict[str, Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(f: str) -> tuple[str, Any]:
+        try:
+            return f, scan_file(root / f, spans[f])
+        except HashError as e:
+            return f, e
+
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs or os.cpu_count() or 1, len(files)))) as ex:
+        return dict(ex.map(one, files))
+
+
+def _nan_issues(file: str, names: list[str], ckpt: Checkpoint) -> list[Issue]:
+    return [Issue("nan-scale", file, "E8M0 scale byte 0xFF (NaN): every weight of its 32-block decodes to NaN",
+                  tensor=n) for n in names]
+
+
+def _digest_matches(d: FileDigest, exp: Expected) -> bool:
+    if exp.sha256:
+        return d.sha256 == exp.sha256
+    return exp.git_sha1 is None or d.git_sha1 == exp.git_sha1
+
+
+def _cached_digest_known(hit: dict[str, Any], exp: Expected) -> bool:
+    return bool((exp.sha256 and hit.get("sha256")) or (not exp.sha256 and exp.git_sha1 and hit.get("git_sha1")))
+
+
+def _cached_digest_matches(hit: dict[str, Any], exp: Expected) -> bool:
+    if exp.sha256:
+        return hit.get("sha256") == exp.sha256
+    return bool(exp.git_sha1) and hit.get("git_sha1") == exp.git_sha1
+
+
+def _content_issue(f: str, exp: Expected, got: dict[str, Any]) -> Issue:
+    if exp.sha256:
+        return Issue("sha256", f, "content differs", expected=exp.sha256, actual=str(got.get("sha256")))
+    return Issue("sha256", f, "content differs (git blob id)", expected=exp.git_sha1, actual=str(got.get("git_sha1")))
+
+
+def _tensor_hash_issues(f: str, d: FileDigest, manifest: Manifest) -> list[Issue]:
+    out = []
+    for name, got in sorted((d.spans or {}).items()):
+        want = manifest.tensors[name].sha256
+        if want and got != want:
+            out.append(Issue("tensor-sha256", f, "tensor bytes differ", tensor=name, expected=want, actual=got))
+    return out
+
+
+def summarize_counts(report: VerifyReport) -> str:
+    counts = Counter(i.kind for i in report.problems)
+    return ", ".join(f"{n} {k}" for k, n in counts.items())
