@@ -140,12 +140,8 @@ class Checkpoint:
         return self.root / file
 
     def iter_files(self) -> Iterator[str]:
-        """Every regular file of the checkpoint, relative posix paths, sorted (hidden dirs skipped)."""
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            rel = Path(dirpath).relative_to(self.root)
-            for fn in sorted(filenames):
-                yield (rel / fn).as_posix() if rel.parts else fn
+        """Every file of the checkpoint: see :func:`iter_checkpoint_files`."""
+        return iter_checkpoint_files(self.root)
 
     # -- data --------------------------------------------------------------------------------
 
@@ -161,6 +157,17 @@ class Checkpoint:
         if raw.size != info.nbytes:
             raise IndexError_(f"{info.file}: tensor {name!r}: file is truncated ({raw.size} of {info.nbytes} bytes)")
         return raw.view(numpy_dtype(info.dtype)).reshape(info.shape)
+
+
+def iter_checkpoint_files(root: Path) -> Iterator[str]:
+    """Every file under ``root`` as a sorted relative posix path. Hidden directories (a local
+    dir's ``.cache/huggingface`` download metadata) are not part of the checkpoint; hidden files
+    such as ``.gitattributes`` are."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        rel = Path(dirpath).relative_to(root)
+        for fn in sorted(filenames):
+            yield (rel / fn).as_posix() if rel.parts else fn
 
 
 def numpy_dtype(dtype: str) -> "np.dtype":

@@ -27,6 +27,7 @@ Format ``k3ckpt-manifest`` version 1::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -72,6 +73,13 @@ class Manifest:
     tensors: dict[str, TensorEntry]
     source: dict[str, str] = field(default_factory=dict)
     tensor_hashes: bool = False
+    _fingerprint: str | None = field(default=None, repr=False, compare=False)
+
+    def fingerprint(self) -> str:
+        """sha256 of the serialized manifest (of the file's bytes, when it was loaded)."""
+        if self._fingerprint is None:
+            self._fingerprint = hashlib.sha256(self.to_json().encode()).hexdigest()
+        return self._fingerprint
 
     # -- (de)serialization ----------------------------------------------------------------
 
@@ -128,14 +136,17 @@ class Manifest:
     def load(cls, path: str | os.PathLike[str]) -> "Manifest":
         p = Path(path)
         try:
-            data = json.loads(p.read_bytes())
+            raw = p.read_bytes()
+            data = json.loads(raw)
         except FileNotFoundError:
             raise ManifestError(f"{p}: not found") from None
         except (OSError, UnicodeDecodeError) as e:
             raise ManifestError(f"{p}: cannot read ({e})") from None
         except json.JSONDecodeError as e:
             raise ManifestError(f"{p}: not valid JSON ({e})") from None
-        return cls.from_json(data, str(p))
+        m = cls.from_json(data, str(p))
+        m._fingerprint = hashlib.sha256(raw).hexdigest()
+        return m
 
     # -- queries --------------------------------------------------------------------------
 

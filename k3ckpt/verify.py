@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import Checkpoint, iter_checkpoint_files, open_checkpoint, resolve_root
 from .hashing import FileDigest, HashError, Span, hash_files, scan_file
 from .manifest import Manifest, tensors_from_headers
 
@@ -193,8 +193,7 @@ def verify_checkpoint(
         CheckpointNotFoundError, IndexError_: there is no checkpoint to verify (exit 2).
     """
     t0 = time.perf_counter()
-    ckpt = open_checkpoint(path, jobs=jobs, strict=False)
-    root = ckpt.root
+    root, _ = resolve_root(path)
     if manifest is not None:
         expected = {f: Expected(e.size, e.sha256) for f, e in manifest.files.items()}
         ref = reference or f"manifest {manifest_label or ''}".strip()
@@ -206,24 +205,32 @@ def verify_checkpoint(
         ref = "none (structure only)"
     report = VerifyReport(str(root), "quick" if quick else "full", ref)
     cache = StatCache(root, cache_directory) if use_cache else None
+    issues = report.issues
 
-    present = list(ckpt.iter_files())
+    present = list(iter_checkpoint_files(root))
     report.files = len(present)
     stats: dict[str, os.stat_result] = {}
     for f in present:
         try:
             stats[f] = os.stat(root / f)
         except OSError as e:
-            report.issues.append(Issue("unreadable", f, f"cannot stat ({e.strerror})"))
-    issues = report.issues
+            issues.append(Issue("unreadable", f, f"cannot stat ({e.strerror})"))
+    hits = {f: cache.lookup(f, st) for f, st in stats.items()} if cache is not None else {}
 
-    # -- structure: reuse the previous verdict when nothing it depends on changed ---------------
+    # In quick mode an unchanged directory (same stat for every file) keeps its previous
+    # structure verdict and scan results, so the headers need not even be parsed.
     structure_key = _structure_key(stats, manifest, scan)
-    cached = cache.structure if cache is not None else {}
-    if quick and cached.get("key") == structure_key:
-        issues += [Issue(**i) for i in cached.get("issues", [])]
+    reuse = (quick and cache is not None and cache.structure.get("key") == structure_key
+             and (not scan or all(h is not None and h.get("scan_ok") is not None for h in hits.values())))
+    ckpt: Checkpoint | None = None
+    if reuse:
+        assert cache is not None
+        issues += [Issue(**i) for i in cache.structure.get("issues", [])]
+        for f, h in sorted(hits.items()):
+            issues += _nan_issues(f, (h or {}).get("flagged") or [])
         report.structure_cached = True
     else:
+        ckpt = open_checkpoint(root, jobs=jobs, strict=False)
         structure = _structure_issues(ckpt, manifest)
         issues += structure
         if cache is not None:
@@ -243,11 +250,11 @@ def verify_checkpoint(
 
     # -- content ----------------------------------------------------------------------------------
     tensor_spans = manifest.spans_by_file() if manifest is not None and manifest.tensor_hashes else {}
-    scan_spans = _scale_spans(ckpt) if scan else {}
+    scan_spans = _scale_spans(ckpt) if scan and ckpt is not None else {}
     to_hash: list[str] = []
     to_scan: list[str] = []
     for f in sorted(stats):
-        hit = cache.lookup(f, stats[f]) if cache is not None else None
+        hit = hits.get(f)
         exp = expected.get(f)
         checkable = exp is not None and (exp.sha256 or exp.git_sha1) and (f not in size_bad or f in tensor_spans)
         if quick:
@@ -256,10 +263,16 @@ def verify_checkpoint(
                     report.files_trusted.append(f)
                 elif hit and _cached_digest_known(hit, exp):
                     issues.append(_content_issue(f, exp, hit))  # known bad, from the last full run
+                    for name, got in sorted((hit.get("bad_tensors") or {}).items()):
+                        want = manifest.tensors[name].sha256 if manifest and name in manifest.tensors else None
+                        issues.append(Issue("tensor-sha256", f, "tensor bytes differ", tensor=name, expected=want, actual=got))
                 else:
                     report.files_size_only.append(f)
-            if f in scan_spans and not (hit and hit.get("scan_ok") is True):
-                to_scan.append(f)
+            if ckpt is not None and scan:
+                if f in scan_spans and not (hit and hit.get("scan_ok") is True):
+                    to_scan.append(f)
+                elif f not in scan_spans and cache is not None:
+                    cache.record(f, stats[f], scan_ok=True, flagged=[])  # nothing to scan in it
         elif checkable or f in scan_spans:
             to_hash.append(f)
 
@@ -287,19 +300,19 @@ def verify_checkpoint(
                                   expected=issue.expected, actual=issue.actual)
                 issues.append(issue)
             issues += tensor_issues
-            if d.flagged:
-                issues += _nan_issues(f, d.flagged, ckpt)
+            issues += _nan_issues(f, d.flagged or [])
             if cache is not None:
                 cache.record(f, stats[f], sha256=d.sha256, git_sha1=d.git_sha1,
-                             scan_ok=(not d.flagged) if f in scan_spans else None)
+                             bad_tensors={i.tensor: i.actual for i in tensor_issues},
+                             **({"scan_ok": not d.flagged, "flagged": d.flagged or []} if scan else {}))
     if to_scan:
         for f, flagged in _scan_files(root, to_scan, scan_spans, jobs).items():
             if isinstance(flagged, HashError):
                 issues.append(Issue("unreadable", f, str(flagged.strerror)))
                 continue
-            issues += _nan_issues(f, flagged, ckpt)
+            issues += _nan_issues(f, flagged)
             if cache is not None:
-                cache.record(f, stats[f], scan_ok=not flagged)
+                cache.record(f, stats[f], scan_ok=not flagged, flagged=flagged)
 
     if cache is not None:
         cache.save()
@@ -314,7 +327,7 @@ def _structure_key(stats: dict[str, os.stat_result], manifest: Manifest | None, 
     for f in sorted(stats):
         h.update(f"{f}\0{_stat_key(stats[f])}\n".encode())
     if manifest is not None:
-        h.update(manifest.to_json().encode())
+        h.update(manifest.fingerprint().encode())
     h.update(b"scan" if scan else b"noscan")
     return h.hexdigest()
 
@@ -397,7 +410,7 @@ def _scan_files(root: Path, files: list[str], spans: dict[str, list[Span]], jobs
         return dict(ex.map(one, files))
 
 
-def _nan_issues(file: str, names: list[str], ckpt: Checkpoint) -> list[Issue]:
+def _nan_issues(file: str, names: list[str]) -> list[Issue]:
     return [Issue("nan-scale", file, "E8M0 scale byte 0xFF (NaN): every weight of its 32-block decodes to NaN",
                   tensor=n) for n in names]
 
