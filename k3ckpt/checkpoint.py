@@ -46,7 +46,7 @@ class Problem:
 
     where: str  # a file or tensor name
     message: str
-    kind: str = "index"  # "index" (index vs headers), "header" (malformed shard), "missing-file"
+    kind: str = "index"  # "index" (index vs headers), "header" (malformed shard), "missing-file", "path"
 
     def __str__(self) -> str:
         return f"{self.where}: {self.message}"
@@ -239,11 +239,13 @@ def _safe_relpath(root: Path, rel: str, what: str) -> str:
     return pp.as_posix()
 
 
-def read_index(root: Path) -> tuple[dict[str, str], str]:
+def read_index(root: Path, unsafe: list[str] | None = None) -> tuple[dict[str, str], str]:
     """``weight_map`` of ``model.safetensors.index.json``, or the single file's implied map.
 
     Returns ``(weight_map, index_file)``; for a single file the map is empty and filled from
-    its header by the caller.
+    its header by the caller. A shard path that is absolute or climbs out of ``root`` raises
+    :class:`IndexError_` - or, given an ``unsafe`` list, is appended there and its tensors left
+    out of the map.
     """
     index_path = root / INDEX_NAME
     if index_path.is_file():
@@ -259,9 +261,17 @@ def read_index(root: Path) -> tuple[dict[str, str], str]:
         for name, file in wm.items():
             if not isinstance(file, str):
                 raise IndexError_(f"{index_path}: tensor {name!r} maps to {file!r}, not a file name")
-        files = {f: _safe_relpath(root, f, str(index_path)) for f in set(wm.values())}
-        if any(f != norm for f, norm in files.items()):  # e.g. "./model-1.safetensors"
-            wm = {n: files[f] for n, f in wm.items()}
+        files: dict[str, str | None] = {}
+        for f in set(wm.values()):
+            try:
+                files[f] = _safe_relpath(root, f, str(index_path))
+            except IndexError_:
+                if unsafe is None:
+                    raise
+                unsafe.append(f)
+                files[f] = None
+        if any(f != norm for f, norm in files.items()):  # e.g. "./model-1.safetensors", or unsafe
+            wm = {n: files[f] for n, f in wm.items() if files[f] is not None}  # type: ignore[misc]
         return wm, INDEX_NAME
     if (root / SINGLE_NAME).is_file():
         return {}, SINGLE_NAME
@@ -311,17 +321,21 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool, 
     elif require_config:
         raise ConfigError(f"{root / CONFIG_NAME}: not found")
 
-    reader = HeaderReader(root, jobs)
+    reader = HeaderReader(root, jobs, tolerant=not strict)
+    unsafe: list[str] | None = None if strict else []
     try:
-        index_digests = reader.index_digests()
+        index_digests = reader.index_digests(unsafe)
         if index_digests is not None:
             weight_map: dict[str, str] | None = None
             index_file = INDEX_NAME
             files = sorted(index_digests)
         else:
-            weight_map, index_file = read_index(root)
+            weight_map, index_file = read_index(root, unsafe)
             files = sorted(set(weight_map.values())) if weight_map else [SINGLE_NAME]
-        problems: list[Problem] = []
+        problems: list[Problem] = [
+            Problem(f, f"{INDEX_NAME} names a shard path that is absolute or outside the checkpoint", "path")
+            for f in sorted(unsafe or [])
+        ]
         for f in list(files):
             if not (root / f).is_file():
                 if strict:
@@ -348,7 +362,7 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool, 
     has_index = index_file == INDEX_NAME
     if has_index and (index_digests is None or index_digests != header_digests):
         if weight_map is None:  # the digests disagree: parse here to say exactly where
-            weight_map, _ = read_index(root)
+            weight_map, _ = read_index(root, None if strict else [])
         skip = {p.where for p in problems if p.kind in ("header", "missing-file")}
         if skip:  # a shard we could not read is reported once, not once per tensor in it
             weight_map = {n: f for n, f in weight_map.items() if f not in skip}
@@ -382,7 +396,7 @@ class HeaderReader:
     for K3) index; :meth:`collect` then returns exactly the files the index names.
     """
 
-    def __init__(self, root: Path, jobs: int | None = None) -> None:
+    def __init__(self, root: Path, jobs: int | None = None, tolerant: bool = False) -> None:
         self.root = root
         self._futures: dict[str, Future] = {}
         self._pool: ProcessPoolExecutor | None = None
@@ -395,14 +409,20 @@ class HeaderReader:
         if workers > 1 and len(seen) >= PARALLEL_HEADER_MIN_FILES and "fork" in mp.get_all_start_methods():
             self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork"))
             if (root / INDEX_NAME).is_file():
-                self._index = self._pool.submit(_index_digests_job, str(root))
+                self._index = self._pool.submit(_index_digests_job, str(root), tolerant)
             for f in seen:
                 self._futures[f] = self._pool.submit(_header_columns_job, (str(root / f), f))
 
-    def index_digests(self) -> dict[str, tuple[int, int]] | None:
+    def index_digests(self, unsafe: list[str] | None = None) -> dict[str, tuple[int, int]] | None:
         """``{shard: names_digest}`` of the index, parsed by a worker; ``None`` when the index is
-        read in this process instead. Raises the worker's :class:`IndexError_`."""
-        return self._index.result() if self._index is not None else None
+        read in this process instead. Raises the worker's :class:`IndexError_`; in tolerant
+        mode unsafe shard paths are appended to ``unsafe`` instead."""
+        if self._index is None:
+            return None
+        digests, bad = self._index.result()
+        if unsafe is not None:
+            unsafe.extend(bad)
+        return digests
 
     def collect(
         self, files: list[str], errors: dict[str, SafetensorsHeaderError] | None = None
@@ -454,15 +474,17 @@ def _header_columns_job(args: tuple[str, str]) -> tuple[HeaderColumns, Inventory
     return cols, stats, names_digest(cols.names)
 
 
-def _index_digests_job(root: str) -> dict[str, tuple[int, int]]:
-    """Parse the index in a worker and send back only a fingerprint of each shard's names, so
-    the parent can prove agreement with the headers without re-parsing 60 MB of JSON."""
+def _index_digests_job(root: str, tolerant: bool) -> tuple[dict[str, tuple[int, int]], list[str]]:
+    """Parse the index in a worker and send back only a fingerprint of each shard's names (and
+    the unsafe shard paths, in tolerant mode), so the parent can prove agreement with the
+    headers without re-parsing 60 MB of JSON."""
     gc.disable()
-    weight_map, _ = read_index(Path(root))
+    unsafe: list[str] | None = [] if tolerant else None
+    weight_map, _ = read_index(Path(root), unsafe)
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(file, []).append(name)
-    return {f: names_digest(ns) for f, ns in by_file.items()}
+    return {f: names_digest(ns) for f, ns in by_file.items()}, unsafe or []
 
 
 

@@ -72,8 +72,8 @@ class Spy:
         original = HeaderReader.index_digests
         spy = self
 
-        def index_digests(reader: HeaderReader):
-            out = original(reader)
+        def index_digests(reader: HeaderReader, *args: object):
+            out = original(reader, *args)
             spy.calls.append(out)
             return out
 
