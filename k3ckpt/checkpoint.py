@@ -46,7 +46,7 @@ class Problem:
 
     where: str  # a file or tensor name
     message: str
-    kind: str = "index"  # "index" (index vs headers), "header" (malformed shard), "missing-file", "path"
+    kind: str = "index"  # "index" (index vs headers), "header" (malformed shard), "missing-file", "path", "config"
 
     def __str__(self) -> str:
         return f"{self.where}: {self.message}"
@@ -316,8 +316,14 @@ def open_checkpoint(
 def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool, strict: bool = True) -> Checkpoint:
     root, source = resolve_root(path)
     config: ModelConfig | None = None
+    config_problem: Problem | None = None
     if (root / CONFIG_NAME).is_file():
-        config = load_config(root / CONFIG_NAME)
+        try:
+            config = load_config(root / CONFIG_NAME)
+        except ConfigError as e:
+            if strict:
+                raise
+            config_problem = Problem(CONFIG_NAME, str(e).split(": ", 1)[-1], "config")
     elif require_config:
         raise ConfigError(f"{root / CONFIG_NAME}: not found")
 
@@ -335,7 +341,7 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool, 
         problems: list[Problem] = [
             Problem(f, f"{INDEX_NAME} names a shard path that is absolute or outside the checkpoint", "path")
             for f in sorted(unsafe or [])
-        ]
+        ] + ([config_problem] if config_problem else [])
         for f in list(files):
             if not (root / f).is_file():
                 if strict:

@@ -244,6 +244,38 @@ def manifest_build(path: str, output: str, tensor_hashes: bool, jobs: int | None
                     "bytes": m.total_bytes, "tensor_hashes": m.tensor_hashes, "source": m.source})
 
 
+@manifest.command("pull", context_settings=CONTEXT)
+@click.option("--source", "hub", required=True, type=click.Choice(["hf", "modelscope"]), help="Which hub.")
+@click.option("--repo", required=True, help="Repository id, e.g. moonshotai/Kimi-K3.")
+@click.option("--revision", help="Branch, tag or commit [default: main]; the manifest records the resolved commit.")
+@click.option("--endpoint", help="Hub endpoint [default: HF_ENDPOINT / MODELSCOPE_ENDPOINT, else the public hub].")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str),
+              help="Where to write the manifest (JSON).")
+@click.option("--jobs", type=click.IntRange(1), default=8, show_default=True, help="Concurrent header requests.")
+@click.option("--json", "as_json", is_flag=True, help="Print a summary as JSON.")
+@handle_errors
+def manifest_pull(hub: str, repo: str, revision: str | None, endpoint: str | None, output: str, jobs: int,
+                  as_json: bool) -> None:
+    """Build a manifest from hub metadata alone, before downloading anything.
+
+    Sizes and sha256 come from the hub API; each shard's safetensors header is fetched with
+    HTTP Range requests (length first, then the header), so a 1.56 TB checkpoint costs about
+    60 MB of traffic. Use it to plan, and to pin what a fleet verifies against.
+
+    \b
+    Examples:
+      k3ckpt manifest pull --source hf --repo moonshotai/Kimi-K3 -o kimi-k3.json
+      k3ckpt manifest pull --source modelscope --repo moonshotai/Kimi-K3 --revision master -o ms.json
+    """
+    from .manifest import pull_manifest
+
+    m = pull_manifest(hub, repo, revision, endpoint=endpoint, jobs=jobs)
+    m.save(output)
+    if as_json:
+        _emit_json({"output": output, "files": len(m.files), "tensors": len(m.tensors),
+                    "bytes": m.total_bytes, "source": m.source})
+
+
 @manifest.command("diff", context_settings=CONTEXT)
 @click.argument("a", type=click.Path(dir_okay=False, path_type=str))
 @click.argument("b", type=click.Path(dir_okay=False, path_type=str))

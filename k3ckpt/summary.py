@@ -258,7 +258,7 @@ def _findings(
                                f"{parts_per_expert[short[0]]})"))
     for (proj, part), shapes in sorted(routed_shapes.items()):
         if len(shapes) > 1:
-            out.append(Finding("error", f"experts {proj}.{part}", f"inconsistent shapes across experts: {sorted(shapes)[:3]}"))
+            out += _odd_shape_findings(ckpt, proj, part)
     _check_expert_widths(cfg, routed_shapes, out)
     for layer, projs in sorted(names_by_layer_proj.items()):
         if layer >= len(cfg.attention_kinds):
@@ -292,6 +292,19 @@ def _findings(
     return out
 
 
+def _odd_shape_findings(ckpt: Checkpoint, proj: str, part: str) -> list[Finding]:
+    """Routed-expert tensors whose shape differs from their siblings', by name (a slow scan, run
+    only when the signatures already show a disagreement)."""
+    names = [n for n, r in ckpt.roles.items() if r.kind == Kind.ROUTED_EXPERT and r.proj == proj and r.part == part]
+    counts = Counter(ckpt.tensors[n].shape for n in names)
+    usual = counts.most_common(1)[0][0]
+    odd = [n for n in names if ckpt.tensors[n].shape != usual]
+    more = f" ({len(odd)} such tensors; first shown)" if len(odd) > 1 else ""
+    first = odd[0]
+    return [Finding("error", first, f"shape {list(ckpt.tensors[first].shape)} differs from the other experts' "
+                                    f"{list(usual)}{more}")]
+
+
 def _check_expert_widths(cfg: Any, routed_shapes: dict[tuple[str, str], set[tuple[int, ...]]], out: list[Finding]) -> None:
     inter = cfg.moe_intermediate_size
     width = cfg.routed_expert_hidden_size or cfg.hidden_size
@@ -322,8 +335,9 @@ def _check_mx_pairs(ckpt: Checkpoint, out: list[Finding]) -> None:
         if not packed:
             continue
         for (pd, ps), n in packed.items():
-            sd, ss = next(iter(scale)) if len(scale) == 1 else (None, None)
-            problem = _mx_pair_problem(pd, ps, sd, ss) if sd else "has no single weight_scale shape to pair with"
+            # Against the usual scale shape: a single odd scale is named by _odd_shape_findings.
+            sd, ss = scale.most_common(1)[0][0] if scale else (None, None)
+            problem = _mx_pair_problem(pd, ps, sd, ss) if sd else "has no weight_scale"
             if problem or sum(scale.values()) != sum(packed.values()):
                 out.append(Finding("error", f"layer {layer} experts {proj}.weight_packed",
                                    problem or f"{sum(packed.values())} packed tensors but {sum(scale.values())} scales"))

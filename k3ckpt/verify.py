@@ -238,7 +238,8 @@ def verify_checkpoint(
 
     # -- file set and sizes -----------------------------------------------------------------------
     if expected:
-        for f in sorted(expected.keys() - set(present)):
+        already = {i.file for i in issues if i.kind == "missing-file"}  # named by the index check
+        for f in sorted(expected.keys() - set(present) - already):
             issues.append(Issue("missing-file", f, "listed in the reference but not present"))
         for f in sorted(set(present) - expected.keys()):
             issues.append(Issue("extra-file", f, "present but not in the reference"))
@@ -293,6 +294,8 @@ def verify_checkpoint(
             report.bytes_hashed += d.size
             exp = expected.get(f)
             tensor_issues = _tensor_hash_issues(f, d, manifest) if d.spans and manifest is not None else []
+            if f in size_bad:  # tensors wholly beyond the end of a short file: its size issue says it
+                tensor_issues = [i for i in tensor_issues if manifest.tensors[i.tensor].offsets[0] < d.size]
             if exp is not None and not _digest_matches(d, exp) and f not in size_bad:
                 issue = _content_issue(f, exp, {"sha256": d.sha256, "git_sha1": d.git_sha1})
                 if d.spans and not tensor_issues:  # every tensor matched: the header or padding changed
@@ -341,22 +344,27 @@ def _structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue
     for f in inspect_checkpoint(ckpt).findings:
         if f.severity != "error" or any(f.message == p.message for p in ckpt.problems):
             continue
-        kind = "mxfp4" if "weight_packed" in f.where or "weight_scale" in f.message else "config"
-        out.append(Issue(kind, None, f"{f.where}: {f.message}"))
+        mx = any(w in f.where or w in f.message for w in ("weight_packed", "weight_scale", "_blocks", "_scales"))
+        kind = "mxfp4" if mx else "config"
+        t = ckpt.tensors.get(f.where)
+        if t is not None:  # the finding names one tensor: say which file holds it
+            out.append(Issue(kind, t.file, f.message, tensor=f.where))
+        else:
+            out.append(Issue(kind, None, f"{f.where}: {f.message}"))
     if manifest is not None:
         out += _layout_issues(ckpt, manifest)
     return out
 
 
 def _path_issues(ckpt: Checkpoint) -> list[Issue]:
-    """Shards that are symlinks leading out of the checkpoint (an HF cache snapshot's links into
+    """Files that are symlinks leading out of the checkpoint (an HF cache snapshot's links into
     its own ``blobs/`` are how the cache is built, and allowed)."""
     out = []
     root = ckpt.root.resolve()
     allowed = [root]
     if ckpt.source.layout == "hf-cache":
         allowed.append((ckpt.root.parent.parent / "blobs").resolve())
-    for f in ckpt.shards:
+    for f in ckpt.iter_files():
         p = ckpt.root / f
         if not p.is_symlink():
             continue
