@@ -396,7 +396,8 @@ def _ranges(nums: list[int]) -> str:
 def render_text(rep: InspectReport, *, show_layers: bool = False) -> str:
     lines = [f"checkpoint   {rep.path}"]
     if rep.source.get("repo") or rep.source.get("revision"):
-        lines.append(f"source       {rep.source.get('repo', '?')} @ {rep.source.get('revision', '?')} ({rep.source.get('layout')})")
+        what = " @ ".join(x for x in (rep.source.get("repo"), rep.source.get("revision")) if x)
+        lines.append(f"source       {what} ({rep.source.get('layout')})")
     lines.append(f"architecture {', '.join(rep.architectures) or '?'}  (model_type {rep.model_type or '?'}"
                  + (f", text {rep.text_model_type}" if rep.text_model_type and rep.text_model_type != rep.model_type else "")
                  + f"; family {rep.family})")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job, end to end, on an embedded default: synthesize a K3-shaped checkpoint and look
-# inside it, then do the same for the full-size K3 inventory (headers only, sparse files).
-# Later stages (fetch from a loopback hub, verify, reshard, preflight) join as they land.
+# The main job, end to end, on an embedded default: a synthetic K3-shaped checkpoint published
+# on a loopback hub (127.0.0.1 only), pinned, downloaded, verified and inspected on a "node";
+# then the full-size K3 inventory (headers only, sparse files) inspected and re-verified.
+# Stages join as their commands land: fetch, reshard and preflight come next.
 #
 # Usage: scripts/demo.sh [WORK_DIR]        (default: work/demo; re-runs reuse what is there)
 set -euo pipefail
@@ -10,8 +11,12 @@ source scripts/venv.sh
 ensure_venv ""
 
 WORK="$(mkdir -p "${1:-work/demo}" && cd "${1:-work/demo}" && pwd)"
-SMALL="$WORK/k3-small"
+HUBDIR="$WORK/hub/Kimi-K3"          # what the (loopback) hub serves
+NODE="$WORK/node/Kimi-K3"           # what a node downloads
 FULL="$WORK/k3-full"
+MANIFEST="$WORK/kimi-k3.manifest.json"
+REPO="moonshotai/Kimi-K3"
+export K3CKPT_CACHE_DIR="$WORK/cache" HF_HUB_DISABLE_XET=1 HF_HUB_DISABLE_TELEMETRY=1 HF_HOME="$WORK/hf-home"
 step() { printf '\n== %s\n' "$*"; }
 
 synth_once() {  # synth_once DIR ARGS...: skip when a previous run completed it
@@ -24,24 +29,50 @@ synth_once() {  # synth_once DIR ARGS...: skip when a previous run completed it
   fi
 }
 
-step "1. synthesize k3-small (~1 GB, MXFP4 experts quantized with the OCP rule)"
-synth_once "$SMALL" --preset k3-small
+step "1. synthesize k3-small (~1 GB; MXFP4 experts quantized with the OCP rule) as the hub's copy"
+mkdir -p "$(dirname "$HUBDIR")"
+synth_once "$HUBDIR" --preset k3-small
 
-step "2. inspect k3-small"
-k3ckpt inspect "$SMALL" --layers
+step "2. serve it on a loopback hub (Hugging Face + ModelScope APIs, 127.0.0.1 only)"
+HUB_LOG="$WORK/hub.log"
+python -m k3ckpt.testing.hub "$HUBDIR" --repo "$REPO" --port 0 --cache-dir "$WORK/hub-cache" > "$HUB_LOG" 2>&1 &
+HUB_PID=$!
+trap 'kill $HUB_PID 2>/dev/null || true' EXIT
+for _ in $(seq 1 300); do grep -q '^Serving on' "$HUB_LOG" 2>/dev/null && break; sleep 0.1; done
+HF_ENDPOINT="$(sed -n 's/^Serving on //p' "$HUB_LOG")"
+[ -n "$HF_ENDPOINT" ] || { cat "$HUB_LOG" >&2; echo "demo: the loopback hub did not start" >&2; exit 2; }
+export HF_ENDPOINT MODELSCOPE_ENDPOINT="$HF_ENDPOINT"
+echo "hub at $HF_ENDPOINT serving $REPO"
 
-step "3. synthesize the full K3 inventory, headers only (1.56 TB apparent, sparse)"
+step "3. pin a manifest from hub metadata alone (sizes, sha256, shard headers by Range requests)"
+k3ckpt manifest pull --source hf --repo "$REPO" -o "$MANIFEST" --json
+
+step "4. download to the node (the real huggingface_hub client, until 'k3ckpt fetch' lands)"
+hf download "$REPO" --local-dir "$NODE" --quiet >/dev/null 2>"$WORK/hf-download.log" \
+  || { cat "$WORK/hf-download.log" >&2; exit 2; }
+echo "downloaded to $NODE"
+
+step "5. verify the node's copy against the pinned manifest (structure + every sha256)"
+k3ckpt verify "$NODE" --manifest "$MANIFEST"
+
+step "6. verify again against the hub's own listing, then --quick from the stat cache"
+k3ckpt verify "$NODE" --against hf --repo "$REPO"
+k3ckpt verify "$NODE" --manifest "$MANIFEST" --quick
+
+step "7. inspect the node's copy"
+k3ckpt inspect "$NODE" --layers
+
+step "8. the full K3 inventory, headers only (96 shards, ~497k tensors, 1.56 TB apparent, sparse)"
 synth_once "$FULL" --preset k3-full --headers-only
-
-step "4. inspect the full inventory (headers of 96 shards, ~497k tensors)"
-start=$(date +%s.%N)
 k3ckpt inspect "$FULL"
-end=$(date +%s.%N)
-printf 'inspected in %.1f s\n' "$(echo "$end - $start" | bc 2>/dev/null || python3 -c "print($end - $start)")"
+k3ckpt verify "$FULL" --quick >/dev/null || true   # first run: parses every header, fills the cache
+k3ckpt verify "$FULL" --quick                       # unchanged: seconds
 
 step "done"
 cat <<EOT
-k3-small checkpoint     $SMALL ($(du -sh "$SMALL" | cut -f1) on disk)
-k3-full (headers only)  $FULL ($(du -sh "$FULL" | cut -f1) on disk, $(du -sh --apparent-size "$FULL" | cut -f1) apparent)
-machine-readable report: k3ckpt inspect $SMALL --json
+hub's copy              $HUBDIR ($(du -sh "$HUBDIR" | cut -f1))
+node's copy             $NODE
+pinned manifest         $MANIFEST
+k3-full (headers only)  $FULL ($(du -shL "$FULL" | cut -f1) on disk, $(du -shL --apparent-size "$FULL" | cut -f1) apparent)
+stat cache              $K3CKPT_CACHE_DIR
 EOT
