@@ -30,9 +30,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import K3ckptError
@@ -51,15 +51,15 @@ class ManifestHashError(K3ckptError):
     """Files could not be read while building a manifest."""
 
 
-@dataclass(frozen=True)
-class FileEntry:
+class FileEntry(NamedTuple):
+    # Named tuples, not dataclasses: a K3 manifest has ~497k tensors, and tuples are built and
+    # compared in C.
     size: int
     sha256: str | None  # None only in manifests pulled from a hub that does not publish it
     data_start: int | None = None  # safetensors files: where the data buffer begins
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
     file: str
     dtype: str
     shape: tuple[int, ...]
@@ -242,7 +242,7 @@ def build_manifest(
         raise ManifestHashError(f"{ckpt.root / first}: {errors[first].strerror}"
                                 + (f" (and {len(errors) - 1} more files)" if len(errors) > 1 else ""))
     if tensor_hashes:
-        tensors = {n: replace(t, sha256=(digests[t.file].spans or {})[n]) for n, t in tensors.items()}
+        tensors = {n: t._replace(sha256=(digests[t.file].spans or {})[n]) for n, t in tensors.items()}
     entries = {
         f: FileEntry(d.size, d.sha256, ckpt.shards[f].data_start if f in ckpt.shards else None)
         for f, d in digests.items()

@@ -24,6 +24,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -222,24 +223,10 @@ def verify_checkpoint(
     structure_key = _structure_key(stats, manifest, scan)
     reuse = (quick and cache is not None and cache.structure.get("key") == structure_key
              and (not scan or all(h is not None and h.get("scan_ok") is not None for h in hits.values())))
-    ckpt: Checkpoint | None = None
-    if reuse:
-        assert cache is not None
-        issues += [Issue(**i) for i in cache.structure.get("issues", [])]
-        for f, h in sorted(hits.items()):
-            issues += _nan_issues(f, (h or {}).get("flagged") or [])
-        report.structure_cached = True
-    else:
-        ckpt = open_checkpoint(root, jobs=jobs, strict=False)
-        structure = _structure_issues(ckpt, manifest)
-        issues += structure
-        if cache is not None:
-            cache.structure = {"key": structure_key, "issues": [asdict(i) for i in structure]}
 
     # -- file set and sizes -----------------------------------------------------------------------
     if expected:
-        already = {i.file for i in issues if i.kind == "missing-file"}  # named by the index check
-        for f in sorted(expected.keys() - set(present) - already):
+        for f in sorted(expected.keys() - set(present)):
             issues.append(Issue("missing-file", f, "listed in the reference but not present"))
         for f in sorted(set(present) - expected.keys()):
             issues.append(Issue("extra-file", f, "present but not in the reference"))
@@ -248,18 +235,70 @@ def verify_checkpoint(
         if stats[f].st_size != expected[f].size:
             size_bad.add(f)
             issues.append(Issue("size", f, "size differs", expected=str(expected[f].size), actual=str(stats[f].st_size)))
-
-    # -- content ----------------------------------------------------------------------------------
     tensor_spans = manifest.spans_by_file() if manifest is not None and manifest.tensor_hashes else {}
-    scan_spans = _scale_spans(ckpt) if scan and ckpt is not None else {}
-    to_hash: list[str] = []
-    to_scan: list[str] = []
-    for f in sorted(stats):
-        hit = hits.get(f)
+
+    def checkable(f: str) -> bool:
         exp = expected.get(f)
-        checkable = exp is not None and (exp.sha256 or exp.git_sha1) and (f not in size_bad or f in tensor_spans)
-        if quick:
-            if checkable:
+        return bool(exp is not None and (exp.sha256 or exp.git_sha1) and (f not in size_bad or f in tensor_spans))
+
+    # -- full mode: hash in the background while the structure is checked -------------------------
+    ckpt: Checkpoint | None = None
+    hashing: Future | None = None
+    scan_spans: dict[str, list[Span]] = {}
+    spans_from_manifest = False
+    if not quick:
+        if scan and manifest is not None:
+            # The manifest says where the scales are, so hashing need not wait for the headers;
+            # where the headers disagree with it, the scan is redone from the headers below.
+            scan_spans, spans_from_manifest = _manifest_scale_spans(manifest), True
+        elif scan:
+            ckpt = open_checkpoint(root, jobs=jobs, strict=False)
+            scan_spans = _scale_spans(ckpt)
+        to_hash = [f for f in sorted(stats) if checkable(f) or f in scan_spans]
+        if to_hash:
+            if on_plan is not None:
+                on_plan(sum(stats[f].st_size for f in to_hash))
+            pool = ThreadPoolExecutor(max_workers=1)
+            hashing = pool.submit(
+                hash_files, root, to_hash, jobs=jobs,
+                spans={f: tensor_spans[f] for f in to_hash if f in tensor_spans},
+                scan={f: scan_spans[f] for f in to_hash if f in scan_spans},
+                git_sha1=lambda f: bool(expected.get(f) and not expected[f].sha256 and expected[f].git_sha1),
+                progress=progress,
+            )
+            pool.shutdown(wait=False)
+
+    # -- structure: reuse the previous verdict when nothing it depends on changed ---------------
+    if reuse:
+        assert cache is not None
+        structure = [Issue(**i) for i in cache.structure.get("issues", [])]
+        for f, h in sorted(hits.items()):
+            structure += _nan_issues(f, (h or {}).get("flagged") or [])
+        report.structure_cached = True
+    else:
+        ckpt = ckpt or open_checkpoint(root, jobs=jobs, strict=False)
+        structure = _structure_issues(ckpt, manifest)
+        if cache is not None:
+            cache.structure = {"key": structure_key, "issues": [asdict(i) for i in structure]}
+    named = {i.file for i in structure if i.kind == "missing-file"}  # the index check named them once
+    issues[:] = [i for i in issues if not (i.kind == "missing-file" and i.file in named)] + structure
+    header_scan_spans = _scale_spans(ckpt) if scan and ckpt is not None else {}
+    rescan: list[str] = []
+    unscanned: set[str] = set()
+    if spans_from_manifest:  # the scan followed the manifest: keep it only where the headers agree
+        disagree = {f for f in set(scan_spans) | set(header_scan_spans)
+                    if scan_spans.get(f, []) != header_scan_spans.get(f, []) and f in stats}
+        rescan = sorted(disagree & header_scan_spans.keys())  # unreadable headers: nothing to scan by
+        unscanned = disagree - header_scan_spans.keys()
+
+    # -- quick mode: trust the stat cache ---------------------------------------------------------
+    to_scan: list[str] = list(rescan)
+    if quick:
+        for f in sorted(stats):
+            hit = hits.get(f)
+            exp = expected.get(f)
+            if checkable(f):
+                assert exp is not None
                 if hit and _cached_digest_matches(hit, exp):
                     report.files_trusted.append(f)
                 elif hit and _cached_digest_known(hit, exp):
@@ -270,23 +309,13 @@ def verify_checkpoint(
                 else:
                     report.files_size_only.append(f)
             if ckpt is not None and scan:
-                if f in scan_spans and not (hit and hit.get("scan_ok") is True):
+                if f in header_scan_spans and not (hit and hit.get("scan_ok") is True):
                     to_scan.append(f)
-                elif f not in scan_spans and cache is not None:
+                elif f not in header_scan_spans and cache is not None:
                     cache.record(f, stats[f], scan_ok=True, flagged=[])  # nothing to scan in it
-        elif checkable or f in scan_spans:
-            to_hash.append(f)
 
-    if to_hash:
-        if on_plan is not None:
-            on_plan(sum(stats[f].st_size for f in to_hash))
-        digests, errors = hash_files(
-            root, to_hash, jobs=jobs,
-            spans={f: tensor_spans[f] for f in to_hash if f in tensor_spans},
-            scan={f: scan_spans[f] for f in to_hash if f in scan_spans},
-            git_sha1=lambda f: bool(expected.get(f) and not expected[f].sha256 and expected[f].git_sha1),
-            progress=progress,
-        )
+    if hashing is not None:
+        digests, errors = hashing.result()
         for f, err in sorted(errors.items()):
             issues.append(Issue("unreadable", f, str(err.strerror)))
         for f, d in sorted(digests.items()):
@@ -303,13 +332,15 @@ def verify_checkpoint(
                                   expected=issue.expected, actual=issue.actual)
                 issues.append(issue)
             issues += tensor_issues
-            issues += _nan_issues(f, d.flagged or [])
+            scanned = scan and f not in rescan and f not in unscanned  # else the rescan decides
+            if scanned:
+                issues += _nan_issues(f, d.flagged or [])
             if cache is not None:
                 cache.record(f, stats[f], sha256=d.sha256, git_sha1=d.git_sha1,
                              bad_tensors={i.tensor: i.actual for i in tensor_issues},
-                             **({"scan_ok": not d.flagged, "flagged": d.flagged or []} if scan else {}))
+                             **({"scan_ok": not d.flagged, "flagged": d.flagged or []} if scanned else {}))
     if to_scan:
-        for f, flagged in _scan_files(root, to_scan, scan_spans, jobs).items():
+        for f, flagged in _scan_files(root, to_scan, header_scan_spans, jobs).items():
             if isinstance(flagged, HashError):
                 issues.append(Issue("unreadable", f, str(flagged.strerror)))
                 continue
@@ -377,6 +408,9 @@ def _path_issues(ckpt: Checkpoint) -> list[Issue]:
 def _layout_issues(ckpt: Checkpoint, manifest: Manifest) -> list[Issue]:
     """Tensors the manifest describes differently from the headers (or not at all)."""
     actual = tensors_from_headers(ckpt.shards.values())
+    expected = {n: t._replace(sha256=None) for n, t in manifest.tensors.items()}
+    if actual == expected:  # compared in C: the common case costs no per-tensor Python
+        return []
     bad_files = {p.where for p in ckpt.problems if p.kind in ("header", "missing-file")}
     out = []
     for name in sorted(manifest.tensors.keys() - actual.keys()):
@@ -399,15 +433,30 @@ def _scale_spans(ckpt: Checkpoint) -> dict[str, list[Span]]:
     for file, h in ckpt.shards.items():
         ds = h.data_start
         spans = [Span(n, ds + t.begin, ds + t.end) for n, t in h.tensors.items()
-                 if t.dtype in ("U8", "F8_E8M0") and (n.endswith(".weight_scale") or n.endswith("_scales"))]
+                 if t.dtype in _E8M0_DTYPES and n.endswith(_SCALE_SUFFIXES)]
         if spans:
-            out[file] = spans
+            out[file] = sorted(spans, key=_span_start)
     return out
 
 
-def _scan_files(root: Path, files: list[str], spans: dict[str, list[Span]], jobs: int | None) -> dict[str, Any]:
-    from concurrent.futures import ThreadPoolExecutor
+def _manifest_scale_spans(manifest: Manifest) -> dict[str, list[Span]]:
+    """:func:`_scale_spans` as the manifest describes them, in the same order."""
+    out: dict[str, list[Span]] = {}
+    for n, t in manifest.tensors.items():
+        if t.dtype in _E8M0_DTYPES and n.endswith(_SCALE_SUFFIXES):
+            out.setdefault(t.file, []).append(Span(n, *t.offsets))
+    return {f: sorted(v, key=_span_start) for f, v in out.items()}
 
+
+_E8M0_DTYPES = ("U8", "F8_E8M0")
+_SCALE_SUFFIXES = (".weight_scale", "_scales")
+
+
+def _span_start(s: Span) -> int:
+    return s.start
+
+
+def _scan_files(root: Path, files: list[str], spans: dict[str, list[Span]], jobs: int | None) -> dict[str, Any]:
     def one(f: str) -> tuple[str, Any]:
         try:
             return f, scan_file(root / f, spans[f])

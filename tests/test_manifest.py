@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -135,7 +134,7 @@ def test_without_tensor_hashes_tensors_carry_no_sha256(k3_tiny: Path) -> None:
     assert all(t.sha256 is None for t in m.tensors.values())
     with_hashes = build_manifest(k3_tiny, tensor_hashes=True)
     assert m.files == with_hashes.files  # file hashes do not depend on the option
-    assert {n: replace(t, sha256=None) for n, t in with_hashes.tensors.items()} == m.tensors
+    assert {n: t._replace(sha256=None) for n, t in with_hashes.tensors.items()} == m.tensors
 
 
 def test_build_is_deterministic_sorted_and_one_entry_per_line(k3_tiny: Path, tmp_path: Path) -> None:

@@ -779,3 +779,18 @@ def test_nan_written_into_a_hole_of_a_sparse_headers_only_checkpoint(tmp_path: P
     for quick in (True, False):  # quick: scan_file skipping holes (SEEK_DATA); full: the hashing read
         rep = verify(d, tmp_path, use_cache=False, quick=quick)
         assert summary(rep.issues) == [("nan-scale", f, SCALE)], quick
+
+
+def test_nan_scan_follows_the_headers_when_the_manifest_layout_disagrees(ckpt: Path, tmp_path: Path, manifests) -> None:
+    """Full verify scans scales at the manifest's offsets while hashing; where the headers say
+    otherwise, the scan is redone from the headers, so a NaN is named where it really is."""
+    m = manifests["tensors"]
+    twin = L3_SCALE.replace("experts.5.", "experts.6.")
+    # The manifest swaps where two same-shaped scales are: a layout disagreement.
+    fake = Manifest(dict(m.files), {**m.tensors, L3_SCALE: m.tensors[twin], twin: m.tensors[L3_SCALE]},
+                    dict(m.source), m.tensor_hashes)
+    f, start, _ = tensor_range(ckpt, L3_SCALE)
+    patch(ckpt / f, start + 3, 0xFF)
+    rep = verify(ckpt, tmp_path, manifest=fake)
+    assert summary(of_kind(rep, "nan-scale")) == [("nan-scale", f, L3_SCALE)]
+    assert {i.tensor for i in of_kind(rep, "tensor-layout")} == {L3_SCALE, twin}
