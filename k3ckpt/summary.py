@@ -260,6 +260,7 @@ def _findings(
         if len(shapes) > 1:
             out += _odd_shape_findings(ckpt, proj, part)
     _check_expert_widths(cfg, routed_shapes, out)
+    _check_layer_completeness(ckpt, cfg, set(cfg.moe_layers), out)
     for layer, projs in sorted(names_by_layer_proj.items()):
         if layer >= len(cfg.attention_kinds):
             continue
@@ -290,6 +291,32 @@ def _findings(
         out.append(Finding("error", "config.json", f"quantization_config says {quant} but no FP8 tensors are present"))
     _check_mx_pairs(ckpt, out)
     return out
+
+
+def _check_layer_completeness(ckpt: Checkpoint, cfg: Any, moe: set[int], out: list[Finding]) -> None:
+    """Every layer has the full set of (non-expert) tensors its siblings have: layers of the same
+    attention kind and MLP kind are compared, and what most of them hold is the expected set."""
+    held: dict[int, set[tuple[str, str, str]]] = defaultdict(set)
+    for (layer, kind, part, proj, *_), _n in ckpt.stats.signatures.items():
+        if layer is not None and kind != Kind.ROUTED_EXPERT and layer < cfg.num_layers:
+            held[layer].add((kind, proj or "", part))
+    groups: dict[tuple[str, bool], list[int]] = defaultdict(list)
+    for layer in range(cfg.num_layers):
+        attn = cfg.attention_kinds[layer] if layer < len(cfg.attention_kinds) else "?"
+        groups[(attn, layer in moe)].append(layer)
+    for (attn, is_moe), layers in sorted(groups.items()):
+        if len(layers) < 3:
+            continue  # no majority to speak of
+        counts = Counter(item for layer in layers for item in held.get(layer, ()))
+        expected = {item for item, n in counts.items() if n * 2 > len(layers)}
+        for layer in layers:
+            missing = sorted(expected - held.get(layer, set()))
+            if missing:
+                kind, proj, part = missing[0]
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                out.append(Finding("error", f"layer {layer}",
+                                   f"lacks {proj}.{part} ({kind}) that the other {attn.upper()} "
+                                   f"{'MoE' if is_moe else 'dense'} layers have{more}"))
 
 
 def _odd_shape_findings(ckpt: Checkpoint, proj: str, part: str) -> list[Finding]:

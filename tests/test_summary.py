@@ -156,3 +156,15 @@ def test_text_rendering_and_layer_table(k3_tiny: Path) -> None:
     assert "KDA 3 [0-2], MLA 2 [3-4]" in text
     table = [line for line in text.splitlines() if line.strip().startswith(("0 ", "1 ", "4 "))]
     assert len(table) == 3 and "dense" in table[0] and "moe" in table[1]
+
+
+def test_layer_missing_a_tensor_its_siblings_have(tmp_path: Path) -> None:
+    """A tensor absent from both the header and the index is caught by comparing the layer with
+    its siblings (same attention kind, same MLP kind)."""
+    from k3ckpt.synth import spec_from_preset, synthesize
+
+    root = synthesize(spec_from_preset("k3-tiny", num_layers=8, num_experts=4, experts_per_token=2), tmp_path / "c").path
+    assert not inspect_checkpoint(open_checkpoint(root)).findings
+    _rewrite_shard_without(root, {"language_model.model.layers.5.self_attn.q_proj.weight"})
+    msgs = _messages(root)
+    assert msgs == ["ERROR layer 5: lacks q_proj.weight (attention) that the other KDA MoE layers have"]
