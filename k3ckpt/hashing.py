@@ -17,9 +17,10 @@ import hashlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 #: Read size per call. Large enough that syscall and GIL hand-offs vanish next to hashing.
 BUFFER_BYTES = int(os.environ.get("K3CKPT_HASH_BUFFER", 16 * 1024 * 1024))
@@ -74,15 +75,11 @@ def hash_file(
     whole = hashlib.sha256()
     ordered = sorted(spans, key=lambda s: s.start)
     span_hashers = [hashlib.sha256() for _ in ordered]
-    scanning = _Cursor(sorted(scan, key=lambda s: s.start))
-    hashing = _Cursor(ordered)
+    scan_cursor = _Cursor(sorted(scan, key=lambda s: s.start))
+    hash_cursor = _Cursor(ordered)
     flagged: set[str] = set()
     blob = None
-    try:
-        fd = os.open(p, os.O_RDONLY)
-    except OSError as e:
-        raise HashError(e.errno, f"cannot open: {e.strerror}", p) from None
-    try:
+    with _reading(p) as fd:
         size = os.fstat(fd).st_size
         if git_sha1:
             blob = hashlib.sha1(b"blob %d\0" % size)
@@ -99,22 +96,16 @@ def hash_file(
                 if blob is not None:
                     blob.update(chunk)
                 end = pos + n
-                for k, lo, hi in hashing.overlapping(pos, end):
+                for k, lo, hi in hash_cursor.overlapping(pos, end):
                     span_hashers[k].update(chunk[lo - pos: hi - pos])
-                for k, lo, hi in scanning.overlapping(pos, end):
+                for k, lo, hi in scan_cursor.overlapping(pos, end):
                     if buf.find(needle, lo - pos, hi - pos) >= 0:
-                        flagged.add(scanning.spans[k].name)
+                        flagged.add(scan_cursor.spans[k].name)
                 pos = end
                 if progress is not None:
                     progress(n)
         if pos != size:
             raise HashError(0, f"read {pos} bytes but the file is {size} (changed while hashing?)", p)
-    except OSError as e:
-        if isinstance(e, HashError):
-            raise
-        raise HashError(e.errno, f"read failed: {e.strerror}", p) from None
-    finally:
-        os.close(fd)
     return FileDigest(
         path=rel if rel is not None else os.path.basename(p),
         size=size,
@@ -154,12 +145,8 @@ def scan_file(path: str | os.PathLike[str], spans: Sequence[Span], needle: bytes
         HashError: the file cannot be read.
     """
     p = os.fspath(path)
-    try:
-        fd = os.open(p, os.O_RDONLY)
-    except OSError as e:
-        raise HashError(e.errno, f"cannot open: {e.strerror}", p) from None
     found = []
-    try:
+    with _reading(p) as fd:
         size = os.fstat(fd).st_size
         data = _data_segments(fd, size) if needle != b"\x00" else [(0, size)]
         for s in sorted(spans, key=lambda s: s.start):
@@ -178,13 +165,24 @@ def scan_file(path: str | os.PathLike[str], spans: Sequence[Span], needle: bytes
                     a += n
                 if found and found[-1] == s.name:
                     break
+    return found
+
+
+@contextmanager
+def _reading(path: str) -> Iterator[int]:
+    """An fd open for reading; any OSError on the way becomes a :class:`HashError` naming the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
     except OSError as e:
-        if isinstance(e, HashError):
-            raise
-        raise HashError(e.errno, f"read failed: {e.strerror}", p) from None
+        raise HashError(e.errno, f"cannot open: {e.strerror}", path) from None
+    try:
+        yield fd
+    except HashError:
+        raise
+    except OSError as e:
+        raise HashError(e.errno, f"read failed: {e.strerror}", path) from None
     finally:
         os.close(fd)
-    return found
 
 
 def _data_segments(fd: int, size: int) -> list[tuple[int, int]]:
@@ -219,7 +217,6 @@ def hash_files(
     scan: dict[str, Sequence[Span]] | None = None,
     git_sha1: Callable[[str], bool] | None = None,
     progress: Progress | None = None,
-    on_done: Callable[[FileDigest], None] | None = None,
 ) -> tuple[dict[str, FileDigest], dict[str, HashError]]:
     """Hash ``files`` (relative to ``root``) with ``jobs`` threads, largest first.
 
@@ -253,8 +250,6 @@ def hash_files(
             return
         with lock:
             digests[f] = d
-        if on_done is not None:
-            on_done(d)
 
     if workers == 1:
         for f in todo:

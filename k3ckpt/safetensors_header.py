@@ -17,7 +17,6 @@ import json
 import math
 import operator
 import os
-import re
 import struct
 from dataclasses import dataclass, field
 from functools import partial

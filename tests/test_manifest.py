@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from click.testing import CliRunner
@@ -29,8 +28,9 @@ from k3ckpt.manifest import (
     build_manifest,
     diff_manifests,
 )
-from k3ckpt.safetensors_header import TensorSpec, build_header, read_header
 from k3ckpt.verify import verify_checkpoint
+
+from ckpt_edit import edit_index, flip_byte, rewrite_shard
 
 INDEX = "model.safetensors.index.json"
 LAYER1_EXPERT3 = "language_model.model.layers.1.block_sparse_moe.experts.3."
@@ -51,36 +51,6 @@ def sha256_file(p: Path) -> str:
 
 def shard_of(root: Path, tensor: str) -> str:
     return open_checkpoint(root).tensors[tensor].file
-
-
-def shard_tensors(path: Path) -> tuple[dict[str, str], list[list]]:
-    """``(metadata, [[name, dtype, shape, bytes], ...])`` in data order."""
-    h = read_header(path)
-    data = path.read_bytes()
-    ts = [[n, t.dtype, tuple(t.shape), data[h.data_start + t.begin: h.data_start + t.end]]
-          for n, t in sorted(h.tensors.items(), key=lambda kv: kv[1].begin)]
-    return h.metadata, ts
-
-
-def rewrite_shard(path: Path, mutate: Callable[[list[list]], list[list]]) -> None:
-    """Rewrite a shard through the library's header writer, after ``mutate`` on its tensors."""
-    metadata, ts = shard_tensors(path)
-    ts = mutate(ts)
-    prefix, _ = build_header([TensorSpec(n, d, s) for n, d, s, _ in ts], metadata or None)
-    path.write_bytes(prefix + b"".join(t[3] for t in ts))
-
-
-def edit_index(root: Path, mutate: Callable[[dict[str, str]], None]) -> None:
-    p = root / INDEX
-    data = json.loads(p.read_text())
-    mutate(data["weight_map"])
-    p.write_text(json.dumps(data, indent=2))
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    b = bytearray(path.read_bytes())
-    b[offset] ^= 0x01
-    path.write_bytes(bytes(b))
 
 
 # -- build --------------------------------------------------------------------------------------

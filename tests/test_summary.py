@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from k3ckpt.checkpoint import open_checkpoint
-from k3ckpt.safetensors_header import TensorSpec, build_header, read_header
 from k3ckpt.summary import inspect_checkpoint, render_text
 from k3ckpt.synth import PRESETS
+
+from ckpt_edit import drop_tensors
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:
@@ -103,32 +104,17 @@ def test_config_contradicting_tensors_is_an_error(k3_tiny: Path, tmp_path: Path,
     assert any(expected in str(f) for f in rep.errors), [str(f) for f in rep.findings]
 
 
-def _rewrite_shard_without(root: Path, drop: set[str]) -> None:
-    """Rewrite the shard holding ``drop`` without those tensors, and the index to match."""
-    index = json.loads((root / "model.safetensors.index.json").read_text())
-    file = index["weight_map"][next(iter(drop))]
-    h = read_header(root / file)
-    raw = (root / file).read_bytes()
-    keep = [t for n, t in sorted(h.tensors.items(), key=lambda kv: kv[1].begin) if n not in drop]
-    prefix, _ = build_header([TensorSpec(t.name, t.dtype, t.shape) for t in keep])
-    body = b"".join(raw[h.data_start + t.begin: h.data_start + t.end] for t in keep)
-    (root / file).write_bytes(prefix + body)
-    for n in drop:
-        del index["weight_map"][n]
-    (root / "model.safetensors.index.json").write_text(json.dumps(index))
-
-
 def test_missing_expert_is_named(k3_tiny: Path, tmp_path: Path) -> None:
     root = _copy(k3_tiny, tmp_path)
     p = "language_model.model.layers.2.block_sparse_moe.experts.9."
-    _rewrite_shard_without(root, {p + f"w{i}.weight_{k}" for i in (1, 2, 3) for k in ("packed", "scale")})
+    drop_tensors(root, {p + f"w{i}.weight_{k}" for i in (1, 2, 3) for k in ("packed", "scale")})
     msgs = _messages(root)
     assert any("layer 2" in m and "1 of 16 routed experts missing: 9" in m for m in msgs), msgs
 
 
 def test_missing_scale_is_named(k3_tiny: Path, tmp_path: Path) -> None:
     root = _copy(k3_tiny, tmp_path)
-    _rewrite_shard_without(root, {"language_model.model.layers.3.block_sparse_moe.experts.4.w2.weight_scale"})
+    drop_tensors(root, {"language_model.model.layers.3.block_sparse_moe.experts.4.w2.weight_scale"})
     msgs = _messages(root)
     assert any("layer 3 expert 4" in m and "usual 6 tensors" in m for m in msgs), msgs
     assert "ERROR layer 3 experts down.weight_packed: 16 packed tensors but 15 scales" in msgs
@@ -165,6 +151,6 @@ def test_layer_missing_a_tensor_its_siblings_have(tmp_path: Path) -> None:
 
     root = synthesize(spec_from_preset("k3-tiny", num_layers=8, num_experts=4, experts_per_token=2), tmp_path / "c").path
     assert not inspect_checkpoint(open_checkpoint(root)).findings
-    _rewrite_shard_without(root, {"language_model.model.layers.5.self_attn.q_proj.weight"})
+    drop_tensors(root, {"language_model.model.layers.5.self_attn.q_proj.weight"})
     msgs = _messages(root)
     assert msgs == ["ERROR layer 5: lacks q_proj.weight (attention) that the other KDA MoE layers have"]

@@ -15,17 +15,18 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 from click.testing import CliRunner
 
 from k3ckpt.checkpoint import open_checkpoint
 from k3ckpt.cli import main
-from k3ckpt.errors import ConfigError
 from k3ckpt.manifest import Manifest, build_manifest
-from k3ckpt.safetensors_header import TensorSpec, build_header, read_header
+from k3ckpt.safetensors_header import read_header
 from k3ckpt.verify import KINDS, Issue, VerifyReport, verify_checkpoint
+
+from ckpt_edit import edit_index, rewrite_shard, set_byte as patch, shard_tensors
 
 INDEX = "model.safetensors.index.json"
 L1E3 = "language_model.model.layers.1.block_sparse_moe.experts.3."
@@ -61,34 +62,6 @@ def tensor_range(root: Path, tensor: str) -> tuple[str, int, int]:
     """``(file, start, stop)`` of a tensor, from its shard header."""
     f = shard_of(root, tensor)
     return (f, *read_header(root / f).absolute_range(tensor))
-
-
-def patch(path: Path, offset: int, value: int) -> None:
-    b = bytearray(path.read_bytes())
-    b[offset] = value
-    path.write_bytes(bytes(b))
-
-
-def shard_tensors(path: Path) -> tuple[dict[str, str], list[list]]:
-    h = read_header(path)
-    data = path.read_bytes()
-    return h.metadata, [[n, t.dtype, tuple(t.shape), data[h.data_start + t.begin: h.data_start + t.end]]
-                        for n, t in sorted(h.tensors.items(), key=lambda kv: kv[1].begin)]
-
-
-def rewrite_shard(path: Path, mutate: Callable[[list[list]], list[list]]) -> None:
-    """Rewrite a shard (a valid safetensors file) with ``mutate`` applied to its tensor list."""
-    metadata, ts = shard_tensors(path)
-    ts = mutate(ts)
-    prefix, _ = build_header([TensorSpec(n, d, s) for n, d, s, _ in ts], metadata or None)
-    path.write_bytes(prefix + b"".join(t[3] for t in ts))
-
-
-def edit_index(root: Path, mutate: Callable[[dict[str, str]], None]) -> None:
-    p = root / INDEX
-    data = json.loads(p.read_text())
-    mutate(data["weight_map"])
-    p.write_text(json.dumps(data, indent=2))
 
 
 def edit_config(root: Path, **text_config) -> None:

@@ -1,0 +1,55 @@
+"""Helpers the tests use to break a (copied) checkpoint in precise ways."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from k3ckpt.checkpoint import INDEX_NAME
+from k3ckpt.safetensors_header import TensorSpec, build_header, read_header
+
+
+def shard_tensors(path: Path) -> tuple[dict[str, str], list[list]]:
+    """``(metadata, [[name, dtype, shape, bytes], ...])`` of a shard, in data order."""
+    h = read_header(path)
+    data = path.read_bytes()
+    ts = [[n, t.dtype, tuple(t.shape), data[h.data_start + t.begin: h.data_start + t.end]]
+          for n, t in sorted(h.tensors.items(), key=lambda kv: kv[1].begin)]
+    return h.metadata, ts
+
+
+def rewrite_shard(path: Path, mutate: Callable[[list[list]], list[list]]) -> None:
+    """Rewrite a shard through the library's header writer, after ``mutate`` on its tensor list
+    (so the result is a valid safetensors file)."""
+    metadata, ts = shard_tensors(path)
+    ts = mutate(ts)
+    prefix, _ = build_header([TensorSpec(n, d, s) for n, d, s, _ in ts], metadata or None)
+    path.write_bytes(prefix + b"".join(t[3] for t in ts))
+
+
+def edit_index(root: Path, mutate: Callable[[dict[str, str]], None]) -> None:
+    """Apply ``mutate`` to the checkpoint's ``weight_map``."""
+    p = root / INDEX_NAME
+    data = json.loads(p.read_text())
+    mutate(data["weight_map"])
+    p.write_text(json.dumps(data, indent=2))
+
+
+def drop_tensors(root: Path, names: set[str]) -> None:
+    """Remove ``names`` (all in one shard) from that shard and from the index."""
+    file = json.loads((root / INDEX_NAME).read_text())["weight_map"][next(iter(names))]
+    rewrite_shard(root / file, lambda ts: [t for t in ts if t[0] not in names])
+    edit_index(root, lambda wm: [wm.pop(n) for n in names])
+
+
+def set_byte(path: Path, offset: int, value: int) -> None:
+    b = bytearray(path.read_bytes())
+    b[offset] = value
+    path.write_bytes(bytes(b))
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    b = bytearray(path.read_bytes())
+    b[offset] ^= 0x01
+    path.write_bytes(bytes(b))
