@@ -395,5 +395,31 @@ def render_verify(rep: Any) -> str:
     return "\n".join(lines)
 
 
+# -- mx ----------------------------------------------------------------------------------------
+
+
+@main.group(context_settings=CONTEXT)
+def mx() -> None:
+    """Inspect, dequantize and quantize MXFP4 weights (E2M1 elements, one E8M0 scale per 32).
+
+    Layouts are explicit, never guessed: compressed-tensors pairs (K3: `.weight_packed`
+    [out, in/2] + `.weight_scale` [out, in/32]) and gpt-oss stacked experts (`_blocks`
+    [E, out, G, 16] + `_scales` [E, out, G]). Everything works row-chunk by row-chunk.
+
+    \b
+    Examples:
+      k3ckpt mx inspect ./Kimi-K3 --layer 1 --expert 0
+      k3ckpt mx dequant ./Kimi-K3 --layer 1 --to bf16 -o layer1.safetensors
+      k3ckpt mx quantize finetuned.safetensors -o packed.safetensors
+      k3ckpt mx error finetuned.safetensors
+    """
+
+
+# -- mx inspect / mx error ---------------------------------------------------------------------
+
+
+# -- mx dequant / mx quantize ------------------------------------------------------------------
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
