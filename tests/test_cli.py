@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -26,11 +27,20 @@ def test_version_and_module_entry_point() -> None:
     assert __version__ in out.stdout
 
 
-@pytest.mark.parametrize("command", sorted(main.commands))
-def test_every_command_has_help_with_an_example(command: str) -> None:
-    res = run(command, "--help")
+def _command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out = []
+    for name, cmd in sorted(group.commands.items()):
+        out.append((*prefix, name))
+        if isinstance(cmd, click.Group):
+            out += _command_paths(cmd, (*prefix, name))
+    return out
+
+
+@pytest.mark.parametrize("path", _command_paths(main), ids=" ".join)
+def test_every_command_has_help_with_an_example(path: tuple[str, ...]) -> None:
+    res = run(*path, "--help")
     assert res.exit_code == 0
-    assert "Example" in res.output and f"k3ckpt {command}" in res.output
+    assert "Example" in res.output and f"k3ckpt {' '.join(path)}" in res.output
 
 
 def test_inspect_text_and_json(k3_tiny: Path) -> None:
