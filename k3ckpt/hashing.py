@@ -61,6 +61,7 @@ def hash_file(
     git_sha1: bool = False,
     progress: Progress | None = None,
     buffer: bytearray | None = None,
+    cancel: threading.Event | None = None,
 ) -> FileDigest:
     """sha256 of the file at ``path`` and of each of ``spans`` (which must not overlap), in one
     read; spans of ``scan`` are searched for ``needle`` (an E8M0 NaN scale is byte 0xFF) in the
@@ -88,6 +89,8 @@ def hash_file(
         pos = 0
         with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
             while True:
+                if cancel is not None and cancel.is_set():
+                    raise HashError(0, "cancelled", p)
                 n = f.readinto(view)
                 if not n:
                     break
@@ -217,11 +220,13 @@ def hash_files(
     scan: dict[str, Sequence[Span]] | None = None,
     git_sha1: Callable[[str], bool] | None = None,
     progress: Progress | None = None,
+    cancel: threading.Event | None = None,
 ) -> tuple[dict[str, FileDigest], dict[str, HashError]]:
     """Hash ``files`` (relative to ``root``) with ``jobs`` threads, largest first.
 
     Returns ``(digests, errors)``: a file that cannot be read is an error entry, never a
-    missing silence, and never stops the others.
+    missing silence, and never stops the others. Setting ``cancel`` stops every thread at its
+    next chunk (its files then come back as errors).
     """
     todo = list(files)
     sizes = {}
@@ -243,7 +248,8 @@ def hash_files(
             buf = local.buf = bytearray(BUFFER_BYTES)
         try:
             d = hash_file(root / f, rel=f, spans=(spans or {}).get(f, ()), scan=(scan or {}).get(f, ()),
-                          git_sha1=bool(git_sha1 and git_sha1(f)), progress=progress, buffer=buf)
+                          git_sha1=bool(git_sha1 and git_sha1(f)), progress=progress, buffer=buf,
+                          cancel=cancel)
         except HashError as e:
             with lock:
                 errors[f] = e

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -244,6 +245,7 @@ def verify_checkpoint(
     # -- full mode: hash in the background while the structure is checked -------------------------
     ckpt: Checkpoint | None = None
     hashing: Future | None = None
+    cancel = threading.Event()
     scan_spans: dict[str, list[Span]] = {}
     spans_from_manifest = False
     if not quick:
@@ -264,81 +266,85 @@ def verify_checkpoint(
                 spans={f: tensor_spans[f] for f in to_hash if f in tensor_spans},
                 scan={f: scan_spans[f] for f in to_hash if f in scan_spans},
                 git_sha1=lambda f: bool(expected.get(f) and not expected[f].sha256 and expected[f].git_sha1),
-                progress=progress,
+                progress=progress, cancel=cancel,
             )
             pool.shutdown(wait=False)
 
-    # -- structure: reuse the previous verdict when nothing it depends on changed ---------------
-    if reuse:
-        assert cache is not None
-        structure = [Issue(**i) for i in cache.structure.get("issues", [])]
-        for f, h in sorted(hits.items()):
-            structure += _nan_issues(f, (h or {}).get("flagged") or [])
-        report.structure_cached = True
-    else:
-        ckpt = ckpt or open_checkpoint(root, jobs=jobs, strict=False)
-        structure = _structure_issues(ckpt, manifest)
-        if cache is not None:
-            cache.structure = {"key": structure_key, "issues": [asdict(i) for i in structure]}
-    named = {i.file for i in structure if i.kind == "missing-file"}  # the index check named them once
-    issues[:] = [i for i in issues if not (i.kind == "missing-file" and i.file in named)] + structure
-    header_scan_spans = _scale_spans(ckpt) if scan and ckpt is not None else {}
-    rescan: list[str] = []
-    unscanned: set[str] = set()
-    if spans_from_manifest:  # the scan followed the manifest: keep it only where the headers agree
-        disagree = {f for f in set(scan_spans) | set(header_scan_spans)
-                    if scan_spans.get(f, []) != header_scan_spans.get(f, []) and f in stats}
-        rescan = sorted(disagree & header_scan_spans.keys())  # unreadable headers: nothing to scan by
-        unscanned = disagree - header_scan_spans.keys()
-
-    # -- quick mode: trust the stat cache ---------------------------------------------------------
-    to_scan: list[str] = list(rescan)
-    if quick:
-        for f in sorted(stats):
-            hit = hits.get(f)
-            exp = expected.get(f)
-            if checkable(f):
-                assert exp is not None
-                if hit and _cached_digest_matches(hit, exp):
-                    report.files_trusted.append(f)
-                elif hit and _cached_digest_known(hit, exp):
-                    issues.append(_content_issue(f, exp, hit))  # known bad, from the last full run
-                    for name, got in sorted((hit.get("bad_tensors") or {}).items()):
-                        want = manifest.tensors[name].sha256 if manifest and name in manifest.tensors else None
-                        issues.append(Issue("tensor-sha256", f, "tensor bytes differ", tensor=name, expected=want, actual=got))
-                else:
-                    report.files_size_only.append(f)
-            if ckpt is not None and scan:
-                if f in header_scan_spans and not (hit and hit.get("scan_ok") is True):
-                    to_scan.append(f)
-                elif f not in header_scan_spans and cache is not None:
-                    cache.record(f, stats[f], scan_ok=True, flagged=[])  # nothing to scan in it
-
-    if hashing is not None:
-        digests, errors = hashing.result()
-        for f, err in sorted(errors.items()):
-            issues.append(Issue("unreadable", f, str(err.strerror)))
-        for f, d in sorted(digests.items()):
-            report.files_hashed += 1
-            report.bytes_hashed += d.size
-            exp = expected.get(f)
-            tensor_issues = _tensor_hash_issues(f, d, manifest) if d.spans and manifest is not None else []
-            if f in size_bad:  # tensors wholly beyond the end of a short file: its size issue says it
-                tensor_issues = [i for i in tensor_issues if manifest.tensors[i.tensor].offsets[0] < d.size]
-            if exp is not None and not _digest_matches(d, exp) and f not in size_bad:
-                issue = _content_issue(f, exp, {"sha256": d.sha256, "git_sha1": d.git_sha1})
-                if d.spans and not tensor_issues:  # every tensor matched: the header or padding changed
-                    issue = Issue(issue.kind, f, "content differs outside the tensor data (header or padding)",
-                                  expected=issue.expected, actual=issue.actual)
-                issues.append(issue)
-            issues += tensor_issues
-            scanned = scan and f not in rescan and f not in unscanned  # else the rescan decides
-            if scanned:
-                issues += _nan_issues(f, d.flagged or [])
+    try:
+        # -- structure: reuse the previous verdict when nothing it depends on changed ---------------
+        if reuse:
+            assert cache is not None
+            structure = [Issue(**i) for i in cache.structure.get("issues", [])]
+            for f, h in sorted(hits.items()):
+                structure += _nan_issues(f, (h or {}).get("flagged") or [])
+            report.structure_cached = True
+        else:
+            ckpt = ckpt or open_checkpoint(root, jobs=jobs, strict=False)
+            structure = _structure_issues(ckpt, manifest)
             if cache is not None:
-                cache.record(f, stats[f], sha256=d.sha256, git_sha1=d.git_sha1,
-                             bad_tensors={i.tensor: i.actual for i in tensor_issues},
-                             **({"scan_ok": not d.flagged, "flagged": d.flagged or []} if scanned else {}))
+                cache.structure = {"key": structure_key, "issues": [asdict(i) for i in structure]}
+        named = {i.file for i in structure if i.kind == "missing-file"}  # the index check named them once
+        issues[:] = [i for i in issues if not (i.kind == "missing-file" and i.file in named)] + structure
+        header_scan_spans = _scale_spans(ckpt) if scan and ckpt is not None else {}
+        rescan: list[str] = []
+        unscanned: set[str] = set()
+        if spans_from_manifest:  # the scan followed the manifest: keep it only where the headers agree
+            disagree = {f for f in set(scan_spans) | set(header_scan_spans)
+                        if scan_spans.get(f, []) != header_scan_spans.get(f, []) and f in stats}
+            rescan = sorted(disagree & header_scan_spans.keys())  # unreadable headers: nothing to scan by
+            unscanned = disagree - header_scan_spans.keys()
+
+        # -- quick mode: trust the stat cache ---------------------------------------------------------
+        to_scan: list[str] = list(rescan)
+        if quick:
+            for f in sorted(stats):
+                hit = hits.get(f)
+                exp = expected.get(f)
+                if checkable(f):
+                    assert exp is not None
+                    if hit and _cached_digest_matches(hit, exp):
+                        report.files_trusted.append(f)
+                    elif hit and _cached_digest_known(hit, exp):
+                        issues.append(_content_issue(f, exp, hit))  # known bad, from the last full run
+                        for name, got in sorted((hit.get("bad_tensors") or {}).items()):
+                            want = manifest.tensors[name].sha256 if manifest and name in manifest.tensors else None
+                            issues.append(Issue("tensor-sha256", f, "tensor bytes differ", tensor=name, expected=want, actual=got))
+                    else:
+                        report.files_size_only.append(f)
+                if ckpt is not None and scan:
+                    if f in header_scan_spans and not (hit and hit.get("scan_ok") is True):
+                        to_scan.append(f)
+                    elif f not in header_scan_spans and cache is not None:
+                        cache.record(f, stats[f], scan_ok=True, flagged=[])  # nothing to scan in it
+
+        if hashing is not None:
+            digests, errors = hashing.result()
+            for f, err in sorted(errors.items()):
+                issues.append(Issue("unreadable", f, str(err.strerror)))
+            for f, d in sorted(digests.items()):
+                report.files_hashed += 1
+                report.bytes_hashed += d.size
+                exp = expected.get(f)
+                tensor_issues = _tensor_hash_issues(f, d, manifest) if d.spans and manifest is not None else []
+                if f in size_bad:  # tensors wholly beyond the end of a short file: its size issue says it
+                    tensor_issues = [i for i in tensor_issues if manifest.tensors[i.tensor].offsets[0] < d.size]
+                if exp is not None and not _digest_matches(d, exp) and f not in size_bad:
+                    issue = _content_issue(f, exp, {"sha256": d.sha256, "git_sha1": d.git_sha1})
+                    if d.spans and not tensor_issues:  # every tensor matched: the header or padding changed
+                        issue = Issue(issue.kind, f, "content differs outside the tensor data (header or padding)",
+                                      expected=issue.expected, actual=issue.actual)
+                    issues.append(issue)
+                issues += tensor_issues
+                scanned = scan and f not in rescan and f not in unscanned  # else the rescan decides
+                if scanned:
+                    issues += _nan_issues(f, d.flagged or [])
+                if cache is not None:
+                    cache.record(f, stats[f], sha256=d.sha256, git_sha1=d.git_sha1,
+                                 bad_tensors={i.tensor: i.actual for i in tensor_issues},
+                                 **({"scan_ok": not d.flagged, "flagged": d.flagged or []} if scanned else {}))
+    except BaseException:
+        cancel.set()  # stop the background hashing too: an error or Ctrl-C ends the run now
+        raise
     if to_scan:
         for f, flagged in _scan_files(root, to_scan, header_scan_spans, jobs).items():
             if isinstance(flagged, HashError):

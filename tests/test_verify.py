@@ -767,3 +767,36 @@ def test_nan_scan_follows_the_headers_when_the_manifest_layout_disagrees(ckpt: P
     rep = verify(ckpt, tmp_path, manifest=fake)
     assert summary(of_kind(rep, "nan-scale")) == [("nan-scale", f, L3_SCALE)]
     assert {i.tensor for i in of_kind(rep, "tensor-layout")} == {L3_SCALE, twin}
+
+
+def test_an_error_during_the_structure_check_stops_the_background_hashing(ckpt: Path, tmp_path: Path, manifests,
+                                                                          monkeypatch) -> None:
+    import threading
+    import time as _time
+
+    import k3ckpt.hashing as hashing_mod
+    import k3ckpt.verify as verify_mod
+
+    started = threading.Event()
+    real_hash_file = hashing_mod.hash_file
+
+    def slow_hash_file(*a, **kw):
+        started.set()
+        _time.sleep(0.3)  # still hashing when the structure check fails
+        return real_hash_file(*a, **kw)
+
+    def boom(*a, **kw):
+        started.wait(5)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hashing_mod, "hash_file", slow_hash_file)
+    monkeypatch.setattr(verify_mod, "_structure_issues", boom)
+    t0 = _time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        verify(ckpt, tmp_path, manifest=manifests["tensors"], jobs=1)
+    deadline = _time.perf_counter() + 5
+    while any(t.name.startswith("ThreadPoolExecutor") and t.is_alive() for t in threading.enumerate()):
+        assert _time.perf_counter() < deadline, "hashing threads kept running after the error"
+        _time.sleep(0.05)
+    # cancelled at the next chunk: far less than hashing all 15 files at 0.3 s each
+    assert _time.perf_counter() - t0 < 15 * 0.3
