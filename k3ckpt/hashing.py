@@ -243,6 +243,10 @@ def hash_files(
     lock = threading.Lock()
 
     def one(f: str) -> None:
+        if cancel is not None and cancel.is_set():
+            with lock:
+                errors[f] = HashError(0, "cancelled", str(root / f))
+            return
         buf = getattr(local, "buf", None)
         if buf is None:
             buf = local.buf = bytearray(BUFFER_BYTES)
