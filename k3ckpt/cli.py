@@ -421,5 +421,96 @@ def mx() -> None:
 # -- mx dequant / mx quantize ------------------------------------------------------------------
 
 
+@mx.command("dequant", context_settings=CONTEXT)
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--tensor", help="One quantized weight: its dequantized name, its base, or either stored name.")
+@click.option("--layer", type=click.IntRange(0), help="Only this layer (0-based).")
+@click.option("--expert", type=click.IntRange(0), help="Only this expert of --layer.")
+@click.option("--to", "to", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
+              help="Output dtype.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str),
+              help="The safetensors file to write (replaced atomically).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
+@handle_errors
+def mx_dequant(path: str, tensor: str | None, layer: int | None, expert: int | None, to: str, output: str,
+               as_json: bool) -> None:
+    """Dequantize MXFP4 weights of a checkpoint (DIR) or one shard (FILE) into one safetensors file.
+
+    Each quantized pair becomes one tensor: `<base>.weight` [out, in] for K3 / compressed-tensors,
+    `<base>` [E, out, in] for gpt-oss stacked experts. Streams row chunk by row chunk (a whole
+    MoE layer in a few hundred MB of RAM) into a temporary file that is renamed into place only
+    when complete; free disk space is checked first.
+
+    \b
+    Examples:
+      k3ckpt mx dequant ./Kimi-K3 --layer 1 --expert 0 --to fp32 -o l1e0.safetensors
+      k3ckpt mx dequant ./Kimi-K3 --layer 1 --to bf16 -o layer1.safetensors
+      k3ckpt mx dequant model-00002-of-000096.safetensors -o shard2-bf16.safetensors
+      k3ckpt mx dequant ./gpt-oss --tensor model.layers.0.mlp.experts.down_proj -o down.safetensors --json
+    """
+    from .mx_convert import dequantize_to_file
+    from .summary import human_bytes
+
+    if tensor is not None and (layer is not None or expert is not None):
+        raise click.UsageError("use --tensor or --layer/--expert, not both")
+    if expert is not None and layer is None:
+        raise click.UsageError("--expert needs --layer")
+    bar = ByteProgress(not as_json, "dequantizing")
+    try:
+        res = dequantize_to_file(path, output, to=to, tensor=tensor, layer=layer, expert=expert,
+                                 progress=bar, on_plan=bar.plan)
+    finally:
+        bar.close()
+    if as_json:
+        _emit_json(res.to_json())
+    else:
+        click.echo(f"wrote {res.output}: {len(res.tensors):,} tensors as {to}, {human_bytes(res.bytes_out)} "
+                   f"from {human_bytes(res.bytes_in)} of MXFP4, {res.seconds:.1f} s")
+
+
+@mx.command("quantize", context_settings=CONTEXT)
+@click.argument("input_file", metavar="IN", type=click.Path(dir_okay=False, path_type=str))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str),
+              help="The safetensors file to write (replaced atomically).")
+@click.option("--scale-mode", type=click.Choice(["floor", "ceil", "even"]), default="floor", show_default=True,
+              help="Shared exponent rule: floor (OCP MX), ceil (never saturates), even (saturate only "
+                   "where rounding would).")
+@click.option("--all", "include_all", is_flag=True,
+              help="Quantize every 2-D linear weight (in % 32 == 0), not only routed experts; "
+                   "norms, embeddings and LM heads stay as they are.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
+@handle_errors
+def mx_quantize(input_file: str, output: str, scale_mode: str, include_all: bool, as_json: bool) -> None:
+    """Quantize the BF16/F16/F32 weights of a safetensors file to MXFP4 in the K3 layout.
+
+    Each eligible `<base>.weight` [out, in] becomes `<base>.weight_packed` [out, in/2] U8 (low
+    nibble first) + `<base>.weight_scale` [out, in/32] U8 (E8M0), as compressed-tensors
+    `mxfp4-pack-quantized` stores them. By default only routed-expert weights qualify (what K3
+    quantizes); every other tensor is copied through unchanged. A weight with NaN/Inf is refused,
+    naming it, and nothing is written.
+
+    \b
+    Examples:
+      k3ckpt mx quantize finetuned.safetensors -o packed.safetensors
+      k3ckpt mx quantize experts-bf16.safetensors -o packed.safetensors --scale-mode even --json
+      k3ckpt mx quantize small-model.safetensors -o small-mxfp4.safetensors --all
+    """
+    from .mx_convert import quantize_file
+    from .summary import human_bytes
+
+    bar = ByteProgress(not as_json, "quantizing")
+    try:
+        res = quantize_file(input_file, output, scale_mode=scale_mode, include_all=include_all,  # type: ignore[arg-type]
+                            progress=bar, on_plan=bar.plan)
+    finally:
+        bar.close()
+    if as_json:
+        _emit_json(res.to_json())
+    else:
+        click.echo(f"wrote {res.output}: {len(res.quantized):,} tensors quantized ({scale_mode}), "
+                   f"{res.copied:,} copied; {human_bytes(res.bytes_in)} -> {human_bytes(res.bytes_out)}, "
+                   f"{res.seconds:.1f} s")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
