@@ -418,6 +418,107 @@ def mx() -> None:
 # -- mx inspect / mx error ---------------------------------------------------------------------
 
 
+@mx.command("inspect", context_settings=CONTEXT)
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--tensor", help="One tensor: its dequantized name (...w1.weight), base or a stored name.")
+@click.option("--layer", type=click.IntRange(0), help="Only this layer (compares its experts for outliers).")
+@click.option("--expert", type=click.IntRange(0), help="Only this expert (gpt-oss: its slice of the stacked tensors).")
+@click.option("--top", type=click.IntRange(0), default=3, show_default=True,
+              help="Detailed charts for the K most severe flagged tensors.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=str),
+              help="Also save the histograms as an image (needs the plot extra: matplotlib).")
+@click.option("--jobs", type=click.IntRange(1), default=None, help="Tensors read in parallel [default: min(CPUs, 8)].")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no charts).")
+@handle_errors
+def mx_inspect(path: str, tensor: str | None, layer: int | None, expert: int | None, top: int,
+               plot_path: str | None, jobs: int | None, as_json: bool) -> None:
+    """Statistics, code and scale-exponent histograms, and flags for MXFP4 tensors.
+
+    PATH is a checkpoint directory or one .safetensors file. Reads row chunk by row chunk
+    (bounded memory). Per tensor: stored and logical shapes; min, max, mean, std, absmax, zero
+    fraction of the dequantized values (NaN/Inf counted apart); the 16 E2M1 codes; the E8M0 scale
+    exponents. One tensor gets charts; several get a table, aggregate charts and charts for the
+    --top most severe flagged ones. Exits 1 when anything is flagged:
+
+    \b
+      N  NaN scale byte (0xFF) - the whole block of 32 is NaN
+      F  NaN/Inf dequantized values
+      Z  all-zero blocks (32 codes all +-0: never made by quantizing real weights)
+      E  scale-exponent outlier: mean or max exponent more than 5 robust deviations
+         (1.4826 x MAD, at least 0.25 / 1.0) from the median of its layer and projection;
+         needs >= 5 comparable tensors (or gpt-oss experts) in the selection
+
+    \b
+    Examples:
+      k3ckpt mx inspect ./Kimi-K3 --layer 1
+      k3ckpt mx inspect ./Kimi-K3 --layer 1 --expert 7
+      k3ckpt mx inspect model-00002-of-000096.safetensors --top 10
+      k3ckpt mx inspect ./Kimi-K3 --tensor language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight
+      k3ckpt mx inspect ./gpt-oss-20b --layer 3 --plot layer3.png
+      k3ckpt mx inspect ./Kimi-K3 --layer 1 --json | jq '.flags'
+    """
+    from .mx_inspect import inspect_mx, plot_inspect, render_inspect, require_matplotlib
+
+    if tensor is not None and (layer is not None or expert is not None):
+        raise click.UsageError("use --tensor, or --layer/--expert, not both")
+    if plot_path:
+        require_matplotlib()  # fail before reading anything
+    bar = ByteProgress(not as_json, "inspecting")
+    try:
+        rep = inspect_mx(path, tensor=tensor, layer=layer, expert=expert, jobs=jobs, progress=bar, on_plan=bar.plan)
+    finally:
+        bar.close()
+    if plot_path:
+        plot_inspect(rep, plot_path)
+    if as_json:
+        d = rep.to_json()
+        if plot_path:
+            d["plot"] = plot_path
+        _emit_json(d)
+    else:
+        click.echo(render_inspect(rep, top=top))
+        if plot_path:
+            click.echo(f"histograms saved to {plot_path}")
+    if rep.flags:
+        sys.exit(EXIT_PROBLEMS)
+
+
+@mx.command("error", context_settings=CONTEXT)
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--scale-mode", type=click.Choice(["floor", "ceil", "even"]), default="floor", show_default=True,
+              help="Shared-exponent rule: floor is OCP MX (and K3); ceil never saturates; even rounds amax.")
+@click.option("--tensor", help="Only this tensor (measured whatever its role).")
+@click.option("--all", "include_all", is_flag=True,
+              help="Also measure roles K3 keeps in high precision (attention, norms, router, embeddings, ...).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@handle_errors
+def mx_error(path: str, scale_mode: str, tensor: str | None, include_all: bool, as_json: bool) -> None:
+    """What MXFP4 would do to float weights: round-trip quantization error per tensor.
+
+    PATH is one .safetensors file with BF16/F16/F32 weights. Every 2-D float tensor whose last
+    dimension is a multiple of 32 and whose role K3 quantizes (routed experts; also dense MLP,
+    latent projections and unrecognized names) is quantized and dequantized back, row chunk by
+    row chunk: relative RMS error, max abs error, fraction of saturated values (clipped to
+    +-6 x scale). Exits 1 when a tensor holds NaN/Inf (MXFP4 cannot encode them).
+
+    \b
+    Examples:
+      k3ckpt mx error finetuned.safetensors
+      k3ckpt mx error finetuned.safetensors --scale-mode even
+      k3ckpt mx error finetuned.safetensors --tensor model.layers.1.mlp.experts.0.gate_proj.weight
+      k3ckpt mx error finetuned.safetensors --all --json | jq .totals
+    """
+    from .mx_inspect import quantization_error, render_error
+
+    rep = quantization_error(path, scale_mode=scale_mode, tensor=tensor, include_all=include_all)
+    if as_json:
+        _emit_json(rep.to_json())
+    else:
+        click.echo(render_error(rep))
+    if rep.nonfinite:
+        sys.exit(EXIT_PROBLEMS)
+
+
 # -- mx dequant / mx quantize ------------------------------------------------------------------
 
 

@@ -1,0 +1,1247 @@
+"""What is inside MXFP4 weights, and what quantizing to MXFP4 would cost.
+
+Two questions, one module:
+
+- :func:`inspect_mx` reads quantized tensors (K3 compressed-tensors pairs, gpt-oss stacked
+  experts) row chunk by row chunk and reports, per tensor, statistics of the dequantized values,
+  the histogram of the 16 E2M1 codes and of the E8M0 scale exponents, and *flags* for what looks
+  broken. Memory is bounded by the chunk size whatever the selection (a whole K3 layer is
+  ~16 GB of packed data).
+- :func:`quantization_error` takes floating-point weights (BF16/F16/F32/F64 safetensors), runs
+  them through :func:`~k3ckpt.mxfp4.quantize_mxfp4` and :func:`~k3ckpt.mxfp4.dequantize_mxfp4`
+  row chunk by row chunk and reports the round-trip error per tensor.
+
+Flags (a flagged tensor makes ``k3ckpt mx inspect`` exit 1):
+
+- ``nan-scale``: at least one scale byte is 0xFF. E8M0 reserves it for NaN and the whole block of
+  32 decodes to NaN, which no quantizer produces from finite weights: a corrupt byte.
+- ``non-finite``: dequantized values are NaN (always together with ``nan-scale``) or +-Inf (scale
+  bytes >= 253 times a large code leave the float32 range).
+- ``zero-blocks``: a block of 32 whose codes are all 0 or 8 (+-0). Quantizing never makes one
+  from a block with a non-zero weight above float32's subnormals (its largest element lands on
+  +-3 or more in every scale mode), so such a block is data that was zeroed, a sparse hole, or a
+  truncated write.
+- ``exp-outlier``: a tensor's scale exponents are far from its siblings'. Tensors (for gpt-oss:
+  each expert's slice of a stacked tensor) are grouped by (layer, projection) - gate, up and down
+  have different fan-in and so different typical scales - and for each we take the mean and the
+  max of its scale exponents (NaN bytes excluded). Within a group of at least
+  :data:`OUTLIER_MIN_GROUP` members, a member is flagged when ``|x - median| / spread >``
+  :data:`OUTLIER_Z` for either statistic, with ``spread = max(1.4826 * MAD, floor)``: 1.4826 * MAD
+  estimates a standard deviation robustly (one bad expert cannot inflate it as it would the plain
+  std), and the floor - :data:`MEAN_EXP_FLOOR` for the mean, :data:`MAX_EXP_FLOOR` for the integer
+  max - keeps near-identical experts (MAD ~ 0) from flagging harmless differences. So a mean
+  exponent must be more than 1.25 away from the group median (a factor ~2.4 in typical block
+  magnitude) and a max exponent more than 5 away (a factor 32) before anything is flagged. The
+  comparison is within the selection only: inspect a whole layer (``--layer N``) to check it.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import K3ckptError
+from .mxfp4 import (
+    E2M1_MAX,
+    E2M1_VALUES,
+    E8M0_BIAS,
+    E8M0_NAN,
+    MX_BLOCK_SIZE,
+    decode_e8m0,
+    dequantize_mxfp4,
+    e2m1_code_histogram,
+    quantize_mxfp4,
+    scale_exponent_histogram,
+)
+from .mxsel import MxSelectionError, MxSource, MxTensor, find_mx_tensors
+from .roles import Kind, classify
+from .safetensors_header import ShardHeader, TensorInfo, read_header
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "ErrorRow",
+    "Flag",
+    "MxInspectReport",
+    "MxPlotUnavailableError",
+    "QuantErrorReport",
+    "TensorInspection",
+    "code_chart",
+    "exponent_chart",
+    "inspect_mx",
+    "plot_inspect",
+    "quantization_error",
+    "render_error",
+    "render_inspect",
+    "require_matplotlib",
+]
+
+#: Packed bytes per chunk. A chunk becomes 4x its size in float32 values plus 8x in float64 while
+#: its statistics are taken, so 1 MiB keeps a worker under ~30 MB while the per-chunk Python
+#: overhead stays negligible (a K3 expert tensor is 5-6 chunks).
+DEFAULT_CHUNK_BYTES = int(os.environ.get("K3CKPT_MX_INSPECT_CHUNK_BYTES", str(1 << 20)))
+
+#: Selections smaller than this are inspected in-process: forking workers costs more than it saves.
+PARALLEL_MIN_BYTES = 64 << 20
+
+#: Robust z-score above which a scale-exponent statistic is an outlier (see the module docstring).
+OUTLIER_Z = 5.0
+#: Smallest group (same layer and projection) in which outliers are looked for: with fewer
+#: members the median and MAD say nothing.
+OUTLIER_MIN_GROUP = 5
+#: Floor of the spread of per-tensor *mean* exponents, in exponent units (powers of two).
+MEAN_EXP_FLOOR = 0.25
+#: Floor of the spread of per-tensor *max* exponents (integers, so one whole step).
+MAX_EXP_FLOOR = 1.0
+#: 1.4826 * MAD estimates the standard deviation of normally distributed data.
+_MAD_TO_SIGMA = 1.4826
+
+#: Scale bytes at or below this decode every code to a finite float32 (6 * 2**125 < 2**128);
+#: a chunk whose scales all are needs no NaN/Inf masking.
+_MAX_FINITE_SCALE = 252
+
+#: Flag kinds, most severe first (the order --top ranks tensors by).
+FLAG_KINDS = ("nan-scale", "non-finite", "exp-outlier", "zero-blocks")
+_FLAG_LETTER = {"nan-scale": "N", "non-finite": "F", "exp-outlier": "E", "zero-blocks": "Z"}
+
+#: Label of each E2M1 code (index = code), signed so +0 and -0 stay distinct.
+CODE_LABELS = tuple(("-" if i >= 8 else "+") + f"{abs(float(v)):g}" for i, v in enumerate(E2M1_VALUES))
+
+# Byte -> "both nibbles are +-0" (bit 3 of each nibble is the sign, so mask it off).
+_ZERO_NIBBLES_MASK = np.uint64(0x7777777777777777)
+
+
+class MxInspectError(K3ckptError):
+    """An input cannot be inspected or measured (not float, wrong shape, nothing to do)."""
+
+
+class MxPlotUnavailableError(K3ckptError):
+    """``--plot`` was asked for and matplotlib is not installed."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming statistics
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Moments:
+    """Count, sum, min, max and M2 (sum of squared deviations) of finite values, merged chunk by
+    chunk with Chan et al.'s pairwise update. Each chunk's M2 is taken around its own mean in
+    float64 (two passes over data already in memory), so neither the order of chunks nor a
+    mean far from zero costs precision the way ``sum(x**2)/n - mean**2`` would."""
+
+    n: int = 0
+    total: float = 0.0
+    m2: float = 0.0
+    lo: float = math.inf
+    hi: float = -math.inf
+
+    def add(self, x: np.ndarray) -> None:
+        """Fold in a float32 array holding only finite values."""
+        k = x.size
+        if k == 0:
+            return
+        x64 = x.astype(np.float64).ravel()
+        s = float(x64.sum())
+        mean_b = s / k
+        x64 -= mean_b
+        m2_b = _sum_squares(x64)
+        if self.n:
+            delta = mean_b - self.total / self.n
+            self.m2 += m2_b + delta * delta * self.n * k / (self.n + k)
+        else:
+            self.m2 = m2_b
+        self.n += k
+        self.total += s
+        self.lo = min(self.lo, float(x.min()))
+        self.hi = max(self.hi, float(x.max()))
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.n if self.n else None
+
+    @property
+    def std(self) -> float | None:
+        """Population standard deviation (``ddof=0``, as ``np.std``)."""
+        return math.sqrt(max(self.m2, 0.0) / self.n) if self.n else None
+
+
+def _sum_squares(x64: np.ndarray) -> float:
+    """Sum of squares of a float64 vector, squaring in place: numpy's pairwise summation is
+    more accurate than a BLAS dot product and, for vectors this size, not slower (some OpenBLAS
+    builds spend milliseconds starting threads for a 256K-element dot)."""
+    np.square(x64, out=x64)
+    return float(x64.sum())
+
+
+def _count_zero_blocks(packed: np.ndarray) -> int:
+    """Blocks of 32 (16 packed bytes) whose 32 codes are all 0 or 8: two 8-byte words per block,
+    sign bits masked off, both zero."""
+    words = np.ascontiguousarray(packed).reshape(-1, 2 * 8).view(np.uint64) & _ZERO_NIBBLES_MASK
+    return int(np.count_nonzero((words[:, 0] | words[:, 1]) == 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Report types
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Flag:
+    """Something suspicious about one tensor (for gpt-oss outliers: one expert's slice of it)."""
+
+    kind: str  # one of FLAG_KINDS
+    tensor: str  # the dequantized tensor's name
+    message: str
+    count: int | None = None
+    fraction: float | None = None
+    z: float | None = None  # the larger |robust z| of an exp-outlier
+    expert: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"kind": self.kind, "tensor": self.tensor, "message": self.message}
+        for k in ("count", "fraction", "z", "expert"):
+            v = getattr(self, k)
+            if v is not None:
+                d[k] = v
+        return d
+
+    def __str__(self) -> str:
+        return f"{self.tensor}: {self.kind}: {self.message}"
+
+
+@dataclass
+class UnitExponents:
+    """Scale-exponent summary of one outlier-test unit: a tensor, or one expert of a stacked one."""
+
+    expert: int | None
+    mean: float | None  # over non-NaN scale bytes; None when every byte is 0xFF
+    max: int | None
+    z_mean: float | None = None
+    z_max: float | None = None
+
+
+@dataclass
+class TensorInspection:
+    """Everything :func:`inspect_mx` learned about one quantized tensor."""
+
+    tensor: MxTensor
+    expert_slice: int | None  # gpt-oss: the expert whose rows alone were read (--expert)
+    numel: int
+    blocks: int
+    moments: _Moments
+    zeros: int
+    nan_count: int
+    inf_count: int
+    code_hist: np.ndarray  # int64 [16]
+    scale_first: int  # the scale histogram, trimmed: counts of bytes scale_first, scale_first+1, ...
+    scale_counts: np.ndarray  # int64; 0xFF (NaN) is counted in nan_scales instead
+    nan_scales: int
+    zero_blocks: int
+    units: list[UnitExponents]
+    flags: list[Flag] = field(default_factory=list)
+
+    # -- identity --------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        n = self.tensor.weight_name
+        return f"{n}[{self.expert_slice}]" if self.expert_slice is not None else n
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.tensor.shape[1:] if self.expert_slice is not None else self.tensor.shape
+
+    @property
+    def group(self) -> tuple[int | None, str | None]:
+        """Outlier-test group: tensors of one layer and one projection are comparable."""
+        return self.tensor.role.layer, self.tensor.role.proj
+
+    # -- derived statistics ----------------------------------------------------------------
+
+    @property
+    def absmax(self) -> float | None:
+        m = self.moments
+        return max(abs(m.lo), abs(m.hi)) if m.n else None
+
+    @property
+    def zero_fraction(self) -> float:
+        """Exact zeros (+0 and -0) among *all* values, NaN ones included in the denominator."""
+        return self.zeros / self.numel if self.numel else 0.0
+
+    @property
+    def scale_hist(self) -> np.ndarray:
+        """Count of each scale byte, int64 [256] (index 255 = NaN). Stored trimmed: exponents
+        cluster within a few binades, and a whole-checkpoint run holds ~250k of these."""
+        out = np.zeros(256, dtype=np.int64)
+        self.add_scale_hist_to(out)
+        return out
+
+    def add_scale_hist_to(self, out: np.ndarray) -> None:
+        out[self.scale_first:self.scale_first + self.scale_counts.size] += self.scale_counts
+        out[E8M0_NAN] += self.nan_scales
+
+    @property
+    def exponent_mean(self) -> float | None:
+        return _hist_exponent_mean(self.scale_hist)
+
+    @property
+    def exponent_range(self) -> tuple[int, int] | None:
+        present = np.flatnonzero(self.scale_hist[:E8M0_NAN])
+        return (int(present[0]) - E8M0_BIAS, int(present[-1]) - E8M0_BIAS) if present.size else None
+
+    @property
+    def severity(self) -> tuple[int, float]:
+        """Sort key, most severe first: the worst flag kind, then its size."""
+        if not self.flags:
+            return (len(FLAG_KINDS), 0.0)
+        rank = min(FLAG_KINDS.index(f.kind) for f in self.flags)
+        size = max(f.z if f.z is not None else (f.fraction or 0.0)
+                   for f in self.flags if FLAG_KINDS.index(f.kind) == rank)
+        return (rank, -size)
+
+    def to_json(self) -> dict[str, Any]:
+        t = self.tensor
+        m = self.moments
+        rng = self.exponent_range
+        d: dict[str, Any] = {
+            "name": self.name,
+            "format": "mxfp4",
+            "layout": t.layout,
+            "layer": t.role.layer,
+            "expert": t.role.expert if self.expert_slice is None else self.expert_slice,
+            "proj": t.role.proj,
+            "stored": {
+                "data": {"name": t.data_name, "dtype": "U8", "shape": list(t.data_shape)},
+                "scales": {"name": t.scale_name, "dtype": "U8 (E8M0)", "shape": list(t.scale_shape)},
+            },
+            "shape": list(self.shape),
+            "numel": self.numel,
+            "blocks": self.blocks,
+            "stats": {
+                "min": m.lo if m.n else None,
+                "max": m.hi if m.n else None,
+                "mean": m.mean,
+                "std": m.std,
+                "absmax": self.absmax,
+                "zero_fraction": self.zero_fraction,
+                "finite_count": m.n,
+                "nan_count": self.nan_count,
+                "inf_count": self.inf_count,
+            },
+            "code_histogram": self.code_hist.tolist(),
+            "scale_exponent_histogram": _sparse_exponent_hist(self.scale_hist),
+            "scale_exponents": {
+                "mean": self.exponent_mean,
+                "min": rng[0] if rng else None,
+                "max": rng[1] if rng else None,
+                "nan_scales": self.nan_scales,
+            },
+            "zero_blocks": self.zero_blocks,
+            "zero_block_fraction": self.zero_blocks / self.blocks if self.blocks else 0.0,
+            "flags": [f.to_json() for f in self.flags],
+        }
+        if t.layout == "gpt-oss" and self.expert_slice is None:
+            d["experts"] = [
+                {"expert": u.expert, "exponent_mean": u.mean, "exponent_max": u.max, "z_mean": u.z_mean, "z_max": u.z_max}
+                for u in self.units
+            ]
+        elif self.units:
+            d["scale_exponents"].update(z_mean=self.units[0].z_mean, z_max=self.units[0].z_max)
+        return d
+
+
+@dataclass
+class ExponentGroup:
+    """The distribution the outlier test compares a group's members against."""
+
+    layer: int | None
+    proj: str | None
+    members: int
+    checked: bool
+    median_mean: float | None = None
+    mad_mean: float | None = None
+    median_max: float | None = None
+    mad_max: float | None = None
+
+    @property
+    def label(self) -> str:
+        where = f"layer {self.layer}" if self.layer is not None else "no layer"
+        return f"{where} {self.proj or '?'}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class MxInspectReport:
+    """Result of :func:`inspect_mx`."""
+
+    source: str
+    selection: dict[str, Any]
+    tensors: list[TensorInspection]
+    groups: list[ExponentGroup]
+    seconds: float
+    bytes_read: int
+
+    @property
+    def flags(self) -> list[Flag]:
+        return [f for t in self.tensors for f in t.flags]
+
+    @property
+    def flagged(self) -> list[TensorInspection]:
+        """Flagged tensors, most severe first."""
+        return sorted((t for t in self.tensors if t.flags), key=lambda t: t.severity)
+
+    @property
+    def code_hist(self) -> np.ndarray:
+        out = np.zeros(16, dtype=np.int64)
+        for t in self.tensors:
+            out += t.code_hist
+        return out
+
+    @property
+    def scale_hist(self) -> np.ndarray:
+        out = np.zeros(256, dtype=np.int64)
+        for t in self.tensors:
+            t.add_scale_hist_to(out)
+        return out
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    def to_json(self) -> dict[str, Any]:
+        agg = self.scale_hist
+        return {
+            "source": self.source,
+            "selection": self.selection,
+            "tensors": [t.to_json() for t in self.tensors],
+            "aggregate": {
+                "tensors": len(self.tensors),
+                "numel": self.numel,
+                "code_histogram": self.code_hist.tolist(),
+                "scale_exponent_histogram": _sparse_exponent_hist(agg),
+                "exponent_mean": _hist_exponent_mean(agg),
+                "nan_scales": int(agg[E8M0_NAN]),
+            },
+            "code_labels": list(CODE_LABELS),
+            "exponent_groups": [g.to_json() for g in self.groups],
+            "thresholds": {
+                "outlier_z": OUTLIER_Z,
+                "outlier_min_group": OUTLIER_MIN_GROUP,
+                "mean_exponent_spread_floor": MEAN_EXP_FLOOR,
+                "max_exponent_spread_floor": MAX_EXP_FLOOR,
+            },
+            "flags": [f.to_json() for f in self.flags],
+            "flagged_tensors": len(self.flagged),
+            "bytes_read": self.bytes_read,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def _hist_exponent_mean(scale_hist: np.ndarray) -> float | None:
+    counts = scale_hist[:E8M0_NAN]
+    n = int(counts.sum())
+    if not n:
+        return None
+    return float(np.dot(counts, np.arange(E8M0_NAN, dtype=np.int64) - E8M0_BIAS)) / n
+
+
+def _sparse_exponent_hist(scale_hist: np.ndarray) -> dict[str, int]:
+    """``{"-5": count, ..., "nan": count}`` for the bytes that occur (JSON keys are strings)."""
+    out = {str(int(b) - E8M0_BIAS): int(scale_hist[b]) for b in np.flatnonzero(scale_hist[:E8M0_NAN])}
+    if scale_hist[E8M0_NAN]:
+        out["nan"] = int(scale_hist[E8M0_NAN])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Inspecting
+# ---------------------------------------------------------------------------------------------
+
+
+def inspect_tensor(
+    t: MxTensor,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    expert_slice: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> TensorInspection:
+    """Statistics and histograms of one quantized tensor, read in row chunks.
+
+    Args:
+        t: the tensor (from :func:`~k3ckpt.mxsel.find_mx_tensors`).
+        chunk_bytes: packed bytes read per chunk; results do not depend on it beyond float64
+            rounding in the last digits of mean and std.
+        expert_slice: for a gpt-oss stacked tensor, read only this expert's rows.
+        progress: called with the bytes read after each chunk.
+    """
+    unit_rows = _unit_rows(t)
+    if expert_slice is not None:
+        n_exp = t.rows // unit_rows
+        if not 0 <= expert_slice < n_exp:
+            raise MxSelectionError(f"{t.weight_name}: has experts 0..{n_exp - 1}, not {expert_slice}")
+        first, last = expert_slice * unit_rows, (expert_slice + 1) * unit_rows
+    else:
+        first, last = 0, t.rows
+    n_units = max(1, (last - first) // unit_rows)
+    moments = _Moments()
+    zeros = nan_count = inf_count = zero_blocks = 0
+    code_hist = np.zeros(16, dtype=np.int64)
+    unit_hist = np.zeros(n_units * 256, dtype=np.int64)
+    for start, packed, scales in _iter_rows(t, first, last, chunk_bytes):
+        code_hist += e2m1_code_histogram(packed)
+        zero_blocks += _count_zero_blocks(packed)
+        if n_units == 1:
+            unit_hist += scale_exponent_histogram(scales)
+        else:
+            # One 256-bin histogram per expert of a stack, as one bincount over (expert, byte).
+            units = (np.arange(start, start + packed.shape[0]) - first) // unit_rows
+            unit_hist += np.bincount((units[:, None] * 256 + scales).ravel(), minlength=n_units * 256)
+        values = dequantize_mxfp4(packed, scales)
+        if int(scales.max()) <= _MAX_FINITE_SCALE:
+            finite = values
+        else:
+            # Only NaN scale bytes and the top three exponents can leave the finite range.
+            nan = np.isnan(values)
+            inf = np.isinf(values)
+            nan_count += int(np.count_nonzero(nan))
+            inf_count += int(np.count_nonzero(inf))
+            finite = values[~(nan | inf)]
+        moments.add(finite)
+        zeros += int(np.count_nonzero(values == 0))
+        if progress is not None:
+            progress(packed.nbytes + scales.nbytes)
+    unit_hist = unit_hist.reshape(n_units, 256)
+    units_out = []
+    for i, h in enumerate(unit_hist):
+        present = np.flatnonzero(h[:E8M0_NAN])
+        expert = (i if t.layout == "gpt-oss" and expert_slice is None
+                  else expert_slice if expert_slice is not None else t.role.expert)
+        units_out.append(UnitExponents(expert, _hist_exponent_mean(h),
+                                       int(present[-1]) - E8M0_BIAS if present.size else None))
+    numel = (last - first) * t.row_elements
+    scale_hist = unit_hist.sum(axis=0)
+    present = np.flatnonzero(scale_hist[:E8M0_NAN])
+    lo, hi = (int(present[0]), int(present[-1]) + 1) if present.size else (0, 0)
+    return TensorInspection(
+        tensor=t, expert_slice=expert_slice, numel=numel, blocks=numel // MX_BLOCK_SIZE, moments=moments,
+        zeros=zeros, nan_count=nan_count, inf_count=inf_count, code_hist=code_hist,
+        scale_first=lo, scale_counts=scale_hist[lo:hi].copy(), nan_scales=int(scale_hist[E8M0_NAN]),
+        zero_blocks=zero_blocks, units=units_out,
+    )
+
+
+def _unit_rows(t: MxTensor) -> int:
+    """Rows per outlier-test unit: one expert of a gpt-oss stack, else the whole tensor."""
+    if t.layout == "gpt-oss" and len(t.shape) >= 3:
+        return math.prod(t.shape[1:-1])
+    return t.rows
+
+
+def _iter_rows(t: MxTensor, first: int, last: int, chunk_bytes: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """:meth:`MxTensor.iter_rows` restricted to rows ``[first, last)``."""
+    if first == 0 and last == t.rows:
+        yield from t.iter_rows(chunk_bytes)
+        return
+    step = t.rows_per_chunk(chunk_bytes)
+    for start in range(first, last, step):
+        packed, scales = t.read_rows(start, min(last, start + step))
+        yield start, packed, scales
+
+
+def inspect_mx(
+    path: str | os.PathLike[str],
+    *,
+    tensor: str | None = None,
+    layer: int | None = None,
+    expert: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    jobs: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
+) -> MxInspectReport:
+    """Inspect the MXFP4 tensors of a checkpoint directory or one safetensors file.
+
+    Args:
+        path: a checkpoint directory or a single ``.safetensors`` file.
+        tensor: one tensor, by its dequantized name (``...w1.weight``), base or a stored name.
+        layer: only this layer's tensors.
+        expert: only this expert's tensors. For gpt-oss stacked tensors (one tensor holds every
+            expert of a layer) only that expert's rows are read.
+        chunk_bytes: packed bytes per read; bounds memory (about 30x this per worker).
+        jobs: worker processes when the selection holds at least :data:`PARALLEL_MIN_BYTES`
+            [default: min(CPU count, 8)]; smaller selections are read in this process.
+        progress: called with bytes read (per chunk in-process, per tensor from workers).
+        on_plan: called once with the total bytes to read, before reading.
+
+    Returns:
+        The report; ``report.flags`` lists everything suspicious.
+
+    Raises:
+        MxSelectionError: nothing matches the selection or a pair is malformed.
+        CheckpointNotFoundError, SafetensorsHeaderError: the path is not a checkpoint / file.
+    """
+    t0 = time.perf_counter()
+    source = MxSource.open(path)
+    try:
+        picked = [(t, None) for t in find_mx_tensors(source, tensor=tensor, layer=layer, expert=expert)]
+    except MxSelectionError:
+        # gpt-oss keeps all experts of a layer in one tensor: select it, then read one slice.
+        if expert is None or tensor is not None:
+            raise
+        stacked = [t for t in _find_or_empty(source, layer) if t.layout == "gpt-oss" and t.role.expert is None]
+        if not stacked:
+            raise
+        picked = [(t, expert) for t in stacked]
+    sizes = [(t.packed_bytes + t.numel // MX_BLOCK_SIZE) // (1 if e is None else t.rows // _unit_rows(t))
+             for t, e in picked]
+    total = sum(sizes)
+    if on_plan is not None:
+        on_plan(total)
+    workers = max(1, min(jobs or min(os.cpu_count() or 1, 8), len(picked)))
+    if workers == 1 or total < PARALLEL_MIN_BYTES:
+        results = [inspect_tensor(t, chunk_bytes=chunk_bytes, expert_slice=e, progress=progress) for t, e in picked]
+    else:
+        results = _inspect_in_processes(picked, sizes, chunk_bytes, workers, progress)
+    groups = _flag_outliers(results)
+    for r in results:
+        r.flags[:0] = _local_flags(r)
+        r.flags.sort(key=lambda f: FLAG_KINDS.index(f.kind))
+    selection = {k: v for k, v in (("tensor", tensor), ("layer", layer), ("expert", expert)) if v is not None}
+    return MxInspectReport(source=str(path), selection=selection, tensors=results, groups=groups,
+                           seconds=time.perf_counter() - t0, bytes_read=total)
+
+
+def _inspect_job(item: tuple[MxTensor, int | None, int]) -> TensorInspection:
+    return inspect_tensor(item[0], expert_slice=item[1], chunk_bytes=item[2])
+
+
+def _inspect_in_processes(picked: list[tuple[MxTensor, int | None]], sizes: list[int], chunk_bytes: int,
+                          workers: int, progress: Callable[[int], None] | None) -> list[TensorInspection]:
+    """Tensors spread over worker processes: the byte histograms (``np.bincount``) hold the GIL,
+    so threads do not scale. Results are small (histograms and a few sums), so shipping them
+    back costs nothing next to the reading; progress advances as each tensor comes back."""
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    results = []
+    try:
+        jobs = [(t, e, chunk_bytes) for t, e in picked]
+        # Batches amortize the inter-process round trip over the small tensors of a big layer.
+        batch = max(1, min(16, len(jobs) // (workers * 8)))
+        for r, size in zip(pool.map(_inspect_job, jobs, chunksize=batch), sizes):
+            results.append(r)
+            if progress is not None:
+                progress(size)
+    finally:
+        # On Ctrl-C or an error, do not start the remaining tensors.
+        pool.shutdown(wait=True, cancel_futures=True)
+    return results
+
+
+def _find_or_empty(source: MxSource, layer: int | None) -> list[MxTensor]:
+    try:
+        return find_mx_tensors(source, layer=layer)
+    except MxSelectionError:
+        return []
+
+
+def _local_flags(r: TensorInspection) -> list[Flag]:
+    """Flags that need only the tensor itself."""
+    out = []
+    if r.nan_scales:
+        out.append(Flag("nan-scale", r.name, f"{r.nan_scales:,} NaN scale byte{'s' if r.nan_scales != 1 else ''} "
+                        f"(0xFF): {r.nan_scales * MX_BLOCK_SIZE:,} values decode to NaN",
+                        count=r.nan_scales, fraction=r.nan_scales / r.blocks))
+    if r.nan_count or r.inf_count:
+        out.append(Flag("non-finite", r.name, f"{r.nan_count:,} NaN and {r.inf_count:,} Inf dequantized values",
+                        count=r.nan_count + r.inf_count, fraction=(r.nan_count + r.inf_count) / r.numel))
+    if r.zero_blocks:
+        frac = r.zero_blocks / r.blocks
+        out.append(Flag("zero-blocks", r.name, f"{r.zero_blocks:,} all-zero block{'s' if r.zero_blocks != 1 else ''} "
+                        f"of 32 ({_pct(frac)} of {r.blocks:,})", count=r.zero_blocks, fraction=frac))
+    return out
+
+
+def _robust(values: np.ndarray) -> tuple[float, float]:
+    med = float(np.median(values))
+    return med, float(np.median(np.abs(values - med)))
+
+
+def _flag_outliers(results: list[TensorInspection]) -> list[ExponentGroup]:
+    """Group units by (layer, proj), compare each to its group, add exp-outlier flags."""
+    members: dict[tuple[int | None, str | None], list[tuple[TensorInspection, UnitExponents]]] = {}
+    for r in results:
+        for u in r.units:
+            members.setdefault(r.group, []).append((r, u))
+    groups = []
+    for (layer, proj), items in sorted(members.items(), key=lambda kv: (kv[0][0] if kv[0][0] is not None else -1, str(kv[0][1]))):
+        valid = [(r, u) for r, u in items if u.mean is not None and u.max is not None]
+        g = ExponentGroup(layer, proj, len(items), checked=len(valid) >= OUTLIER_MIN_GROUP)
+        groups.append(g)
+        if not valid:
+            continue
+        g.median_mean, g.mad_mean = _robust(np.array([u.mean for _, u in valid]))
+        g.median_max, g.mad_max = _robust(np.array([u.max for _, u in valid], dtype=np.float64))
+        if not g.checked:
+            continue
+        spread_mean = max(_MAD_TO_SIGMA * g.mad_mean, MEAN_EXP_FLOOR)
+        spread_max = max(_MAD_TO_SIGMA * g.mad_max, MAX_EXP_FLOOR)
+        for r, u in valid:
+            u.z_mean = (u.mean - g.median_mean) / spread_mean  # type: ignore[operator]
+            u.z_max = (u.max - g.median_max) / spread_max  # type: ignore[operator]
+            if abs(u.z_mean) <= OUTLIER_Z and abs(u.z_max) <= OUTLIER_Z:
+                continue
+            who = f"expert {u.expert}: " if r.tensor.layout == "gpt-oss" and r.expert_slice is None else ""
+            msg = (f"{who}scale exponents mean {u.mean:.2f} / max {u.max} vs {g.label} median "
+                   f"{g.median_mean:.2f} / {g.median_max:g} (robust z {u.z_mean:+.1f} / {u.z_max:+.1f}; "
+                   f"limit {OUTLIER_Z:g})")
+            r.flags.append(Flag("exp-outlier", r.name, msg, z=round(max(abs(u.z_mean), abs(u.z_max)), 3),
+                                expert=u.expert))
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------
+# Text rendering
+# ---------------------------------------------------------------------------------------------
+
+_EIGHTHS = " ▏▎▍▌▋▊▉█"
+_SPARKS = "▁▂▃▄▅▆▇█"
+_BAR = 20
+#: More distinct exponents than this are merged into this many equal-width bins.
+_MAX_EXPONENT_LINES = 24
+
+
+def _bar(count: int, peak: int, width: int = _BAR) -> str:
+    """A bar of ``width`` cells in eighths; any non-zero count shows at least one eighth."""
+    if peak <= 0 or count <= 0:
+        return " " * width
+    eighths = max(1, round(count / peak * width * 8))
+    full, rest = divmod(eighths, 8)
+    return ("█" * full + (_EIGHTHS[rest] if rest else "")).ljust(width)
+
+
+def _pct(frac: float) -> str:
+    if frac == 0:
+        return "0%"
+    return f"{frac * 100:.2f}%" if frac >= 1e-4 else f"{frac * 100:.1e}%"
+
+
+def _num(x: float | None, digits: int = 4) -> str:
+    return "-" if x is None else f"{x:.{digits}g}"
+
+
+def code_chart(hist: np.ndarray, indent: str = "  ") -> list[str]:
+    """The 16 E2M1 codes as 8 lines: positive codes on the left, their negatives on the right."""
+    total = int(hist.sum())
+    peak = int(hist.max()) if total else 0
+    lines = []
+    for c in range(8):
+        cells = []
+        for code in (c, c + 8):
+            n = int(hist[code])
+            cells.append(f"{CODE_LABELS[code]:>4} {_bar(n, peak)} {n / total * 100 if total else 0:6.2f}% {n:>12,}")
+        lines.append(indent + "   ".join(cells))
+    return lines
+
+
+def exponent_chart(scale_hist: np.ndarray, indent: str = "  ") -> list[str]:
+    """One line per scale exponent that occurs (bins when too many), plus a NaN line."""
+    total = int(scale_hist.sum())
+    present = np.flatnonzero(scale_hist[:E8M0_NAN])
+    rows: list[tuple[str, int]] = []
+    if present.size > _MAX_EXPONENT_LINES:
+        lo, hi = int(present[0]), int(present[-1])
+        width = -(-(hi - lo + 1) // _MAX_EXPONENT_LINES)
+        for b in range(lo, hi + 1, width):
+            top = min(hi, b + width - 1)
+            n = int(scale_hist[b:top + 1].sum())
+            if n:
+                rows.append((f"{b - E8M0_BIAS}..{top - E8M0_BIAS}", n))
+    else:
+        rows = [(str(int(b) - E8M0_BIAS), int(scale_hist[b])) for b in present]
+    if scale_hist[E8M0_NAN]:
+        rows.append(("NaN", int(scale_hist[E8M0_NAN])))
+    peak = max((n for _, n in rows), default=0)
+    label_w = max((len(lab) for lab, _ in rows), default=3)
+    return [f"{indent}{lab:>{label_w}} {_bar(n, peak, 40)} {n / total * 100:6.2f}% {n:>12,}" for lab, n in rows]
+
+
+def _sparkline(values: list[float | None]) -> str:
+    finite = [v for v in values if v is not None]
+    if not finite:
+        return ""
+    lo, hi = min(finite), max(finite)
+    span = hi - lo
+    return "".join(" " if v is None else _SPARKS[0 if span == 0 else min(7, int((v - lo) / span * 8))] for v in values)
+
+
+def _shape(shape: Iterable[int]) -> str:
+    return "x".join(str(s) for s in shape)
+
+
+def _common_prefix(names: list[str]) -> str:
+    """Longest common prefix ending at a dot, so every name keeps its distinguishing part."""
+    if len(names) < 2:
+        return ""
+    prefix = os.path.commonprefix(names)
+    return prefix[: prefix.rfind(".") + 1]
+
+
+def _short(name: str, prefix: str) -> str:
+    """A name as the table shows it: without the common prefix and the ``.weight`` suffix."""
+    name = name[len(prefix):]
+    return name.removesuffix(".weight")
+
+
+def _detail(r: TensorInspection, indent: str = "  ") -> list[str]:
+    t = r.tensor
+    m = r.moments
+    role = ", ".join(s for s in (
+        f"layer {t.role.layer}" if t.role.layer is not None else "",
+        f"expert {r.expert_slice if r.expert_slice is not None else t.role.expert}"
+        if (r.expert_slice is not None or t.role.expert is not None) else "",
+        t.role.proj or "") if s)
+    rng = r.exponent_range
+    lines = [
+        r.name,
+        f"{indent}format   mxfp4, {t.layout} layout" + (f"; {role}" if role else ""),
+        f"{indent}stored   {t.data_name.rsplit('.', 1)[-1]} {list(t.data_shape)} U8 (E2M1 codes, 2 per byte)",
+        f"{indent}         {t.scale_name.rsplit('.', 1)[-1]} {list(t.scale_shape)} U8 (E8M0 scales)",
+        f"{indent}logical  {list(r.shape)} = {r.numel:,} values in {r.blocks:,} blocks of 32",
+        (f"{indent}values   min {_num(m.lo if m.n else None)}  max {_num(m.hi if m.n else None)}  "
+         f"mean {_num(m.mean)}  std {_num(m.std)}  absmax {_num(r.absmax)}"),
+        (f"{indent}         zero {_pct(r.zero_fraction)}  NaN {r.nan_count:,}  Inf {r.inf_count:,}  "
+         f"all-zero blocks {r.zero_blocks:,}"),
+        (f"{indent}scales   exponent mean {_num(r.exponent_mean)}  range "
+         f"{f'[{rng[0]}, {rng[1]}]' if rng else '-'}  NaN scale bytes {r.nan_scales:,}"),
+    ]
+    if len(r.units) > 1:
+        means = [u.mean for u in r.units]
+        known = [v for v in means if v is not None]
+        lines.append(f"{indent}per-expert mean exponent ({len(means)} experts, "
+                     f"{_num(min(known, default=None))} .. {_num(max(known, default=None))}):")
+        spark = _sparkline(means)
+        lines += [f"{indent}  {spark[i:i + 80]}" for i in range(0, len(spark), 80)]
+    lines.append(f"{indent}E2M1 codes")
+    lines += code_chart(r.code_hist, indent + "  ")
+    lines.append(f"{indent}scale exponents (value = 2**e)")
+    lines += exponent_chart(r.scale_hist, indent + "  ")
+    if r.flags:
+        lines.append(f"{indent}flags")
+        lines += [f"{indent}  {f.kind}: {f.message}" for f in r.flags]
+    else:
+        lines.append(f"{indent}flags    none")
+    return lines
+
+
+def render_inspect(rep: MxInspectReport, *, top: int = 3) -> str:
+    """Human-readable report, readable at 100 columns.
+
+    One tensor: the detailed view. Several: a one-line-per-tensor table, aggregate charts, the
+    exponent groups, every flag, and the detailed view of the ``top`` most severe flagged ones.
+    """
+    from .summary import human_bytes, human_count
+
+    sel = " ".join(f"--{k} {v}" for k, v in rep.selection.items())
+    head = (f"{rep.source}{' ' + sel if sel else ''}: {len(rep.tensors):,} MXFP4 tensor"
+            f"{'s' if len(rep.tensors) != 1 else ''}, {human_count(rep.numel)} values, "
+            f"{human_bytes(rep.bytes_read)} read in {rep.seconds:.2f} s")
+    if len(rep.tensors) == 1:
+        return "\n".join([head, *_detail(rep.tensors[0])])
+
+    names = [r.name for r in rep.tensors]
+    prefix = _common_prefix(names)
+    shown = [_short(n, prefix) for n in names]
+    name_w = min(max(6, max(len(s) for s in shown)), 32)
+    shapes = [_shape(r.shape) for r in rep.tensors]
+    shape_w = max(5, max(len(s) for s in shapes))
+    lines = [head]
+    if prefix:
+        lines.append(f"names below are after {prefix}")
+    lines.append(f"{'tensor':<{name_w}} {'shape':>{shape_w}} {'mean':>10} {'std':>9} {'absmax':>9} "
+                 f"{'zero':>6} {'exp':>6} {'range':<10} flags")
+    for r, s, shp in zip(rep.tensors, shown, shapes):
+        if len(s) > name_w:
+            s = "…" + s[-(name_w - 1):]
+        rng = r.exponent_range
+        letters = "".join(sorted({_FLAG_LETTER[f.kind] for f in r.flags}, key="NFEZ".index)) or "-"
+        zero = f"{r.zero_fraction * 100:.1f}%"
+        lines.append(f"{s:<{name_w}} {shp:>{shape_w}} {_num(r.moments.mean, 3):>10} {_num(r.moments.std):>9} "
+                     f"{_num(r.absmax):>9} {zero:>6} {_num(r.exponent_mean, 3):>6} "
+                     f"{f'[{rng[0]},{rng[1]}]' if rng else '-':<10} {letters}")
+    lines.append("flags: N NaN scale byte, F NaN/Inf values, E exponent outlier, Z all-zero blocks")
+    lines.append("")
+    lines.append(f"E2M1 codes, all {len(rep.tensors):,} tensors")
+    lines += code_chart(rep.code_hist)
+    lines.append(f"scale exponents, all {len(rep.tensors):,} tensors (value = 2**e)")
+    lines += exponent_chart(rep.scale_hist)
+    lines.append("")
+    checked = [g for g in rep.groups if g.checked]
+    if not checked:
+        lines.append(f"scale-exponent outliers: not checked (needs >= {OUTLIER_MIN_GROUP} comparable tensors of one")
+        lines.append("  layer and projection in the selection: select a whole layer with --layer N)")
+    else:
+        lines.append(f"scale-exponent groups (outlier when robust z > {OUTLIER_Z:g}; "
+                     f"needs >= {OUTLIER_MIN_GROUP} members)")
+        for g in rep.groups:
+            if g.median_mean is None:
+                lines.append(f"  {g.label}: {g.members} member(s), every scale byte NaN")
+                continue
+            stats = (f"mean exp median {g.median_mean:.3f} (MAD {g.mad_mean:.3f}), "
+                     f"max exp median {g.median_max:g} (MAD {g.mad_max:g})")
+            lines.append(f"  {g.label}: {g.members} member{'s' if g.members != 1 else ''}, {stats}"
+                         + ("" if g.checked else " - too few to check"))
+    flagged = rep.flagged
+    lines.append("")
+    if not flagged:
+        lines.append("flags: none")
+        return "\n".join(lines)
+    flags = [f for r in flagged for f in r.flags]
+    lines.append(f"flags: {len(flagged):,} of {len(rep.tensors):,} tensors flagged ({len(flags):,} flags)")
+    cap = 200
+    for f in flags[:cap]:
+        lines.append(f"  {_short(f.tensor, prefix)}: {f.kind}: {f.message}")
+    if len(flags) > cap:
+        lines.append(f"  ... and {len(flags) - cap:,} more (--json lists all)")
+    for r in flagged[:max(0, top)]:
+        lines.append("")
+        lines += _detail(r)
+    if len(flagged) > top > 0:
+        lines.append("")
+        lines.append(f"(details for the {top} most severe; --top K shows more)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plotting (optional: matplotlib is the `plot` extra)
+# ---------------------------------------------------------------------------------------------
+
+
+def require_matplotlib() -> Any:
+    """Import matplotlib's ``Figure`` lazily, or fail with how to install it.
+
+    Called before any data is read, so a missing extra costs nothing. ``Figure`` (not pyplot)
+    needs no GUI backend and keeps no global state."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise MxPlotUnavailableError("--plot needs matplotlib, which is not installed: pip install 'k3ckpt[plot]'") from None
+    return Figure
+
+
+def plot_inspect(rep: MxInspectReport, out: str | os.PathLike[str]) -> Path:
+    """Save the report's histograms to an image (format from the suffix, e.g. ``.png``).
+
+    Panels: the E2M1 code histogram and the scale-exponent histogram (of the single tensor, or
+    aggregated over the selection) and, with several members, each member's mean scale exponent
+    grouped by projection with flagged ones marked.
+    """
+    figure_cls = require_matplotlib()
+    members = [(r, u) for r in rep.tensors for u in r.units if u.mean is not None]
+    panels = 3 if len(members) > 1 else 2
+    fig = figure_cls(figsize=(10, 3.2 * panels))
+    axes = fig.subplots(panels, 1)
+    title = rep.tensors[0].name if len(rep.tensors) == 1 else f"{len(rep.tensors)} tensors in {rep.source}"
+
+    codes = rep.code_hist
+    axes[0].bar(range(16), codes, color=["tab:blue"] * 8 + ["tab:orange"] * 8)
+    axes[0].set_xticks(range(16))
+    axes[0].set_xticklabels(CODE_LABELS)
+    axes[0].set_title(f"E2M1 codes - {title}")
+    axes[0].set_ylabel("count")
+
+    hist = rep.scale_hist
+    present = np.flatnonzero(hist[:E8M0_NAN])
+    axes[1].bar(present.astype(int) - E8M0_BIAS, hist[present], color="tab:green", width=0.9)
+    if hist[E8M0_NAN]:
+        x_nan = (int(present[-1]) - E8M0_BIAS + 2) if present.size else 0
+        axes[1].bar([x_nan], [hist[E8M0_NAN]], color="tab:red", width=0.9, label="NaN (0xFF)")
+        axes[1].legend()
+    axes[1].set_yscale("log")
+    axes[1].set_title("scale exponents (value = 2**e)")
+    axes[1].set_xlabel("exponent")
+    axes[1].set_ylabel("blocks")
+
+    if panels == 3:
+        ax = axes[2]
+        by_group: dict[str, list[tuple[int, float, bool]]] = {}
+        for i, (r, u) in enumerate(members):
+            label = f"{r.tensor.role.proj or '?'}"
+            by_group.setdefault(label, []).append((i, float(u.mean), any(f.kind == "exp-outlier" for f in r.flags)))
+        for label, pts in sorted(by_group.items()):
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=8, label=label)
+        bad = [(p[0], p[1]) for pts in by_group.values() for p in pts if p[2]]
+        if bad:
+            ax.scatter([b[0] for b in bad], [b[1] for b in bad], s=60, facecolors="none", edgecolors="red",
+                       label="exp-outlier")
+        ax.set_title("mean scale exponent per tensor / expert")
+        ax.set_xlabel("member (selection order)")
+        ax.set_ylabel("mean exponent")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization error of float weights
+# ---------------------------------------------------------------------------------------------
+
+#: Roles K3 keeps in high precision: only routed experts are MXFP4 in the released checkpoint.
+#: Everything else that is a plain linear weight (dense MLP, latent projections, unknown names in
+#: a user's file) is measured, since a user may well want to know what MXFP4 would do to it.
+SKIPPED_KINDS = frozenset({
+    Kind.NORM, Kind.ROUTER, Kind.ROUTER_BIAS, Kind.EMBEDDING, Kind.LM_HEAD, Kind.ATTENTION,
+    Kind.SHARED_EXPERT, Kind.VISION, Kind.PROJECTOR, Kind.RESIDUAL,
+})
+_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+#: Bytes of float input read per chunk.
+ERROR_CHUNK_BYTES = 4 << 20
+
+
+@dataclass
+class ErrorRow:
+    """Round-trip MXFP4 error of one float tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    role: str  # the Kind of the tensor
+    values: int  # values measured (excludes blocks holding NaN/Inf, which MXFP4 cannot encode)
+    rms: float  # of the input
+    rms_error: float
+    relative_rms_error: float  # rms_error / rms (0 when the tensor is all zeros)
+    max_abs_error: float
+    saturated: int  # values clipped to +-6 * scale (|x| above the largest representable)
+    nonfinite: int  # NaN/Inf input values
+    sum_squares: float = field(default=0.0, repr=False)
+    sum_error_squares: float = field(default=0.0, repr=False)
+
+    @property
+    def saturated_fraction(self) -> float:
+        return self.saturated / self.values if self.values else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "dtype": self.dtype, "shape": list(self.shape), "role": self.role,
+            "values": self.values, "rms": self.rms, "rms_error": self.rms_error,
+            "relative_rms_error": self.relative_rms_error, "max_abs_error": self.max_abs_error,
+            "saturated": self.saturated, "saturated_fraction": self.saturated_fraction,
+            "nonfinite": self.nonfinite,
+        }
+
+
+@dataclass
+class QuantErrorReport:
+    """Result of :func:`quantization_error`: one row per measured tensor, and what was skipped."""
+
+    path: str
+    scale_mode: str
+    rows: list[ErrorRow]
+    skipped: list[tuple[str, str]]  # (name, reason)
+    seconds: float
+
+    @property
+    def values(self) -> int:
+        return sum(r.values for r in self.rows)
+
+    @property
+    def relative_rms_error(self) -> float:
+        """Over all measured values together (each tensor weighted by its energy)."""
+        den = sum(r.sum_squares for r in self.rows)
+        return math.sqrt(sum(r.sum_error_squares for r in self.rows) / den) if den else 0.0
+
+    @property
+    def max_abs_error(self) -> float:
+        return max((r.max_abs_error for r in self.rows), default=0.0)
+
+    @property
+    def saturated_fraction(self) -> float:
+        return sum(r.saturated for r in self.rows) / self.values if self.values else 0.0
+
+    @property
+    def nonfinite(self) -> int:
+        return sum(r.nonfinite for r in self.rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.path,
+            "scale_mode": self.scale_mode,
+            "tensors": [r.to_json() for r in self.rows],
+            "totals": {
+                "tensors": len(self.rows), "values": self.values,
+                "relative_rms_error": self.relative_rms_error, "max_abs_error": self.max_abs_error,
+                "saturated": sum(r.saturated for r in self.rows), "saturated_fraction": self.saturated_fraction,
+                "nonfinite": self.nonfinite,
+            },
+            "skipped": [{"name": n, "reason": why} for n, why in self.skipped],
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def _eligibility(info: TensorInfo) -> str | None:
+    """Why a tensor cannot be quantized to MXFP4 at all (None: it can)."""
+    if info.dtype not in _FLOAT_DTYPES:
+        return f"dtype {info.dtype} is not BF16/F16/F32/F64"
+    if len(info.shape) != 2:
+        return f"shape {list(info.shape)} is not 2-D"
+    if info.shape[1] % MX_BLOCK_SIZE:
+        return f"in = {info.shape[1]} is not a multiple of {MX_BLOCK_SIZE}"
+    return None
+
+
+def quantization_error(
+    path: str | os.PathLike[str],
+    *,
+    scale_mode: str = "floor",
+    tensor: str | None = None,
+    include_all: bool = False,
+    chunk_bytes: int = ERROR_CHUNK_BYTES,
+) -> QuantErrorReport:
+    """Round-trip MXFP4 error of the float linear weights in one safetensors file.
+
+    Each tensor is read in row chunks (header offsets + ``os.pread``), quantized with
+    :func:`~k3ckpt.mxfp4.quantize_mxfp4` and dequantized back; errors are accumulated in float64.
+
+    Args:
+        path: a ``.safetensors`` file.
+        scale_mode: ``"floor"`` (OCP, what K3 uses), ``"ceil"`` or ``"even"``.
+        tensor: measure only this tensor (whatever its role).
+        include_all: also measure tensors whose role K3 keeps in high precision
+            (:data:`SKIPPED_KINDS`).
+        chunk_bytes: input bytes per read.
+
+    Raises:
+        SafetensorsHeaderError: the file is missing or not safetensors.
+        MxInspectError: ``tensor`` is missing or not quantizable, or no tensor qualifies.
+        ValueError: unknown ``scale_mode``.
+    """
+    if scale_mode not in ("floor", "ceil", "even"):
+        raise ValueError(f"scale_mode must be 'floor', 'ceil' or 'even', got {scale_mode!r}")
+    t0 = time.perf_counter()
+    header = read_header(path)
+    rows: list[ErrorRow] = []
+    skipped: list[tuple[str, str]] = []
+    if tensor is not None:
+        info = header.tensors.get(tensor)
+        if info is None:
+            raise MxInspectError(f"{path}: no tensor named {tensor!r}")
+        why = _eligibility(info)
+        if why:
+            raise MxInspectError(f"{path}: {tensor}: cannot be quantized to MXFP4: {why}")
+        candidates = [info]
+    else:
+        candidates = []
+        for info in sorted(header.tensors.values(), key=lambda i: i.name):
+            why = _eligibility(info)
+            kind = classify(info.name).kind
+            if why is None and not include_all and kind in SKIPPED_KINDS:
+                why = f"role {kind}: K3 keeps it in high precision (--all includes it)"
+            if why:
+                skipped.append((info.name, why))
+            else:
+                candidates.append(info)
+    for info in candidates:
+        rows.append(_measure(header, info, scale_mode, chunk_bytes))
+    if not rows:
+        raise MxInspectError(f"{path}: no tensor to quantize ({len(skipped)} skipped: none is a 2-D float "
+                             f"weight with in % 32 == 0 outside the roles K3 keeps in high precision; try --all)")
+    return QuantErrorReport(str(path), scale_mode, rows, skipped, time.perf_counter() - t0)
+
+
+def _measure(header: ShardHeader, info: TensorInfo, scale_mode: str, chunk_bytes: int) -> ErrorRow:
+    from .checkpoint import numpy_dtype
+
+    dtype = numpy_dtype(info.dtype)
+    out_rows, width = info.shape
+    groups = width // MX_BLOCK_SIZE
+    row_bytes = width * dtype.itemsize
+    step = max(1, chunk_bytes // max(1, row_bytes))
+    values = saturated = nonfinite = 0
+    sum_sq = err_sq = max_err = 0.0
+    fd = os.open(header.path, os.O_RDONLY)
+    try:
+        for start in range(0, out_rows, step):
+            n = min(out_rows, start + step) - start
+            want = n * row_bytes
+            raw = os.pread(fd, want, header.data_start + info.begin + start * row_bytes)
+            if len(raw) != want:
+                raise MxInspectError(f"{header.path}: {info.name}: short read ({len(raw)} of {want} bytes; truncated?)")
+            x = np.frombuffer(raw, dtype=dtype).reshape(n, width)
+            # quantize_mxfp4 works in float32 (float64 for F64); widening bf16/f16 is exact.
+            x = x.astype(np.float64 if dtype == np.float64 else np.float32)
+            blocks = x.reshape(n, groups, MX_BLOCK_SIZE)
+            finite = np.isfinite(x)
+            if not finite.all():
+                # MXFP4 cannot encode NaN/Inf: count them, and measure the other blocks only.
+                nonfinite += int(np.count_nonzero(~finite))
+                bad = ~finite.reshape(n, groups, MX_BLOCK_SIZE).all(axis=-1)
+                blocks = blocks.copy()
+                blocks[bad] = 0.0
+                x = blocks.reshape(n, width)
+                values -= int(np.count_nonzero(bad)) * MX_BLOCK_SIZE
+            packed, scales = quantize_mxfp4(x, scale_mode=scale_mode)  # type: ignore[arg-type]
+            q = dequantize_mxfp4(packed, scales, dtype=np.float64)
+            x64 = x.astype(np.float64).ravel()
+            err = q.ravel() - x64
+            values += x.size
+            max_err = max(max_err, float(np.abs(err).max()))
+            sum_sq += _sum_squares(x64)
+            err_sq += _sum_squares(err)
+            limit = E2M1_MAX * decode_e8m0(scales).astype(np.float64)
+            saturated += int(np.count_nonzero(np.abs(blocks) > limit[..., None]))
+    finally:
+        os.close(fd)
+    rms = math.sqrt(sum_sq / values) if values else 0.0
+    rms_err = math.sqrt(err_sq / values) if values else 0.0
+    return ErrorRow(
+        name=info.name, dtype=info.dtype, shape=tuple(info.shape), role=classify(info.name).kind,
+        values=values, rms=rms, rms_error=rms_err, relative_rms_error=math.sqrt(err_sq / sum_sq) if sum_sq else 0.0,
+        max_abs_error=max_err, saturated=saturated, nonfinite=nonfinite, sum_squares=sum_sq, sum_error_squares=err_sq,
+    )
+
+
+def render_error(rep: QuantErrorReport) -> str:
+    """One line per tensor, totals, and a summary of what was skipped."""
+    from .summary import human_count
+
+    names = [r.name for r in rep.rows]
+    prefix = _common_prefix(names)
+    shown = [n[len(prefix):] for n in names]
+    name_w = min(max(6, max(len(s) for s in shown)), 44)
+    shapes = [_shape(r.shape) for r in rep.rows]
+    shape_w = max(5, max(len(s) for s in shapes))
+    lines = [f"{rep.path}: MXFP4 round trip, scale mode {rep.scale_mode}"]
+    if prefix:
+        lines.append(f"names below are after {prefix}")
+    lines.append(f"{'tensor':<{name_w}} {'dtype':<5} {'shape':>{shape_w}} {'rel RMS':>9} {'max abs':>10} "
+                 f"{'saturated':>9} {'non-finite':>10}")
+    for r, s, shp in zip(rep.rows, shown, shapes):
+        if len(s) > name_w:
+            s = "…" + s[-(name_w - 1):]
+        lines.append(f"{s:<{name_w}} {r.dtype:<5} {shp:>{shape_w}} {r.relative_rms_error:>9.4f} "
+                     f"{r.max_abs_error:>10.4g} {_pct(r.saturated_fraction):>9} {r.nonfinite:>10,}")
+    lines.append(f"total: {len(rep.rows):,} tensor{'s' if len(rep.rows) != 1 else ''}, {human_count(rep.values)} values: "
+                 f"relative RMS error {rep.relative_rms_error:.4f}, max abs error {rep.max_abs_error:.4g}, "
+                 f"{_pct(rep.saturated_fraction)} saturated"
+                 + (f", {rep.nonfinite:,} NaN/Inf inputs left out" if rep.nonfinite else ""))
+    if rep.skipped:
+        reasons: dict[str, int] = {}
+        for _, why in rep.skipped:
+            key = why if why.startswith("role ") else why.split(" is ")[-1] if " is " in why else why
+            reasons[key] = reasons.get(key, 0) + 1
+        lines.append(f"skipped {len(rep.skipped):,} tensor{'s' if len(rep.skipped) != 1 else ''}:")
+        lines += [f"  {n:>6,}  {why}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
+    return "\n".join(lines)
