@@ -703,9 +703,9 @@ def _flag_outliers(results: list[TensorInspection]) -> list[ExponentGroup]:
             if abs(u.z_mean) <= OUTLIER_Z and abs(u.z_max) <= OUTLIER_Z:
                 continue
             who = f"expert {u.expert}: " if r.tensor.layout == "gpt-oss" and r.expert_slice is None else ""
-            msg = (f"{who}scale exponents mean {u.mean:.2f} / max {u.max} vs {g.label} median "
-                   f"{g.median_mean:.2f} / {g.median_max:g} (robust z {u.z_mean:+.1f} / {u.z_max:+.1f}; "
-                   f"limit {OUTLIER_Z:g})")
+            # Kept short: with the tensor name and kind in front it must still fit 100 columns.
+            msg = (f"{who}exp mean {u.mean:.2f} / max {u.max}; {g.label} median {g.median_mean:.2f} / "
+                   f"{g.median_max:g}; z {u.z_mean:+.3g} / {u.z_max:+.3g} > {OUTLIER_Z:g}")
             r.flags.append(Flag("exp-outlier", r.name, msg, z=round(max(abs(u.z_mean), abs(u.z_max)), 3),
                                 expert=u.expert))
     return groups

@@ -241,6 +241,7 @@ def test_exponent_shift_flags_exactly_that_tensor(k3_tiny: Path, clone_checkpoin
     assert data["flagged_tensors"] == 1
     # The text report details the flagged tensor with its charts.
     text = run("mx", "inspect", str(root), "--layer", "3").output
+    assert max(len(line) for line in text.splitlines()[1:]) <= 100
     assert "11.w2" in text and "E2M1 codes" in text and f"{base}.weight\n  format   mxfp4, compressed-tensors layout; layer 3, expert 11, down" in text
 
 
