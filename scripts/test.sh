@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
-ensure_venv test
+ensure_venv "test,plot"
 export HF_HUB_DISABLE_XET=1 HF_HUB_OFFLINE=0 HF_HUB_DISABLE_TELEMETRY=1 PYTHONDONTWRITEBYTECODE=1
 exec .venv/bin/python -m pytest -q "$@"
