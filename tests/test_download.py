@@ -1,0 +1,495 @@
+"""Tests for k3ckpt.download (the parallel, resumable, verified downloader) against the loopback
+hub emulator: both hubs, every injected fault, crash/resume by SIGKILL at chosen moments,
+hostile listings, symlinked destinations, the destination lock and the disk-space check.
+
+Chunks are 64 KiB so the 1.6 MB shard has 26 chunks (some past the 1 MiB range-skip limit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import namedtuple
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k3ckpt import download
+from k3ckpt.download import DiskSpaceError, FetchLockedError, FetchResult, fetch_files
+from k3ckpt.hubclient import HubFile, HubListing, RetryPolicy, list_repo
+from k3ckpt.testing.hub import LoopbackHub
+
+REPO = "moonshotai/Kimi-K3"
+HUBS = ("hf", "modelscope")
+BIG = "model-00001-of-000008.safetensors"  # 1.6 MB: 26 chunks of 64 KiB
+NESTED = "tokenizer/vocab.txt"
+EMPTY = "empty.txt"
+CHUNK = 64 * 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# fixtures and helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private copy of k3_tiny plus a nested file and an empty file."""
+    dest = tmp_path_factory.mktemp("download") / "Kimi-K3"
+    shutil.copytree(k3_tiny, dest)
+    (dest / "tokenizer").mkdir()
+    (dest / NESTED).write_text("hello\nworld\n")
+    (dest / EMPTY).write_bytes(b"")
+    return dest
+
+
+@pytest.fixture(scope="module")
+def module_hub(served: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackHub]:
+    with LoopbackHub({REPO: served}, cache_dir=tmp_path_factory.mktemp("hub-cache")) as h:
+        yield h
+
+
+@pytest.fixture
+def hub(module_hub: LoopbackHub) -> Iterator[LoopbackHub]:
+    """The shared hub with no armed faults and zeroed counters."""
+    module_hub.faults.clear()
+    module_hub.reset_counters()
+    yield module_hub
+    module_hub.faults.clear()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_clients(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No credentials, endpoints or caches from the machine leak into a test."""
+    import huggingface_hub.constants as hfc
+    import modelscope_hub.config as msc
+
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "MODELSCOPE_API_TOKEN",
+                "MODELSCOPE_ENDPOINT", "MODELSCOPE_DOMAIN", "K3CKPT_TEST_PAUSE_AT", "K3CKPT_LOCK_STALE_SECONDS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hfc, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))
+    monkeypatch.setattr(hfc, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf" / "stored_tokens"))
+    monkeypatch.setattr(hfc, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("MODELSCOPE_HOME", str(tmp_path / "ms-home"))
+    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms-cache"))
+    monkeypatch.setattr(msc, "_default_config", None)
+
+
+@pytest.fixture(params=HUBS)
+def which(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def listing(hub: LoopbackHub, which: str) -> HubListing:
+    return list_repo(which, REPO, endpoint=hub.url, token="")
+
+
+@pytest.fixture
+def hf_listing(hub: LoopbackHub) -> HubListing:
+    return list_repo("hf", REPO, endpoint=hub.url, token="")
+
+
+class Sleeps(list):
+    """A RetryPolicy.sleep that records instead of sleeping."""
+
+    def __call__(self, seconds: float) -> None:
+        self.append(seconds)
+
+
+def _fast(sleeps: Sleeps | None = None, attempts: int = 4) -> RetryPolicy:
+    return RetryPolicy(attempts=attempts, backoff=0.01, max_backoff=0.05, sleep=sleeps if sleeps is not None else Sleeps())
+
+
+def _assert_identical(served: Path, dest: Path, paths: list[str]) -> None:
+    for rel in paths:
+        assert (dest / rel).read_bytes() == (served / rel).read_bytes(), rel
+
+
+def _no_partial_finals(served: Path, dest: Path, listing: HubListing) -> None:
+    """Every file under its final name is complete and correct (partials only as .part)."""
+    for rel in listing.files:
+        p = dest / rel
+        if p.exists():
+            assert p.read_bytes() == (served / rel).read_bytes(), f"{rel} is under its final name but wrong"
+
+
+def _work_files(dest: Path) -> list[str]:
+    return sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*")
+                  if p.name.endswith((".part", ".journal")) or p.name.startswith(download.LOCK_NAME))
+
+
+# ----------------------------------------------------------------------------------------------
+# the happy path
+# ----------------------------------------------------------------------------------------------
+
+
+def test_fetch_identical_then_everything_skipped(hub: LoopbackHub, listing: HubListing, served: Path,
+                                                tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    plans: list[int] = []
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def progress(n: int) -> None:
+        with lock:
+            seen.append(n)
+
+    r = fetch_files(listing, dest, chunk_size=CHUNK, token="", progress=progress, on_plan=plans.append)
+    assert r.ok and not r.failed and not r.skipped
+    assert sorted(r.fetched) == sorted(listing.files)
+    total = sum(f.size for f in listing.files.values())
+    assert r.bytes_total == total and r.bytes_downloaded == total == sum(seen) == plans[0]
+    assert hub.requests(BIG) == -(-listing.files[BIG].size // CHUNK)  # one request per chunk
+    _assert_identical(served, dest, list(listing.files))
+    assert _work_files(dest) == []  # no .part, journal or lock left behind
+    doc = r.to_json()
+    assert doc["ok"] is True and json.loads(json.dumps(doc)) == doc
+
+    hub.reset_counters()
+    r2 = fetch_files(listing, dest, chunk_size=CHUNK, token="", on_plan=plans.append)
+    assert r2.ok and r2.fetched == [] and sorted(r2.skipped) == sorted(listing.files)
+    assert r2.bytes_downloaded == 0 and plans[-1] == 0 and hub.total_bytes_sent() == 0
+
+
+def test_subset_and_unknown_path(hub: LoopbackHub, hf_listing: HubListing, served: Path, tmp_path: Path) -> None:
+    r = fetch_files(hf_listing, tmp_path / "o", [NESTED, "config.json", "nope.bin"], chunk_size=CHUNK, token="")
+    assert not r.ok and r.failed == {"nope.bin": "not in the listing"}
+    assert sorted(r.fetched) == ["config.json", NESTED]
+    _assert_identical(served, tmp_path / "o", ["config.json", NESTED])
+
+
+def test_existing_wrong_file_is_replaced(hub: LoopbackHub, hf_listing: HubListing, served: Path,
+                                         tmp_path: Path) -> None:
+    dest = tmp_path / "o"
+    dest.mkdir()
+    data = bytearray((served / BIG).read_bytes())
+    data[100] ^= 1  # same size, wrong content: must be hashed, not trusted by size
+    (dest / BIG).write_bytes(bytes(data))
+    r = fetch_files(hf_listing, dest, [BIG, "config.json"], chunk_size=CHUNK, token="")
+    assert r.ok and sorted(r.fetched) == sorted([BIG, "config.json"])
+    _assert_identical(served, dest, [BIG])
+
+
+# ----------------------------------------------------------------------------------------------
+# faults
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,params", [
+    ("drop_after", {"after": 1000}),
+    ("drop_after", {"after": 1000, "reset": False}),
+    ("status", {"status": 503}),
+    ("status", {"status": 500}),
+    ("short_body", {"missing": 7}),
+    ("ignore_range", {}),
+    ("ignore_range_with_content_range", {}),
+], ids=lambda v: str(v) if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()))
+def test_one_shot_faults_are_survived(kind: str, params: dict[str, Any], hub: LoopbackHub, listing: HubListing,
+                                      served: Path, tmp_path: Path) -> None:
+    fault = hub.inject(kind, BIG, times=3, **params)
+    sleeps = Sleeps()
+    r = fetch_files(listing, tmp_path / "o", [BIG], chunk_size=CHUNK, token="", retry=_fast(sleeps))
+    assert r.ok, r.failed
+    assert fault.hits == 3
+    _assert_identical(served, tmp_path / "o", [BIG])
+    if kind not in ("ignore_range", "ignore_range_with_content_range"):
+        assert len(sleeps) == 3  # one backoff per faulty answer
+
+
+def test_429_honours_retry_after(hub: LoopbackHub, hf_listing: HubListing, served: Path, tmp_path: Path) -> None:
+    hub.inject("status", BIG, times=1, status=429, retry_after=7)
+    hub.inject("status", NESTED, times=1, status=503)
+    sleeps = Sleeps()
+    r = fetch_files(hf_listing, tmp_path / "o", [BIG, NESTED], chunk_size=CHUNK, token="",
+                    retry=RetryPolicy(backoff=2.0, sleep=sleeps))
+    assert r.ok
+    assert 7.0 in sleeps  # Retry-After as given, no jitter
+    other = [s for s in sleeps if s != 7.0]
+    assert len(other) == 1 and 1.0 <= other[0] <= 2.0  # backoff 2 s with equal jitter
+
+
+def test_stall_times_out_and_is_retried(hub: LoopbackHub, hf_listing: HubListing, served: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(download, "TIMEOUT", 0.5)
+    hub.inject("stall", BIG, times=1, after=1000, seconds=3)
+    sleeps = Sleeps()
+    t0 = time.monotonic()
+    r = fetch_files(hf_listing, tmp_path / "o", [BIG], chunk_size=CHUNK, token="", retry=_fast(sleeps))
+    assert r.ok and len(sleeps) == 1
+    assert time.monotonic() - t0 < 2.5  # gave up on the stalled body, did not wait it out
+    _assert_identical(served, tmp_path / "o", [BIG])
+
+
+def test_persistent_ignore_range_never_writes_shifted_data(hub: LoopbackHub, listing: HubListing, served: Path,
+                                                           tmp_path: Path) -> None:
+    hub.inject("ignore_range", BIG, times=None)
+    dest = tmp_path / "o"
+    r = fetch_files(listing, dest, [BIG, "config.json"], chunk_size=CHUNK, token="", retry=_fast(attempts=2))
+    assert not r.ok and list(r.failed) == [BIG] and "ignored Range" in r.failed[BIG]
+    assert r.fetched == ["config.json"]
+    assert not (dest / BIG).exists()
+    # Chunks within the skip limit were read by skipping to their offset; every chunk the
+    # journal vouches for holds exactly the source bytes, nothing shifted.
+    journal = json.loads((dest / (BIG + ".part.journal")).read_text())
+    part = (dest / (BIG + ".part")).read_bytes()
+    src = (served / BIG).read_bytes()
+    assert journal["done"] and max(journal["done"]) * CHUNK <= download.hubclient.RANGE_SKIP_LIMIT
+    for i in journal["done"]:
+        assert part[i * CHUNK:(i + 1) * CHUNK] == src[i * CHUNK:(i + 1) * CHUNK]
+
+
+def test_one_corrupt_byte_refetched_once(hub: LoopbackHub, listing: HubListing, served: Path,
+                                         tmp_path: Path) -> None:
+    size = listing.files[BIG].size
+    hub.inject("corrupt_byte", BIG, times=1, offset=size // 2)
+    r = fetch_files(listing, tmp_path / "o", [BIG], chunk_size=CHUNK, token="", retry=_fast())
+    assert r.ok and r.fetched == [BIG]
+    assert r.bytes_downloaded == 2 * size  # verified, mismatched, re-fetched in full once
+    _assert_identical(served, tmp_path / "o", [BIG])
+
+
+def test_persistent_corruption_is_reported(hub: LoopbackHub, listing: HubListing, tmp_path: Path) -> None:
+    hub.inject("corrupt_byte", BIG, times=None, offset=5)
+    dest = tmp_path / "o"
+    r = fetch_files(listing, dest, [BIG, "config.json"], chunk_size=CHUNK, token="", retry=_fast())
+    assert not r.ok and list(r.failed) == [BIG] and "sha256 mismatch" in r.failed[BIG]
+    assert r.fetched == ["config.json"]
+    assert not (dest / BIG).exists()
+    assert _work_files(dest) == []  # known-bad .part and journal are not kept
+
+
+def test_git_sha1_verified_small_file_corruption(hub: LoopbackHub, hf_listing: HubListing, tmp_path: Path) -> None:
+    assert hf_listing.files["config.json"].sha256 is None and hf_listing.files["config.json"].git_sha1
+    hub.inject("corrupt_byte", "config.json", times=None, offset=3)
+    r = fetch_files(hf_listing, tmp_path / "o", ["config.json"], chunk_size=CHUNK, token="", retry=_fast())
+    assert not r.ok and "git blob id mismatch" in r.failed["config.json"]
+    assert not (tmp_path / "o" / "config.json").exists()
+
+
+def test_zero_byte_body_for_non_empty_file_fails(hub: LoopbackHub, listing: HubListing, tmp_path: Path) -> None:
+    hub.inject("short_body", "config.json", times=None, missing=10**9)
+    r = fetch_files(listing, tmp_path / "o", ["config.json", EMPTY], chunk_size=CHUNK, token="", retry=_fast())
+    assert not r.ok and "empty body" in r.failed["config.json"]
+    assert not (tmp_path / "o" / "config.json").exists()
+    assert r.fetched == [EMPTY] and (tmp_path / "o" / EMPTY).read_bytes() == b""  # a real empty file is fine
+
+
+def test_not_found_is_not_retried(hub: LoopbackHub, hf_listing: HubListing, tmp_path: Path) -> None:
+    sha = hashlib.sha256(b"x").hexdigest()
+    bogus = HubListing(hf_listing.hub, hf_listing.repo, hf_listing.revision, hf_listing.endpoint,
+                       {"missing.bin": HubFile("missing.bin", 1, sha, None)})
+    sleeps = Sleeps()
+    r = fetch_files(bogus, tmp_path / "o", chunk_size=CHUNK, token="", retry=_fast(sleeps))
+    assert not r.ok and "404" in r.failed["missing.bin"] and sleeps == []
+
+
+# ----------------------------------------------------------------------------------------------
+# hostile names and destinations
+# ----------------------------------------------------------------------------------------------
+
+
+def test_hostile_listing_refused(hub: LoopbackHub, hf_listing: HubListing, tmp_path: Path) -> None:
+    sha = hashlib.sha256(b"pwned").hexdigest()
+    names = ["../../x", "/etc/evil", "a/../../b", "ok/./x", "c:\\win", "x.part", download.LOCK_NAME]
+    files = {n: HubFile(n, 5, sha, None) for n in names}
+    files["config.json"] = hf_listing.files["config.json"]
+    bogus = HubListing(hf_listing.hub, hf_listing.repo, hf_listing.revision, hf_listing.endpoint, files)
+    root = tmp_path / "a" / "b"
+    dest = root / "dest"
+    r = fetch_files(bogus, dest, chunk_size=CHUNK, token="")
+    assert sorted(r.failed) == sorted(names) and r.fetched == ["config.json"] and not r.ok
+    assert all("refusing" in why for why in r.failed.values())
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "a", "a/b", "a/b/dest", "a/b/dest/config.json"]
+    assert sum(hub.requests(n) for n in names) == 0
+
+
+def test_symlinked_directory_outside_dest_refused(hub: LoopbackHub, hf_listing: HubListing, served: Path,
+                                                  tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "tokenizer").symlink_to(outside)
+    (dest / "config.json").symlink_to(outside / "config.json")  # a dangling link out, too
+    r = fetch_files(hf_listing, dest, [NESTED, "config.json", "LICENSE"], chunk_size=CHUNK, token="")
+    assert sorted(r.failed) == ["config.json", NESTED] and "symlink" in r.failed[NESTED]
+    assert r.fetched == ["LICENSE"]
+    assert list(outside.iterdir()) == []
+
+
+def test_symlinked_dest_itself_and_inside_links_are_fine(hub: LoopbackHub, hf_listing: HubListing, served: Path,
+                                                         tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    (real / "sub").mkdir(parents=True)
+    (real / "tokenizer").symlink_to(real / "sub")  # stays inside dest
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    r = fetch_files(hf_listing, link, [NESTED], chunk_size=CHUNK, token="")
+    assert r.ok and (real / "sub" / "vocab.txt").read_text() == "hello\nworld\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# lock and disk space
+# ----------------------------------------------------------------------------------------------
+
+
+def test_second_concurrent_fetch_is_locked_out(hub: LoopbackHub, hf_listing: HubListing, served: Path,
+                                               tmp_path: Path) -> None:
+    dest = tmp_path / "o"
+    hub.inject("stall", BIG, times=1, after=1000, seconds=1.5)
+    results: list[FetchResult] = []
+    t = threading.Thread(target=lambda: results.append(
+        fetch_files(hf_listing, dest, [BIG], chunk_size=CHUNK, token="", retry=_fast())))
+    t.start()
+    lock = dest / download.LOCK_NAME
+    deadline = time.monotonic() + 5
+    while not lock.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(FetchLockedError) as ei:
+        fetch_files(hf_listing, dest, [BIG], chunk_size=CHUNK, token="")
+    assert f"pid {os.getpid()}" in str(ei.value) and socket.gethostname() in str(ei.value)
+    t.join(10)
+    assert results and results[0].ok
+    assert not lock.exists()
+    _assert_identical(served, dest, [BIG])
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_locks(hub: LoopbackHub, hf_listing: HubListing, tmp_path: Path,
+                     monkeypatch: pytest.MonkeyPatch) -> None:
+    dest = tmp_path / "o"
+    dest.mkdir()
+    lock = dest / download.LOCK_NAME
+    # Same host, dead pid: stale, recovered.
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "started": time.time(), "token": "t"}))
+    assert fetch_files(hf_listing, dest, ["LICENSE"], chunk_size=CHUNK, token="").ok
+    assert not lock.exists()
+    # Another host, recent: we cannot check its pid, so it is live.
+    lock.write_text(json.dumps({"host": "node-17.example", "pid": 4242, "started": time.time(), "token": "t"}))
+    with pytest.raises(FetchLockedError, match=r"pid 4242 on host node-17\.example"):
+        fetch_files(hf_listing, dest, ["LICENSE"], chunk_size=CHUNK, token="")
+    # ... until it is older than K3CKPT_LOCK_STALE_SECONDS.
+    old = time.time() - 120
+    os.utime(lock, (old, old))
+    monkeypatch.setenv("K3CKPT_LOCK_STALE_SECONDS", "60")
+    assert fetch_files(hf_listing, dest, ["LICENSE"], chunk_size=CHUNK, token="").ok
+    assert not lock.exists()
+
+
+def test_disk_space_checked_before_any_byte(hub: LoopbackHub, hf_listing: HubListing, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(download.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    dest = tmp_path / "o"
+    needed = sum(f.size for f in hf_listing.files.values() if f.size)
+    with pytest.raises(DiskSpaceError) as ei:
+        fetch_files(hf_listing, dest, chunk_size=CHUNK, token="")
+    assert f"need {needed} bytes" in str(ei.value) and "only 1000 bytes" in str(ei.value)
+    assert hub.total_bytes_sent() == 0 and _work_files(dest) == []
+    # check_space=False skips the check.
+    assert fetch_files(hf_listing, dest, ["LICENSE"], chunk_size=CHUNK, token="", check_space=False).ok
+
+
+# ----------------------------------------------------------------------------------------------
+# crash and resume
+# ----------------------------------------------------------------------------------------------
+
+_CHILD = """
+import sys
+from k3ckpt.download import fetch_files
+from k3ckpt.hubclient import list_repo
+which, url, repo, dest, chunk, workers = sys.argv[1:7]
+listing = list_repo(which, repo, endpoint=url, token="")
+r = fetch_files(listing, dest, chunk_size=int(chunk), workers=int(workers), token="")
+sys.exit(0 if r.ok else 1)
+"""
+
+
+def _child(which: str, hub: LoopbackHub, dest: Path, tmp_path: Path, workers: int,
+           pause: str | None) -> tuple[subprocess.Popen[bytes], Path]:
+    marker = tmp_path / "paused"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MODELSCOPE_", "K3CKPT_"))}
+    env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_IMPLICIT_TOKEN="1",
+               MODELSCOPE_CACHE=str(tmp_path / "ms-cache"), MODELSCOPE_HOME=str(tmp_path / "ms-home"),
+               K3CKPT_TEST_PAUSE_FILE=str(marker))
+    if pause:
+        env["K3CKPT_TEST_PAUSE_AT"] = pause
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, which, hub.url, REPO, str(dest), str(CHUNK), str(workers)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return proc, marker
+
+
+def _wait(cond: Any, proc: subprocess.Popen[bytes], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            raise AssertionError(f"child exited ({proc.returncode}) before {what}: {proc.stderr.read().decode()[-2000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("point", ["after_chunk:1", "after_chunk:40", "before_rename", "mid_body"])
+def test_sigkill_then_resume(point: str, hub: LoopbackHub, listing: HubListing, which: str, served: Path,
+                             tmp_path: Path) -> None:
+    workers = 3
+    dest = tmp_path / "o"
+    if point == "mid_body":
+        fault = hub.inject("stall", BIG, times=1, after=CHUNK // 2, seconds=20)
+        proc, _ = _child(which, hub, dest, tmp_path, workers, None)
+        _wait(lambda: fault.hits == 1 and hub.bytes_sent(BIG) >= CHUNK // 2, proc, "the stalled body")
+        time.sleep(0.2)  # let other workers get mid-chunk too
+    else:
+        proc, marker = _child(which, hub, dest, tmp_path, workers, point)
+        _wait(marker.exists, proc, f"pause point {point}")
+    proc.kill()
+    proc.wait()
+    hub.faults.clear()
+    _no_partial_finals(served, dest, listing)
+    assert (dest / download.LOCK_NAME).exists()  # the dead run's lock: stale, must be recovered
+    if point == "before_rename":
+        done = [p for p in dest.rglob("*.part") if json.loads(Path(str(p) + ".journal").read_text())["done"]]
+        assert done  # a complete .part waiting for its rename, not under the final name
+
+    first_run = {rel: hub.bytes_sent(rel) for rel in listing.files}
+    r = fetch_files(listing, dest, chunk_size=CHUNK, workers=workers, token="")
+    assert r.ok, r.failed
+    _assert_identical(served, dest, list(listing.files))
+    assert _work_files(dest) == []
+    total = sum(f.size for f in listing.files.values())
+    sent = hub.total_bytes_sent()
+    assert sent - total <= workers * CHUNK, (sent - total, first_run)
+    assert r.bytes_downloaded == sent - sum(first_run.values())
+
+
+def test_foreign_journal_discarded(hub: LoopbackHub, hf_listing: HubListing, served: Path, tmp_path: Path) -> None:
+    """A journal for other content (here: another sha256) must not vouch for the .part's bytes."""
+    dest = tmp_path / "o"
+    dest.mkdir()
+    entry = hf_listing.files[BIG]
+    (dest / (BIG + ".part")).write_bytes(b"\0" * entry.size)
+    nchunks = -(-entry.size // CHUNK)
+    doc = {"version": 1, "path": BIG, "size": entry.size, "sha256": "0" * 64, "git_sha1": None,
+           "chunk_size": CHUNK, "done": list(range(nchunks))}
+    (dest / (BIG + ".part.journal")).write_text(json.dumps(doc))
+    r = fetch_files(hf_listing, dest, [BIG], chunk_size=CHUNK, token="")
+    assert r.ok and r.bytes_downloaded == entry.size
+    _assert_identical(served, dest, [BIG])
