@@ -1,0 +1,93 @@
+"""``k3ckpt fetch``: download a checkpoint from Hugging Face or ModelScope, resumably, verified.
+
+Metadata (file list, sizes, sha256, the resolved commit) comes through the real client
+libraries (:mod:`k3ckpt.hubclient`); bytes come through our own parallel ranged downloader
+(:mod:`k3ckpt.download`), because none of the clients resumes across runs, verifies what it
+wrote, and fetches byte ranges of tensors. The destination is a plain local-dir checkpoint the
+other commands accept.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .hubclient import HubListing, list_repo
+
+
+@dataclass
+class FetchPlan:
+    listing: HubListing
+    dest: Path
+    paths: list[str]  # what will be fetched (or checked and skipped), sorted
+    excluded: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(self.listing.files[p].size for p in self.paths)
+
+    def present(self) -> list[str]:
+        """Files already at the destination with the listed size (they will be verified, and
+        skipped when their digest matches)."""
+        out = []
+        for p in self.paths:
+            try:
+                if (self.dest / p).stat().st_size == self.listing.files[p].size:
+                    out.append(p)
+            except OSError:
+                continue
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "hub": self.listing.hub, "repo": self.listing.repo, "revision": self.listing.revision,
+            "dest": str(self.dest), "files": {p: self.listing.files[p].size for p in self.paths},
+            "bytes_total": self.bytes_total, "excluded": self.excluded, "present": self.present(),
+        }
+
+
+def select_paths(files: list[str], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+    """``(selected, excluded)``: files matching any ``include`` glob (all when none is given) and
+    no ``exclude`` glob. Globs match the whole posix path (``*.safetensors``, ``tokenizer*``)."""
+    selected, dropped = [], []
+    for f in sorted(files):
+        inc = not include or any(fnmatch.fnmatchcase(f, g) for g in include)
+        exc = any(fnmatch.fnmatchcase(f, g) for g in exclude)
+        (selected if inc and not exc else dropped).append(f)
+    return selected, dropped
+
+
+def plan_fetch(
+    hub: str,
+    repo: str,
+    dest: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    include: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (),
+    endpoint: str | None = None,
+    token: str | None = None,
+) -> FetchPlan:
+    """List the repo (pinned to its resolved commit) and choose the files to fetch."""
+    listing = list_repo(hub, repo, revision, endpoint=endpoint, token=token)
+    paths, excluded = select_paths(list(listing.files), include, exclude)
+    return FetchPlan(listing, Path(dest), paths, excluded)
+
+
+def run_fetch(
+    plan: FetchPlan,
+    *,
+    workers: int = 8,
+    chunk_size: int | None = None,
+    token: str | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
+) -> Any:
+    """Download ``plan`` (see :func:`k3ckpt.download.fetch_files`); returns its ``FetchResult``."""
+    from .download import DEFAULT_CHUNK, fetch_files
+
+    return fetch_files(plan.listing, plan.dest, plan.paths, workers=workers,
+                       chunk_size=chunk_size or DEFAULT_CHUNK, token=token, progress=progress, on_plan=on_plan)

@@ -1,0 +1,95 @@
+"""`k3ckpt fetch` through the CLI, against the loopback hub."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from k3ckpt.checkpoint import open_checkpoint
+from k3ckpt.cli import main
+from k3ckpt.fetch import select_paths
+from k3ckpt.testing.hub import LoopbackHub
+
+REPO = "moonshotai/Kimi-K3"
+
+
+@pytest.fixture()
+def hub(k3_tiny: Path, tmp_path: Path):
+    served = tmp_path / "served"
+    shutil.copytree(k3_tiny, served)
+    with LoopbackHub({REPO: served}, cache_dir=tmp_path / "hub-cache") as h:
+        yield h, served
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def digests(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and ".k3ckpt" not in p.parts}
+
+
+def test_select_paths_globs() -> None:
+    files = ["config.json", "model-00001-of-000002.safetensors", "model-00002-of-000002.safetensors",
+             "tokenizer_config.json", "sub/dir/readme.md"]
+    assert select_paths(files) == (sorted(files), [])
+    sel, dropped = select_paths(files, include=("*.json",), exclude=("tokenizer*",))
+    assert sel == ["config.json"] and len(dropped) == 4
+    assert select_paths(files, include=("sub/*",))[0] == ["sub/dir/readme.md"]
+
+
+def test_dry_run_lists_and_downloads_nothing(hub, tmp_path: Path) -> None:
+    h, served = hub
+    h.reset_counters()
+    dest = tmp_path / "dest"
+    res = run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(dest), "--endpoint", h.url, "--dry-run",
+              "--exclude", "LICENSE")
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[-1].startswith(f"would fetch {len(list(served.iterdir())) - 1} files")
+    assert not any(line.endswith("LICENSE") for line in lines)
+    assert not dest.exists()
+    assert sum(h.bytes_sent(p.name) for p in served.iterdir()) == 0
+    js = run("fetch", "--source", "modelscope", "--repo", REPO, "--dest", str(dest), "--endpoint", h.url,
+             "--dry-run", "--json")
+    data = json.loads(js.output)
+    assert data["bytes_total"] == sum(p.stat().st_size for p in served.iterdir())
+    assert data["present"] == [] and len(data["revision"]) >= 7
+
+
+@pytest.mark.parametrize("source", ["hf", "modelscope"])
+def test_fetch_verify_inspect(hub, tmp_path: Path, source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    h, served = hub
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    dest = tmp_path / "dest"
+    res = run("fetch", "--source", source, "--repo", REPO, "--dest", str(dest), "--endpoint", h.url,
+              "--chunk-size", "64KiB", "--workers", "4", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["failed"] == {} and sorted(data["fetched"]) == sorted(p.name for p in served.iterdir())
+    assert digests(dest) == digests(served)
+    assert open_checkpoint(dest).tensors.keys() == open_checkpoint(served).tensors.keys()
+    assert run("verify", str(dest), "--against", source, "--repo", REPO, "--endpoint", h.url).exit_code == 0
+    again = run("fetch", "--source", source, "--repo", REPO, "--dest", str(dest), "--endpoint", h.url, "--json")
+    assert json.loads(again.output)["bytes_downloaded"] == 0
+
+
+def test_unfetchable_file_is_listed_and_exit_is_1(hub, tmp_path: Path) -> None:
+    h, served = hub
+    h.inject("corrupt_byte", "config.json", times=None, offset=3)
+    res = run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(tmp_path / "d"), "--endpoint", h.url)
+    assert res.exit_code == 1
+    assert "could not fetch config.json" in res.output and res.output.startswith("FAILED: ")
+    assert not (tmp_path / "d" / "config.json").exists()
+
+
+def test_bad_chunk_size_is_a_usage_error(tmp_path: Path) -> None:
+    res = CliRunner().invoke(main, ["fetch", "--source", "hf", "--repo", REPO, "--dest", str(tmp_path),
+                                    "--chunk-size", "lots"])
+    assert res.exit_code == 2 and "is not a size" in res.output
