@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job, end to end, on an embedded default: a synthetic K3-shaped checkpoint published
-# on a loopback hub (127.0.0.1 only), pinned, downloaded, verified and inspected on a "node";
-# then the full-size K3 inventory (headers only, sparse files) inspected and re-verified.
-# Stages join as their commands land: fetch, reshard and preflight come next.
+# on a loopback hub (127.0.0.1 only), pinned, fetched, verified and inspected on a "node"; then
+# the full-size K3 inventory (headers only, sparse files) inspected and re-verified.
+# Stages join as their commands land: reshard and preflight come next.
 #
 # Usage: scripts/demo.sh [WORK_DIR]        (default: work/demo; re-runs reuse what is there)
 set -euo pipefail
@@ -47,10 +47,8 @@ echo "hub at $HF_ENDPOINT serving $REPO"
 step "3. pin a manifest from hub metadata alone (sizes, sha256, shard headers by Range requests)"
 k3ckpt manifest pull --source hf --repo "$REPO" -o "$MANIFEST" --json
 
-step "4. download to the node (the real huggingface_hub client, until 'k3ckpt fetch' lands)"
-hf download "$REPO" --local-dir "$NODE" --quiet >/dev/null 2>"$WORK/hf-download.log" \
-  || { cat "$WORK/hf-download.log" >&2; exit 2; }
-echo "downloaded to $NODE"
+step "4. fetch it to the node: parallel ranged chunks, resumable, every file's sha256 checked"
+k3ckpt fetch --source hf --repo "$REPO" --dest "$NODE" --chunk-size 16MiB
 
 step "5. verify the node's copy against the pinned manifest (structure + every sha256)"
 k3ckpt verify "$NODE" --manifest "$MANIFEST"
