@@ -494,6 +494,48 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
         sys.exit(EXIT_PROBLEMS)
 
 
+# -- plan --------------------------------------------------------------------------------------
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("source", type=click.Path(exists=True, path_type=str))
+@click.option("--ep", type=click.IntRange(1), default=1, show_default=True, help="Expert-parallel degree.")
+@click.option("--tp", type=click.IntRange(1), default=1, show_default=True, help="Tensor-parallel degree of dense weights.")
+@click.option("--world-size", type=click.IntRange(1), help="Ranks in all [default: max(ep, tp)].")
+@click.option("--placement", type=click.Choice(["linear", "round_robin"]), default="linear", show_default=True,
+              help="Expert placement: vLLM's linear rule or round robin.")
+@click.option("--gpus-per-node", type=click.IntRange(1), help="Group ranks into nodes of this many GPUs.")
+@click.option("--kv-budget", type=ByteSize(), default="20GiB", show_default=True,
+              help="KV cache (and other runtime) memory to reserve per GPU.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@handle_errors
+def plan(source: str, ep: int, tp: int, world_size: int | None, placement: str, gpus_per_node: int | None,
+         kv_budget: int, as_json: bool) -> None:
+    """What each rank of a TP/EP topology holds, and which accelerators fit it.
+
+    SOURCE is a local checkpoint or a manifest (so a deployment can be planned before anything
+    is downloaded: `k3ckpt manifest pull` makes one from hub metadata). Prints each rank's
+    ep/tp/moe_tp rank and node, its experts, its bytes split into routed experts / TP-split
+    dense / replicated, the largest rank, and the per-GPU need (weights x 1.15 + KV budget)
+    against H100, H200, B200, GB300 and MI355X. Impossible topologies are refused with the
+    precise reason (exit 2).
+
+    \b
+    Examples:
+      k3ckpt plan ./Kimi-K3 --ep 8 --tp 2
+      k3ckpt plan kimi-k3.manifest.json --ep 16 --tp 8 --world-size 16 --gpus-per-node 8
+      k3ckpt plan ./Kimi-K3 --tp 8 --kv-budget 40GiB --json
+    """
+    from .plan import plan_topology, render_plan
+
+    rep = plan_topology(source, ep=ep, tp=tp, world_size=world_size, placement=placement,
+                        gpus_per_node=gpus_per_node, kv_budget=kv_budget)
+    if as_json:
+        _emit_json(rep.to_json())
+    else:
+        click.echo(render_plan(rep))
+
+
 # -- mx ----------------------------------------------------------------------------------------
 
 
