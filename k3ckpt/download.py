@@ -398,9 +398,10 @@ class _Cancelled(Exception):
 class _Job:
     """One file being downloaded: its ``.part`` descriptor, journal and outstanding chunks."""
 
-    def __init__(self, entry: HubFile, final: str, chunk_size: int) -> None:
+    def __init__(self, entry: HubFile, final: str, chunk_size: int, dest_real: str) -> None:
         self.entry = entry
         self.final = final
+        self.dest_real = dest_real
         self.part = final + ".part"
         self.journal = self.part + ".journal"
         self.chunk_size = chunk_size
@@ -456,7 +457,13 @@ class _Job:
             return
         # Fresh start: an old .part without a valid journal is untrusted; a symlink is not ours.
         _unlink(self.part)
-        os.makedirs(os.path.dirname(self.final), exist_ok=True)
+        parent = os.path.dirname(self.final)
+        os.makedirs(parent, exist_ok=True)
+        # Checked again now that the directories exist: a symlink planted since the plan was
+        # made must not redirect the write outside the destination.
+        if not _within(self.dest_real, os.path.realpath(parent)):
+            raise _Fatal(f"refusing to write {self.entry.path!r}: its directory resolves to "
+                         f"{os.path.realpath(parent)!r}, outside {self.dest_real!r}")
         fd = os.open(self.part, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
         try:
             if self.entry.size:
@@ -656,6 +663,8 @@ class _Run:
                 self._run_task(job, index)
             except _Cancelled:
                 pass
+            except _Fatal as e:
+                self.fail(job, str(e))
             except BaseException as e:  # never lose a worker silently: fail the file, keep going
                 self.fail(job, f"{type(e).__name__}: {hubclient._one_line(str(e))[:300]}")
             finally:
@@ -676,8 +685,8 @@ class _Run:
         if index is not None:
             self._fetch_chunk(job, index)
             with job.lock:
-                if job.failed is not None:
-                    return
+                if job.failed is not None or self.cancel.is_set():
+                    return  # cancelled: the caller may already have released the lock
                 # The bytes first, then the journal: a crash between the two re-fetches this
                 # chunk; the reverse order could record bytes that never reached the disk.
                 os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]
@@ -763,11 +772,14 @@ class _Run:
                     self.cond.wait(0.5)
         except BaseException:
             # Ctrl-C: stop the workers between pieces; the journal is consistent at any moment.
+            # A worker blocked in a read is not waited for beyond a moment (it is a daemon
+            # thread, and once cancelled it records nothing more in any journal).
             self.cancel.set()
             with self.cond:
                 self.cond.notify_all()
+            deadline = time.monotonic() + 2.0
             for t in threads:
-                t.join(timeout=self.timeout + 5)
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
             raise
         for t in threads:
             t.join()
@@ -885,7 +897,7 @@ def fetch_files(
                 if os.path.isfile(final + ".part") and not os.path.islink(final + ".part"):
                     _unlink(final + ".part")
                 continue
-            job = _Job(entry, final, chunk_size)
+            job = _Job(entry, final, chunk_size, dest_real)
             job.load_resume()
             jobs.append(job)
 
