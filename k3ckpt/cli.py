@@ -536,6 +536,65 @@ def plan(source: str, ep: int, tp: int, world_size: int | None, placement: str, 
         click.echo(render_plan(rep))
 
 
+# -- reshard -----------------------------------------------------------------------------------
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("source", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="Output directory (the rank layout).")
+@click.option("--ep", type=click.IntRange(1), default=1, show_default=True, help="Expert-parallel degree.")
+@click.option("--tp", type=click.IntRange(1), default=1, show_default=True, help="Tensor-parallel degree of dense weights.")
+@click.option("--world-size", type=click.IntRange(1), help="Ranks in all [default: max(ep, tp)].")
+@click.option("--placement", type=click.Choice(["linear", "round_robin"]), default="linear", show_default=True,
+              help="Expert placement: vLLM's linear rule or round robin.")
+@click.option("--ranks", "ranks_spec", help="Only these ranks, e.g. 0-3,8.")
+@click.option("--node", type=click.IntRange(0), help="Only the ranks of this node (needs --gpus-per-node).")
+@click.option("--gpus-per-node", type=click.IntRange(1), help="Group ranks into nodes of this many GPUs.")
+@click.option("--max-file-size", type=ByteSize(), default="5GiB", show_default=True,
+              help="Split each rank's weights into parts of at most this size.")
+@click.option("--jobs", type=click.IntRange(1), default=None, help="Output files written in parallel [default: min(CPUs, 8)].")
+@click.option("--force", is_flag=True, help="Rewrite completed ranks too, and overwrite another topology in OUT.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
+@handle_errors
+def reshard(source: str, out: str, ep: int, tp: int, world_size: int | None, placement: str, ranks_spec: str | None,
+            node: int | None, gpus_per_node: int | None, max_file_size: int, jobs: int | None, force: bool,
+            as_json: bool) -> None:
+    """Write a checkpoint as one directory of safetensors files per rank of a TP/EP topology.
+
+    The layout is the rank-layout contract: OUT/topology.json, the source's non-weight files,
+    and OUT/rank-NNNNN/ with model-rank-R-part-K.safetensors, rank-manifest.json (per-tensor and
+    per-file sha256, computed while writing) and READY, written last. Tensors keep their source
+    names and dtypes; split tensors are sliced by the TP rules. Streaming, bounded memory;
+    contiguous byte runs are copied kernel-side. A rank whose READY exists and whose manifest
+    matches is skipped on a re-run (--force redoes it); any other rank is rewritten from scratch.
+
+    \b
+    Examples:
+      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-ep8-tp2 --ep 8 --tp 2
+      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-ep16 --ep 16 --tp 8 --world-size 16 --node 1 --gpus-per-node 8
+      k3ckpt reshard ./Kimi-K3 -o ./k3-tp8 --tp 8 --ranks 0-3 --max-file-size 2GiB --json
+    """
+    from .reshard import plan_reshard, run_reshard
+    from .summary import human_bytes
+
+    plan = plan_reshard(source, ep=ep, tp=tp, world_size=world_size, placement=placement, ranks=ranks_spec,
+                        node=node, gpus_per_node=gpus_per_node, max_file_size=max_file_size)
+    bar = ByteProgress(not as_json, "resharding")
+    try:
+        res = run_reshard(plan, out, jobs=jobs, force=force, progress=bar, on_plan=bar.plan)
+    finally:
+        bar.close()
+    if as_json:
+        _emit_json(res.to_json())
+        return
+    rate = f" at {human_bytes(res.bytes_written / res.seconds)}/s" if res.seconds and res.bytes_written else ""
+    skipped = f", {len(res.skipped)} already complete (skipped)" if res.skipped else ""
+    t = res.topology
+    click.echo(f"ok: {res.out}: ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}: "
+               f"{len(res.written)} ranks written ({human_bytes(res.bytes_written)}{rate}){skipped}")
+
+
 # -- mx ----------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,782 @@
+"""``k3ckpt reshard``: write a checkpoint as one directory of safetensors files per rank.
+
+The output is the rank-layout contract (``rank-layout.md``): ``OUT/topology.json``, the source's
+non-weight files, and ``OUT/rank-NNNNN/{model-rank-R-part-K.safetensors, rank-manifest.json,
+READY}``. What each rank holds comes from :func:`k3ckpt.topology.tensors_for_ranks`.
+
+How bytes move (streaming; memory is a few bounded buffers per worker, whatever the size):
+
+- each rank's tensors are grouped per source file and sorted by source offset, then packed
+  into parts of at most ``--max-file-size``;
+- every tensor becomes a list of *byte runs* ``(offset, length, count, stride)`` in the source:
+  a whole tensor, a dim-0 split and a run of consecutive whole experts are one contiguous run;
+  a split of a later dim is ``count`` rows of ``length`` bytes ``stride`` apart;
+- adjacent contiguous runs (a rank's experts: their six tensors are adjacent in the shard) are
+  coalesced and copied kernel-side with ``os.copy_file_range`` (falling back to ``os.sendfile``,
+  then to a bounded ``pread``/``pwrite``), in chunks of :data:`CHUNK` bytes;
+- strided runs are gathered through bounded buffers (whole rows read, columns cut with numpy);
+- output files are written in parallel by a thread pool (``--jobs``).
+
+Hashing. Per-tensor and per-file sha256 are computed while writing, in the same pass: after each
+kernel-side chunk copy, the chunk just written is read back from the page cache (hot pages of
+the *output*; the source is never read a second time) and fed to the tensor's and the file's
+hashers; buffered chunks are hashed from the buffer they are written from. A tensor slice that
+several ranks hold identically (replicated and TP slices across dp ranks) is hashed once per
+run and its digest reused. The file digest must cover every output byte, so it is always
+computed.
+
+Decisions the contract leaves open:
+
+- data offsets: the data buffer of every output file starts at a multiple of :data:`ALIGN`
+  (see BENCHMARKS.md for the 16 B vs 4 KiB measurement); tensors follow back to back, as the
+  safetensors format requires (no gaps), in source order;
+- stacked expert tensors (gpt-oss ``mlp.experts.*``, :class:`~k3ckpt.topology.ExpertSlice`) are
+  written with the rank's experts stacked in dim 0 in the order of ``topology.json``'s
+  ``experts_by_rank`` (so a round_robin rank gathers rows ``r, r+ep, ...``), and ``split`` is
+  ``{"dim": 0, "experts": [...], "split": null | {"dim", "index", "parts"}}`` (the extra keys
+  are allowed by the contract; no ``parts`` key, because the slice is not an even split);
+- ``source.index_sha256`` of a single-file checkpoint is the sha256 of its header prefix (the
+  8-byte length and the JSON header);
+- non-weight files: every file of the source except ``*.safetensors`` and
+  ``model.safetensors.index.json`` (a stray safetensors file not in the index is not copied);
+- resuming: a rank whose ``READY`` exists and whose manifest matches what this run would write
+  (same tensors, shapes, splits, files and sizes, same source index digest) is skipped; any
+  other rank directory is cleared and rewritten. Files are written under temporary names
+  (``.*.tmp``) and renamed after ``fsync``; the manifest is renamed into place after its files,
+  ``READY`` after the manifest, each followed by an ``fsync`` of the directory;
+- ``OUT/topology.json`` of a different topology or source is refused (exit 2) unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
+from .errors import K3ckptError
+from .safetensors_header import DTYPE_BITS, TensorSpec, build_header
+from .topology import (
+    ExpertSlice,
+    Split,
+    Topology,
+    TopologyError,
+    index_of,
+    parse_ranks,
+    ranks_of_node,
+    tensors_for_ranks,
+)
+
+FORMAT = "k3ckpt-rank-layout"
+VERSION = 1
+#: Alignment of each output file's data buffer.
+ALIGN = 4096
+#: Bytes per copy / hash step (and the size of each worker's buffers).
+CHUNK = 8 * 1024 * 1024
+#: A strided row at least this long is copied as its own contiguous run instead of gathered.
+ROW_COPY_MIN = 1024 * 1024
+DEFAULT_MAX_FILE_SIZE = 5 * 1024**3
+MANIFEST_NAME = "rank-manifest.json"
+READY_NAME = "READY"
+TOPOLOGY_NAME = "topology.json"
+
+
+class ReshardError(K3ckptError):
+    """The output directory or the source cannot be resharded as asked."""
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def part_name(rank: int, part: int) -> str:
+    return f"model-rank-{rank}-part-{part}.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning: what goes where
+
+
+@dataclass(frozen=True)
+class Run:
+    """``count`` rows of ``length`` bytes, ``stride`` apart, from absolute offset ``offset``."""
+
+    offset: int
+    length: int
+    count: int = 1
+    stride: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * self.count
+
+
+@dataclass
+class OutTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    source_shape: tuple[int, ...]
+    split: dict | None
+    src_file: str
+    runs: list[Run]
+    nbytes: int
+    key: tuple  # identifies the bytes (name + slice): equal keys have equal digests
+
+    @property
+    def src_start(self) -> int:
+        return self.runs[0].offset if self.runs else 0
+
+
+@dataclass
+class OutFile:
+    rank: int
+    name: str
+    tensors: list[OutTensor]
+    prefix: bytes = b""
+    offsets: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.prefix) + (self.offsets[-1][1] if self.offsets else 0)
+
+
+def _row_bytes(dtype: str, dims: tuple[int, ...], name: str) -> int:
+    bits = DTYPE_BITS[dtype] * math.prod(dims)
+    if bits % 8:
+        raise TopologyError(f"tensor {name!r}: a {dtype} slice of {list(dims)} does not fill whole bytes")
+    return bits // 8
+
+
+def _split_runs(base: int, shape: tuple[int, ...], dtype: str, split: Split | None, name: str) -> list[Run]:
+    """Runs of ``split`` of a tensor of ``shape`` stored at absolute offset ``base``."""
+    if split is None:
+        return [Run(base, _row_bytes(dtype, shape, name))]
+    d = split.dim
+    inner = _row_bytes(dtype, shape[d + 1:], name)
+    outer = math.prod(shape[:d])
+    a, b = split.range(shape)
+    length = (b - a) * inner
+    stride = shape[d] * inner
+    if outer == 1:
+        return [Run(base + a * inner, length)]
+    return [Run(base + a * inner, length, outer, stride)]
+
+
+def _tensor_plan(name: str, info: Any, data_start: int, placement: Any) -> OutTensor:
+    base = data_start + info.begin
+    shape = tuple(info.shape)
+    if isinstance(placement, ExpertSlice):
+        per_expert = shape[1:]
+        ebytes = _row_bytes(info.dtype, per_expert, name)
+        inner = placement.split
+        # the inner split's dim counts in the stacked tensor; per expert it is one less
+        sub = Split(inner.dim - 1, inner.index, inner.parts) if inner is not None else None
+        runs: list[Run] = []
+        for e in placement.experts:
+            for r in _split_runs(base + e * ebytes, per_expert, info.dtype, sub, name):
+                last = runs[-1] if runs else None
+                if last is not None and last.count == 1 and r.count == 1 and last.offset + last.length == r.offset:
+                    runs[-1] = Run(last.offset, last.length + r.length)
+                else:
+                    runs.append(r)
+        out_shape = placement.shape(shape)
+        split_json: dict | None = placement.to_json()
+        key = (name, "experts", placement.experts, inner)
+    else:
+        runs = _split_runs(base, shape, info.dtype, placement, name)
+        out_shape = placement.shape(shape) if placement is not None else shape
+        split_json = placement.to_json() if placement is not None else None
+        key = (name, placement)
+    nbytes = sum(r.nbytes for r in runs)
+    return OutTensor(name, info.dtype, out_shape, shape, split_json, info.file, runs, nbytes, key)
+
+
+def _pack_files(rank: int, tensors: list[OutTensor], max_file_size: int, align: int) -> list[OutFile]:
+    """Greedy packing in source order; a tensor larger than ``max_file_size`` gets a file of its own."""
+    files: list[OutFile] = []
+    cur: list[OutTensor] = []
+    size = 0
+    for t in tensors:
+        if cur and size + t.nbytes > max_file_size:
+            files.append(OutFile(rank, part_name(rank, len(files)), cur))
+            cur, size = [], 0
+        cur.append(t)
+        size += t.nbytes
+    if cur or not files:
+        files.append(OutFile(rank, part_name(rank, len(files)), cur))
+    for f in files:
+        specs = [TensorSpec(t.name, t.dtype, t.shape) for t in f.tensors]
+        f.prefix, f.offsets = build_header(specs, {"format": "pt"}, align=align)
+        for t, (b, e) in zip(f.tensors, f.offsets):
+            if e - b != t.nbytes:  # a planning bug, never a user error
+                raise AssertionError(f"{t.name}: planned {t.nbytes} bytes, header says {e - b}")
+    return files
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    ep_rank: int
+    tp_rank: int
+    moe_tp_rank: int
+    files: list[OutFile]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def layout(self) -> dict[str, Any]:
+        """The manifest without digests: what a re-run compares to decide to skip a rank."""
+        tensors = {}
+        for f in self.files:
+            for t in f.tensors:
+                tensors[t.name] = {"file": f.name, "dtype": t.dtype, "shape": list(t.shape),
+                                   "source_shape": list(t.source_shape), "split": t.split}
+        return {"rank": self.rank, "ep_rank": self.ep_rank, "tp_rank": self.tp_rank,
+                "moe_tp_rank": self.moe_tp_rank, "tensors": tensors,
+                "files": {f.name: {"size": f.size} for f in self.files}}
+
+
+@dataclass
+class ReshardPlan:
+    ckpt: Checkpoint
+    topo: Topology
+    ranks: list[RankPlan]
+    source_json: dict[str, Any]
+    gpus_per_node: int | None
+    extra_files: list[str]
+
+    def topology_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, **self.topo.to_json(), "source": self.source_json}
+
+
+def _source_json(ckpt: Checkpoint) -> dict[str, Any]:
+    if ckpt.index_file is not None:
+        digest = hashlib.sha256((ckpt.root / ckpt.index_file).read_bytes()).hexdigest()
+    else:
+        (hdr,) = ckpt.shards.values()
+        with open(hdr.path, "rb") as fh:
+            digest = hashlib.sha256(fh.read(hdr.data_start)).hexdigest()
+    out: dict[str, Any] = {"index_sha256": digest, "path": str(ckpt.root)}
+    if ckpt.source.repo:
+        out["repo"] = ckpt.source.repo
+    if ckpt.source.revision:
+        out["revision"] = ckpt.source.revision
+    return out
+
+
+def plan_reshard(
+    source: str | os.PathLike[str] | Checkpoint,
+    *,
+    ep: int = 1,
+    tp: int = 1,
+    world_size: int | None = None,
+    placement: str = "linear",
+    ranks: str | list[int] | None = None,
+    node: int | None = None,
+    gpus_per_node: int | None = None,
+    max_file_size: int = DEFAULT_MAX_FILE_SIZE,
+    align: int = ALIGN,
+) -> ReshardPlan:
+    """Decide every output file of the selected ranks (no data is read).
+
+    Raises:
+        TopologyError / SplitError: impossible topology or rank selection, uneven split.
+    """
+    from .plan import _check_heads
+
+    ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
+    if not ckpt.tensors:
+        raise ReshardError(f"{ckpt.root}: no tensors to reshard")
+    if max_file_size < 1:
+        raise ReshardError(f"--max-file-size {max_file_size} must be positive")
+    if align < 8 or align & (align - 1):
+        raise ReshardError(f"alignment {align} must be a power of two >= 8")
+    idx = index_of(ckpt)
+    cfg = ckpt.config
+    found = idx.max_expert + 1 if idx.max_expert >= 0 else 0
+    num_experts = (cfg.num_experts if cfg and cfg.num_experts else 0) or found or 1
+    if found > num_experts:
+        raise TopologyError(f"the checkpoint has expert {found - 1} but config.json says {num_experts} experts")
+    topo = Topology.make(ep=ep, tp=tp, world_size=world_size, placement=placement, num_experts=num_experts)
+    if cfg is not None:
+        _check_heads(cfg, topo.tp, [])
+    if node is not None and ranks is not None:
+        raise TopologyError("give --ranks or --node, not both")
+    if node is not None:
+        if gpus_per_node is None:
+            raise TopologyError("--node needs --gpus-per-node")
+        selected = ranks_of_node(node, gpus_per_node, topo.world_size)
+    elif isinstance(ranks, str):
+        selected = parse_ranks(ranks, topo.world_size)
+    elif ranks is not None:
+        selected = parse_ranks(",".join(map(str, ranks)), topo.world_size) if ranks else []
+        if not selected:
+            raise TopologyError("no ranks selected")
+    else:
+        selected = list(range(topo.world_size))
+    per_rank = tensors_for_ranks(idx, topo, selected, gpus_per_node=gpus_per_node)
+    plans = []
+    for r in selected:
+        rt = per_rank[r]
+        outs = []
+        for name, p in rt.tensors.items():
+            info = ckpt.tensors[name]
+            outs.append(_tensor_plan(name, info, ckpt.shards[info.file].data_start, p))
+        outs.sort(key=lambda t: (t.src_file, t.src_start, t.name))
+        info = rt.rank
+        plans.append(RankPlan(r, info.ep_rank, info.tp_rank, info.moe_tp_rank,
+                              _pack_files(r, outs, max_file_size, align)))
+    skip = set(ckpt.shards) | {INDEX_NAME}
+    extra = [f for f in ckpt.iter_files() if f not in skip and not f.endswith(".safetensors")]
+    return ReshardPlan(ckpt, topo, plans, _source_json(ckpt), gpus_per_node, extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# Copying
+
+
+_KERNEL_FALLBACK = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF, errno.EPERM)
+
+
+class _Copier:
+    """Moves byte runs from source fds to a destination fd, hashing what it writes."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode  # "kernel" (copy_file_range, sendfile fallback) or "buffered"
+        self.buf = bytearray(CHUNK)
+        self.view = memoryview(self.buf)
+        self.gbuf: bytearray | None = None  # gather buffer for strided runs
+
+    def _kernel(self, src: int, dst: int, n: int, so: int, do: int) -> bool:
+        """Copy ``n`` bytes kernel-side; False when the kernel cannot (fall back to buffered)."""
+        while n:
+            if self.mode == "kernel":
+                try:
+                    k = os.copy_file_range(src, dst, n, so, do)
+                except OSError as e:
+                    if e.errno not in _KERNEL_FALLBACK:
+                        raise
+                    self.mode = "sendfile"
+                    continue
+            elif self.mode == "sendfile":
+                try:
+                    os.lseek(dst, do, os.SEEK_SET)
+                    k = os.sendfile(dst, src, so, n)
+                except OSError as e:
+                    if e.errno not in _KERNEL_FALLBACK:
+                        raise
+                    self.mode = "buffered"
+                    return False
+            else:
+                return False
+            if k == 0:
+                raise ReshardError(f"source ended early: {n} bytes missing at offset {so}")
+            n -= k
+            so += k
+            do += k
+        return True
+
+    def _pread(self, fd: int, n: int, off: int) -> memoryview:
+        v = self.view[:n]
+        got = 0
+        while got < n:
+            k = os.preadv(fd, [v[got:]], off + got)
+            if k == 0:
+                raise ReshardError(f"source ended early: {n - got} bytes missing at offset {off + got}")
+            got += k
+        return v
+
+    @staticmethod
+    def _pwrite(fd: int, data: memoryview, off: int) -> None:
+        while data:
+            k = os.pwrite(fd, data, off)
+            data = data[k:]
+            off += k
+
+    def contiguous(self, src: int, dst: int, so: int, do: int, n: int, sinks: Callable[[memoryview], None]) -> None:
+        """Copy ``n`` bytes and feed them, in order, to ``sinks``."""
+        while n:
+            k = min(n, CHUNK)
+            if self.mode != "buffered" and self._kernel(src, dst, k, so, do):
+                sinks(self._pread(dst, k, do))  # hot output pages, not a second source read
+            else:
+                data = self._pread(src, k, so)
+                self._pwrite(dst, data, do)
+                sinks(data)
+            n -= k
+            so += k
+            do += k
+
+    def strided(self, src: int, dst: int, run: Run, do: int, sinks: Callable[[memoryview], None]) -> None:
+        """Gather ``run.count`` rows of ``run.length`` bytes through bounded buffers."""
+        import numpy as np
+
+        if run.length >= ROW_COPY_MIN or run.stride > CHUNK:
+            for i in range(run.count):
+                self.contiguous(src, dst, run.offset + i * run.stride, do + i * run.length, run.length, sinks)
+            return
+        if self.gbuf is None:
+            self.gbuf = bytearray(CHUNK)
+        rows = max(1, CHUNK // run.stride)
+        gview = np.frombuffer(self.gbuf, dtype=np.uint8)
+        for first in range(0, run.count, rows):
+            k = min(rows, run.count - first)
+            # whole rows except the tail of the last one
+            span = (k - 1) * run.stride + run.length
+            data = self._pread(src, span, run.offset + first * run.stride)
+            arr = np.frombuffer(data, dtype=np.uint8)
+            full = np.lib.stride_tricks.as_strided(arr, shape=(k, run.length), strides=(run.stride, 1))
+            out = gview[: k * run.length].reshape(k, run.length)
+            np.copyto(out, full)
+            mv = memoryview(self.gbuf)[: k * run.length]
+            self._pwrite(dst, mv, do)
+            sinks(mv)
+            do += k * run.length
+
+
+class _DigestCache:
+    """Digests of byte slices several ranks hold identically, computed once per run."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[tuple, str] = {}
+
+    def get(self, key: tuple) -> str | None:
+        with self._lock:
+            return self._done.get(key)
+
+    def put(self, key: tuple, digest: str) -> None:
+        with self._lock:
+            self._done.setdefault(key, digest)
+
+
+def _tmp_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp")
+
+
+def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
+                progress: Callable[[int], None] | None, fds: _FdCache, fail_before: Callable[[str], None] | None = None,
+                ) -> dict[str, Any]:
+    """Write one output file under its temporary name, fsync it; return its digests."""
+    copier = _Copier(mode)
+    tmp = _tmp_name(dest)
+    fh = hashlib.sha256(f.prefix)
+    digests: dict[str, str] = {}
+    dst = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(dst, f.prefix, 0)
+        base = len(f.prefix)
+        if f.size > base:
+            os.ftruncate(dst, f.size)
+        # coalesce: consecutive tensors whose single contiguous runs are adjacent in one source file
+        i = 0
+        ts = f.tensors
+        while i < len(ts):
+            t = ts[i]
+            t_do = base + f.offsets[i][0]
+            if len(t.runs) == 1 and t.runs[0].count == 1:
+                j = i + 1
+                end = t.runs[0].offset + t.runs[0].length
+                while (j < len(ts) and ts[j].src_file == t.src_file and len(ts[j].runs) == 1
+                       and ts[j].runs[0].count == 1 and ts[j].runs[0].offset == end):
+                    end += ts[j].runs[0].length
+                    j += 1
+                group = ts[i:j]
+                hashers = [None if cache.get(g.key) else hashlib.sha256() for g in group]
+                bounds = [g.nbytes for g in group]
+                state = [0, 0]  # index in group, bytes consumed of it
+
+                def sinks(data: memoryview, group=group, hashers=hashers, bounds=bounds, state=state) -> None:
+                    fh.update(data)
+                    pos = 0
+                    while pos < len(data):
+                        gi, used = state
+                        take = min(bounds[gi] - used, len(data) - pos)
+                        h = hashers[gi]
+                        if h is not None and take:
+                            h.update(data[pos:pos + take])
+                        pos += take
+                        used += take
+                        if used == bounds[gi] and gi + 1 < len(bounds):
+                            gi, used = gi + 1, 0
+                        state[0], state[1] = gi, used
+                    if progress is not None:
+                        progress(len(data))
+
+                src = fds.get(t.src_file)
+                copier.contiguous(src, dst, t.runs[0].offset, t_do, end - t.runs[0].offset, sinks)
+                for g, h in zip(group, hashers):
+                    if h is None:
+                        digests[g.name] = cache.get(g.key)  # type: ignore[assignment]
+                    else:
+                        digests[g.name] = h.hexdigest()
+                        cache.put(g.key, digests[g.name])
+                # zero-length tensors in the group have their (empty) digest already
+                i = j
+                continue
+            cached = cache.get(t.key)
+            th = None if cached else hashlib.sha256()
+
+            def sink(data: memoryview, th=th) -> None:
+                fh.update(data)
+                if th is not None:
+                    th.update(data)
+                if progress is not None:
+                    progress(len(data))
+
+            src = fds.get(t.src_file)
+            do = t_do
+            for run in t.runs:
+                if run.count == 1:
+                    copier.contiguous(src, dst, run.offset, do, run.length, sink)
+                else:
+                    copier.strided(src, dst, run, do, sink)
+                do += run.nbytes
+            digests[t.name] = cached if cached else th.hexdigest()  # type: ignore[union-attr]
+            if th is not None:
+                cache.put(t.key, digests[t.name])
+            i += 1
+        if fail_before is not None:
+            fail_before(f.name)
+        os.fsync(dst)
+    finally:
+        os.close(dst)
+    return {"sha256": fh.hexdigest(), "size": f.size, "tensors": digests}
+
+
+class _FdCache:
+    """Read-only fds of the source shards, opened once, shared by all workers (pread is
+    position-free)."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self._ckpt = ckpt
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def get(self, file: str) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(file)
+                if fd is None:
+                    fd = self._fds[file] = os.open(self._ckpt.path_of(file), os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = _tmp_name(path)
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass
+class ReshardResult:
+    out: Path
+    topology: dict[str, Any]
+    written: list[int]
+    skipped: list[int]
+    bytes_written: int
+    seconds: float
+    files_copied: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"out": str(self.out), "topology": self.topology, "ranks_written": self.written,
+                "ranks_skipped": self.skipped, "bytes_written": self.bytes_written,
+                "seconds": round(self.seconds, 3), "files_copied": self.files_copied,
+                "bytes_per_second": int(self.bytes_written / self.seconds) if self.seconds else None}
+
+
+def _manifest_matches(rdir: Path, rp: RankPlan, source: dict[str, Any]) -> bool:
+    if not (rdir / READY_NAME).is_file():
+        return False
+    try:
+        m = json.loads((rdir / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    want = rp.layout()
+    if m.get("source_index_sha256") != source["index_sha256"]:
+        return False
+    for k in ("rank", "ep_rank", "tp_rank", "moe_tp_rank"):
+        if m.get(k) != want[k]:
+            return False
+    tensors = m.get("tensors")
+    if not isinstance(tensors, dict) or tensors.keys() != want["tensors"].keys():
+        return False
+    for name, w in want["tensors"].items():
+        got = tensors[name]
+        if not isinstance(got, dict) or any(got.get(k) != v for k, v in w.items()):
+            return False
+    files = m.get("files")
+    if not isinstance(files, dict) or files.keys() != want["files"].keys():
+        return False
+    for name, w in want["files"].items():
+        p = rdir / name
+        if files[name].get("size") != w["size"] or not p.is_file() or p.stat().st_size != w["size"]:
+            return False
+    return True
+
+
+def _copy_extra(plan: ReshardPlan, out: Path) -> None:
+    for rel in plan.extra_files:
+        dst = out / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp_name(dst)
+        shutil.copyfile(plan.ckpt.root / rel, tmp)
+        os.replace(tmp, dst)
+
+
+def run_reshard(
+    plan: ReshardPlan,
+    out: str | os.PathLike[str],
+    *,
+    jobs: int | None = None,
+    force: bool = False,
+    mode: str = "kernel",
+    progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
+    _fail_before: Callable[[str], None] | None = None,
+) -> ReshardResult:
+    """Write the ranks of ``plan`` under ``out``. ``mode``: ``kernel`` (copy_file_range for
+    contiguous runs, falling back as needed) or ``buffered`` (pread/pwrite only).
+
+    Raises:
+        ReshardError: ``out`` holds another topology or source (without ``force``).
+    """
+    t0 = time.perf_counter()
+    outp = Path(out)
+    if outp.resolve() == plan.ckpt.root.resolve():
+        raise ReshardError(f"{outp}: the output directory is the source checkpoint")
+    outp.mkdir(parents=True, exist_ok=True)
+    topo_json = plan.topology_json()
+    tpath = outp / TOPOLOGY_NAME
+    if tpath.exists() and not force:
+        try:
+            old = json.loads(tpath.read_text())
+        except (OSError, ValueError):
+            old = None
+        keys = ("world_size", "ep", "tp", "moe_tp", "expert_placement", "num_experts", "experts_by_rank")
+        if (not isinstance(old, dict) or any(old.get(k) != topo_json[k] for k in keys)
+                or (old.get("source") or {}).get("index_sha256") != topo_json["source"]["index_sha256"]):
+            raise ReshardError(f"{outp} holds a different topology or source ({TOPOLOGY_NAME}); "
+                               f"use another directory or --force")
+    _atomic_write(tpath, (json.dumps(topo_json, indent=2) + "\n").encode())
+    _copy_extra(plan, outp)
+
+    todo: list[RankPlan] = []
+    skipped: list[int] = []
+    for rp in plan.ranks:
+        rdir = outp / rank_dir_name(rp.rank)
+        if not force and _manifest_matches(rdir, rp, plan.source_json):
+            skipped.append(rp.rank)
+            continue
+        if rdir.exists():
+            shutil.rmtree(rdir)  # an incomplete or stale rank is rewritten from scratch
+        rdir.mkdir(parents=True)
+        todo.append(rp)
+    total = sum(f.size for rp in todo for f in rp.files)
+    if on_plan is not None:
+        on_plan(total)
+
+    cache = _DigestCache()
+    fds = _FdCache(plan.ckpt)
+    workers = jobs or min(8, os.cpu_count() or 1)
+    written = 0
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard")
+    try:
+        futures: dict[int, list[Future]] = {}
+        # largest files first within the whole job keeps the pool busy to the end
+        order = sorted(((f.size, rp.rank, k) for rp in todo for k, f in enumerate(rp.files)), reverse=True)
+        by_rank = {rp.rank: rp for rp in todo}
+        slots: dict[tuple[int, int], Future] = {}
+        for _, r, k in order:
+            f = by_rank[r].files[k]
+            dest = outp / rank_dir_name(r) / f.name
+            slots[(r, k)] = pool.submit(_write_file, plan, f, dest, mode, cache, progress, fds, _fail_before)
+        for rp in todo:
+            futures[rp.rank] = [slots[(rp.rank, k)] for k in range(len(rp.files))]
+        for rp in todo:
+            results = [fu.result() for fu in futures[rp.rank]]
+            _finish_rank(outp / rank_dir_name(rp.rank), rp, results, plan.source_json)
+            written += rp.nbytes
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        fds.close()
+    _fsync_dir(outp)
+    return ReshardResult(outp, topo_json, [rp.rank for rp in todo], skipped, written,
+                         time.perf_counter() - t0, list(plan.extra_files))
+
+
+def _finish_rank(rdir: Path, rp: RankPlan, results: list[dict[str, Any]], source: dict[str, Any]) -> None:
+    """Rename the rank's files into place, then its manifest, then READY - each durable first."""
+    manifest = rp.layout()
+    manifest["source_index_sha256"] = source["index_sha256"]
+    for f, res in zip(rp.files, results):
+        manifest["files"][f.name] = {"size": res["size"], "sha256": res["sha256"]}
+        for name, digest in res["tensors"].items():
+            manifest["tensors"][name]["sha256"] = digest
+        os.replace(_tmp_name(rdir / f.name), rdir / f.name)
+    _fsync_dir(rdir)
+    _atomic_write(rdir / MANIFEST_NAME, (json.dumps(manifest, indent=1) + "\n").encode())
+    _fsync_dir(rdir)
+    _atomic_write(rdir / READY_NAME, b"")
+    _fsync_dir(rdir)
+
+
+def reshard(
+    source: str | os.PathLike[str] | Checkpoint,
+    out: str | os.PathLike[str],
+    *,
+    ep: int = 1,
+    tp: int = 1,
+    world_size: int | None = None,
+    placement: str = "linear",
+    ranks: str | list[int] | None = None,
+    node: int | None = None,
+    gpus_per_node: int | None = None,
+    max_file_size: int = DEFAULT_MAX_FILE_SIZE,
+    jobs: int | None = None,
+    force: bool = False,
+    align: int = ALIGN,
+    mode: str = "kernel",
+    progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
+) -> ReshardResult:
+    """Plan and write: :func:`plan_reshard` then :func:`run_reshard`."""
+    plan = plan_reshard(source, ep=ep, tp=tp, world_size=world_size, placement=placement, ranks=ranks,
+                        node=node, gpus_per_node=gpus_per_node, max_file_size=max_file_size, align=align)
+    return run_reshard(plan, out, jobs=jobs, force=force, mode=mode, progress=progress, on_plan=on_plan)

@@ -1,0 +1,301 @@
+"""``k3ckpt reshard``: the rank-layout contract, completeness, resumability, memory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from k3ckpt import reshard as rs
+from k3ckpt.checkpoint import INDEX_NAME, open_checkpoint
+from k3ckpt.cli import main
+from k3ckpt.safetensors_header import DTYPE_BITS, read_header
+from k3ckpt.topology import Topology
+
+TENSOR_FIELDS = {"file", "dtype", "shape", "source_shape", "split", "sha256"}
+TOPO_FIELDS = {"format", "version", "world_size", "ep", "tp", "moe_tp", "expert_placement", "num_experts",
+               "experts_by_rank", "source"}
+
+
+def _raw(ckpt, name: str) -> np.ndarray:
+    """A source tensor's bytes as uint8 of shape ``shape + (itemsize,)``."""
+    info = ckpt.tensors[name]
+    hdr = ckpt.shards[info.file]
+    with open(hdr.path, "rb") as fh:
+        fh.seek(hdr.data_start + info.begin)
+        data = fh.read(info.nbytes)
+    return np.frombuffer(data, np.uint8).reshape(tuple(info.shape) + (DTYPE_BITS[info.dtype] // 8,))
+
+
+def check_layout(src: Path, out: Path, *, ep: int = 1, tp: int = 1, world_size: int | None = None,
+                 placement: str = "linear", ranks: list[int] | None = None) -> dict:
+    """Check everything the contract promises about ``out``; returns {rank: manifest}."""
+    ckpt = open_checkpoint(src)
+    topo = Topology.make(ep=ep, tp=tp, world_size=world_size, placement=placement,
+                         num_experts=ckpt.config.num_experts)
+    tj = json.loads((out / "topology.json").read_text())
+    assert TOPO_FIELDS <= tj.keys()
+    assert tj["format"] == "k3ckpt-rank-layout" and tj["version"] == 1
+    assert (tj["world_size"], tj["ep"], tj["tp"], tj["moe_tp"]) == (topo.world_size, ep, tp, topo.moe_tp)
+    assert tj["expert_placement"] == placement and tj["num_experts"] == topo.num_experts
+    assert tj["experts_by_rank"] == topo.experts_by_ep_rank() and len(tj["experts_by_rank"]) == ep
+    assert tj["source"]["index_sha256"] == hashlib.sha256((src / INDEX_NAME).read_bytes()).hexdigest()
+    # non-weight files copied, the index not
+    assert not (out / INDEX_NAME).exists()
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_NAME:
+            assert (out / f.name).read_bytes() == f.read_bytes()
+    want_ranks = list(range(topo.world_size)) if ranks is None else ranks
+    assert sorted(p.name for p in out.glob("rank-*")) == [f"rank-{r:05d}" for r in want_ranks]
+
+    manifests: dict[int, dict] = {}
+    held: dict[str, list[tuple[int, dict, np.ndarray]]] = {}
+    for r in want_ranks:
+        rdir = out / f"rank-{r:05d}"
+        assert (rdir / "READY").is_file()
+        m = json.loads((rdir / "rank-manifest.json").read_text())
+        manifests[r] = m
+        info = topo.rank_info(r)
+        assert (m["rank"], m["ep_rank"], m["tp_rank"], m["moe_tp_rank"]) == (r, info.ep_rank, info.tp_rank, info.moe_tp_rank)
+        files = sorted(p.name for p in rdir.glob("*.safetensors"))
+        assert files == sorted(m["files"]) and not list(rdir.glob(".*"))
+        for fname in files:
+            path = rdir / fname
+            raw = path.read_bytes()
+            assert m["files"][fname] == {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+            hdr = read_header(path)
+            assert hdr.data_start % 16 == 0
+            with safe_open(str(path), framework="numpy") as so:
+                keys = set(so.keys())
+                for k in keys:
+                    sl = so.get_slice(k)
+                    assert list(sl.get_shape()) == m["tensors"][k]["shape"]
+                    assert sl.get_dtype() == m["tensors"][k]["dtype"]
+            assert keys == {n for n, t in m["tensors"].items() if t["file"] == fname}
+            for n, t in hdr.tensors.items():
+                entry = m["tensors"][n]
+                assert entry.keys() == TENSOR_FIELDS
+                assert entry["dtype"] == ckpt.tensors[n].dtype == t.dtype
+                assert entry["source_shape"] == list(ckpt.tensors[n].shape)
+                data = raw[hdr.data_start + t.begin: hdr.data_start + t.end]
+                assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+                split = entry["split"]
+                assert split is None or "experts" in split or (split.keys() == {"dim", "index", "parts"} and split["parts"] > 1)
+                arr = np.frombuffer(data, np.uint8).reshape(tuple(t.shape) + (DTYPE_BITS[t.dtype] // 8,))
+                held.setdefault(n, []).append((r, split, arr))
+
+    # completeness: every source tensor reassembled byte-for-byte; experts on exactly their owners
+    roles = ckpt.roles
+    for name in ckpt.tensors:
+        role = roles[name]
+        copies = held.get(name, [])
+        if role.expert is not None:
+            owners = topo.owner_ranks(role.expert)
+            assert sorted(r for r, _, _ in copies) == [o for o in owners if o in want_ranks], name
+        elif ranks is None:
+            assert sorted(r for r, _, _ in copies) == want_ranks, name
+        if ranks is not None or not copies:
+            continue
+        src_arr = _raw(ckpt, name)
+        if copies[0][1] is not None and "experts" in copies[0][1]:
+            rebuilt = np.zeros_like(src_arr)
+            seen = set()
+            for r, split, arr in copies:
+                inner = split["split"]
+                ex = split["experts"]
+                assert ex == tj["experts_by_rank"][topo.rank_info(r).ep_rank]
+                if inner is None:
+                    rebuilt[ex] = arr
+                else:
+                    d = inner["dim"]
+                    n = src_arr.shape[d] // inner["parts"]
+                    idx = [ex] + [slice(None)] * (src_arr.ndim - 1)
+                    idx[d] = slice(inner["index"] * n, (inner["index"] + 1) * n)
+                    rebuilt[tuple(idx)] = arr
+                seen.update(ex)
+            assert seen == set(range(topo.num_experts))
+            assert np.array_equal(rebuilt, src_arr), name
+            continue
+        parts: dict[int, np.ndarray] = {}
+        for r, split, arr in copies:
+            if split is None:
+                assert np.array_equal(arr, src_arr), name
+            else:
+                prev = parts.setdefault(split["index"], arr)
+                assert np.array_equal(prev, arr), name
+        if parts:
+            split = copies[0][1]
+            assert sorted(parts) == list(range(split["parts"]))
+            assert np.array_equal(np.concatenate([parts[i] for i in sorted(parts)], axis=split["dim"]), src_arr), name
+    return manifests
+
+
+@pytest.mark.parametrize("ep,tp,ws", [(4, 2, None), (1, 2, None), (2, 2, 4)])
+def test_k3_layouts_complete(k3_tiny: Path, tmp_path: Path, ep: int, tp: int, ws: int | None) -> None:
+    res = rs.reshard(k3_tiny, tmp_path / "out", ep=ep, tp=tp, world_size=ws, jobs=2)
+    manifests = check_layout(k3_tiny, tmp_path / "out", ep=ep, tp=tp, world_size=ws)
+    assert res.skipped == [] and sorted(res.written) == sorted(manifests)
+    if ep == 1:  # moe_tp = 2: routed experts TP-sliced, w2 on its input columns
+        m = manifests[1]["tensors"]
+        w1 = next(n for n in m if n.endswith("experts.0.w1.weight_packed"))
+        w2 = next(n for n in m if n.endswith("experts.0.w2.weight_scale"))
+        assert m[w1]["split"] == {"dim": 0, "index": 1, "parts": 2}
+        assert m[w2]["split"] == {"dim": 1, "index": 1, "parts": 2}
+
+
+def test_buffered_mode_same_bytes(k3_tiny: Path, tmp_path: Path) -> None:
+    rs.reshard(k3_tiny, tmp_path / "k", ep=2, tp=2, mode="kernel")
+    rs.reshard(k3_tiny, tmp_path / "b", ep=2, tp=2, mode="buffered")
+    for f in sorted((tmp_path / "k").rglob("*.safetensors")):
+        assert f.read_bytes() == (tmp_path / "b" / f.relative_to(tmp_path / "k")).read_bytes()
+
+
+def test_copy_fallbacks(k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_cfr(*a: object) -> int:
+        raise OSError(18, "cross-device")  # EXDEV
+    monkeypatch.setattr(os, "copy_file_range", no_cfr)
+    rs.reshard(k3_tiny, tmp_path / "s", ep=2, tp=2)
+    monkeypatch.setattr(os, "sendfile", no_cfr)
+    rs.reshard(k3_tiny, tmp_path / "b", ep=2, tp=2)
+    check_layout(k3_tiny, tmp_path / "s", ep=2, tp=2)
+    check_layout(k3_tiny, tmp_path / "b", ep=2, tp=2)
+
+
+def test_gptoss_stacked_experts(gptoss_tiny: Path, tmp_path: Path) -> None:
+    rs.reshard(gptoss_tiny, tmp_path / "lin", ep=2)
+    m = check_layout(gptoss_tiny, tmp_path / "lin", ep=2)
+    t = m[1]["tensors"]
+    blocks = next(n for n in t if n.endswith("gate_up_proj_blocks"))
+    assert t[blocks]["split"] == {"dim": 0, "experts": [4, 5, 6, 7], "split": None}
+    assert t[blocks]["shape"][0] == 4
+    rs.reshard(gptoss_tiny, tmp_path / "rr", ep=4, placement="round_robin")
+    check_layout(gptoss_tiny, tmp_path / "rr", ep=4, placement="round_robin")
+    # moe_tp = 2: each expert of the stack is also split (gate_up on rows, down on input blocks)
+    rs.reshard(gptoss_tiny, tmp_path / "mtp", ep=2, world_size=4)
+    m = check_layout(gptoss_tiny, tmp_path / "mtp", ep=2, world_size=4)
+    t = m[3]["tensors"]
+    down = next(n for n in t if n.endswith("down_proj_blocks"))
+    assert t[down]["split"] == {"dim": 0, "experts": [4, 5, 6, 7], "split": {"dim": 2, "index": 1, "parts": 2}}
+
+
+def test_subsets(k3_tiny: Path, tmp_path: Path) -> None:
+    rs.reshard(k3_tiny, tmp_path / "r", ep=4, tp=2, ranks="0,2-3")
+    check_layout(k3_tiny, tmp_path / "r", ep=4, tp=2, ranks=[0, 2, 3])
+    rs.reshard(k3_tiny, tmp_path / "n", ep=4, tp=2, node=1, gpus_per_node=2)
+    check_layout(k3_tiny, tmp_path / "n", ep=4, tp=2, ranks=[2, 3])
+    # a second node into the same directory completes it
+    rs.reshard(k3_tiny, tmp_path / "n", ep=4, tp=2, node=0, gpus_per_node=2)
+    check_layout(k3_tiny, tmp_path / "n", ep=4, tp=2)
+
+
+def test_max_file_size_parts(k3_tiny: Path, tmp_path: Path) -> None:
+    rs.reshard(k3_tiny, tmp_path / "o", ep=2, tp=2, max_file_size=300_000)
+    m = check_layout(k3_tiny, tmp_path / "o", ep=2, tp=2)
+    for r, man in m.items():
+        names = sorted(man["files"])
+        assert len(names) > 3
+        assert set(names) == {f"model-rank-{r}-part-{k}.safetensors" for k in range(len(names))}
+        for fname, f in man["files"].items():
+            tensors = [t for t in man["tensors"].values() if t["file"] == fname]
+            assert tensors
+            if len(tensors) > 1:  # only a single oversized tensor may exceed the limit
+                assert f["size"] <= 300_000 + 65536
+
+
+def test_ready_last_and_incomplete_rank_rewritten(k3_tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    plan = rs.plan_reshard(k3_tiny, ep=2, tp=2)
+
+    def boom(name: str) -> None:
+        if name.startswith("model-rank-1-"):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        rs.run_reshard(plan, out, jobs=1, _fail_before=boom)
+    r1 = out / "rank-00001"
+    assert not (r1 / "READY").exists() and not (r1 / "rank-manifest.json").exists()
+    assert not list(r1.glob("model-*.safetensors"))  # never a partial file under a final name
+    res = rs.reshard(k3_tiny, out, ep=2, tp=2)
+    assert 1 in res.written
+    check_layout(k3_tiny, out, ep=2, tp=2)
+    for r in range(2):
+        rdir = out / f"rank-{r:05d}"
+        ready = (rdir / "READY").stat().st_mtime_ns
+        assert all(p.stat().st_mtime_ns <= ready for p in rdir.iterdir())
+
+
+def test_rerun_skips_completed_and_force_redoes(k3_tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    rs.reshard(k3_tiny, out, ep=2, tp=2)
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*.safetensors")}
+    res = rs.reshard(k3_tiny, out, ep=2, tp=2)
+    assert res.written == [] and res.skipped == [0, 1] and res.bytes_written == 0
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*.safetensors")} == before
+    # a rank whose manifest no longer matches its files is rewritten
+    victim = next(iter(before))
+    with open(victim, "ab") as fh:
+        fh.write(b"x")
+    res = rs.reshard(k3_tiny, out, ep=2, tp=2)
+    assert len(res.written) == 1
+    res = rs.reshard(k3_tiny, out, ep=2, tp=2, force=True)
+    assert res.written == [0, 1]
+    check_layout(k3_tiny, out, ep=2, tp=2)
+    with pytest.raises(rs.ReshardError, match="different topology"):
+        rs.reshard(k3_tiny, out, ep=4, tp=2)
+
+
+def test_cli(k3_tiny: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    out = tmp_path / "o"
+    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--ep", "2", "--tp", "2", "--json",
+                             "--max-file-size", "1MiB", "--jobs", "2"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["ranks_written"] == [0, 1]
+    check_layout(k3_tiny, out, ep=2, tp=2)
+    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--ep", "2", "--tp", "2", "--max-file-size", "1MiB"])
+    assert r.exit_code == 0 and "2 already complete" in r.output, r.output
+    # another part size is another layout: the ranks are rewritten
+    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--ep", "2", "--tp", "2"])
+    assert r.exit_code == 0 and "2 ranks written" in r.output, r.output
+    for args, needle in [
+        (["--ep", "3", "--tp", "2"], "does not divide world size"),
+        (["--tp", "3"], "does not divide"),
+        (["--ep", "2", "--ranks", "0-7"], "out of range"),
+        (["--ep", "2", "--node", "0"], "--gpus-per-node"),
+        (["--ep", "100"], "exceeds"),
+    ]:
+        r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(tmp_path / "bad"), *args])
+        assert r.exit_code == 2, (args, r.output)
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("k3ckpt: error:") and needle in lines[0], r.output
+
+
+def test_peak_rss_bounded(tmp_path: Path) -> None:
+    """A moderately large synthetic (k3-small shapes, 3 layers): resharding stays far below 512 MiB."""
+    src = tmp_path / "src"
+    code = textwrap.dedent(f"""
+        import resource, sys
+        from k3ckpt.synth import spec_from_preset, synthesize
+        from dataclasses import replace
+        spec = spec_from_preset("k3-small")
+        spec = replace(spec, num_layers=3)
+        synthesize(spec, {str(src)!r})
+        from k3ckpt.reshard import reshard
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        res = reshard({str(src)!r}, {str(tmp_path / 'out')!r}, ep=4, tp=2, jobs=2)
+        print(res.bytes_written, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, base)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    nbytes, peak_kib, _ = map(int, out.stdout.split())
+    assert nbytes > 100 * 2**20
+    assert peak_kib * 1024 < 512 * 2**20, peak_kib
