@@ -24,8 +24,9 @@ Journal format (JSON, version 1)::
      "sha256": "...", "git_sha1": null, "chunk_size": 67108864, "done": [0, 1, 5, ...]}
 
 Concurrent fetches into one destination are excluded by ``dest/.k3ckpt-fetch.lock``, created
-with ``O_CREAT | O_EXCL`` (atomic on NFS v3+ and SMB, unlike ``flock``, which NFS may emulate
-locally or not at all).  It holds host, pid, start time and a random token.  A lock is stale
+exclusively and with its content already in place (a hard link of a private temp file, else
+``O_CREAT | O_EXCL``; both atomic on NFS v3+, unlike ``flock``, which NFS may emulate locally or
+not at all).  It holds host, pid, start time and a random token.  A lock is stale
 when its host is this host and its pid is dead, or, for another host (whose pids we cannot
 check), when it is older than ``K3CKPT_LOCK_STALE_SECONDS`` (default 24 h).  A stale lock is
 broken under a second exclusive-create lock (``.k3ckpt-fetch.lock.break``) so that two processes
@@ -297,14 +298,37 @@ class _DestLock:
         self.held = False
 
     def _try_create(self) -> bool:
+        """Create the lock with its content already in it, or return False if it exists.
+
+        The content is written to a private temp file first and then hard-linked to the lock
+        name: ``link`` is an atomic exclusive create (also on NFS, where it is the classic
+        lock primitive), and nobody ever sees an empty lock file.  Filesystems without hard
+        links fall back to ``O_CREAT | O_EXCL`` followed by the write.
+        """
+        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                           "token": self.token}).encode()
+        tmp = f"{self.path}.{self.token}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+        try:
+            os.write(fd, info)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here (some FUSE/SMB mounts)
+            pass
+        finally:
+            _unlink(tmp)
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
         except FileExistsError:
             return False
         try:
-            info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-                    "token": self.token}
-            os.write(fd, json.dumps(info).encode())
+            os.write(fd, info)
             os.fsync(fd)
         finally:
             os.close(fd)
