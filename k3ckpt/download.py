@@ -72,11 +72,11 @@ from .hubclient import HubFile, HubListing, RetryPolicy
 
 __all__ = [
     "DEFAULT_CHUNK",
-    "DiskSpaceError",
     "FETCH_RETRY",
+    "LOCK_NAME",
+    "DiskSpaceError",
     "FetchLockedError",
     "FetchResult",
-    "LOCK_NAME",
     "fetch_files",
 ]
 
@@ -609,8 +609,7 @@ def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str,
             extra = b""
             if received == length and content_range is not None and announced is None:
                 extra = raw.read(1, decode_content=False)  # chunked 206: no more than announced
-        except (urllib3.exceptions.HTTPError, requests.exceptions.RequestException, socket.timeout,
-                ConnectionError) as e:
+        except (TimeoutError, urllib3.exceptions.HTTPError, requests.exceptions.RequestException, ConnectionError) as e:
             got = "an empty body" if received == 0 else f"{received} of {length} bytes"
             raise _Retryable(f"connection lost after {got} (bytes {start}-{end}; {type(e).__name__})") from None
         if extra:
@@ -689,16 +688,14 @@ class _Run:
                 pass
             except _Fatal as e:
                 self.fail(job, str(e))
-            except BaseException as e:  # never lose a worker silently: fail the file, keep going
+            except Exception as e:  # noqa: BLE001 - never lose a worker silently: fail the file, keep going
                 self.fail(job, f"{type(e).__name__}: {hubclient._one_line(str(e))[:300]}")
             finally:
-                last = False
                 with job.lock:
                     job.outstanding -= 1
+                    # The last task of a failed or finished file closes its .part descriptor.
                     if job.outstanding == 0 and (job.failed is not None or job.finished):
                         job.close()
-                        last = True
-                del last
                 self._task_done()
 
     def _run_task(self, job: _Job, index: int | None) -> None:
