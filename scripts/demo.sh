@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job, end to end, on an embedded default: a synthetic K3-shaped checkpoint published
 # on a loopback hub (127.0.0.1 only), pinned, fetched, verified and inspected on a "node"; then
-# the full-size K3 inventory (headers only, sparse files) inspected and re-verified.
-# Stages join as their commands land: reshard and preflight come next.
+# resharded per rank; then the full-size K3 inventory (headers only, sparse files) inspected,
+# planned and re-verified. Preflight joins when it lands.
 #
 # Usage: scripts/demo.sh [WORK_DIR]        (default: work/demo; re-runs reuse what is there)
 set -euo pipefail
@@ -14,6 +14,7 @@ WORK="$(mkdir -p "${1:-work/demo}" && cd "${1:-work/demo}" && pwd)"
 HUBDIR="$WORK/hub/Kimi-K3"          # what the (loopback) hub serves
 NODE="$WORK/node/Kimi-K3"           # what a node downloads
 FULL="$WORK/k3-full"
+RANKS="$WORK/node/Kimi-K3-ep8-tp2"   # per-rank shards
 MANIFEST="$WORK/kimi-k3.manifest.json"
 REPO="moonshotai/Kimi-K3"
 export K3CKPT_CACHE_DIR="$WORK/cache" HF_HUB_DISABLE_XET=1 HF_HUB_DISABLE_TELEMETRY=1 HF_HOME="$WORK/hf-home"
@@ -60,16 +61,22 @@ k3ckpt verify "$NODE" --manifest "$MANIFEST" --quick
 step "7. inspect the node's copy"
 k3ckpt inspect "$NODE" --layers
 
-step "8. the full K3 inventory, headers only (96 shards, ~497k tensors, 1.56 TB apparent, sparse)"
+step "8. plan and reshard the node's copy for --ep 8 --tp 2 (per-rank shards, rank-layout contract)"
+k3ckpt plan "$NODE" --ep 8 --tp 2 --gpus-per-node 8
+k3ckpt reshard "$NODE" -o "$RANKS" --ep 8 --tp 2
+
+step "9. the full K3 inventory, headers only (96 shards, ~497k tensors, 1.56 TB apparent, sparse)"
 synth_once "$FULL" --preset k3-full --headers-only
 k3ckpt inspect "$FULL"
 k3ckpt verify "$FULL" --quick >/dev/null || true   # first run: parses every header, fills the cache
 k3ckpt verify "$FULL" --quick                       # unchanged: seconds
+k3ckpt plan "$FULL" --ep 8 --tp 8 --gpus-per-node 8
 
 step "done"
 cat <<EOT
 hub's copy              $HUBDIR ($(du -sh "$HUBDIR" | cut -f1))
 node's copy             $NODE
+per-rank shards         $RANKS
 pinned manifest         $MANIFEST
 k3-full (headers only)  $FULL ($(du -shL "$FULL" | cut -f1) on disk, $(du -shL --apparent-size "$FULL" | cut -f1) apparent)
 stat cache              $K3CKPT_CACHE_DIR
