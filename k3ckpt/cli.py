@@ -192,6 +192,12 @@ class ByteProgress:
         if self._bar is not None:
             self._bar.close()
 
+    def __enter__(self) -> "ByteProgress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 # -- manifest ----------------------------------------------------------------------------------
 
@@ -232,12 +238,9 @@ def manifest_build(path: str, output: str, tensor_hashes: bool, jobs: int | None
     from .manifest import build_manifest
 
     ckpt = open_checkpoint(path, jobs=jobs)
-    bar = ByteProgress(not as_json, "hashing")
-    bar.plan(sum((ckpt.root / f).stat().st_size for f in ckpt.iter_files()))
-    try:
+    with ByteProgress(not as_json, "hashing") as bar:
+        bar.plan(sum((ckpt.root / f).stat().st_size for f in ckpt.iter_files()))
         m = build_manifest(ckpt, tensor_hashes=tensor_hashes, jobs=jobs, progress=bar)
-    finally:
-        bar.close()
     m.save(output)
     if as_json:
         _emit_json({"output": output, "files": len(m.files), "tensors": len(m.tensors),
@@ -336,7 +339,6 @@ def verify(path: str, manifest_path: str | None, against: str | None, repo: str 
       k3ckpt verify ./Kimi-K3 --manifest kimi-k3.json --quick
       k3ckpt verify ./Kimi-K3 --json | jq .issues
     """
-    from .errors import K3ckptError as _E
     from .verify import Expected, verify_checkpoint
 
     if manifest_path and against:
@@ -356,14 +358,9 @@ def verify(path: str, manifest_path: str | None, against: str | None, repo: str 
             expected_files={f.path: Expected(f.size, f.sha256, f.git_sha1) for f in listing.files.values()},
             reference=f"{against}:{listing.repo}@{listing.revision}",
         )
-    bar = ByteProgress(not as_json, "verifying")
-    try:
+    with ByteProgress(not as_json, "verifying") as bar:
         rep = verify_checkpoint(path, quick=quick, scan=not no_scan, jobs=jobs, use_cache=not no_cache,
                                 progress=bar, on_plan=bar.plan, **kwargs)
-    except _E:
-        raise
-    finally:
-        bar.close()
     if as_json:
         _emit_json(rep.to_json())
     else:
@@ -469,11 +466,8 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
         click.echo(f"would fetch {len(plan.paths)} files, {human_bytes(plan.bytes_total)} from "
                    f"{hub}:{plan.listing.repo}@{plan.listing.revision} into {plan.dest}")
         return
-    bar = ByteProgress(not as_json, "fetching")
-    try:
+    with ByteProgress(not as_json, "fetching") as bar:
         res = run_fetch(plan, workers=workers, chunk_size=chunk_size, progress=bar, on_plan=bar.plan)
-    finally:
-        bar.close()
     if as_json:
         d = res.to_json()
         d.update(hub=hub, repo=plan.listing.repo, revision=plan.listing.revision)
@@ -580,11 +574,8 @@ def reshard(source: str, out: str, ep: int, tp: int, world_size: int | None, pla
 
     plan = plan_reshard(source, ep=ep, tp=tp, world_size=world_size, placement=placement, ranks=ranks_spec,
                         node=node, gpus_per_node=gpus_per_node, max_file_size=max_file_size)
-    bar = ByteProgress(not as_json, "resharding")
-    try:
+    with ByteProgress(not as_json, "resharding") as bar:
         res = run_reshard(plan, out, jobs=jobs, force=force, progress=bar, on_plan=bar.plan)
-    finally:
-        bar.close()
     if as_json:
         _emit_json(res.to_json())
         return
@@ -663,11 +654,8 @@ def mx_inspect(path: str, tensor: str | None, layer: int | None, expert: int | N
         raise click.UsageError("use --tensor, or --layer/--expert, not both")
     if plot_path:
         require_matplotlib()  # fail before reading anything
-    bar = ByteProgress(not as_json, "inspecting")
-    try:
+    with ByteProgress(not as_json, "inspecting") as bar:
         rep = inspect_mx(path, tensor=tensor, layer=layer, expert=expert, jobs=jobs, progress=bar, on_plan=bar.plan)
-    finally:
-        bar.close()
     if plot_path:
         plot_inspect(rep, plot_path)
     if as_json:
@@ -756,12 +744,9 @@ def mx_dequant(path: str, tensor: str | None, layer: int | None, expert: int | N
         raise click.UsageError("use --tensor or --layer/--expert, not both")
     if expert is not None and layer is None:
         raise click.UsageError("--expert needs --layer")
-    bar = ByteProgress(not as_json, "dequantizing")
-    try:
+    with ByteProgress(not as_json, "dequantizing") as bar:
         res = dequantize_to_file(path, output, to=to, tensor=tensor, layer=layer, expert=expert,
                                  progress=bar, on_plan=bar.plan)
-    finally:
-        bar.close()
     if as_json:
         _emit_json(res.to_json())
     else:
@@ -799,12 +784,9 @@ def mx_quantize(input_file: str, output: str, scale_mode: str, include_all: bool
     from .mx_convert import quantize_file
     from .summary import human_bytes
 
-    bar = ByteProgress(not as_json, "quantizing")
-    try:
+    with ByteProgress(not as_json, "quantizing") as bar:
         res = quantize_file(input_file, output, scale_mode=scale_mode, include_all=include_all,  # type: ignore[arg-type]
                             progress=bar, on_plan=bar.plan)
-    finally:
-        bar.close()
     if as_json:
         _emit_json(res.to_json())
     else:
