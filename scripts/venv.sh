@@ -22,9 +22,13 @@ ensure_venv() {
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "== installing k3ckpt${extras:+[$extras]} into .venv" >&2
     "$root/.venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    "$root/.venv/bin/python" -m pip install -q -e "$root${extras:+[$extras]}" 2>&1 \
-      | grep -v -e '^WARNING: Location' -e 'BuildBackendWarning' || true
-    "$root/.venv/bin/python" -c 'import k3ckpt' || { echo "k3ckpt: install failed" >&2; return 2; }
+    # pip's and setuptools' chatter goes to a log; it is shown only when the install fails.
+    if ! "$root/.venv/bin/python" -m pip install -q -e "$root${extras:+[$extras]}" > "$root/.venv/install.log" 2>&1 \
+        || ! "$root/.venv/bin/python" -c 'import k3ckpt' 2>>"$root/.venv/install.log"; then
+      tail -40 "$root/.venv/install.log" >&2
+      echo "k3ckpt: install failed (full log: $root/.venv/install.log)" >&2
+      return 2
+    fi
     echo "$want" > "$stamp"
   fi
   export PATH="$root/.venv/bin:$PATH"
