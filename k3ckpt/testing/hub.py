@@ -725,6 +725,13 @@ class _Server(http.server.ThreadingHTTPServer):
             self._conns.add(request)
         super().process_request(request, client_address)
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client hanging up mid-keep-alive (downloaders cancel, tests kill) is normal traffic
+        # for a hub; only unexpected errors deserve socketserver's traceback on stderr.
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+            return
+        super().handle_error(request, client_address)
+
     def shutdown_request(self, request: Any) -> None:
         with self._conns_lock:
             self._conns.discard(request)
