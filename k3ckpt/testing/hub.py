@@ -726,9 +726,10 @@ class _Server(http.server.ThreadingHTTPServer):
         super().process_request(request, client_address)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client hanging up mid-keep-alive (downloaders cancel, tests kill) is normal traffic
-        # for a hub; only unexpected errors deserve socketserver's traceback on stderr.
-        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+        # A client hanging up or timing out mid-keep-alive (downloaders cancel, tests kill) is
+        # normal traffic for a hub: socket errors are; only other errors deserve socketserver's
+        # traceback on stderr.
+        if isinstance(sys.exc_info()[1], OSError):
             return
         super().handle_error(request, client_address)
 
