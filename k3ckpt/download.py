@@ -176,6 +176,10 @@ def _pause_point(name: str, n: int | None = None) -> None:
         with open(marker, "w") as f:
             f.write(name)
     os.kill(os.getpid(), signal.SIGSTOP)
+    # The group stop can land a moment after kill() returns; this thread must not take another
+    # step past its pause point in that moment (the test SIGKILLs the process from here on).
+    while True:
+        time.sleep(60)
 
 
 # ----------------------------------------------------------------------------------------------
