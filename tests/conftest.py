@@ -12,7 +12,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -86,3 +86,15 @@ def clone_checkpoint(tmp_path: Path) -> Callable[[Path], Path]:
         return dest
 
     return clone
+
+
+@pytest.fixture()
+def served_hub(k3_tiny: Path, tmp_path: Path) -> Iterator[tuple[Any, Path]]:
+    """``(hub, served_dir)``: a private copy of k3-tiny served as ``moonshotai/Kimi-K3`` on a
+    loopback hub (fresh per test, so faults and counters never leak between tests)."""
+    from k3ckpt.testing.hub import LoopbackHub
+
+    served = tmp_path / "served"
+    shutil.copytree(k3_tiny, served)
+    with LoopbackHub({"moonshotai/Kimi-K3": served}, cache_dir=tmp_path / "hub-cache") as h:
+        yield h, served

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,17 +12,13 @@ from click.testing import CliRunner
 from k3ckpt.checkpoint import open_checkpoint
 from k3ckpt.cli import main
 from k3ckpt.fetch import select_paths
-from k3ckpt.testing.hub import LoopbackHub
 
 REPO = "moonshotai/Kimi-K3"
 
 
 @pytest.fixture()
-def hub(k3_tiny: Path, tmp_path: Path):
-    served = tmp_path / "served"
-    shutil.copytree(k3_tiny, served)
-    with LoopbackHub({REPO: served}, cache_dir=tmp_path / "hub-cache") as h:
-        yield h, served
+def hub(served_hub):
+    return served_hub
 
 
 def run(*args: str):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -11,17 +10,13 @@ from click.testing import CliRunner
 
 from k3ckpt.cli import main
 from k3ckpt.manifest import Manifest, build_manifest, diff_manifests, pull_manifest
-from k3ckpt.testing.hub import LoopbackHub
 
 REPO = "moonshotai/Kimi-K3"
 
 
 @pytest.fixture()
-def hub(k3_tiny: Path, tmp_path: Path):
-    served = tmp_path / "served"
-    shutil.copytree(k3_tiny, served)
-    with LoopbackHub({REPO: served}, cache_dir=tmp_path / "hub-cache") as h:
-        yield h, served
+def hub(served_hub):
+    return served_hub
 
 
 @pytest.mark.parametrize("source", ["hf", "modelscope"])
