@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import Iterator, Literal
 
 import ml_dtypes
 import numpy as np
@@ -674,6 +674,44 @@ def dequantize_mxfp4_gptoss(
     return dequantize_mxfp4(flat, scales, dtype=dtype)
 
 
+def _scaled_blocks(
+    x: npt.ArrayLike, caller: str, emax: int, mbits: int, max_finite: float, scale_mode: str
+) -> tuple[tuple[int, ...], int, int, np.ndarray, Iterator[tuple[int, int, np.ndarray, np.ndarray]]]:
+    """The front half every MX quantizer shares: validate ``x``, split it into blocks of 32,
+    and, chunk by chunk, choose each block's shared exponent (written into ``scales``) and
+    divide the block's magnitudes by it.
+
+    Returns ``(lead shape, groups per row, n_blocks, scales, chunks)``; ``chunks`` yields
+    ``(start, stop, signed block values, scaled magnitudes)`` for the caller to round.
+    """
+    work = _work_array(x, caller)
+    groups = _check_quantize_input(work, caller)
+    lead = work.shape[:-1]
+    n_blocks = math.prod(lead) * groups
+    scales = np.empty(n_blocks, dtype=np.uint8)
+    blocks = work.reshape(n_blocks, MX_BLOCK_SIZE)
+
+    def chunks() -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+        step = max(1, _CHUNK_ELEMENTS // MX_BLOCK_SIZE)
+        for start in range(0, n_blocks, step):
+            stop = min(n_blocks, start + step)
+            chunk = blocks[start:stop]
+            magnitude = np.abs(chunk)
+            amax = magnitude.max(axis=1)
+            if not np.isfinite(amax).all():
+                _raise_non_finite(work, caller)
+            shared = _shared_exponent(amax, emax, mbits, max_finite, scale_mode)
+            scales[start:stop] = shared + E8M0_BIAS
+            # Multiplying by an exact power of two is exact (2**127 and 2**-127 are both
+            # representable in float32), so the caller's rounding is the only rounding. Values
+            # that would turn subnormal are far below E2M1's first midpoint (0.25); the FP8
+            # quantizer rounds its subnormal binades explicitly.
+            magnitude *= np.ldexp(np.ones_like(amax), -shared)[:, None]
+            yield start, stop, chunk, magnitude
+
+    return lead, groups, n_blocks, scales, chunks()
+
+
 def quantize_mxfp4(
     x: npt.ArrayLike,
     scale_mode: ScaleMode = "floor",
@@ -720,26 +758,10 @@ def quantize_mxfp4(
             `scale_mode` is unknown.
     """
     _check_scale_mode(scale_mode)
-    work = _work_array(x, "quantize_mxfp4")
-    groups = _check_quantize_input(work, "quantize_mxfp4")
-    lead = work.shape[:-1]
-    n_blocks = math.prod(lead) * groups
+    lead, groups, n_blocks, scales, chunks = _scaled_blocks(
+        x, "quantize_mxfp4", _E2M1_EMAX, _E2M1_MBITS, E2M1_MAX, scale_mode)
     packed = np.empty((n_blocks, 16), dtype=np.uint8)
-    scales = np.empty(n_blocks, dtype=np.uint8)
-    blocks = work.reshape(n_blocks, MX_BLOCK_SIZE)
-    step = max(1, _CHUNK_ELEMENTS // MX_BLOCK_SIZE)
-    for start in range(0, n_blocks, step):
-        stop = min(n_blocks, start + step)
-        chunk = blocks[start:stop]
-        magnitude = np.abs(chunk)
-        amax = magnitude.max(axis=1)
-        if not np.isfinite(amax).all():
-            _raise_non_finite(work, "quantize_mxfp4")
-        shared = _shared_exponent(amax, _E2M1_EMAX, _E2M1_MBITS, E2M1_MAX, scale_mode)
-        scales[start:stop] = shared + E8M0_BIAS
-        # Multiplying by an exact power of two is exact (2**127 and 2**-127 are both representable
-        # in float32); results that would be subnormal are far below the first midpoint 0.25.
-        magnitude *= np.ldexp(np.ones_like(amax), -shared)[:, None]
+    for start, stop, chunk, magnitude in chunks:
         codes = _round_e2m1_magnitude(magnitude)
         codes |= np.signbit(chunk).view(np.uint8) << 3
         packed[start:stop] = codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -839,24 +861,10 @@ def quantize_mxfp8(
     """
     spec = _fp8_spec(fmt)
     _check_scale_mode(scale_mode)
-    work = _work_array(x, "quantize_mxfp8")
-    groups = _check_quantize_input(work, "quantize_mxfp8")
-    lead = work.shape[:-1]
-    n_blocks = math.prod(lead) * groups
+    lead, groups, n_blocks, scales, chunks = _scaled_blocks(
+        x, "quantize_mxfp8", spec.emax, spec.mbits, spec.max_finite, scale_mode)
     data = np.empty((n_blocks, MX_BLOCK_SIZE), dtype=np.uint8)
-    scales = np.empty(n_blocks, dtype=np.uint8)
-    blocks = work.reshape(n_blocks, MX_BLOCK_SIZE)
-    step = max(1, _CHUNK_ELEMENTS // MX_BLOCK_SIZE)
-    for start in range(0, n_blocks, step):
-        stop = min(n_blocks, start + step)
-        chunk = blocks[start:stop]
-        magnitude = np.abs(chunk)
-        amax = magnitude.max(axis=1)
-        if not np.isfinite(amax).all():
-            _raise_non_finite(work, "quantize_mxfp8")
-        shared = _shared_exponent(amax, spec.emax, spec.mbits, spec.max_finite, scale_mode)
-        scales[start:stop] = shared + E8M0_BIAS
-        magnitude *= np.ldexp(np.ones_like(amax), -shared)[:, None]
+    for start, stop, chunk, magnitude in chunks:
         # Quantum of each value's binade (subnormal binades share the quantum of emin); scaling by
         # it, rint (nearest-even), and scaling back are all exact.
         _, exponent = np.frexp(magnitude)
