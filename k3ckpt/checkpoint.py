@@ -15,7 +15,6 @@ config contradicts the tensors) are collected in :attr:`Checkpoint.problems`; pr
 from __future__ import annotations
 
 import gc
-import json
 import multiprocessing as mp
 import operator
 import os
@@ -32,6 +31,7 @@ if TYPE_CHECKING:
 
 from .config import ModelConfig, load_config
 from .errors import CheckpointNotFoundError, ConfigError, IndexError_, SafetensorsHeaderError
+from .jsonfile import load_json
 from .roles import Kind, Role, classify
 from .safetensors_header import HeaderColumns, ShardHeader, TensorInfo, read_header, read_header_columns
 
@@ -249,12 +249,7 @@ def read_index(root: Path, unsafe: list[str] | None = None) -> tuple[dict[str, s
     """
     index_path = root / INDEX_NAME
     if index_path.is_file():
-        try:
-            data = json.loads(index_path.read_bytes())
-        except json.JSONDecodeError as e:
-            raise IndexError_(f"{index_path}: not valid JSON ({e})") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise IndexError_(f"{index_path}: cannot read ({e})") from None
+        data, _ = load_json(index_path, IndexError_)
         wm = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wm, dict) or not wm:
             raise IndexError_(f"{index_path}: no weight_map (or it is empty)")

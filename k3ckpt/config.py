@@ -8,12 +8,12 @@ consumer the same field names and keeps the raw dict for anything else.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .jsonfile import load_json
 
 
 def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -157,12 +157,5 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
 
 def load_config(path: Path) -> ModelConfig:
     """Read and normalize ``path`` (a ``config.json``)."""
-    try:
-        raw = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read ({e})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    raw, _ = load_json(path, ConfigError)
     return parse_config(raw, str(path))

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import K3ckptError
 from .hashing import Span, hash_files
+from .jsonfile import load_json
 from .safetensors_header import ShardHeader
 
 FORMAT = "k3ckpt-manifest"
@@ -135,15 +136,7 @@ class Manifest:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Manifest":
         p = Path(path)
-        try:
-            raw = p.read_bytes()
-            data = json.loads(raw)
-        except FileNotFoundError:
-            raise ManifestError(f"{p}: not found") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{p}: cannot read ({e})") from None
-        except json.JSONDecodeError as e:
-            raise ManifestError(f"{p}: not valid JSON ({e})") from None
+        data, raw = load_json(p, ManifestError)
         m = cls.from_json(data, str(p))
         m._fingerprint = hashlib.sha256(raw).hexdigest()
         return m

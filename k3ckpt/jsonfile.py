@@ -1,0 +1,26 @@
+"""Reading the small JSON files of a checkpoint (config, index, manifests) with one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import K3ckptError
+
+
+def load_json(path: Path, error: type[K3ckptError]) -> tuple[Any, bytes]:
+    """``(parsed, raw bytes)`` of the JSON file at ``path``.
+
+    Raises:
+        error: the file is missing, unreadable, not UTF-8 or not JSON - naming the file.
+    """
+    try:
+        raw = path.read_bytes()
+        return json.loads(raw), raw
+    except FileNotFoundError:
+        raise error(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"{path}: cannot read ({e})") from None
