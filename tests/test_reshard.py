@@ -289,12 +289,17 @@ def test_peak_rss_bounded(tmp_path: Path) -> None:
     # Synthesize here, reshard in a fresh process: its peak RSS is then the reshard's alone
     # (quantizing the synthetic weights has its own, unrelated peak).
     synthesize(replace(spec_from_preset("k3-small"), num_layers=3), src)
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so a child of a big
+    # pytest process would report the parent's high-water mark.
     code = textwrap.dedent(f"""
-        import resource
         from k3ckpt.reshard import reshard
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        def hwm():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+        base = hwm()
         res = reshard({str(src)!r}, {str(tmp_path / 'out')!r}, ep=4, tp=2, jobs=2)
-        print(res.bytes_written, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, base)
+        print(res.bytes_written, hwm(), base)
     """)
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
