@@ -3,9 +3,10 @@
 Several files are fetched at once and every file is split into ``chunk_size`` pieces fetched in
 parallel with ``Range`` requests.  Each chunk is streamed into a preallocated ``<final>.part``
 file with ``os.pwrite`` at its offset; once a chunk's bytes are on disk (``fdatasync``) its index
-is recorded in a small journal ``<final>.part.journal``.  A finished ``.part`` is hashed and only
-then renamed (``os.replace``) to its final name, so a partial or corrupt file never appears
-under the final name.
+is recorded in a small journal ``<final>.part.journal``.  The file's sha256 is computed while
+it downloads (chunks are hashed in order from the page cache as soon as every earlier chunk is
+on disk), and only a ``.part`` whose digest matches is renamed (``os.replace``) to its final
+name, so a partial or corrupt file never appears under the final name.
 
 Crash safety (SIGKILL, power loss, Ctrl-C at any moment):
 
@@ -48,6 +49,7 @@ origin), ``Retry-After`` parsing, status mapping and ``Content-Range`` grammar.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 import random
@@ -423,6 +425,82 @@ class _Cancelled(Exception):
     pass
 
 
+class _StreamDigest:
+    """The digest of a ``.part``, computed while the download runs.
+
+    Chunks complete out of order, but sha256 is sequential: whichever worker finishes a chunk
+    hashes, from the page cache, every chunk from the cursor on that is already on disk. The
+    last chunk's arrival then leaves at most a chunk or two to hash, instead of a second pass
+    over the whole file after the download. One thread hashes a file at a time (``busy``);
+    the others never wait for it.
+    """
+
+    def __init__(self, entry: HubFile) -> None:
+        self.git = entry.sha256 is None and entry.git_sha1 is not None
+        self.size = entry.size
+        self.busy = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Start over (the file is being fetched again); the caller holds ``busy``."""
+        self.next = 0  # index of the first chunk not yet hashed
+        self.hashed = 0  # bytes hashed
+        self.sha256 = hashlib.sha256()
+        self.blob = hashlib.sha1(b"blob %d\0" % self.size) if self.git else None
+
+    def _hash_range(self, fd: int, start: int, length: int) -> None:
+        view = _hash_buffer()
+        pos, end = start, start + length
+        while pos < end:
+            n = os.preadv(fd, [view[:min(len(view), end - pos)]], pos)
+            if n <= 0:
+                raise OSError(f"the .part ended at byte {pos}, expected {end}")
+            data = view[:n]
+            self.sha256.update(data)
+            if self.blob is not None:
+                self.blob.update(data)
+            pos += n
+        self.hashed += length
+
+    def advance(self, job: "_Job", *, wait: bool = False) -> None:
+        """Hash the chunks from the cursor on that are done; with ``wait``, wait for the thread
+        already hashing this file instead of leaving the work to it."""
+        while self.busy.acquire(blocking=wait):
+            try:
+                while True:
+                    with job.lock:
+                        i, fd = self.next, job.fd
+                        ready = i < job.nchunks and i in job.done and fd is not None
+                    if not ready:
+                        break
+                    start, length = job.chunk(i)
+                    self._hash_range(fd, start, length)
+                    self.next = i + 1
+            finally:
+                self.busy.release()
+            # A chunk that completed while we were finishing found ``busy`` held and left:
+            # look once more so it is not left for the final pass.
+            with job.lock:
+                if not (self.next < job.nchunks and self.next in job.done):
+                    return
+            wait = False
+
+    def hexdigests(self) -> tuple[int, str, str | None]:
+        """``(bytes hashed, sha256, git blob id or None)``."""
+        return self.hashed, self.sha256.hexdigest(), self.blob.hexdigest() if self.blob is not None else None
+
+
+_HASH_LOCAL = threading.local()
+
+
+def _hash_buffer() -> memoryview:
+    """This thread's reusable read buffer for hashing (no allocation per chunk)."""
+    buf = getattr(_HASH_LOCAL, "buf", None)
+    if buf is None:
+        buf = _HASH_LOCAL.buf = memoryview(bytearray(8 << 20))
+    return buf
+
+
 class _Job:
     """One file being downloaded: its ``.part`` descriptor, journal and outstanding chunks."""
 
@@ -441,6 +519,7 @@ class _Job:
         self.failed: str | None = None
         self.refetched = False
         self.finished = False
+        self.digest = _StreamDigest(entry)
 
     def chunk(self, i: int) -> tuple[int, int]:
         start = i * self.chunk_size
@@ -723,6 +802,7 @@ class _Run:
                 journaled = self.chunks_journaled
             _pause_point("after_chunk", journaled)
             if not complete:
+                job.digest.advance(job)
                 return
         self._finish(job)
 
@@ -755,14 +835,20 @@ class _Run:
         entry = job.entry
         os.fsync(job.fd)  # type: ignore[arg-type]
         try:
-            digest = hash_file(job.part, git_sha1=entry.sha256 is None and entry.git_sha1 is not None)
-        except (HashError, OSError) as e:
+            # Every chunk is done: this hashes what the workers have not hashed yet (usually
+            # the last chunk or two), waiting for a worker still hashing this file.
+            job.digest.advance(job, wait=True)
+            hashed, sha256, git_sha1 = job.digest.hexdigests()
+            size = os.fstat(job.fd).st_size  # type: ignore[arg-type]
+        except OSError as e:
             self.fail(job, f"cannot hash the downloaded file: {e}")
             return
-        problem = _mismatch(entry, digest.size, digest.sha256, digest.git_sha1)
+        problem = _mismatch(entry, size if hashed == size else hashed, sha256, git_sha1)
         if problem is not None:
             if not job.refetched:
                 # We cannot tell which chunk was bad: fetch the whole file again, once.
+                with job.digest.busy:
+                    job.digest.reset()
                 with job.lock:
                     job.refetched = True
                     job.done = set()
