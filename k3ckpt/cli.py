@@ -484,6 +484,8 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
                    f"{len(res.skipped)} already present and verified, {len(res.failed)} failed")
         for p, why in sorted(res.failed.items()):
             click.echo(f"  could not fetch {p}: {why}")
+        for note in res.notes:
+            click.echo(f"  note: {note}", err=True)
     if not res.ok:
         sys.exit(EXIT_PROBLEMS)
 

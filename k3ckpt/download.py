@@ -35,8 +35,9 @@ breaking the same stale lock cannot delete each other's fresh one.
 
 Faults: connection errors, timeouts, 429 and 5xx (except 501/505) and short or long bodies are
 retried per chunk with exponential backoff plus jitter (``Retry-After`` is honoured as given); a
-server that ignores ``Range`` is detected from the missing ``Content-Range`` and its body is
-never written at the wrong offset; a file whose digest does not match is re-fetched once in
+server that ignores ``Range`` is detected from the missing ``Content-Range`` (its body is never
+written at the wrong offset) and the file is then fetched with one sequential GET from byte 0,
+still journaled chunk by chunk (``FetchResult.notes`` says so); a file whose digest does not match is re-fetched once in
 full (we do not know which chunk was bad), then reported.
 
 Why not :func:`k3ckpt.hubclient.read_range`: it returns the whole range as ``bytes`` (built in a
@@ -122,6 +123,8 @@ class FetchResult:
         fetched: Paths downloaded (fully or resumed) and verified this run.
         skipped: Paths already present with matching size and sha256 (or git blob id).
         failed: Path -> one-line reason, for every file that could not be fetched.
+        notes: One line per thing the user should know that is not a failure (a server that
+            ignores ``Range`` and was read sequentially).
         bytes_downloaded: Body bytes received this run (retries included).
         bytes_total: Sum of the sizes of all requested files.
         seconds: Wall time of the run.
@@ -134,6 +137,7 @@ class FetchResult:
     bytes_downloaded: int = 0
     bytes_total: int = 0
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -151,6 +155,7 @@ class FetchResult:
             "bytes_downloaded": self.bytes_downloaded,
             "bytes_total": self.bytes_total,
             "seconds": round(self.seconds, 3),
+            "notes": list(self.notes),
         }
 
 
@@ -519,6 +524,7 @@ class _Job:
         self.failed: str | None = None
         self.refetched = False
         self.finished = False
+        self.sequential = False  # the server ignores Range: one whole-file GET writes it
         self.digest = _StreamDigest(entry)
 
     def chunk(self, i: int) -> tuple[int, int]:
@@ -602,22 +608,23 @@ class _Job:
 # ----------------------------------------------------------------------------------------------
 
 
-def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str, str], timeout: float,
-                  cancel: threading.Event, count: Callable[[int], None]) -> None:
-    """One ranged GET of chunk ``index`` written in place; raises _Retryable/_Fatal/_Cancelled.
+#: Task index of a whole-file sequential GET (the fallback for a server that ignores ``Range``).
+_WHOLE = -1
 
-    The response checks mirror :func:`hubclient._body`: a body is only written when its
-    ``Content-Range`` is exactly the requested range, or when there is none and the server
-    sent the file from byte 0 (then we skip to our offset, up to ``RANGE_SKIP_LIMIT``).
-    """
-    entry = job.entry
-    start, length = job.chunk(index)
-    end = start + length - 1
+
+class _RangeIgnored(Exception):
+    """The server answered a ranged GET with the whole file (HTTP 200, no ``Content-Range``)."""
+
+
+def _request(listing: HubListing, entry: HubFile, headers: dict[str, str], timeout: float,
+             byte_range: tuple[int, int] | None) -> tuple[Any, dict[str, Any]]:
+    """Send the GET (ranged or not) and check the status; returns ``(response, context)``."""
     ctx: dict[str, Any] = {"hub": listing.hub, "repo": listing.repo, "revision": listing.revision,
                            "path": entry.path, "endpoint": listing.endpoint}
     url = hubclient.file_url(listing, entry.path)
     hdrs = dict(headers)
-    hdrs["Range"] = f"bytes={start}-{end}"
+    if byte_range is not None:
+        hdrs["Range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
     hdrs["Accept-Encoding"] = "identity"  # a compressed representation would shift every offset
     session = hubclient._session()
     try:
@@ -630,19 +637,71 @@ def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str,
         raise _Fatal(f"{type(e).__name__}: {hubclient._one_line(str(e))[:200]}") from None
     except hubclient.HubError as e:  # too many redirects
         raise _Fatal(e.problem) from None
-    with resp:
-        status = resp.status_code
+    status = resp.status_code
+    try:
         if status == 429 or (status >= 500 and status not in hubclient._NOT_RETRYABLE_5XX):
             raise _Retryable(f"HTTP {status}", hubclient._retry_after(resp))
         if status not in (200, 206):
             raise _Fatal(hubclient._status_error(resp, final_url, ctx).problem)
         encoding = (resp.headers.get("Content-Encoding") or "identity").strip().lower()
         if encoding != "identity":
-            raise _Fatal(f"server applied Content-Encoding {encoding!r} to a byte-range request")
+            raise _Fatal(f"server applied Content-Encoding {encoding!r} to a file download")
+    except BaseException:
+        resp.close()
+        raise
+    return resp, ctx
+
+
+def _content_length(resp: Any) -> int | None:
+    cl = resp.headers.get("Content-Length")
+    return int(cl) if cl and cl.strip().isdigit() else None
+
+
+def _copy_body(resp: Any, job: _Job, start: int, length: int, cancel: threading.Event,
+               count: Callable[[int], None], on_offset: Callable[[int], None] | None = None) -> int:
+    """Write up to ``length`` body bytes at ``start``; returns how many arrived. ``on_offset`` is
+    told the file offset reached after each piece (the sequential fallback journals with it)."""
+    raw = resp.raw
+    received = 0
+    offset = start
+    try:
+        while received < length:
+            if cancel.is_set():
+                raise _Cancelled()
+            data = raw.read(min(length - received, PIECE), decode_content=False)
+            if not data:
+                break
+            count(len(data))
+            view = memoryview(data)
+            while view:
+                n = os.pwrite(job.fd, view, offset)  # type: ignore[arg-type]
+                view = view[n:]
+                offset += n
+            received += len(data)
+            if on_offset is not None:
+                on_offset(offset)
+    except (TimeoutError, urllib3.exceptions.HTTPError, requests.exceptions.RequestException, ConnectionError) as e:
+        got = "an empty body" if received == 0 else f"{received} of {length} bytes"
+        raise _Retryable(f"connection lost after {got} (bytes {start}-{start + length - 1}; {type(e).__name__})") from None
+    return received
+
+
+def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str, str], timeout: float,
+                  cancel: threading.Event, count: Callable[[int], None]) -> None:
+    """One ranged GET of chunk ``index`` written in place; raises _Retryable/_Fatal/_Cancelled,
+    or _RangeIgnored when the server sends the whole file instead.
+
+    The response checks mirror :func:`hubclient._body`: a body is only written when its
+    ``Content-Range`` is exactly the requested range, or when there is none and the file is a
+    single chunk (the body then is that chunk).
+    """
+    entry = job.entry
+    start, length = job.chunk(index)
+    end = start + length - 1
+    resp, _ = _request(listing, entry, headers, timeout, (start, end))
+    with resp:
         content_range = resp.headers.get("Content-Range")
-        cl = resp.headers.get("Content-Length")
-        announced = int(cl) if cl and cl.strip().isdigit() else None
-        skip = 0
+        announced = _content_length(resp)
         if content_range is not None:
             m = hubclient._CONTENT_RANGE.match(content_range)
             if not m:
@@ -655,51 +714,65 @@ def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str,
                              f"the listing says {entry.size}")
             if announced is not None and announced != length:
                 raise _Retryable(f"Content-Range {content_range!r} with Content-Length {announced}")
-        elif status == 206:
+        elif resp.status_code == 206:
             raise _Fatal(f"HTTP 206 without Content-Range (asked for bytes {start}-{end})")
         else:
             # 200 without Content-Range: the server ignored Range and sends the file from byte 0.
             if announced is not None and announced != entry.size:
                 what = "an empty body" if announced == 0 else f"a {announced}-byte body"
                 raise _Retryable(f"server sent {what} (HTTP 200) for a {entry.size}-byte file")
-            if start > hubclient.RANGE_SKIP_LIMIT:
-                raise _Retryable(f"server ignored Range (HTTP 200 with the whole file) for bytes {start}-{end}; "
-                                 f"not skipping {start} bytes to reach them")
-            skip = start
-        raw = resp.raw
-        received = 0
-        offset = start
-        try:
-            while skip > 0:
-                data = raw.read(min(skip, PIECE), decode_content=False)
-                if not data:
-                    break
-                count(len(data))
-                skip -= len(data)
-            while received < length and skip == 0:
-                if cancel.is_set():
-                    raise _Cancelled()
-                data = raw.read(min(length - received, PIECE), decode_content=False)
-                if not data:
-                    break
-                count(len(data))
-                view = memoryview(data)
-                while view:
-                    n = os.pwrite(job.fd, view, offset)  # type: ignore[arg-type]
-                    view = view[n:]
-                    offset += n
-                received += len(data)
-            extra = b""
-            if received == length and content_range is not None and announced is None:
-                extra = raw.read(1, decode_content=False)  # chunked 206: no more than announced
-        except (TimeoutError, urllib3.exceptions.HTTPError, requests.exceptions.RequestException, ConnectionError) as e:
-            got = "an empty body" if received == 0 else f"{received} of {length} bytes"
-            raise _Retryable(f"connection lost after {got} (bytes {start}-{end}; {type(e).__name__})") from None
+            if job.nchunks > 1:
+                raise _RangeIgnored()  # read nothing: the whole file comes in one sequential GET
+        received = _copy_body(resp, job, start, length, cancel, count)
+        extra = b""
+        if received == length and announced is None:
+            try:
+                extra = resp.raw.read(1, decode_content=False)  # chunked: no more than asked for
+            except (urllib3.exceptions.HTTPError, ConnectionError):
+                extra = b""
         if extra:
             raise _Retryable(f"body is longer than the {length} bytes of bytes {start}-{end}")
         if received != length:
             got = "an empty body" if received == 0 else f"{received} bytes"
             raise _Retryable(f"got {got} for bytes {start}-{end} ({length} bytes)")
+
+
+def _stream_whole(listing: HubListing, job: _Job, headers: dict[str, str], timeout: float,
+                  cancel: threading.Event, count: Callable[[int], None],
+                  chunk_reached: Callable[[int], None]) -> None:
+    """The fallback for a server that ignores ``Range``: one plain GET of the whole file,
+    written in place from byte 0. ``chunk_reached(i)`` is called as each chunk's last byte is
+    written, so the journal keeps recording progress (a crash still resumes, though a server
+    without ranges makes the resumed run read the file from its start again)."""
+    entry = job.entry
+    resp, _ = _request(listing, entry, headers, timeout, None)
+    with resp:
+        if resp.status_code != 200 or resp.headers.get("Content-Range") is not None:
+            raise _Fatal(f"HTTP {resp.status_code} with Content-Range {resp.headers.get('Content-Range')!r} "
+                         f"to a GET without Range")
+        announced = _content_length(resp)
+        if announced is not None and announced != entry.size:
+            what = "an empty body" if announced == 0 else f"a {announced}-byte body"
+            raise _Retryable(f"server sent {what} (HTTP 200) for a {entry.size}-byte file")
+        reached = [0]  # chunks whose every byte has been written
+
+        def on_offset(offset: int) -> None:
+            while reached[0] < job.nchunks and sum(job.chunk(reached[0])) <= offset:
+                chunk_reached(reached[0])
+                reached[0] += 1
+
+        received = _copy_body(resp, job, 0, entry.size, cancel, count, on_offset)
+        extra = b""
+        if received == entry.size and announced is None:
+            try:
+                extra = resp.raw.read(1, decode_content=False)
+            except (urllib3.exceptions.HTTPError, ConnectionError):
+                extra = b""
+        if extra:
+            raise _Retryable(f"body is longer than the file's {entry.size} bytes")
+        if received != entry.size:
+            got = "an empty body" if received == 0 else f"{received} bytes"
+            raise _Retryable(f"got {got} of the {entry.size}-byte file (HTTP 200, whole file)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -785,11 +858,17 @@ class _Run:
         with job.lock:
             if job.failed is not None or job.finished:
                 return
+            if job.sequential and index is not None and index != _WHOLE:
+                return  # the whole-file GET writes this chunk
             job.open()
+        if index == _WHOLE:
+            if self._fetch_whole(job):
+                self._finish(job)
+            return
         if index is not None:
             self._fetch_chunk(job, index)
             with job.lock:
-                if job.failed is not None or self.cancel.is_set():
+                if job.failed is not None or self.cancel.is_set() or job.sequential:
                     return  # cancelled: the caller may already have released the lock
                 # The bytes first, then the journal: a crash between the two re-fetches this
                 # chunk; the reverse order could record bytes that never reached the disk.
@@ -816,19 +895,69 @@ class _Run:
             try:
                 _stream_chunk(self.listing, job, index, self.headers, self.timeout, self.cancel, self.count)
                 return
+            except _RangeIgnored:
+                self._go_sequential(job)
+                return
             except _Fatal as e:
                 self.fail(job, f"{e} (bytes {job.chunk(index)[0]}+{job.chunk(index)[1]})")
                 return
             except _Retryable as e:
                 failures += 1
-                if failures >= self.retry.attempts:
-                    self.fail(job, f"{e}; gave up after {failures} attempts")
+                if not self._backoff(job, e, failures):
                     return
-                delay = self.retry.delay(failures, e.retry_after)
-                if e.retry_after is None:
-                    # Equal jitter: workers that failed together must not retry in lockstep.
-                    delay = delay / 2 + random.uniform(0, delay / 2)
-                self.retry.sleep(delay)
+
+    def _backoff(self, job: _Job, e: _Retryable, failures: int) -> bool:
+        """Sleep before the next attempt; False (and the file failed) when attempts ran out."""
+        if failures >= self.retry.attempts:
+            self.fail(job, f"{e}; gave up after {failures} attempts")
+            return False
+        delay = self.retry.delay(failures, e.retry_after)
+        if e.retry_after is None:
+            # Equal jitter: workers that failed together must not retry in lockstep.
+            delay = delay / 2 + random.uniform(0, delay / 2)
+        self.retry.sleep(delay)
+        return True
+
+    def _go_sequential(self, job: _Job) -> None:
+        """The server ignores Range for this file: queue one whole-file GET (once)."""
+        with job.lock:
+            if job.sequential or job.failed is not None:
+                return
+            job.sequential = True
+        with self.cond:
+            self.result.notes.append(f"{job.entry.path}: the server ignores Range; fetched with one "
+                                     f"sequential GET instead of parallel chunks")
+        self.submit(job, _WHOLE)
+
+    def _fetch_whole(self, job: _Job) -> bool:
+        """Download ``job`` with one plain GET (retried from byte 0); True when every byte arrived."""
+
+        def chunk_reached(i: int) -> None:
+            with job.lock:
+                if job.failed is not None or self.cancel.is_set():
+                    raise _Cancelled()
+                if i not in job.done:
+                    os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]
+                    job.done.add(i)
+                    job.write_journal()
+            job.digest.advance(job)
+
+        failures = 0
+        while True:
+            if self.cancel.is_set():
+                raise _Cancelled()
+            if job.failed is not None:
+                return False
+            try:
+                _stream_whole(self.listing, job, self.headers, self.timeout, self.cancel, self.count, chunk_reached)
+                return True
+            except _Fatal as e:
+                self.fail(job, str(e))
+                return False
+            except _Retryable as e:
+                failures += 1
+                if not self._backoff(job, e, failures):
+                    return False
 
     def _finish(self, job: _Job) -> None:
         """Verify the complete ``.part`` and rename it into place (or re-fetch once, or fail)."""
@@ -853,7 +982,7 @@ class _Run:
                     job.refetched = True
                     job.done = set()
                     job.write_journal()
-                for i in range(job.nchunks):
+                for i in ([_WHOLE] if job.sequential else range(job.nchunks)):
                     self.submit(job, i)
                 return
             self.fail(job, f"{problem} (also after re-fetching the whole file)")

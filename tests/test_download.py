@@ -232,22 +232,50 @@ def test_stall_times_out_and_is_retried(hub: LoopbackHub, hf_listing: HubListing
     _assert_identical(served, tmp_path / "o", [BIG])
 
 
-def test_persistent_ignore_range_never_writes_shifted_data(hub: LoopbackHub, listing: HubListing, served: Path,
-                                                           tmp_path: Path) -> None:
-    hub.inject("ignore_range", BIG, times=None)
+def test_persistent_ignore_range_falls_back_to_one_sequential_get(hub: LoopbackHub, listing: HubListing,
+                                                                  served: Path, tmp_path: Path) -> None:
+    fault = hub.inject("ignore_range", BIG, times=None)
     dest = tmp_path / "o"
-    r = fetch_files(listing, dest, [BIG, "config.json"], chunk_size=CHUNK, token="", retry=_fast(attempts=2))
-    assert not r.ok and list(r.failed) == [BIG] and "ignored Range" in r.failed[BIG]
-    assert r.fetched == ["config.json"]
-    assert not (dest / BIG).exists()
-    # Chunks within the skip limit were read by skipping to their offset; every chunk the
-    # journal vouches for holds exactly the source bytes, nothing shifted.
+    size = listing.files[BIG].size
+    assert size > 2 * CHUNK
+    r = fetch_files(listing, dest, [BIG, "config.json"], chunk_size=CHUNK, token="", workers=4,
+                    retry=_fast(attempts=2))
+    assert r.ok, r.failed
+    assert sorted(r.fetched) == sorted([BIG, "config.json"])
+    assert len(r.notes) == 1 and BIG in r.notes[0] and "ignores Range" in r.notes[0]
+    assert fault.hits >= 1  # the ranged GETs that were answered with the whole file
+    # Those answers were abandoned unread: the file's bytes came once, in the sequential GET.
+    assert r.bytes_downloaded == size + listing.files["config.json"].size
+    _assert_identical(served, dest, [BIG])
+    assert not (dest / (BIG + ".part")).exists() and not (dest / (BIG + ".part.journal")).exists()
+
+
+def test_sequential_fallback_journals_chunks_and_resumes(hub: LoopbackHub, listing: HubListing, served: Path,
+                                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole-file GET dies mid-body: the chunks it completed are journaled with their exact
+    bytes (nothing shifted), and the retry completes the file."""
+    monkeypatch.setattr(download, "PIECE", 16 * 1024)  # a reset loses the piece being read
+    hub.inject("ignore_range", BIG, times=None)
+    size = listing.files[BIG].size
+    # Two hits: the first ranged GET (answered with the whole file, abandoned unread), then the
+    # sequential GET.
+    # reset=False: the body ends with a FIN, so every byte sent before it arrives (an RST would
+    # let the kernel discard received bytes not yet read).
+    drop = hub.inject("drop_after", BIG, times=2, after=2 * CHUNK + 100, reset=False)
+    dest = tmp_path / "o"
+    r = fetch_files(listing, dest, [BIG], chunk_size=CHUNK, token="", workers=1, retry=_fast(attempts=1))
+    assert not r.ok and drop.hits == 2
+    assert f"connection lost after {2 * CHUNK + 100} of {size} bytes" in r.failed[BIG]
     journal = json.loads((dest / (BIG + ".part.journal")).read_text())
+    assert journal["done"] == [0, 1]
     part = (dest / (BIG + ".part")).read_bytes()
     src = (served / BIG).read_bytes()
-    assert journal["done"] and max(journal["done"]) * CHUNK <= download.hubclient.RANGE_SKIP_LIMIT
-    for i in journal["done"]:
-        assert part[i * CHUNK:(i + 1) * CHUNK] == src[i * CHUNK:(i + 1) * CHUNK]
+    assert part[:2 * CHUNK] == src[:2 * CHUNK]
+    assert not (dest / BIG).exists()
+    r = fetch_files(listing, dest, [BIG], chunk_size=CHUNK, token="", workers=2, retry=_fast())
+    assert r.ok and r.fetched == [BIG]
+    assert r.bytes_downloaded == size  # no Range: the resumed run reads the file from byte 0
+    _assert_identical(served, dest, [BIG])
 
 
 def test_one_corrupt_byte_refetched_once(hub: LoopbackHub, listing: HubListing, served: Path,
