@@ -16,7 +16,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .config import ModelConfig
 from .roles import classify
 from .safetensors_header import TensorInfo
-from .topology import Topology, TopologyError, index_of, tensors_for_ranks
+from .topology import Topology, TopologyError, check_heads, index_of, tensors_for_ranks
 
 #: Rule of thumb for what a rank needs beyond its weights (activations, CUDA graphs, buffers).
 WEIGHT_OVERHEAD = 1.15
@@ -91,23 +91,6 @@ def _from_manifest(path: Path) -> tuple[dict[str, TensorInfo], int]:
     return tensors, m.total_bytes
 
 
-def _check_heads(cfg: ModelConfig | None, tp: int, notes: list[str]) -> None:
-    if cfg is None:
-        notes.append("no config.json: attention-head divisibility by --tp was not checked")
-        return
-    text = cfg.raw.get("text_config") if isinstance(cfg.raw.get("text_config"), dict) else cfg.raw
-    checks = [("num_attention_heads", cfg.num_attention_heads)]
-    lac = text.get("linear_attn_config") if isinstance(text, dict) else None
-    if isinstance(lac, dict) and lac.get("num_heads"):
-        checks.append(("linear_attn_config.num_heads", int(lac["num_heads"])))
-    kv = text.get("num_key_value_heads") if isinstance(text, dict) else None
-    if kv and not text.get("kv_lora_rank"):
-        checks.append(("num_key_value_heads", int(kv)))
-    for what, heads in checks:
-        if heads and heads % tp:
-            raise TopologyError(f"--tp {tp} does not divide {what} {heads}: attention heads cannot be split evenly")
-
-
 def plan_topology(
     source: str | os.PathLike[str] | Checkpoint,
     *,
@@ -148,7 +131,7 @@ def plan_topology(
     if found_experts > num_experts:
         raise TopologyError(f"the checkpoint has expert {found_experts - 1} but config.json says {num_experts} experts")
     topo = Topology.make(ep=ep, tp=tp, world_size=world_size, placement=placement, num_experts=num_experts)
-    _check_heads(cfg, topo.tp, notes) if ckpt is not None else notes.append(
+    check_heads(cfg, topo.tp, notes) if ckpt is not None else notes.append(
         "no config.json in a manifest: attention-head divisibility by --tp was not checked")
     per_rank = tensors_for_ranks(idx, topo, gpus_per_node=gpus_per_node)
     ranks = []

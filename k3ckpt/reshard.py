@@ -71,6 +71,7 @@ from .topology import (
     Split,
     Topology,
     TopologyError,
+    check_heads,
     index_of,
     parse_ranks,
     ranks_of_node,
@@ -296,7 +297,6 @@ def plan_reshard(
     Raises:
         TopologyError / SplitError: impossible topology or rank selection, uneven split.
     """
-    from .plan import _check_heads
 
     ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
     if not ckpt.tensors:
@@ -313,7 +313,7 @@ def plan_reshard(
         raise TopologyError(f"the checkpoint has expert {found - 1} but config.json says {num_experts} experts")
     topo = Topology.make(ep=ep, tp=tp, world_size=world_size, placement=placement, num_experts=num_experts)
     if cfg is not None:
-        _check_heads(cfg, topo.tp, [])
+        check_heads(cfg, topo.tp, [])
     if node is not None and ranks is not None:
         raise TopologyError("give --ranks or --node, not both")
     if node is not None:

@@ -44,6 +44,8 @@ from .safetensors_header import TensorInfo
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
+    from .config import ModelConfig
+
 PLACEMENTS = ("linear", "round_robin")
 
 #: FP8 block size when a block-quantized checkpoint's config does not say (DeepSeek-V3 / K2).
@@ -247,6 +249,25 @@ def _check_gpus_per_node(g: object) -> None:
 # Rank selection
 
 _RANK_ITEM = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", re.ASCII)
+
+
+def check_heads(cfg: ModelConfig | None, tp: int, notes: list[str]) -> None:
+    """Refuse a ``tp`` that does not divide the attention heads (MHA/MLA, KDA, GQA KV heads);
+    without a config, say in ``notes`` that this was not checked."""
+    if cfg is None:
+        notes.append("no config.json: attention-head divisibility by --tp was not checked")
+        return
+    text = cfg.raw.get("text_config") if isinstance(cfg.raw.get("text_config"), dict) else cfg.raw
+    checks = [("num_attention_heads", cfg.num_attention_heads)]
+    lac = text.get("linear_attn_config") if isinstance(text, dict) else None
+    if isinstance(lac, dict) and lac.get("num_heads"):
+        checks.append(("linear_attn_config.num_heads", int(lac["num_heads"])))
+    kv = text.get("num_key_value_heads") if isinstance(text, dict) else None
+    if kv and not text.get("kv_lora_rank"):
+        checks.append(("num_key_value_heads", int(kv)))
+    for what, heads in checks:
+        if heads and heads % tp:
+            raise TopologyError(f"--tp {tp} does not divide {what} {heads}: attention heads cannot be split evenly")
 
 
 def parse_ranks(spec: str, world_size: int) -> list[int]:
