@@ -88,6 +88,12 @@ def run_fetch(
 ) -> Any:
     """Download ``plan`` (see :func:`k3ckpt.download.fetch_files`); returns its ``FetchResult``."""
     from .download import DEFAULT_CHUNK, fetch_files
+    from .verify import record_verified
 
-    return fetch_files(plan.listing, plan.dest, plan.paths, workers=workers,
-                       chunk_size=chunk_size or DEFAULT_CHUNK, token=token, progress=progress, on_plan=on_plan)
+    result = fetch_files(plan.listing, plan.dest, plan.paths, workers=workers,
+                         chunk_size=chunk_size or DEFAULT_CHUNK, token=token, progress=progress, on_plan=on_plan)
+    # Every file fetched or skipped had its digest checked against the hub's: let a later
+    # ``verify --quick`` trust it while its stat is unchanged, instead of checking sizes only.
+    files = plan.listing.files
+    record_verified(plan.dest, {p: (files[p].sha256, files[p].git_sha1) for p in result.fetched + result.skipped})
+    return result

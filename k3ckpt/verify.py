@@ -163,6 +163,25 @@ class StatCache:
             pass  # a cache that cannot be written only costs speed next time
 
 
+def record_verified(path: str | os.PathLike[str], digests: dict[str, tuple[str | None, str | None]],
+                    cache_directory: Path | None = None) -> None:
+    """Tell the stat cache that files of the checkpoint at ``path`` were just verified by
+    someone else (``k3ckpt fetch`` checks every sha256 it downloads): ``digests`` maps a
+    relative path to ``(sha256, git blob id)``. A later ``verify --quick`` then trusts them
+    while their stat is unchanged, exactly as after a full ``verify``."""
+    root, _ = resolve_root(path)
+    cache = StatCache(root, cache_directory)
+    for rel, (sha256, git_sha1) in digests.items():
+        try:
+            st = os.stat(root / rel)
+        except OSError:
+            continue
+        facts = {k: v for k, v in (("sha256", sha256), ("git_sha1", git_sha1)) if v}
+        if facts:
+            cache.record(rel, st, **facts)
+    cache.save()
+
+
 # -- verification -----------------------------------------------------------------------------
 
 

@@ -88,3 +88,22 @@ def test_bad_chunk_size_is_a_usage_error(tmp_path: Path) -> None:
     res = CliRunner().invoke(main, ["fetch", "--source", "hf", "--repo", REPO, "--dest", str(tmp_path),
                                     "--chunk-size", "lots"])
     assert res.exit_code == 2 and "is not a size" in res.output
+
+
+def test_verify_quick_after_fetch_trusts_what_fetch_verified(hub, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    h, served = hub
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    dest = tmp_path / "dest"
+    assert run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(dest), "--endpoint", h.url).exit_code == 0
+    quick = run("verify", str(dest), "--quick", "--against", "hf", "--repo", REPO, "--endpoint", h.url, "--json")
+    assert quick.exit_code == 0, quick.output
+    rep = json.loads(quick.output)
+    assert sorted(rep["files_trusted"]) == sorted(p.name for p in served.iterdir())
+    assert rep["files_size_only"] == []
+    # A file changed since the fetch (same size, new mtime) is no longer vouched for.
+    cfg = dest / "config.json"
+    cfg.write_bytes(cfg.read_bytes())
+    rep = json.loads(run("verify", str(dest), "--quick", "--against", "hf", "--repo", REPO, "--endpoint", h.url,
+                         "--json").output)
+    assert "config.json" in rep["files_size_only"] and "config.json" not in rep["files_trusted"]
