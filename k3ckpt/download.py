@@ -612,8 +612,9 @@ class _Job:
 _WHOLE = -1
 
 
-class _RangeIgnored(Exception):
-    """The server answered a ranged GET with the whole file (HTTP 200, no ``Content-Range``)."""
+class _RangeIgnored(_Fatal):
+    """The server answered a ranged GET with the whole file (HTTP 200, no ``Content-Range``).
+    Fatal for that range; :class:`_Run` falls back to one sequential GET of the file."""
 
 
 def _request(listing: HubListing, entry: HubFile, headers: dict[str, str], timeout: float,
@@ -657,13 +658,16 @@ def _content_length(resp: Any) -> int | None:
     return int(cl) if cl and cl.strip().isdigit() else None
 
 
-def _copy_body(resp: Any, job: _Job, start: int, length: int, cancel: threading.Event,
-               count: Callable[[int], None], on_offset: Callable[[int], None] | None = None) -> int:
-    """Write up to ``length`` body bytes at ``start``; returns how many arrived. ``on_offset`` is
-    told the file offset reached after each piece (the sequential fallback journals with it)."""
+def _copy_body(resp: Any, fd: int, start: int, dest_offset: int, length: int, cancel: threading.Event,
+               count: Callable[[int], None], sink: Callable[[memoryview], None] | None = None,
+               on_offset: Callable[[int], None] | None = None) -> int:
+    """Write up to ``length`` body bytes (bytes ``start``... of the file) to ``fd`` at
+    ``dest_offset``; returns how many arrived. ``sink`` sees every written piece in order (to hash
+    while streaming); ``on_offset`` is told the offset reached after each piece (the sequential
+    fallback journals with it)."""
     raw = resp.raw
     received = 0
-    offset = start
+    offset = dest_offset
     try:
         while received < length:
             if cancel.is_set():
@@ -674,9 +678,11 @@ def _copy_body(resp: Any, job: _Job, start: int, length: int, cancel: threading.
             count(len(data))
             view = memoryview(data)
             while view:
-                n = os.pwrite(job.fd, view, offset)  # type: ignore[arg-type]
+                n = os.pwrite(fd, view, offset)
                 view = view[n:]
                 offset += n
+            if sink is not None:
+                sink(memoryview(data))
             received += len(data)
             if on_offset is not None:
                 on_offset(offset)
@@ -689,14 +695,24 @@ def _copy_body(resp: Any, job: _Job, start: int, length: int, cancel: threading.
 def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str, str], timeout: float,
                   cancel: threading.Event, count: Callable[[int], None]) -> None:
     """One ranged GET of chunk ``index`` written in place; raises _Retryable/_Fatal/_Cancelled,
-    or _RangeIgnored when the server sends the whole file instead.
+    or _RangeIgnored when the server sends the whole file instead."""
+    start, length = job.chunk(index)
+    _stream_range(listing, job.entry, start, length, job.fd, start, headers, timeout, cancel, count)  # type: ignore[arg-type]
+
+
+def _stream_range(listing: HubListing, entry: HubFile, start: int, length: int, fd: int, dest_offset: int,
+                  headers: dict[str, str], timeout: float, cancel: threading.Event, count: Callable[[int], None],
+                  sink: Callable[[memoryview], None] | None = None) -> None:
+    """One ranged GET of bytes ``[start, start + length)`` of ``entry``, written to ``fd`` at
+    ``dest_offset`` (the rank-aware fetch writes a tensor at another offset than the source's);
+    ``sink`` sees every written piece in order. Raises _Retryable/_Fatal/_Cancelled (after one of
+    them, what ``sink`` saw is void), or _RangeIgnored.
 
     The response checks mirror :func:`hubclient._body`: a body is only written when its
-    ``Content-Range`` is exactly the requested range, or when there is none and the file is a
-    single chunk (the body then is that chunk).
+    ``Content-Range`` is exactly the requested range, or when there is none and the range asked
+    for is the whole file (a 200 then carries exactly it); any other 200 without
+    ``Content-Range`` is :class:`_RangeIgnored`, and nothing of its body is read.
     """
-    entry = job.entry
-    start, length = job.chunk(index)
     end = start + length - 1
     resp, _ = _request(listing, entry, headers, timeout, (start, end))
     with resp:
@@ -721,9 +737,9 @@ def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str,
             if announced is not None and announced != entry.size:
                 what = "an empty body" if announced == 0 else f"a {announced}-byte body"
                 raise _Retryable(f"server sent {what} (HTTP 200) for a {entry.size}-byte file")
-            if job.nchunks > 1:
-                raise _RangeIgnored()  # read nothing: the whole file comes in one sequential GET
-        received = _copy_body(resp, job, start, length, cancel, count)
+            if start != 0 or length != entry.size:
+                raise _RangeIgnored(f"the server ignores Range (HTTP 200 with the whole file for bytes {start}-{end})")
+        received = _copy_body(resp, fd, start, dest_offset, length, cancel, count, sink)
         extra = b""
         if received == length and announced is None:
             try:
@@ -761,7 +777,7 @@ def _stream_whole(listing: HubListing, job: _Job, headers: dict[str, str], timeo
                 chunk_reached(reached[0])
                 reached[0] += 1
 
-        received = _copy_body(resp, job, 0, entry.size, cancel, count, on_offset)
+        received = _copy_body(resp, job.fd, 0, 0, entry.size, cancel, count, on_offset=on_offset)  # type: ignore[arg-type]
         extra = b""
         if received == entry.size and announced is None:
             try:
