@@ -49,7 +49,6 @@ Decisions the contract leaves open:
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
@@ -63,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .bytecopy import Copier, FdCache, Run, atomic_write, copy_files, fsync_dir, tmp_name
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .errors import K3ckptError
 from .safetensors_header import DTYPE_BITS, TensorSpec, build_header
@@ -81,12 +81,6 @@ FORMAT = "k3ckpt-rank-layout"
 VERSION = 1
 #: Alignment of each output file's data buffer.
 ALIGN = 4096
-#: Bytes per copy / hash step (and the size of each worker's buffers).
-CHUNK = 8 * 1024 * 1024
-#: How far ahead of the copy the source is asked to be read (page cache, not RSS).
-READ_AHEAD = 4 * CHUNK
-#: A strided row at least this long is copied as its own contiguous run instead of gathered.
-ROW_COPY_MIN = 1024 * 1024
 DEFAULT_MAX_FILE_SIZE = 5 * 1024**3
 MANIFEST_NAME = "rank-manifest.json"
 READY_NAME = "READY"
@@ -107,20 +101,6 @@ def part_name(rank: int, part: int) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Planning: what goes where
-
-
-@dataclass(frozen=True)
-class Run:
-    """``count`` rows of ``length`` bytes, ``stride`` apart, from absolute offset ``offset``."""
-
-    offset: int
-    length: int
-    count: int = 1
-    stride: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.length * self.count
 
 
 @dataclass
@@ -345,115 +325,6 @@ def plan_reshard(
     return ReshardPlan(ckpt, topo, plans, _source_json(ckpt), gpus_per_node, extra)
 
 
-# ---------------------------------------------------------------------------------------------
-# Copying
-
-
-_KERNEL_FALLBACK = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF, errno.EPERM)
-
-
-class _Copier:
-    """Moves byte runs from source fds to a destination fd, hashing what it writes."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode  # "kernel" (copy_file_range, sendfile fallback) or "buffered"
-        self.buf = bytearray(CHUNK)
-        self.view = memoryview(self.buf)
-        self.gbuf: bytearray | None = None  # gather buffer for strided runs
-
-    def _kernel(self, src: int, dst: int, n: int, so: int, do: int) -> bool:
-        """Copy ``n`` bytes kernel-side; False when the kernel cannot (fall back to buffered)."""
-        while n:
-            if self.mode == "kernel":
-                try:
-                    k = os.copy_file_range(src, dst, n, so, do)
-                except OSError as e:
-                    if e.errno not in _KERNEL_FALLBACK:
-                        raise
-                    self.mode = "sendfile"
-                    continue
-            elif self.mode == "sendfile":
-                try:
-                    os.lseek(dst, do, os.SEEK_SET)
-                    k = os.sendfile(dst, src, so, n)
-                except OSError as e:
-                    if e.errno not in _KERNEL_FALLBACK:
-                        raise
-                    self.mode = "buffered"
-                    return False
-            else:
-                return False
-            if k == 0:
-                raise ReshardError(f"source ended early: {n} bytes missing at offset {so}")
-            n -= k
-            so += k
-            do += k
-        return True
-
-    def _pread(self, fd: int, n: int, off: int) -> memoryview:
-        v = self.view[:n]
-        got = 0
-        while got < n:
-            k = os.preadv(fd, [v[got:]], off + got)
-            if k == 0:
-                raise ReshardError(f"source ended early: {n - got} bytes missing at offset {off + got}")
-            got += k
-        return v
-
-    @staticmethod
-    def _pwrite(fd: int, data: memoryview, off: int) -> None:
-        while data:
-            k = os.pwrite(fd, data, off)
-            data = data[k:]
-            off += k
-
-    def contiguous(self, src: int, dst: int, so: int, do: int, n: int, sinks: Callable[[memoryview], None]) -> None:
-        """Copy ``n`` bytes and feed them, in order, to ``sinks``."""
-        end = so + n
-        if n > CHUNK:  # start reading ahead: a cold source is otherwise read chunk by chunk
-            os.posix_fadvise(src, so, min(n, READ_AHEAD), os.POSIX_FADV_WILLNEED)
-        while n:
-            k = min(n, CHUNK)
-            ahead = so + READ_AHEAD
-            if ahead < end:
-                os.posix_fadvise(src, ahead, min(CHUNK, end - ahead), os.POSIX_FADV_WILLNEED)
-            if self.mode != "buffered" and self._kernel(src, dst, k, so, do):
-                sinks(self._pread(dst, k, do))  # hot output pages, not a second source read
-            else:
-                data = self._pread(src, k, so)
-                self._pwrite(dst, data, do)
-                sinks(data)
-            n -= k
-            so += k
-            do += k
-
-    def strided(self, src: int, dst: int, run: Run, do: int, sinks: Callable[[memoryview], None]) -> None:
-        """Gather ``run.count`` rows of ``run.length`` bytes through bounded buffers."""
-        import numpy as np
-
-        if run.length >= ROW_COPY_MIN or run.stride > CHUNK:
-            for i in range(run.count):
-                self.contiguous(src, dst, run.offset + i * run.stride, do + i * run.length, run.length, sinks)
-            return
-        if self.gbuf is None:
-            self.gbuf = bytearray(CHUNK)
-        rows = max(1, CHUNK // run.stride)
-        gview = np.frombuffer(self.gbuf, dtype=np.uint8)
-        for first in range(0, run.count, rows):
-            k = min(rows, run.count - first)
-            # whole rows except the tail of the last one
-            span = (k - 1) * run.stride + run.length
-            data = self._pread(src, span, run.offset + first * run.stride)
-            arr = np.frombuffer(data, dtype=np.uint8)
-            full = np.lib.stride_tricks.as_strided(arr, shape=(k, run.length), strides=(run.stride, 1))
-            out = gview[: k * run.length].reshape(k, run.length)
-            np.copyto(out, full)
-            mv = memoryview(self.gbuf)[: k * run.length]
-            self._pwrite(dst, mv, do)
-            sinks(mv)
-            do += k * run.length
-
-
 class _DigestCache:
     """Digests of byte slices several ranks hold identically, computed once per run."""
 
@@ -470,15 +341,11 @@ class _DigestCache:
             self._done.setdefault(key, digest)
 
 
-def _tmp_name(final: Path) -> Path:
-    return final.with_name(f".{final.name}.tmp")
-
-
 def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
                 progress: Callable[[int], None] | None, fail_before: Callable[[str], None] | None = None,
                 ) -> dict[str, Any]:
     """Write one output file under its temporary name, fsync it; return its digests."""
-    fds = _FdCache(plan.ckpt)
+    fds = FdCache(plan.ckpt.path_of)
     try:
         return _write_file_with(plan, f, dest, mode, cache, progress, fds, fail_before)
     finally:
@@ -486,10 +353,10 @@ def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _Di
 
 
 def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
-                     progress: Callable[[int], None] | None, fds: _FdCache,
+                     progress: Callable[[int], None] | None, fds: FdCache,
                      fail_before: Callable[[str], None] | None) -> dict[str, Any]:
-    copier = _Copier(mode)
-    tmp = _tmp_name(dest)
+    copier = Copier(mode)
+    tmp = tmp_name(dest)
     fh = hashlib.sha256(f.prefix)
     digests: dict[str, str] = {}
     dst = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -574,48 +441,6 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
     return {"sha256": fh.hexdigest(), "size": f.size, "tensors": digests}
 
 
-class _FdCache:
-    """Read-only fds of the source shards, opened on first use by one output file's writer.
-    Not shared between workers: the kernel's readahead state belongs to the open file, and
-    workers reading different regions through one descriptor defeat it."""
-
-    def __init__(self, ckpt: Checkpoint) -> None:
-        self._ckpt = ckpt
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def get(self, file: str) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(file)
-                if fd is None:
-                    fd = self._fds[file] = os.open(self._ckpt.path_of(file), os.O_RDONLY)
-        return fd
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = _tmp_name(path)
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------------------------------------
 # Running
 
@@ -667,15 +492,6 @@ def _manifest_matches(rdir: Path, rp: RankPlan, source: dict[str, Any]) -> bool:
     return True
 
 
-def _copy_extra(plan: ReshardPlan, out: Path) -> None:
-    for rel in plan.extra_files:
-        dst = out / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_name(dst)
-        shutil.copyfile(plan.ckpt.root / rel, tmp)
-        os.replace(tmp, dst)
-
-
 def run_reshard(
     plan: ReshardPlan,
     out: str | os.PathLike[str],
@@ -710,8 +526,8 @@ def run_reshard(
                 or (old.get("source") or {}).get("index_sha256") != topo_json["source"]["index_sha256"]):
             raise ReshardError(f"{outp} holds a different topology or source ({TOPOLOGY_NAME}); "
                                f"use another directory or --force")
-    _atomic_write(tpath, (json.dumps(topo_json, indent=2) + "\n").encode())
-    _copy_extra(plan, outp)
+    atomic_write(tpath, (json.dumps(topo_json, indent=2) + "\n").encode())
+    copy_files(plan.ckpt.root, plan.extra_files, outp)
 
     todo: list[RankPlan] = []
     skipped: list[int] = []
@@ -753,7 +569,7 @@ def run_reshard(
         raise
     finally:
         pool.shutdown(wait=True)
-    _fsync_dir(outp)
+    fsync_dir(outp)
     return ReshardResult(outp, topo_json, [rp.rank for rp in todo], skipped, written,
                          time.perf_counter() - t0, list(plan.extra_files))
 
@@ -766,14 +582,14 @@ def _finish_rank(rdir: Path, rp: RankPlan, results: list[dict[str, Any]], source
         manifest["files"][f.name] = {"size": res["size"], "sha256": res["sha256"]}
         for name, digest in res["tensors"].items():
             manifest["tensors"][name]["sha256"] = digest
-        os.replace(_tmp_name(rdir / f.name), rdir / f.name)
-    _fsync_dir(rdir)
+        os.replace(tmp_name(rdir / f.name), rdir / f.name)
+    fsync_dir(rdir)
     # no indent: the C encoder (a K3 rank lists ~60k tensors; the pure-Python indenting one
     # costs seconds per rank)
-    _atomic_write(rdir / MANIFEST_NAME, (json.dumps(manifest) + "\n").encode())
-    _fsync_dir(rdir)
-    _atomic_write(rdir / READY_NAME, b"")
-    _fsync_dir(rdir)
+    atomic_write(rdir / MANIFEST_NAME, (json.dumps(manifest) + "\n").encode())
+    fsync_dir(rdir)
+    atomic_write(rdir / READY_NAME, b"")
+    fsync_dir(rdir)
 
 
 def reshard(
