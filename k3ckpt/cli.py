@@ -586,6 +586,51 @@ def reshard(source: str, out: str, ep: int, tp: int, world_size: int | None, pla
                f"{len(res.written)} ranks written ({human_bytes(res.bytes_written)}{rate}){skipped}")
 
 
+# -- unshard -----------------------------------------------------------------------------------
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("layout", metavar="OUT", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("-o", "--output", "dest", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="Directory for the reassembled checkpoint.")
+@click.option("--max-shard-size", type=ByteSize(), default="5GiB", show_default=True,
+              help="Tensor bytes per output shard (a larger tensor gets a shard of its own).")
+@click.option("--jobs", type=click.IntRange(1), default=None, help="Shards written in parallel [default: min(CPUs, 8)].")
+@click.option("--force", is_flag=True, help="Replace a checkpoint already in the output directory.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
+@handle_errors
+def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force: bool, as_json: bool) -> None:
+    """Reassemble a standard checkpoint from a complete per-rank layout (the inverse of reshard).
+
+    OUT is a directory written by `k3ckpt reshard`. Every rank must be complete (READY); the
+    manifests must agree with topology.json and the file headers, and every tensor's parts must
+    tile it - anything else is refused with a one-line error naming the rank, file or tensor.
+    Split tensors are concatenated along their dim; each slice read is hashed while copied and
+    must match its manifest sha256. The output is a local-dir checkpoint
+    (model-0000K-of-0000N.safetensors, model.safetensors.index.json written last, and the
+    layout's config, tokenizer and other non-weight files) whose tensors are byte-identical to
+    the source's.
+
+    \b
+    Examples:
+      k3ckpt unshard /nvme/k3-ep8-tp2 -o ./Kimi-K3-again
+      k3ckpt unshard /nvme/k3-ep8-tp2 -o ./Kimi-K3-again --max-shard-size 2GiB --json
+    """
+    from .summary import human_bytes
+    from .unshard import plan_unshard, run_unshard
+
+    plan = plan_unshard(layout)
+    with ByteProgress(not as_json, "unsharding") as bar:
+        res = run_unshard(plan, dest, max_shard_size=max_shard_size, jobs=jobs, force=force,
+                          progress=bar, on_plan=bar.plan)
+    if as_json:
+        _emit_json(res.to_json())
+        return
+    t = plan.topology
+    click.echo(f"ok: {res.out}: {res.tensors} tensors ({human_bytes(res.total_size)}) in {len(res.shards)} shards, "
+               f"from ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}")
+
+
 # -- mx ----------------------------------------------------------------------------------------
 
 
