@@ -45,6 +45,24 @@ Decisions the contract leaves open:
   (``.*.tmp``) and renamed after ``fsync``; the manifest is renamed into place after its files,
   ``READY`` after the manifest, each followed by an ``fsync`` of the directory;
 - ``OUT/topology.json`` of a different topology or source is refused (exit 2) unless ``--force``.
+
+``--format hf-node`` (for engines that read original checkpoints and filter experts themselves:
+vLLM ``--enable-ep-weight-filter``, SGLang) writes, per node of ``--gpus-per-node`` GPUs (all
+nodes, or ``--node N``), ``OUT/node-NNNNN/``: a valid local-dir checkpoint holding every
+non-expert tensor whole plus the routed experts of any rank of the node, whole, under their
+source names, in ``model-0000K-of-0000N.safetensors`` shards (source order) with a
+``model.safetensors.index.json`` listing exactly those tensors, and the source's non-weight
+files. Whole tensors and whole experts are contiguous runs, so everything is copied
+kernel-side. Stacked expert tensors (gpt-oss) are kept whole: they cannot be filtered by name
+and the engine slices them. ``k3ckpt-node.json`` (``format``, ``node``, ``gpus_per_node``,
+``ranks``, ``experts``, ``topology``, per-tensor and per-file sha256) is written after the index
+and ``READY`` last; the marker plays the rank manifest's part for resuming, and
+``k3ckpt verify`` checks the node's experts against it instead of the config's full count.
+``OUT/topology.json`` then has format ``k3ckpt-hf-node-layout`` (plus ``gpus_per_node``), so
+neither a rank-layout run into the same directory nor ``unshard`` mistakes it for a rank layout.
+
+The copying machinery (kernel-side copies, strided gathers, fd caches, atomic files) lives in
+:mod:`k3ckpt.bytecopy`, shared with ``unshard``.
 """
 
 from __future__ import annotations

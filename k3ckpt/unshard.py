@@ -53,6 +53,7 @@ from .bytecopy import Copier, FdCache, atomic_write, copy_files, fsync_dir, tmp_
 from .checkpoint import INDEX_NAME, iter_checkpoint_files
 from .errors import K3ckptError
 from .jsonfile import load_json
+from .reshard import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, hf_shard_name, rank_dir_name
 from .roles import classify
 from .safetensors_header import DTYPE_BITS, TensorSpec, build_header, read_header
 from .topology import Topology, TopologyError
@@ -60,19 +61,10 @@ from .topology import Topology, TopologyError
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 #: Shard names of the Hugging Face convention.
 SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_LAYOUT_FORMAT = "k3ckpt-rank-layout"
-_TOPOLOGY_NAME = "topology.json"
-_MANIFEST_NAME = "rank-manifest.json"
-_READY_NAME = "READY"
 
 
 class UnshardError(K3ckptError):
     """The rank layout is incomplete or inconsistent, or the output cannot be written."""
-
-
-def shard_name(index: int, total: int) -> str:
-    """``model-00001-of-00004.safetensors`` (``index`` counts from 0)."""
-    return f"model-{index + 1:05d}-of-{total:05d}.safetensors"
 
 
 def natural_key(name: str) -> tuple:
@@ -134,6 +126,7 @@ class UnshardPlan:
 
     root: Path
     topology: dict[str, Any]
+    topo: Topology
     tensors: dict[str, _Gathered]
     extra_files: list[str]
 
@@ -147,10 +140,10 @@ def _nbytes(g: _Gathered) -> int:
 
 
 def _load_topology(root: Path) -> tuple[dict[str, Any], Topology]:
-    tj, _ = load_json(root / _TOPOLOGY_NAME, UnshardError)
-    where = root / _TOPOLOGY_NAME
-    if not isinstance(tj, dict) or tj.get("format") != _LAYOUT_FORMAT:
-        raise UnshardError(f"{where}: not a k3ckpt rank layout (format is not {_LAYOUT_FORMAT!r})")
+    tj, _ = load_json(root / TOPOLOGY_NAME, UnshardError)
+    where = root / TOPOLOGY_NAME
+    if not isinstance(tj, dict) or tj.get("format") != FORMAT:
+        raise UnshardError(f"{where}: not a k3ckpt rank layout (format is not {FORMAT!r})")
     if tj.get("version") != 1:
         raise UnshardError(f"{where}: layout version {tj.get('version')!r} is not supported (1 is)")
     try:
@@ -167,13 +160,13 @@ def _load_topology(root: Path) -> tuple[dict[str, Any], Topology]:
 
 
 def _check_rank(root: Path, rank: int, topo: Topology, source_digest: str | None) -> dict[str, Any]:
-    rdir = root / f"rank-{rank:05d}"
+    rdir = root / rank_dir_name(rank)
     if not rdir.is_dir():
         raise UnshardError(f"{rdir}: missing (the layout has world size {topo.world_size})")
-    if not (rdir / _READY_NAME).is_file():
+    if not (rdir / READY_NAME).is_file():
         raise UnshardError(f"{rdir}: no READY - the rank was never finished; re-run k3ckpt reshard")
-    m, _ = load_json(rdir / _MANIFEST_NAME, UnshardError)
-    mpath = rdir / _MANIFEST_NAME
+    m, _ = load_json(rdir / MANIFEST_NAME, UnshardError)
+    mpath = rdir / MANIFEST_NAME
     if not isinstance(m, dict) or not isinstance(m.get("tensors"), dict) or not isinstance(m.get("files"), dict):
         raise UnshardError(f"{mpath}: not a rank manifest (no tensors/files)")
     info = topo.rank_info(rank)
@@ -190,12 +183,12 @@ def _check_rank(root: Path, rank: int, topo: Topology, source_digest: str | None
 def _fold_rank(root: Path, rank: int, m: dict[str, Any], topo: Topology, tensors: dict[str, _Gathered],
                experts_by_rank: list[list[int]]) -> None:
     """Check one rank's files against its manifest and record what it holds."""
-    rdir = f"rank-{rank:05d}"
+    rdir = rank_dir_name(rank)
     ep_rank = topo.rank_info(rank).ep_rank
     by_file: dict[str, list[str]] = {}
     for name, t in m["tensors"].items():
         if not isinstance(t, dict) or t.get("file") not in m["files"]:
-            raise UnshardError(f"{root / rdir / _MANIFEST_NAME}: tensor {name!r} names no listed file")
+            raise UnshardError(f"{root / rdir / MANIFEST_NAME}: tensor {name!r} names no listed file")
         by_file.setdefault(t["file"], []).append(name)
     bit = 1 << rank
     for fname, fmeta in m["files"].items():
@@ -204,7 +197,7 @@ def _fold_rank(root: Path, rank: int, m: dict[str, Any], topo: Topology, tensors
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            raise UnshardError(f"{path}: missing (listed in {rdir}/{_MANIFEST_NAME})") from None
+            raise UnshardError(f"{path}: missing (listed in {rdir}/{MANIFEST_NAME})") from None
         if size != fmeta.get("size"):
             raise UnshardError(f"{path}: {size} bytes, the manifest says {fmeta.get('size')}")
         hdr = read_header(path, rel)
@@ -329,14 +322,14 @@ def plan_unshard(layout: str | os.PathLike[str]) -> UnshardPlan:
         _fold_rank(root, r, m, topo, tensors, experts_by_rank)
         del m  # one manifest in memory at a time
     _check_coverage(tensors, topo)
-    return UnshardPlan(root, tj, tensors, _extra_files(root))
+    return UnshardPlan(root, tj, topo, tensors, _extra_files(root))
 
 
 def _extra_files(root: Path) -> list[str]:
     """The layout's copies of the source's non-weight files (config, tokenizer, LICENSE, ...)."""
     def keep(rel: str) -> bool:
         base = rel.rsplit("/", 1)[-1]
-        return not (rel == _TOPOLOGY_NAME or rel.startswith(("rank-", "node-")) or base.endswith(".safetensors")
+        return not (rel == TOPOLOGY_NAME or rel.startswith(("rank-", "node-")) or base.endswith(".safetensors")
                     or base == INDEX_NAME or (base.startswith(".") and base.endswith(".tmp")))
     return [f for f in iter_checkpoint_files(root) if keep(f)]
 
@@ -367,7 +360,7 @@ def _pack(plan: UnshardPlan, max_shard_size: int) -> list[_OutShard]:
             size = 0
         groups[-1].append(name)
         size += n
-    shards = [_OutShard(shard_name(i, len(groups)), g) for i, g in enumerate(groups)]
+    shards = [_OutShard(hf_shard_name(i, len(groups)), g) for i, g in enumerate(groups)]
     for s in shards:
         specs = [TensorSpec(n, plan.tensors[n].dtype, plan.tensors[n].source_shape) for n in s.tensors]
         s.prefix, s.offsets = build_header(specs, {"format": "pt"})
@@ -377,7 +370,8 @@ def _pack(plan: UnshardPlan, max_shard_size: int) -> list[_OutShard]:
 class _Verifier:
     """sha256 of one slice as it is read, checked against its manifest digest at the end."""
 
-    def __init__(self, name: str, s: _Slice) -> None:
+    def __init__(self, root: Path, name: str, s: _Slice) -> None:
+        self.root = root
         self.name = name
         self.slice = s
         self.h = hashlib.sha256()
@@ -390,11 +384,11 @@ class _Verifier:
     def check(self) -> None:
         s = self.slice
         if self.seen != s.nbytes or self.h.hexdigest() != s.sha256:
-            raise UnshardError(f"{s.file}: tensor {self.name!r}: sha256 {self.h.hexdigest()[:12]}... does not "
+            raise UnshardError(f"{self.root / s.file}: tensor {self.name!r}: sha256 {self.h.hexdigest()[:12]}... does not "
                                f"match the rank manifest ({s.sha256[:12]}...): the rank's data changed")
 
 
-def _copy_tensor(name: str, g: _Gathered, copier: Copier, fds: FdCache, dst: int, do: int,
+def _copy_tensor(root: Path, name: str, g: _Gathered, copier: Copier, fds: FdCache, dst: int, do: int,
                  progress: Callable[[int], None] | None, topo: Topology) -> None:
     """Reassemble one tensor at offset ``do`` of ``dst``, verifying every slice read."""
     def sink(v: _Verifier) -> Callable[[memoryview], None]:
@@ -409,7 +403,7 @@ def _copy_tensor(name: str, g: _Gathered, copier: Copier, fds: FdCache, dst: int
     verifiers: list[_Verifier] = []
 
     def verifier(key: Any) -> _Verifier:
-        v = _Verifier(name, g.slices[key])
+        v = _Verifier(root, name, g.slices[key])
         verifiers.append(v)
         return v
 
@@ -466,7 +460,7 @@ def _write_shard(plan: UnshardPlan, topo: Topology, shard: _OutShard, dest: Path
         if shard.size > base:
             os.ftruncate(dst, shard.size)
         for name, (begin, _) in zip(shard.tensors, shard.offsets):
-            _copy_tensor(name, plan.tensors[name], copier, fds, dst, base + begin, progress, topo)
+            _copy_tensor(plan.root, name, plan.tensors[name], copier, fds, dst, base + begin, progress, topo)
         os.fsync(dst)
     finally:
         os.close(dst)
@@ -531,8 +525,6 @@ def run_unshard(
         raise UnshardError(f"--max-shard-size {max_shard_size} must be positive")
     outp = Path(out)
     _prepare_out(outp, plan.root, force)
-    topo = Topology.make(ep=plan.topology["ep"], tp=plan.topology["tp"], world_size=plan.topology["world_size"],
-                         placement=plan.topology["expert_placement"], num_experts=plan.topology["num_experts"])
     shards = _pack(plan, max_shard_size)
     if on_plan is not None:
         on_plan(plan.total_size)
@@ -540,7 +532,7 @@ def run_unshard(
     workers = jobs or min(8, os.cpu_count() or 1)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="unshard")
     try:
-        futures = [pool.submit(_write_shard, plan, topo, s, outp / s.name, mode, progress)
+        futures = [pool.submit(_write_shard, plan, plan.topo, s, outp / s.name, mode, progress)
                    for s in sorted(shards, key=lambda s: -s.size)]
         for fu in futures:
             fu.result()
