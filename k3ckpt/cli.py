@@ -550,12 +550,15 @@ def plan(source: str, ep: int, tp: int, world_size: int | None, placement: str, 
 @click.option("--max-file-size", type=ByteSize(), default="5GiB", show_default=True,
               help="Split each rank's weights into parts of at most this size.")
 @click.option("--jobs", type=click.IntRange(1), default=None, help="Output files written in parallel [default: min(CPUs, 8)].")
+@click.option("--format", "layout", type=click.Choice(["rank", "hf-node"]), default="rank", show_default=True,
+              help="rank: the per-rank layout; hf-node: per node a local-dir checkpoint with every dense "
+                   "tensor whole and only the node's experts (needs --gpus-per-node).")
 @click.option("--force", is_flag=True, help="Rewrite completed ranks too, and overwrite another topology in OUT.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
 @handle_errors
 def reshard(source: str, out: str, ep: int, tp: int, world_size: int | None, placement: str, ranks_spec: str | None,
-            node: int | None, gpus_per_node: int | None, max_file_size: int, jobs: int | None, force: bool,
-            as_json: bool) -> None:
+            node: int | None, gpus_per_node: int | None, max_file_size: int, jobs: int | None, layout: str,
+            force: bool, as_json: bool) -> None:
     """Write a checkpoint as one directory of safetensors files per rank of a TP/EP topology.
 
     The layout is the rank-layout contract: OUT/topology.json, the source's non-weight files,
@@ -565,17 +568,24 @@ def reshard(source: str, out: str, ep: int, tp: int, world_size: int | None, pla
     contiguous byte runs are copied kernel-side. A rank whose READY exists and whose manifest
     matches is skipped on a re-run (--force redoes it); any other rank is rewritten from scratch.
 
+    --format hf-node is for engines that read original checkpoints and filter experts
+    themselves (vLLM --enable-ep-weight-filter, SGLang): OUT/node-NNNNN/ is a local-dir
+    checkpoint (model-0000K-of-0000N.safetensors, model.safetensors.index.json, config and
+    tokenizer) with every non-expert tensor whole plus the routed experts of the node's ranks,
+    and k3ckpt-node.json naming them (k3ckpt verify checks exactly those), then READY.
+
     \b
     Examples:
       k3ckpt reshard ./Kimi-K3 -o /nvme/k3-ep8-tp2 --ep 8 --tp 2
       k3ckpt reshard ./Kimi-K3 -o /nvme/k3-ep16 --ep 16 --tp 8 --world-size 16 --node 1 --gpus-per-node 8
       k3ckpt reshard ./Kimi-K3 -o ./k3-tp8 --tp 8 --ranks 0-3 --max-file-size 2GiB --json
+      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-nodes --format hf-node --ep 16 --tp 8 --world-size 16 --gpus-per-node 8 --node 1
     """
     from .reshard import plan_reshard, run_reshard
     from .summary import human_bytes
 
     plan = plan_reshard(source, ep=ep, tp=tp, world_size=world_size, placement=placement, ranks=ranks_spec,
-                        node=node, gpus_per_node=gpus_per_node, max_file_size=max_file_size)
+                        node=node, gpus_per_node=gpus_per_node, max_file_size=max_file_size, layout=layout)
     with ByteProgress(not as_json, "resharding") as bar:
         res = run_reshard(plan, out, jobs=jobs, force=force, progress=bar, on_plan=bar.plan)
     if as_json:
@@ -584,8 +594,54 @@ def reshard(source: str, out: str, ep: int, tp: int, world_size: int | None, pla
     rate = f" at {human_bytes(res.bytes_written / res.seconds)}/s" if res.seconds and res.bytes_written else ""
     skipped = f", {len(res.skipped)} already complete (skipped)" if res.skipped else ""
     t = res.topology
+    unit = "nodes" if layout == "hf-node" else "ranks"
     click.echo(f"ok: {res.out}: ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}: "
-               f"{len(res.written)} ranks written ({human_bytes(res.bytes_written)}{rate}){skipped}")
+               f"{len(res.written)} {unit} written ({human_bytes(res.bytes_written)}{rate}){skipped}")
+
+
+# -- unshard -----------------------------------------------------------------------------------
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("layout", metavar="OUT", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("-o", "--output", "dest", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="Directory for the reassembled checkpoint.")
+@click.option("--max-shard-size", type=ByteSize(), default="5GiB", show_default=True,
+              help="Tensor bytes per output shard (a larger tensor gets a shard of its own).")
+@click.option("--jobs", type=click.IntRange(1), default=None, help="Shards written in parallel [default: min(CPUs, 8)].")
+@click.option("--force", is_flag=True, help="Replace a checkpoint already in the output directory.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
+@handle_errors
+def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force: bool, as_json: bool) -> None:
+    """Reassemble a standard checkpoint from a complete per-rank layout (the inverse of reshard).
+
+    OUT is a directory written by `k3ckpt reshard`. Every rank must be complete (READY); the
+    manifests must agree with topology.json and the file headers, and every tensor's parts must
+    tile it - anything else is refused with a one-line error naming the rank, file or tensor.
+    Split tensors are concatenated along their dim; each slice read is hashed while copied and
+    must match its manifest sha256. The output is a local-dir checkpoint
+    (model-0000K-of-0000N.safetensors, model.safetensors.index.json written last, and the
+    layout's config, tokenizer and other non-weight files) whose tensors are byte-identical to
+    the source's.
+
+    \b
+    Examples:
+      k3ckpt unshard /nvme/k3-ep8-tp2 -o ./Kimi-K3-again
+      k3ckpt unshard /nvme/k3-ep8-tp2 -o ./Kimi-K3-again --max-shard-size 2GiB --json
+    """
+    from .summary import human_bytes
+    from .unshard import plan_unshard, run_unshard
+
+    plan = plan_unshard(layout)
+    with ByteProgress(not as_json, "unsharding") as bar:
+        res = run_unshard(plan, dest, max_shard_size=max_shard_size, jobs=jobs, force=force,
+                          progress=bar, on_plan=bar.plan)
+    if as_json:
+        _emit_json(res.to_json())
+        return
+    t = plan.topology
+    click.echo(f"ok: {res.out}: {res.tensors} tensors ({human_bytes(res.total_size)}) in {len(res.shards)} shards, "
+               f"from ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}")
 
 
 # -- mx ----------------------------------------------------------------------------------------

@@ -45,11 +45,28 @@ Decisions the contract leaves open:
   (``.*.tmp``) and renamed after ``fsync``; the manifest is renamed into place after its files,
   ``READY`` after the manifest, each followed by an ``fsync`` of the directory;
 - ``OUT/topology.json`` of a different topology or source is refused (exit 2) unless ``--force``.
+
+``--format hf-node`` (for engines that read original checkpoints and filter experts themselves:
+vLLM ``--enable-ep-weight-filter``, SGLang) writes, per node of ``--gpus-per-node`` GPUs (all
+nodes, or ``--node N``), ``OUT/node-NNNNN/``: a valid local-dir checkpoint holding every
+non-expert tensor whole plus the routed experts of any rank of the node, whole, under their
+source names, in ``model-0000K-of-0000N.safetensors`` shards (source order) with a
+``model.safetensors.index.json`` listing exactly those tensors, and the source's non-weight
+files. Whole tensors and whole experts are contiguous runs, so everything is copied
+kernel-side. Stacked expert tensors (gpt-oss) are kept whole: they cannot be filtered by name
+and the engine slices them. ``k3ckpt-node.json`` (``format``, ``node``, ``gpus_per_node``,
+``ranks``, ``experts``, ``topology``, per-tensor and per-file sha256) is written after the index
+and ``READY`` last; the marker plays the rank manifest's part for resuming, and
+``k3ckpt verify`` checks the node's experts against it instead of the config's full count.
+``OUT/topology.json`` then has format ``k3ckpt-hf-node-layout`` (plus ``gpus_per_node``), so
+neither a rank-layout run into the same directory nor ``unshard`` mistakes it for a rank layout.
+
+The copying machinery (kernel-side copies, strided gathers, fd caches, atomic files) lives in
+:mod:`k3ckpt.bytecopy`, shared with ``unshard``.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
@@ -63,16 +80,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .bytecopy import Copier, FdCache, Run, atomic_write, copy_files, fsync_dir, tmp_name
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .errors import K3ckptError
+from .jsonfile import load_json
 from .safetensors_header import DTYPE_BITS, TensorSpec, build_header
 from .topology import (
     ExpertSlice,
+    InventoryIndex,
     Split,
     Topology,
     TopologyError,
     check_heads,
     index_of,
+    num_nodes,
     parse_ranks,
     ranks_of_node,
     tensors_for_ranks,
@@ -82,16 +103,16 @@ FORMAT = "k3ckpt-rank-layout"
 VERSION = 1
 #: Alignment of each output file's data buffer.
 ALIGN = 4096
-#: Bytes per copy / hash step (and the size of each worker's buffers).
-CHUNK = 8 * 1024 * 1024
-#: How far ahead of the copy the source is asked to be read (page cache, not RSS).
-READ_AHEAD = 4 * CHUNK
-#: A strided row at least this long is copied as its own contiguous run instead of gathered.
-ROW_COPY_MIN = 1024 * 1024
 DEFAULT_MAX_FILE_SIZE = 5 * 1024**3
 MANIFEST_NAME = "rank-manifest.json"
 READY_NAME = "READY"
 TOPOLOGY_NAME = "topology.json"
+#: Marker of an ``--format hf-node`` directory: topology, node, its experts, digests.
+NODE_MARKER = "k3ckpt-node.json"
+NODE_FORMAT = "k3ckpt-node"
+#: ``topology.json``'s format of an ``--format hf-node`` output (not the rank-layout contract's).
+HF_NODE_FORMAT = "k3ckpt-hf-node-layout"
+LAYOUTS = ("rank", "hf-node")
 
 
 class ReshardError(K3ckptError):
@@ -106,22 +127,33 @@ def part_name(rank: int, part: int) -> str:
     return f"model-rank-{rank}-part-{part}.safetensors"
 
 
+def node_dir_name(node: int) -> str:
+    return f"node-{node:05d}"
+
+
+def hf_shard_name(k: int, n: int) -> str:
+    """``model-00001-of-00004.safetensors`` (``k`` counts from 0), as ``save_pretrained`` names them."""
+    return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
+def read_node_marker(root: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``k3ckpt-node.json`` of an ``--format hf-node`` directory, or None when there is none.
+
+    Raises:
+        ReshardError: the marker exists but is unreadable or lists no experts.
+    """
+    path = Path(root) / NODE_MARKER
+    if not path.exists():
+        return None
+    marker, _ = load_json(path, ReshardError)
+    experts = marker.get("experts") if isinstance(marker, dict) else None
+    if not isinstance(experts, list) or not all(isinstance(e, int) for e in experts):
+        raise ReshardError(f"{path}: no list of experts")
+    return marker
+
+
 # ---------------------------------------------------------------------------------------------
 # Planning: what goes where
-
-
-@dataclass(frozen=True)
-class Run:
-    """``count`` rows of ``length`` bytes, ``stride`` apart, from absolute offset ``offset``."""
-
-    offset: int
-    length: int
-    count: int = 1
-    stride: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.length * self.count
 
 
 @dataclass
@@ -205,19 +237,19 @@ def _tensor_plan(name: str, info: Any, data_start: int, placement: Any) -> OutTe
     return OutTensor(name, info.dtype, out_shape, shape, split_json, info.file, runs, nbytes, key)
 
 
-def _pack_files(rank: int, tensors: list[OutTensor], max_file_size: int, align: int) -> list[OutFile]:
-    """Greedy packing in source order; a tensor larger than ``max_file_size`` gets a file of its own."""
-    files: list[OutFile] = []
-    cur: list[OutTensor] = []
+def _pack_files(unit: int, tensors: list[OutTensor], max_file_size: int, align: int,
+                name_of: Callable[[int, int], str]) -> list[OutFile]:
+    """Greedy packing in source order; a tensor larger than ``max_file_size`` gets a file of its
+    own. ``name_of(k, n)`` names file ``k`` of ``n``."""
+    groups: list[list[OutTensor]] = [[]]
     size = 0
     for t in tensors:
-        if cur and size + t.nbytes > max_file_size:
-            files.append(OutFile(rank, part_name(rank, len(files)), cur))
-            cur, size = [], 0
-        cur.append(t)
+        if groups[-1] and size + t.nbytes > max_file_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
         size += t.nbytes
-    if cur or not files:
-        files.append(OutFile(rank, part_name(rank, len(files)), cur))
+    files = [OutFile(unit, name_of(k, len(groups)), g) for k, g in enumerate(groups)]
     for f in files:
         specs = [TensorSpec(t.name, t.dtype, t.shape) for t in f.tensors]
         f.prefix, f.offsets = build_header(specs, {"format": "pt"}, align=align)
@@ -250,6 +282,61 @@ class RankPlan:
                 "moe_tp_rank": self.moe_tp_rank, "tensors": tensors,
                 "files": {f.name: {"size": f.size} for f in self.files}}
 
+    # what run_reshard needs of a unit of output (a rank here, a node with --format hf-node)
+    @property
+    def unit(self) -> int:
+        return self.rank
+
+    @property
+    def dir_name(self) -> str:
+        return rank_dir_name(self.rank)
+
+    manifest_name = MANIFEST_NAME
+
+    def extra_json(self) -> dict[str, Any]:
+        """Files written after the weights and before the manifest (none for a rank)."""
+        return {}
+
+
+@dataclass
+class NodePlan:
+    """``--format hf-node``: one node's local-dir checkpoint - every non-expert tensor whole,
+    plus the routed experts of any rank of the node, whole, in HF-named shards with an index."""
+
+    node: int
+    gpus_per_node: int
+    ranks: list[int]
+    experts: list[int]
+    topology: dict[str, Any]
+    files: list[OutFile]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def unit(self) -> int:
+        return self.node
+
+    @property
+    def dir_name(self) -> str:
+        return node_dir_name(self.node)
+
+    manifest_name = NODE_MARKER
+
+    def layout(self) -> dict[str, Any]:
+        """The node marker without digests (what a re-run compares to decide to skip a node)."""
+        tensors = {t.name: {"file": f.name, "dtype": t.dtype, "shape": list(t.shape)}
+                   for f in self.files for t in f.tensors}
+        return {"format": NODE_FORMAT, "version": VERSION, "node": self.node, "gpus_per_node": self.gpus_per_node,
+                "ranks": self.ranks, "experts": self.experts, "topology": self.topology, "tensors": tensors,
+                "files": {f.name: {"size": f.size} for f in self.files}}
+
+    def extra_json(self) -> dict[str, Any]:
+        weight_map = {t.name: f.name for f in self.files for t in f.tensors}
+        total = sum(t.nbytes for f in self.files for t in f.tensors)
+        return {INDEX_NAME: {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}}
+
 
 @dataclass
 class ReshardPlan:
@@ -259,8 +346,18 @@ class ReshardPlan:
     source_json: dict[str, Any]
     gpus_per_node: int | None
     extra_files: list[str]
+    nodes: list[NodePlan] = field(default_factory=list)
+    layout: str = "rank"
+
+    @property
+    def units(self) -> list[RankPlan] | list[NodePlan]:
+        """The directories to write: ranks, or nodes with ``--format hf-node``."""
+        return self.nodes if self.layout == "hf-node" else self.ranks
 
     def topology_json(self) -> dict[str, Any]:
+        if self.layout == "hf-node":
+            return {"format": HF_NODE_FORMAT, "version": VERSION, **self.topo.to_json(),
+                    "gpus_per_node": self.gpus_per_node, "source": self.source_json}
         return {"format": FORMAT, "version": VERSION, **self.topo.to_json(), "source": self.source_json}
 
 
@@ -291,8 +388,14 @@ def plan_reshard(
     gpus_per_node: int | None = None,
     max_file_size: int = DEFAULT_MAX_FILE_SIZE,
     align: int = ALIGN,
+    layout: str = "rank",
 ) -> ReshardPlan:
     """Decide every output file of the selected ranks (no data is read).
+
+    Args:
+        layout: ``rank`` (the rank-layout contract) or ``hf-node``: per node (``node``, or every
+            node of ``gpus_per_node`` GPUs) a local-dir checkpoint holding every non-expert
+            tensor whole plus the routed experts of the node's ranks, whole.
 
     Raises:
         TopologyError / SplitError: impossible topology or rank selection, uneven split.
@@ -316,6 +419,18 @@ def plan_reshard(
         check_heads(cfg, topo.tp, [])
     if node is not None and ranks is not None:
         raise TopologyError("give --ranks or --node, not both")
+    skip = set(ckpt.shards) | {INDEX_NAME}
+    extra = [f for f in ckpt.iter_files() if f not in skip and not f.endswith(".safetensors")]
+    if layout not in LAYOUTS:
+        raise ReshardError(f"unknown --format {layout!r}; choose {' or '.join(LAYOUTS)}")
+    if layout == "hf-node":
+        if ranks is not None:
+            raise TopologyError("--format hf-node writes whole nodes: give --node N (or nothing: every node), not --ranks")
+        if gpus_per_node is None:
+            raise TopologyError("--format hf-node needs --gpus-per-node")
+        nodes = [node] if node is not None else list(range(num_nodes(gpus_per_node, topo.world_size)))
+        node_plans = [_node_plan(ckpt, idx, topo, n, gpus_per_node, max_file_size, align) for n in nodes]
+        return ReshardPlan(ckpt, topo, [], _source_json(ckpt), gpus_per_node, extra, node_plans, layout)
     if node is not None:
         if gpus_per_node is None:
             raise TopologyError("--node needs --gpus-per-node")
@@ -339,119 +454,23 @@ def plan_reshard(
         outs.sort(key=lambda t: (t.src_file, t.src_start, t.name))
         info = rt.rank
         plans.append(RankPlan(r, info.ep_rank, info.tp_rank, info.moe_tp_rank,
-                              _pack_files(r, outs, max_file_size, align)))
-    skip = set(ckpt.shards) | {INDEX_NAME}
-    extra = [f for f in ckpt.iter_files() if f not in skip and not f.endswith(".safetensors")]
+                              _pack_files(r, outs, max_file_size, align, lambda k, _n, r=r: part_name(r, k))))
     return ReshardPlan(ckpt, topo, plans, _source_json(ckpt), gpus_per_node, extra)
 
 
-# ---------------------------------------------------------------------------------------------
-# Copying
-
-
-_KERNEL_FALLBACK = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF, errno.EPERM)
-
-
-class _Copier:
-    """Moves byte runs from source fds to a destination fd, hashing what it writes."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode  # "kernel" (copy_file_range, sendfile fallback) or "buffered"
-        self.buf = bytearray(CHUNK)
-        self.view = memoryview(self.buf)
-        self.gbuf: bytearray | None = None  # gather buffer for strided runs
-
-    def _kernel(self, src: int, dst: int, n: int, so: int, do: int) -> bool:
-        """Copy ``n`` bytes kernel-side; False when the kernel cannot (fall back to buffered)."""
-        while n:
-            if self.mode == "kernel":
-                try:
-                    k = os.copy_file_range(src, dst, n, so, do)
-                except OSError as e:
-                    if e.errno not in _KERNEL_FALLBACK:
-                        raise
-                    self.mode = "sendfile"
-                    continue
-            elif self.mode == "sendfile":
-                try:
-                    os.lseek(dst, do, os.SEEK_SET)
-                    k = os.sendfile(dst, src, so, n)
-                except OSError as e:
-                    if e.errno not in _KERNEL_FALLBACK:
-                        raise
-                    self.mode = "buffered"
-                    return False
-            else:
-                return False
-            if k == 0:
-                raise ReshardError(f"source ended early: {n} bytes missing at offset {so}")
-            n -= k
-            so += k
-            do += k
-        return True
-
-    def _pread(self, fd: int, n: int, off: int) -> memoryview:
-        v = self.view[:n]
-        got = 0
-        while got < n:
-            k = os.preadv(fd, [v[got:]], off + got)
-            if k == 0:
-                raise ReshardError(f"source ended early: {n - got} bytes missing at offset {off + got}")
-            got += k
-        return v
-
-    @staticmethod
-    def _pwrite(fd: int, data: memoryview, off: int) -> None:
-        while data:
-            k = os.pwrite(fd, data, off)
-            data = data[k:]
-            off += k
-
-    def contiguous(self, src: int, dst: int, so: int, do: int, n: int, sinks: Callable[[memoryview], None]) -> None:
-        """Copy ``n`` bytes and feed them, in order, to ``sinks``."""
-        end = so + n
-        if n > CHUNK:  # start reading ahead: a cold source is otherwise read chunk by chunk
-            os.posix_fadvise(src, so, min(n, READ_AHEAD), os.POSIX_FADV_WILLNEED)
-        while n:
-            k = min(n, CHUNK)
-            ahead = so + READ_AHEAD
-            if ahead < end:
-                os.posix_fadvise(src, ahead, min(CHUNK, end - ahead), os.POSIX_FADV_WILLNEED)
-            if self.mode != "buffered" and self._kernel(src, dst, k, so, do):
-                sinks(self._pread(dst, k, do))  # hot output pages, not a second source read
-            else:
-                data = self._pread(src, k, so)
-                self._pwrite(dst, data, do)
-                sinks(data)
-            n -= k
-            so += k
-            do += k
-
-    def strided(self, src: int, dst: int, run: Run, do: int, sinks: Callable[[memoryview], None]) -> None:
-        """Gather ``run.count`` rows of ``run.length`` bytes through bounded buffers."""
-        import numpy as np
-
-        if run.length >= ROW_COPY_MIN or run.stride > CHUNK:
-            for i in range(run.count):
-                self.contiguous(src, dst, run.offset + i * run.stride, do + i * run.length, run.length, sinks)
-            return
-        if self.gbuf is None:
-            self.gbuf = bytearray(CHUNK)
-        rows = max(1, CHUNK // run.stride)
-        gview = np.frombuffer(self.gbuf, dtype=np.uint8)
-        for first in range(0, run.count, rows):
-            k = min(rows, run.count - first)
-            # whole rows except the tail of the last one
-            span = (k - 1) * run.stride + run.length
-            data = self._pread(src, span, run.offset + first * run.stride)
-            arr = np.frombuffer(data, dtype=np.uint8)
-            full = np.lib.stride_tricks.as_strided(arr, shape=(k, run.length), strides=(run.stride, 1))
-            out = gview[: k * run.length].reshape(k, run.length)
-            np.copyto(out, full)
-            mv = memoryview(self.gbuf)[: k * run.length]
-            self._pwrite(dst, mv, do)
-            sinks(mv)
-            do += k * run.length
+def _node_plan(ckpt: Checkpoint, idx: InventoryIndex, topo: Topology, node: int, gpus_per_node: int,
+               max_file_size: int, align: int) -> NodePlan:
+    """Every non-expert tensor whole (stacked expert tensors too: they cannot be cut by name)
+    and the per-expert tensors of the experts of the node's ranks, whole, in source order."""
+    ranks = ranks_of_node(node, gpus_per_node, topo.world_size)
+    experts = sorted({e for r in ranks for e in topo.rank_info(r).experts})
+    names = list(idx.dense_names)
+    for e in experts:
+        names += idx.expert_names.get(e, [])
+    outs = [_tensor_plan(n, ckpt.tensors[n], ckpt.shards[ckpt.tensors[n].file].data_start, None) for n in names]
+    outs.sort(key=lambda t: (t.src_file, t.src_start, t.name))
+    return NodePlan(node, gpus_per_node, ranks, experts, topo.to_json(),
+                    _pack_files(node, outs, max_file_size, align, hf_shard_name))
 
 
 class _DigestCache:
@@ -470,15 +489,11 @@ class _DigestCache:
             self._done.setdefault(key, digest)
 
 
-def _tmp_name(final: Path) -> Path:
-    return final.with_name(f".{final.name}.tmp")
-
-
 def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
                 progress: Callable[[int], None] | None, fail_before: Callable[[str], None] | None = None,
                 ) -> dict[str, Any]:
     """Write one output file under its temporary name, fsync it; return its digests."""
-    fds = _FdCache(plan.ckpt)
+    fds = FdCache(plan.ckpt.path_of)
     try:
         return _write_file_with(plan, f, dest, mode, cache, progress, fds, fail_before)
     finally:
@@ -486,10 +501,10 @@ def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _Di
 
 
 def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
-                     progress: Callable[[int], None] | None, fds: _FdCache,
+                     progress: Callable[[int], None] | None, fds: FdCache,
                      fail_before: Callable[[str], None] | None) -> dict[str, Any]:
-    copier = _Copier(mode)
-    tmp = _tmp_name(dest)
+    copier = Copier(mode)
+    tmp = tmp_name(dest)
     fh = hashlib.sha256(f.prefix)
     digests: dict[str, str] = {}
     dst = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -574,48 +589,6 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
     return {"sha256": fh.hexdigest(), "size": f.size, "tensors": digests}
 
 
-class _FdCache:
-    """Read-only fds of the source shards, opened on first use by one output file's writer.
-    Not shared between workers: the kernel's readahead state belongs to the open file, and
-    workers reading different regions through one descriptor defeat it."""
-
-    def __init__(self, ckpt: Checkpoint) -> None:
-        self._ckpt = ckpt
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def get(self, file: str) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(file)
-                if fd is None:
-                    fd = self._fds[file] = os.open(self._ckpt.path_of(file), os.O_RDONLY)
-        return fd
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = _tmp_name(path)
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------------------------------------
 # Running
 
@@ -629,26 +602,28 @@ class ReshardResult:
     bytes_written: int
     seconds: float
     files_copied: list[str]
+    layout: str = "rank"
 
     def to_json(self) -> dict[str, Any]:
-        return {"out": str(self.out), "topology": self.topology, "ranks_written": self.written,
-                "ranks_skipped": self.skipped, "bytes_written": self.bytes_written,
+        unit = "nodes" if self.layout == "hf-node" else "ranks"
+        return {"out": str(self.out), "format": self.layout, "topology": self.topology, f"{unit}_written": self.written,
+                f"{unit}_skipped": self.skipped, "bytes_written": self.bytes_written,
                 "seconds": round(self.seconds, 3), "files_copied": self.files_copied,
                 "bytes_per_second": int(self.bytes_written / self.seconds) if self.seconds else None}
 
 
-def _manifest_matches(rdir: Path, rp: RankPlan, source: dict[str, Any]) -> bool:
+def _manifest_matches(rdir: Path, rp: RankPlan | NodePlan, source: dict[str, Any]) -> bool:
     if not (rdir / READY_NAME).is_file():
         return False
     try:
-        m = json.loads((rdir / MANIFEST_NAME).read_text())
+        m = json.loads((rdir / rp.manifest_name).read_text())
     except (OSError, ValueError):
         return False
     want = rp.layout()
-    if m.get("source_index_sha256") != source["index_sha256"]:
+    if not isinstance(m, dict) or m.get("source_index_sha256") != source["index_sha256"]:
         return False
-    for k in ("rank", "ep_rank", "tp_rank", "moe_tp_rank"):
-        if m.get(k) != want[k]:
+    for k, v in want.items():  # rank coordinates, or node, ranks, experts and topology
+        if k not in ("tensors", "files") and m.get(k) != v:
             return False
     tensors = m.get("tensors")
     if not isinstance(tensors, dict) or tensors.keys() != want["tensors"].keys():
@@ -667,15 +642,6 @@ def _manifest_matches(rdir: Path, rp: RankPlan, source: dict[str, Any]) -> bool:
     return True
 
 
-def _copy_extra(plan: ReshardPlan, out: Path) -> None:
-    for rel in plan.extra_files:
-        dst = out / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_name(dst)
-        shutil.copyfile(plan.ckpt.root / rel, tmp)
-        os.replace(tmp, dst)
-
-
 def run_reshard(
     plan: ReshardPlan,
     out: str | os.PathLike[str],
@@ -687,8 +653,9 @@ def run_reshard(
     on_plan: Callable[[int], None] | None = None,
     _fail_before: Callable[[str], None] | None = None,
 ) -> ReshardResult:
-    """Write the ranks of ``plan`` under ``out``. ``mode``: ``kernel`` (copy_file_range for
-    contiguous runs, falling back as needed) or ``buffered`` (pread/pwrite only).
+    """Write the ranks (or nodes, with ``--format hf-node``) of ``plan`` under ``out``.
+    ``mode``: ``kernel`` (copy_file_range for contiguous runs, falling back as needed) or
+    ``buffered`` (pread/pwrite only).
 
     Raises:
         ReshardError: ``out`` holds another topology or source (without ``force``).
@@ -705,24 +672,28 @@ def run_reshard(
             old = json.loads(tpath.read_text())
         except (OSError, ValueError):
             old = None
-        keys = ("world_size", "ep", "tp", "moe_tp", "expert_placement", "num_experts", "experts_by_rank")
-        if (not isinstance(old, dict) or any(old.get(k) != topo_json[k] for k in keys)
+        keys = ("format", "world_size", "ep", "tp", "moe_tp", "expert_placement", "num_experts", "experts_by_rank",
+                "gpus_per_node")
+        if (not isinstance(old, dict) or any(old.get(k) != topo_json.get(k) for k in keys)
                 or (old.get("source") or {}).get("index_sha256") != topo_json["source"]["index_sha256"]):
             raise ReshardError(f"{outp} holds a different topology or source ({TOPOLOGY_NAME}); "
                                f"use another directory or --force")
-    _atomic_write(tpath, (json.dumps(topo_json, indent=2) + "\n").encode())
-    _copy_extra(plan, outp)
+    atomic_write(tpath, (json.dumps(topo_json, indent=2) + "\n").encode())
+    if plan.layout == "rank":
+        copy_files(plan.ckpt.root, plan.extra_files, outp)
 
-    todo: list[RankPlan] = []
+    todo: list[RankPlan | NodePlan] = []
     skipped: list[int] = []
-    for rp in plan.ranks:
-        rdir = outp / rank_dir_name(rp.rank)
+    for rp in plan.units:
+        rdir = outp / rp.dir_name
         if not force and _manifest_matches(rdir, rp, plan.source_json):
-            skipped.append(rp.rank)
+            skipped.append(rp.unit)
             continue
         if rdir.exists():
             shutil.rmtree(rdir)  # an incomplete or stale rank is rewritten from scratch
         rdir.mkdir(parents=True)
+        if plan.layout == "hf-node":  # each node directory is a checkpoint of its own
+            copy_files(plan.ckpt.root, plan.extra_files, rdir)
         todo.append(rp)
     total = sum(f.size for rp in todo for f in rp.files)
     if on_plan is not None:
@@ -735,45 +706,48 @@ def run_reshard(
     try:
         futures: dict[int, list[Future]] = {}
         # largest files first within the whole job keeps the pool busy to the end
-        order = sorted(((f.size, rp.rank, k) for rp in todo for k, f in enumerate(rp.files)), reverse=True)
-        by_rank = {rp.rank: rp for rp in todo}
+        order = sorted(((f.size, rp.unit, k) for rp in todo for k, f in enumerate(rp.files)), reverse=True)
+        by_unit = {rp.unit: rp for rp in todo}
         slots: dict[tuple[int, int], Future] = {}
         for _, r, k in order:
-            f = by_rank[r].files[k]
-            dest = outp / rank_dir_name(r) / f.name
+            f = by_unit[r].files[k]
+            dest = outp / by_unit[r].dir_name / f.name
             slots[(r, k)] = pool.submit(_write_file, plan, f, dest, mode, cache, progress, _fail_before)
         for rp in todo:
-            futures[rp.rank] = [slots[(rp.rank, k)] for k in range(len(rp.files))]
+            futures[rp.unit] = [slots[(rp.unit, k)] for k in range(len(rp.files))]
         for rp in todo:
-            results = [fu.result() for fu in futures[rp.rank]]
-            _finish_rank(outp / rank_dir_name(rp.rank), rp, results, plan.source_json)
+            results = [fu.result() for fu in futures[rp.unit]]
+            _finish_rank(outp / rp.dir_name, rp, results, plan.source_json)
             written += rp.nbytes
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     finally:
         pool.shutdown(wait=True)
-    _fsync_dir(outp)
-    return ReshardResult(outp, topo_json, [rp.rank for rp in todo], skipped, written,
-                         time.perf_counter() - t0, list(plan.extra_files))
+    fsync_dir(outp)
+    return ReshardResult(outp, topo_json, [rp.unit for rp in todo], skipped, written,
+                         time.perf_counter() - t0, list(plan.extra_files), plan.layout)
 
 
-def _finish_rank(rdir: Path, rp: RankPlan, results: list[dict[str, Any]], source: dict[str, Any]) -> None:
-    """Rename the rank's files into place, then its manifest, then READY - each durable first."""
+def _finish_rank(rdir: Path, rp: RankPlan | NodePlan, results: list[dict[str, Any]], source: dict[str, Any]) -> None:
+    """Rename the rank's (or node's) files into place, then its index (a node's), its manifest
+    (a node's marker), then READY - each durable first."""
     manifest = rp.layout()
     manifest["source_index_sha256"] = source["index_sha256"]
     for f, res in zip(rp.files, results):
         manifest["files"][f.name] = {"size": res["size"], "sha256": res["sha256"]}
         for name, digest in res["tensors"].items():
             manifest["tensors"][name]["sha256"] = digest
-        os.replace(_tmp_name(rdir / f.name), rdir / f.name)
-    _fsync_dir(rdir)
+        os.replace(tmp_name(rdir / f.name), rdir / f.name)
+    fsync_dir(rdir)
+    for name, data in rp.extra_json().items():
+        atomic_write(rdir / name, (json.dumps(data, indent=2) + "\n").encode())
     # no indent: the C encoder (a K3 rank lists ~60k tensors; the pure-Python indenting one
     # costs seconds per rank)
-    _atomic_write(rdir / MANIFEST_NAME, (json.dumps(manifest) + "\n").encode())
-    _fsync_dir(rdir)
-    _atomic_write(rdir / READY_NAME, b"")
-    _fsync_dir(rdir)
+    atomic_write(rdir / rp.manifest_name, (json.dumps(manifest) + "\n").encode())
+    fsync_dir(rdir)
+    atomic_write(rdir / READY_NAME, b"")
+    fsync_dir(rdir)
 
 
 def reshard(
@@ -792,10 +766,12 @@ def reshard(
     force: bool = False,
     align: int = ALIGN,
     mode: str = "kernel",
+    layout: str = "rank",
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
 ) -> ReshardResult:
     """Plan and write: :func:`plan_reshard` then :func:`run_reshard`."""
     plan = plan_reshard(source, ep=ep, tp=tp, world_size=world_size, placement=placement, ranks=ranks,
-                        node=node, gpus_per_node=gpus_per_node, max_file_size=max_file_size, align=align)
+                        node=node, gpus_per_node=gpus_per_node, max_file_size=max_file_size, align=align,
+                        layout=layout)
     return run_reshard(plan, out, jobs=jobs, force=force, mode=mode, progress=progress, on_plan=on_plan)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any
 
 from .checkpoint import Checkpoint, bulk_allocation
@@ -87,13 +88,18 @@ class InspectReport:
         return d
 
 
-def inspect_checkpoint(ckpt: Checkpoint) -> InspectReport:
-    """Summarize ``ckpt`` (opened with :func:`~k3ckpt.checkpoint.open_checkpoint`)."""
+def inspect_checkpoint(ckpt: Checkpoint, *, experts: Collection[int] | None = None) -> InspectReport:
+    """Summarize ``ckpt`` (opened with :func:`~k3ckpt.checkpoint.open_checkpoint`).
+
+    Args:
+        experts: the routed experts each MoE layer should hold (default: all the config's) -
+            a node's share, for a ``reshard --format hf-node`` directory.
+    """
     with bulk_allocation():
-        return _inspect(ckpt)
+        return _inspect(ckpt, experts)
 
 
-def _inspect(ckpt: Checkpoint) -> InspectReport:
+def _inspect(ckpt: Checkpoint, experts: Collection[int] | None = None) -> InspectReport:
     cfg = ckpt.config
     # Every statistic is computed per distinct signature x count, never per tensor.
     signatures = ckpt.stats.signatures
@@ -202,7 +208,7 @@ def _inspect(ckpt: Checkpoint) -> InspectReport:
         layers=layers,
     )
     report.findings = _findings(ckpt, report, experts_seen, parts_per_expert, names_by_layer_proj,
-                                stacked_expert_layers, routed_shapes)
+                                stacked_expert_layers, routed_shapes, experts)
     return report
 
 
@@ -223,6 +229,7 @@ def _findings(
     names_by_layer_proj: dict[int, set[str]],
     stacked_expert_layers: set[int],
     routed_shapes: dict[tuple[str, str], set[tuple[int, ...]]],
+    experts: Collection[int] | None = None,
 ) -> list[Finding]:
     """Where the config, the index and the tensors disagree."""
     out = [Finding("error", p.where, p.message) for p in ckpt.problems]
@@ -237,17 +244,22 @@ def _findings(
     for layer in sorted(experts_seen):
         if layer not in cfg.moe_layers:
             out.append(Finding("error", f"layer {layer}", "has routed-expert tensors but the config makes it dense"))
+    expected = set(range(cfg.num_experts)) if experts is None else set(experts)
+    whose = f"{cfg.num_experts}" if experts is None else f"this node's {len(expected)}"
     for layer in cfg.moe_layers:
         seen = experts_seen.get(layer, set())
         if layer in stacked_expert_layers:
             continue
-        missing = sorted(set(range(cfg.num_experts)) - seen)
+        missing = sorted(expected - seen)
         if missing:
             out.append(Finding("error", f"layer {layer}",
-                               f"{len(missing)} of {cfg.num_experts} routed experts missing: {_compact(missing)}"))
+                               f"{len(missing)} of {whose} routed experts missing: {_compact(missing)}"))
         extra = sorted(e for e in seen if e >= cfg.num_experts)
         if extra:
             out.append(Finding("error", f"layer {layer}", f"expert ids beyond num_experts {cfg.num_experts}: {_compact(extra)}"))
+        foreign = sorted(e for e in seen - expected if e < cfg.num_experts)
+        if foreign:
+            out.append(Finding("error", f"layer {layer}", f"experts not in this node's share: {_compact(foreign)}"))
     if parts_per_expert:
         usual = Counter(parts_per_expert.values()).most_common(1)[0][0]
         short = sorted(k for k, n in parts_per_expert.items() if n != usual)

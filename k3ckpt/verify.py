@@ -392,12 +392,20 @@ def _structure_key(stats: dict[str, os.stat_result], manifest: Manifest | None, 
 
 
 def _structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue]:
+    from .reshard import NODE_MARKER, ReshardError, read_node_marker
     from .summary import inspect_checkpoint
 
     out = [Issue(p.kind, p.where if p.kind != "index" else None, p.message,
                  tensor=p.where if p.kind == "index" else None) for p in ckpt.problems]
     out += _path_issues(ckpt)
-    for f in inspect_checkpoint(ckpt).findings:
+    # a `reshard --format hf-node` directory holds only its node's experts, which its marker lists
+    try:
+        marker = read_node_marker(ckpt.root)
+    except ReshardError as e:
+        marker = None
+        out.append(Issue("config", NODE_MARKER, str(e).split(": ", 1)[-1]))
+    experts = marker["experts"] if marker is not None else None
+    for f in inspect_checkpoint(ckpt, experts=experts).findings:
         if f.severity != "error" or any(f.message == p.message for p in ckpt.problems):
             continue
         mx = any(w in f.where or w in f.message for w in ("weight_packed", "weight_scale", "_blocks", "_scales"))

@@ -1,0 +1,245 @@
+"""Moving byte runs between files: kernel-side where possible, hashed while written.
+
+Shared by ``reshard`` (source shards -> rank files) and ``unshard`` (rank files -> a local-dir
+checkpoint). A *run* is ``count`` rows of ``length`` bytes ``stride`` apart in a source file;
+contiguous runs are copied with ``os.copy_file_range`` (falling back to ``os.sendfile``, then to
+a bounded ``pread``/``pwrite``) in chunks of :data:`CHUNK` bytes, and each chunk just written is
+read back from the page cache (hot *output* pages; the source is never read twice) for hashing.
+Strided runs are gathered, and split parts interleaved, through bounded buffers. Memory is a
+few :data:`CHUNK`-sized buffers per worker, whatever the size of the data.
+
+Output files are written under temporary names (:func:`tmp_name`), fsync'd and renamed; a
+directory is fsync'd after renames (:func:`fsync_dir`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import K3ckptError
+
+#: Bytes per copy / hash step (and the size of each worker's buffers).
+CHUNK = 8 * 1024 * 1024
+#: How far ahead of the copy the source is asked to be read (page cache, not RSS).
+READ_AHEAD = 4 * CHUNK
+#: A strided row at least this long is copied as its own contiguous run instead of gathered.
+ROW_COPY_MIN = 1024 * 1024
+
+
+class ShortReadError(K3ckptError):
+    """A file ended before the bytes its header promised."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """``count`` rows of ``length`` bytes, ``stride`` apart, from absolute offset ``offset``."""
+
+    offset: int
+    length: int
+    count: int = 1
+    stride: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * self.count
+
+
+_KERNEL_FALLBACK = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF, errno.EPERM)
+
+
+class Copier:
+    """Moves byte runs from source fds to a destination fd, hashing what it writes."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode  # "kernel" (copy_file_range, sendfile fallback) or "buffered"
+        self.buf = bytearray(CHUNK)
+        self.view = memoryview(self.buf)
+        self.gbuf: bytearray | None = None  # gather buffer for strided runs
+
+    def _kernel(self, src: int, dst: int, n: int, so: int, do: int) -> bool:
+        """Copy ``n`` bytes kernel-side; False when the kernel cannot (fall back to buffered)."""
+        while n:
+            if self.mode == "kernel":
+                try:
+                    k = os.copy_file_range(src, dst, n, so, do)
+                except OSError as e:
+                    if e.errno not in _KERNEL_FALLBACK:
+                        raise
+                    self.mode = "sendfile"
+                    continue
+            elif self.mode == "sendfile":
+                try:
+                    os.lseek(dst, do, os.SEEK_SET)
+                    k = os.sendfile(dst, src, so, n)
+                except OSError as e:
+                    if e.errno not in _KERNEL_FALLBACK:
+                        raise
+                    self.mode = "buffered"
+                    return False
+            else:
+                return False
+            if k == 0:
+                raise ShortReadError(f"source ended early: {n} bytes missing at offset {so}")
+            n -= k
+            so += k
+            do += k
+        return True
+
+    def _pread(self, fd: int, n: int, off: int) -> memoryview:
+        v = self.view[:n]
+        got = 0
+        while got < n:
+            k = os.preadv(fd, [v[got:]], off + got)
+            if k == 0:
+                raise ShortReadError(f"source ended early: {n - got} bytes missing at offset {off + got}")
+            got += k
+        return v
+
+    @staticmethod
+    def _pwrite(fd: int, data: memoryview, off: int) -> None:
+        while data:
+            k = os.pwrite(fd, data, off)
+            data = data[k:]
+            off += k
+
+    def contiguous(self, src: int, dst: int, so: int, do: int, n: int, sinks: Callable[[memoryview], None]) -> None:
+        """Copy ``n`` bytes and feed them, in order, to ``sinks``."""
+        end = so + n
+        if n > CHUNK:  # start reading ahead: a cold source is otherwise read chunk by chunk
+            os.posix_fadvise(src, so, min(n, READ_AHEAD), os.POSIX_FADV_WILLNEED)
+        while n:
+            k = min(n, CHUNK)
+            ahead = so + READ_AHEAD
+            if ahead < end:
+                os.posix_fadvise(src, ahead, min(CHUNK, end - ahead), os.POSIX_FADV_WILLNEED)
+            if self.mode != "buffered" and self._kernel(src, dst, k, so, do):
+                sinks(self._pread(dst, k, do))  # hot output pages, not a second source read
+            else:
+                data = self._pread(src, k, so)
+                self._pwrite(dst, data, do)
+                sinks(data)
+            n -= k
+            so += k
+            do += k
+
+    def strided(self, src: int, dst: int, run: Run, do: int, sinks: Callable[[memoryview], None]) -> None:
+        """Gather ``run.count`` rows of ``run.length`` bytes through bounded buffers."""
+        import numpy as np
+
+        if run.length >= ROW_COPY_MIN or run.stride > CHUNK:
+            for i in range(run.count):
+                self.contiguous(src, dst, run.offset + i * run.stride, do + i * run.length, run.length, sinks)
+            return
+        if self.gbuf is None:
+            self.gbuf = bytearray(CHUNK)
+        rows = max(1, CHUNK // run.stride)
+        gview = np.frombuffer(self.gbuf, dtype=np.uint8)
+        for first in range(0, run.count, rows):
+            k = min(rows, run.count - first)
+            # whole rows except the tail of the last one
+            span = (k - 1) * run.stride + run.length
+            data = self._pread(src, span, run.offset + first * run.stride)
+            arr = np.frombuffer(data, dtype=np.uint8)
+            full = np.lib.stride_tricks.as_strided(arr, shape=(k, run.length), strides=(run.stride, 1))
+            out = gview[: k * run.length].reshape(k, run.length)
+            np.copyto(out, full)
+            mv = memoryview(self.gbuf)[: k * run.length]
+            self._pwrite(dst, mv, do)
+            sinks(mv)
+            do += k * run.length
+
+    def interleave(self, srcs: list[tuple[int, int]], dst: int, do: int, rows: int, length: int,
+                   sinks: list[Callable[[memoryview], None]]) -> None:
+        """The inverse of a split of a later dim: write ``rows`` rows of ``len(srcs) * length``
+        bytes at ``do``, row ``j`` being row ``j`` of each source in turn.
+
+        ``srcs[p] = (fd, offset)``: part ``p``, ``rows`` rows of ``length`` bytes back to back.
+        ``sinks[p]`` receives part ``p``'s bytes in its own order (so its digest can be checked
+        while copying). Rows are interleaved through one bounded buffer; rows long enough to be
+        worth a syscall each are copied as contiguous runs (kernel-side where possible).
+        """
+        import numpy as np
+
+        k = len(srcs)
+        width = k * length
+        if length >= ROW_COPY_MIN or width > CHUNK:
+            for j in range(rows):
+                for p, (fd, off) in enumerate(srcs):
+                    self.contiguous(fd, dst, off + j * length, do + j * width + p * length, length, sinks[p])
+            return
+        if self.gbuf is None:
+            self.gbuf = bytearray(CHUNK)
+        band = max(1, CHUNK // width)
+        gview = np.frombuffer(self.gbuf, dtype=np.uint8)
+        for first in range(0, rows, band):
+            n = min(band, rows - first)
+            out = gview[: n * width].reshape(n, k, length)
+            for p, (fd, off) in enumerate(srcs):
+                data = self._pread(fd, n * length, off + first * length)
+                sinks[p](data)
+                out[:, p, :] = np.frombuffer(data, dtype=np.uint8).reshape(n, length)
+            self._pwrite(dst, memoryview(self.gbuf)[: n * width], do + first * width)
+
+
+def tmp_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp")
+
+
+class FdCache:
+    """Read-only fds of source files (named by ``path_of``), opened on first use by one output
+    file's writer.
+    Not shared between workers: the kernel's readahead state belongs to the open file, and
+    workers reading different regions through one descriptor defeat it."""
+
+    def __init__(self, path_of: Callable[[str], Path]) -> None:
+        self._path_of = path_of
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def get(self, file: str) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(file)
+                if fd is None:
+                    fd = self._fds[file] = os.open(self._path_of(file), os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = tmp_name(path)
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+
+def copy_files(src: Path, rels: list[str], out: Path) -> None:
+    """Copy the files ``rels`` (relative paths) from ``src`` to ``out``, each under a temporary
+    name first so that no half-copied file ever has its final name."""
+    for rel in rels:
+        dst = out / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / rel, tmp_name(dst))
+        os.replace(tmp_name(dst), dst)
