@@ -53,6 +53,19 @@ class Run:
 _KERNEL_FALLBACK = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF, errno.EPERM)
 
 
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing ``[offset, offset+length)`` of an output file to disk now, and let its
+    pages leave the cache once written. Copied output is not read again; without this the
+    kernel lets gigabytes of dirty pages pile up and the final ``fsync`` waits for all of them
+    while the disk was idle before (Linux's ``POSIX_FADV_DONTNEED`` starts asynchronous
+    writeback of dirty pages, then drops the clean ones)."""
+    if _FADV_DONTNEED is not None:
+        os.posix_fadvise(fd, offset, length, _FADV_DONTNEED)
+
+
+_FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
+
+
 class Copier:
     """Moves byte runs from source fds to a destination fd, hashing what it writes."""
 
@@ -124,6 +137,7 @@ class Copier:
                 data = self._pread(src, k, so)
                 self._pwrite(dst, data, do)
                 sinks(data)
+            start_writeback(dst, do, k)
             n -= k
             so += k
             do += k
@@ -152,6 +166,7 @@ class Copier:
             mv = memoryview(self.gbuf)[: k * run.length]
             self._pwrite(dst, mv, do)
             sinks(mv)
+            start_writeback(dst, do, k * run.length)
             do += k * run.length
 
     def interleave(self, srcs: list[tuple[int, int]], dst: int, do: int, rows: int, length: int,
@@ -185,6 +200,7 @@ class Copier:
                 sinks[p](data)
                 out[:, p, :] = np.frombuffer(data, dtype=np.uint8).reshape(n, length)
             self._pwrite(dst, memoryview(self.gbuf)[: n * width], do + first * width)
+            start_writeback(dst, do + first * width, n * width)
 
 
 def tmp_name(final: Path) -> Path:
