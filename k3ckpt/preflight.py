@@ -294,6 +294,8 @@ def check_environment(env: RankEnv, world_size: int | None, ranks: list[int], *,
     if env.world_size is not None and world_size is not None and env.world_size != world_size:
         bad.append(f"{src['world_size']}={env.world_size} but the topology has world size {world_size}")
     if env.rank is not None:
+        if world_size is not None and env.rank >= world_size and env.world_size is None:
+            bad.append(f"{src['rank']}={env.rank} is outside world size {world_size}")
         if rank is not None and env.rank != rank:
             bad.append(f"{src['rank']}={env.rank} but --rank {rank}")
         elif rank is None and env.rank not in ranks and (node is not None or env.node is not None):
@@ -308,6 +310,9 @@ def check_environment(env: RankEnv, world_size: int | None, ranks: list[int], *,
             who = f"{src['rank']}={me}" if env.rank is not None else f"--rank {me}"
             bad.append(f"{src['local_rank']}={env.local_rank} but {who} is local rank {me % per_node} "
                        f"of {per_node} per node")
+        if env.node is not None and world_size is not None and env.node * per_node >= world_size:
+            bad.append(f"{src['node']}={env.node} but world size {world_size} with {per_node} per node has "
+                       f"node{'s 0..' + str((world_size - 1) // per_node) if world_size > per_node else ' 0'}")
         if env.rank is not None and env.node is not None and env.rank // per_node != env.node:
             bad.append(f"{src['node']}={env.node} but {src['rank']}={env.rank} is on node {env.rank // per_node} "
                        f"({per_node} per node)")
@@ -380,6 +385,8 @@ class _RankLayout:
         except PreflightError as e:
             self.checks.append(Check("topology", FAIL, str(e), fix=self._fix(None, [], force=True)))
             return
+        if isinstance(tj, dict):
+            self.tj = tj  # even an invalid one may name the source the fix needs
         if not isinstance(tj, dict) or tj.get("format") != FORMAT:
             self.checks.append(Check("topology", FAIL, f"{path}: not a {FORMAT} topology.json",
                                      fix=self._fix(None, [], force=True)))
@@ -1052,6 +1059,8 @@ def measure_read_speed(files: list[Path], seconds: float, *, readers: int = 4) -
                     if not direct:
                         fellback.append(f.name)
         except OSError as e:
+            if not e.filename:
+                e.filename = str(f)
             with lock:
                 errors.append(e)
         finally:
@@ -1069,7 +1078,8 @@ def measure_read_speed(files: list[Path], seconds: float, *, readers: int = 4) -
         raise errors[0]
     note = ""
     if fellback:
-        note = (f"O_DIRECT not supported for {len(fellback)} file(s) (e.g. tmpfs): read buffered after "
+        note = (f"O_DIRECT refused for {len(fellback)} file(s) (tmpfs before Linux 6.6, some FUSE and network "
+                f"filesystems): read buffered after "
                 f"POSIX_FADV_DONTNEED; a RAM-backed filesystem keeps its pages, so this is memory speed")
     return ReadSpeed(total[0], elapsed, n_threads, not fellback, len(files), note)
 
