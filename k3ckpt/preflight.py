@@ -335,8 +335,7 @@ class _RankState:
     content_bad: bool = False  # a file's bytes (not its size) differ: reshard needs --force
     files: dict[str, int] = field(default_factory=dict)  # rank-dir/file -> expected size
     digests: dict[str, str] = field(default_factory=dict)  # rank-dir/file -> expected sha256
-    names: list[str] = field(default_factory=list)
-    dtypes: list[str] = field(default_factory=list)
+    quant: tuple[int, int] | None = None  # (MXFP4 weights, FP8 tensors) of its manifest
 
     @property
     def weight_bytes(self) -> int:
@@ -463,8 +462,8 @@ class _RankLayout:
             st.problems.append(f"{MANIFEST_NAME} comes from another source (index sha256 "
                                f"{str(m.get('source_index_sha256'))[:12]}..., topology.json has {src_digest[:12]}...)")
         self._files(st, rdir, m["files"])
-        st.names = list(m["tensors"])
-        st.dtypes = [t.get("dtype", "") if isinstance(t, dict) else "" for t in m["tensors"].values()]
+        st.quant = quant_counts(list(m["tensors"]),
+                                [t.get("dtype", "") if isinstance(t, dict) else "" for t in m["tensors"].values()])
         self._experts(st, m["tensors"], info.experts)
         return st
 
@@ -549,7 +548,7 @@ class _RankLayout:
             disk_check(self.root, self.ask.min_free_disk, to_write, self.ask.environ),
             memory_check(largest_file, len(states), self.ask.environ),
             *gpu_checks(need, self._device_slots(states), self.ask.kv_budget, self.ask.environ,
-                        mxfp4=any(_is_mxfp4_name(n, d) for s in states for n, d in zip(s.names, s.dtypes))),
+                        mxfp4=any(s.quant and s.quant[0] for s in states)),
         ]
 
     def _device_slots(self, states: list[_RankState]) -> dict[int, int]:
@@ -568,9 +567,8 @@ class _RankLayout:
 
     def _provenance(self, states: list[_RankState]) -> list[Check]:
         cfg = _config_or_none(self.root)
-        names = [n for s in states for n in s.names]
-        dtypes = [d for s in states for d in s.dtypes]
-        out = [quant_check(cfg, names, dtypes)] if names else []
+        counted = [s.quant for s in states if s.quant is not None]
+        out = [quant_check(cfg, sum(q[0] for q in counted), sum(q[1] for q in counted))] if counted else []
         src = self.tj.get("source") if isinstance(self.tj.get("source"), dict) else {}
         out += _provenance_files(self.root, src, None)
         return out
@@ -583,9 +581,29 @@ def _size_of(path: Path) -> int | None:
         return None
 
 
-def _is_mxfp4_name(name: str, dtype: str) -> bool:
-    """An MXFP4 weight's packed data or scales, by name and dtype (K3 pairs, gpt-oss stacks)."""
-    return is_mxfp4(dtype, name.rsplit(".", 1)[-1]) or (dtype == "U8" and name.endswith(("_blocks", "_scales")))
+_FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+
+
+def _is_mxfp4_data(part: str, dtype: str) -> bool:
+    """The packed E2M1 data of an MXFP4 weight (K3 ``weight_packed``, gpt-oss ``_blocks``);
+    counted as summary's ``quant_tensors`` counts them, one per weight."""
+    return part in ("weight_packed", "blocks") and is_mxfp4(dtype, "weight_packed")
+
+
+def quant_counts(names: list[str], dtypes: list[str]) -> tuple[int, int]:
+    """``(MXFP4 weights, FP8 tensors)`` among a rank manifest's tensors."""
+    mx = sum(1 for n, d in zip(names, dtypes)
+             if _is_mxfp4_data("blocks" if n.endswith("_blocks") else n.rsplit(".", 1)[-1], d))
+    return mx, sum(1 for d in dtypes if d in _FP8_DTYPES)
+
+
+def _checkpoint_quant_counts(ckpt: Checkpoint) -> tuple[int, int]:
+    """:func:`quant_counts` from the per-signature statistics (no per-tensor loop)."""
+    mx = fp8 = 0
+    for (_layer, _kind, part, _proj, dtype, _shape, _nbytes), n in ckpt.stats.signatures.items():
+        mx += n if _is_mxfp4_data(part, dtype) else 0
+        fp8 += n if dtype in _FP8_DTYPES else 0
+    return mx, fp8
 
 
 def _describe(topo: Topology) -> str:
@@ -643,12 +661,12 @@ class _PlainCheckpoint:
         self.checks.append(self._coverage(ckpt, topo, ranks))
         need = self._rank_bytes(ckpt, topo, ranks)
         largest_file = max((h.file_size for h in ckpt.shards.values()), default=0)
-        mx = any(_is_mxfp4_name(n, t.dtype) for n, t in ckpt.tensors.items())
+        mx, fp8 = _checkpoint_quant_counts(ckpt)
         self.checks.append(disk_check(self.root, ask.min_free_disk, 0, ask.environ))
         self.checks.append(memory_check(largest_file, max(len(ranks), 1), ask.environ))
         slots = device_slots(ranks, ask.gpus_per_node or ask.env.local_world_size, ask.env)
-        self.checks += gpu_checks(need, slots, ask.kv_budget, ask.environ, mxfp4=mx)
-        self.checks.append(quant_check(ckpt.config, list(ckpt.tensors), [t.dtype for t in ckpt.tensors.values()]))
+        self.checks += gpu_checks(need, slots, ask.kv_budget, ask.environ, mxfp4=mx > 0)
+        self.checks.append(quant_check(ckpt.config, mx, fp8))
         self.checks += _provenance_files(self.root, {"repo": ckpt.source.repo, "revision": ckpt.source.revision},
                                          ckpt)
         # every shard holds some dense tensor of every rank, so the node reads all of them
@@ -1007,14 +1025,13 @@ def _config_or_none(root: Path) -> ModelConfig | None:
         return None
 
 
-def quant_check(cfg: ModelConfig | None, names: list[str], dtypes: list[str]) -> Check:
-    """The quantization format ``config.json`` declares against the tensors present."""
+def quant_check(cfg: ModelConfig | None, mx: int, fp8: int) -> Check:
+    """The quantization format ``config.json`` declares against the ``mx`` MXFP4 weights and
+    ``fp8`` FP8 tensors present."""
     if cfg is None:
         return Check("quantization", WARN, "no readable config.json: the quantization format was not checked")
     declared = cfg.quant_format
-    mx = sum(1 for n, d in zip(names, dtypes) if is_mxfp4(d, n.rsplit(".", 1)[-1]) or n.endswith("_blocks"))
-    fp8 = sum(1 for d in dtypes if d in ("F8_E4M3", "F8_E5M2"))
-    found = f"{mx:,} MXFP4 tensors" if mx else (f"{fp8:,} FP8 tensors" if fp8 else "no quantized tensors")
+    found = f"{mx:,} MXFP4 weights" if mx else (f"{fp8:,} FP8 tensors" if fp8 else "no quantized tensors")
     says = declared or "no quantization_config"
     ok = ((mx > 0) == bool(declared and "mxfp4" in declared)
           and (not (declared or "").startswith("fp8") or fp8 > 0))

@@ -372,7 +372,7 @@ def test_missing_license_and_quantization_mismatch(layout: Path) -> None:
     r = rows(rep)
     assert r["license"].status == "WARN" and "no LICENSE" in r["license"].reason
     assert r["quantization"].status == "FAIL"
-    assert "says no quantization_config but the tensors have" in r["quantization"].reason
+    assert "says no quantization_config but the tensors have" in r["quantization"].reason and "MXFP4 weights" in r["quantization"].reason
 
 
 # -- plain checkpoints and hf-node copies -------------------------------------------------------
