@@ -154,6 +154,8 @@ class PreflightReport:
     #: What this node loads: the weight files to read for ``--io-test`` and their bytes.
     load_files: list[Path] = field(default_factory=list, repr=False)
     node_bytes: int = 0
+    fix_all: str | None = None  # one command for every broken rank, when several are
+
 
     @property
     def ok(self) -> bool:
@@ -166,7 +168,7 @@ class PreflightReport:
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "layout": self.layout, "topology": self.topology, "ranks": self.ranks,
                 "selection": self.selection, "ok": self.ok, "counts": self.counts(),
-                "checks": [c.to_json() for c in self.checks],
+                "checks": [c.to_json() for c in self.checks], "fix_all": self.fix_all,
                 "read_speed": self.read_speed.to_json() if self.read_speed else None}
 
 
@@ -227,6 +229,7 @@ def preflight(
         report = _PlainCheckpoint(root, ask).run()
     if io_test:
         _io_check(report, io_test)
+    report.path = str(Path(path))  # as given; fix commands carry the absolute path
     return report
 
 
@@ -284,18 +287,42 @@ def select_ranks(
 
 def check_environment(env: RankEnv, world_size: int | None, ranks: list[int], *, rank: int | None,
                       node: int | None, gpus_per_node: int | None) -> Check:
-    """The launcher's variables against the topology and the options."""
+    """The launcher's variables against the topology, the options and each other."""
     if not env.found and not env.problems:
         return Check("environment", PASS, "no launcher variables set (RANK, WORLD_SIZE, SLURM_*, "
                                           "JOB_COMPLETION_INDEX...): nothing to compare")
-    src = env.sources
-    bad = list(env.problems)
     per_node = gpus_per_node or env.local_world_size
-    if env.world_size is not None and world_size is not None and env.world_size != world_size:
+    bad = [*env.problems, *_env_vs_topology(env, world_size, per_node),
+           *_env_vs_options(env, ranks, rank, node, gpus_per_node)]
+    if per_node:
+        bad += _env_vs_node_size(env, rank, per_node)
+    src = env.sources
+    seen = ", ".join(f"{src[k]}={getattr(env, k)}" for k in ("rank", "world_size", "local_rank",
+                                                              "local_world_size", "node") if k in src)
+    if bad:
+        return Check("environment", FAIL, "; ".join(bad), details={"variables": seen})
+    return Check("environment", PASS, f"{seen} agree with the topology", details={"variables": seen})
+
+
+def _env_vs_topology(env: RankEnv, world_size: int | None, per_node: int | None) -> list[str]:
+    src, bad = env.sources, []
+    if world_size is None:
+        return bad
+    if env.world_size is not None and env.world_size != world_size:
         bad.append(f"{src['world_size']}={env.world_size} but the topology has world size {world_size}")
+    if env.rank is not None and env.rank >= world_size and env.world_size is None:
+        bad.append(f"{src['rank']}={env.rank} is outside world size {world_size}")
+    if per_node and env.node is not None and env.node * per_node >= world_size:
+        last = (world_size - 1) // per_node
+        bad.append(f"{src['node']}={env.node} but world size {world_size} with {per_node} per node has "
+                   + (f"nodes 0..{last}" if last else "node 0"))
+    return bad
+
+
+def _env_vs_options(env: RankEnv, ranks: list[int], rank: int | None, node: int | None,
+                    gpus_per_node: int | None) -> list[str]:
+    src, bad = env.sources, []
     if env.rank is not None:
-        if world_size is not None and env.rank >= world_size and env.world_size is None:
-            bad.append(f"{src['rank']}={env.rank} is outside world size {world_size}")
         if rank is not None and env.rank != rank:
             bad.append(f"{src['rank']}={env.rank} but --rank {rank}")
         elif rank is None and env.rank not in ranks and (node is not None or env.node is not None):
@@ -304,23 +331,22 @@ def check_environment(env: RankEnv, world_size: int | None, ranks: list[int], *,
         bad.append(f"{src['node']}={env.node} but --node {node}")
     if gpus_per_node and env.local_world_size is not None and env.local_world_size != gpus_per_node:
         bad.append(f"{src['local_world_size']}={env.local_world_size} but --gpus-per-node {gpus_per_node}")
-    if per_node:
-        me = env.rank if env.rank is not None else rank
-        if me is not None and env.local_rank is not None and me % per_node != env.local_rank:
-            who = f"{src['rank']}={me}" if env.rank is not None else f"--rank {me}"
-            bad.append(f"{src['local_rank']}={env.local_rank} but {who} is local rank {me % per_node} "
-                       f"of {per_node} per node")
-        if env.node is not None and world_size is not None and env.node * per_node >= world_size:
-            bad.append(f"{src['node']}={env.node} but world size {world_size} with {per_node} per node has "
-                       f"node{'s 0..' + str((world_size - 1) // per_node) if world_size > per_node else ' 0'}")
-        if env.rank is not None and env.node is not None and env.rank // per_node != env.node:
-            bad.append(f"{src['node']}={env.node} but {src['rank']}={env.rank} is on node {env.rank // per_node} "
-                       f"({per_node} per node)")
-    seen = ", ".join(f"{src[k]}={getattr(env, k)}" for k in ("rank", "world_size", "local_rank",
-                                                              "local_world_size", "node") if k in src)
-    if bad:
-        return Check("environment", FAIL, "; ".join(bad), details={"variables": seen})
-    return Check("environment", PASS, f"{seen} agree with the topology", details={"variables": seen})
+    return bad
+
+
+def _env_vs_node_size(env: RankEnv, rank: int | None, per_node: int) -> list[str]:
+    """Local rank and node index must be what the global rank implies with ``per_node`` ranks
+    per node (torchrun and srun number ranks node by node)."""
+    src, bad = env.sources, []
+    me = env.rank if env.rank is not None else rank
+    if me is not None and env.local_rank is not None and me % per_node != env.local_rank:
+        who = f"{src['rank']}={me}" if env.rank is not None else f"--rank {me}"
+        bad.append(f"{src['local_rank']}={env.local_rank} but {who} is local rank {me % per_node} "
+                   f"of {per_node} per node")
+    if env.rank is not None and env.node is not None and env.rank // per_node != env.node:
+        bad.append(f"{src['node']}={env.node} but {src['rank']}={env.rank} is on node {env.rank // per_node} "
+                   f"({per_node} per node)")
+    return bad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,9 +397,12 @@ class _RankLayout:
         self.checks += self._capacity(states)
         self.checks += self._provenance(states)
         summary = {k: v for k, v in self.tj.items() if k != "experts_by_rank"}  # ep lists: long, and in the file
+        broken = [s for s in states if s.problems]
+        fix_all = (self._fix(topo, [s.rank for s in broken], force=any(s.content_bad for s in broken))
+                   if len(broken) > 1 else None)
         return PreflightReport(str(self.root), "rank-layout", summary, ranks, how, self.checks,
                                load_files=[self.root / f for s in states if not s.problems for f in s.files],
-                               node_bytes=sum(s.weight_bytes for s in states))
+                               node_bytes=sum(s.weight_bytes for s in states), fix_all=fix_all)
 
     # -- topology.json ---------------------------------------------------------------------------
 
@@ -922,8 +951,8 @@ def gpu_checks(need: Mapping[int, int | None] | None, slots: Mapping[int, int], 
     topology says what a GPU loads."""
     tool, devices = query_gpus(environ)
     if isinstance(devices, str):
-        also = " (nor, so, MXFP4 support)" if mxfp4 else ""
-        return [Check("gpu", WARN, f"not checked{also}: {devices}")]
+        what = "GPU memory and MXFP4 support" if mxfp4 else "GPU memory"
+        return [Check("gpu", WARN, f"{what} not checked: {devices}")]
     out = []
     short, unknown = [], []
     for r, weights in sorted((need or {}).items()):
@@ -1188,6 +1217,8 @@ def render_preflight(rep: PreflightReport) -> str:
         if c.fix and c.status != PASS:
             lines.append(f"{'':<4}  {'':<{width}}  fix: {c.fix}")
     n = rep.counts()
+    if rep.fix_all:
+        lines += ["", f"fix all    {rep.fix_all}"]
     lines += ["", f"result     {n[FAIL]} FAIL, {n[WARN]} WARN, {n[PASS]} PASS: "
                   + ("ready to load" if rep.ok else "not ready")]
     return "\n".join(lines)

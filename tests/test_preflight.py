@@ -133,7 +133,7 @@ def test_missing_rank_directory(layout: Path, source: Path) -> None:
     r = rows(rep)["rank 3"]
     assert not rep.ok and r.status == "FAIL" and r.reason == "rank-00003/ missing"
     assert r.fix == f"k3ckpt reshard {source} -o {layout} --ep 4 --tp 2 --ranks 3"
-    assert statuses(rep)["rank 2"] == "PASS"
+    assert statuses(rep)["rank 2"] == "PASS" and rep.fix_all is None  # one broken rank: its own fix says it
     run_fix(r.fix)
     assert pf.preflight(layout, node=1, gpus_per_node=2, environ=NO_GPU).ok
 
@@ -498,6 +498,15 @@ def test_cli_text_json_and_exit_codes(layout: Path, tmp_path: Path) -> None:
     data = json.loads(res.output)
     assert res.exit_code == 1 and not data["ok"] and data["counts"]["FAIL"] == 1
     assert next(c for c in data["checks"] if c["name"] == "rank 1")["fix"].endswith("--ranks 1")
+    # several broken ranks: one command for all of them, forced when any content is wrong
+    shutil.rmtree(layout / "rank-00003")
+    part = layout / "rank-00002" / "model-rank-2-part-0.safetensors"
+    flip_byte(part, part.stat().st_size - 1)
+    res = run_cli("preflight", str(layout), "--full", "--json", env=env)
+    data = json.loads(res.output)
+    assert data["counts"]["FAIL"] == 3 and data["fix_all"].endswith("--ranks 1-3 --force")
+    run_fix(data["fix_all"])
+    assert run_cli("preflight", str(layout), "--full", env=env).exit_code == 0
 
 
 @pytest.mark.parametrize("args, needle", [
