@@ -644,6 +644,66 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
                f"from ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}")
 
 
+# -- preflight ---------------------------------------------------------------------------------
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("directory", type=click.Path(path_type=str))
+@click.option("--rank", type=click.IntRange(0), help="Check this global rank only.")
+@click.option("--node", type=click.IntRange(0), help="Check the ranks of this node (needs --gpus-per-node).")
+@click.option("--gpus-per-node", type=click.IntRange(1), help="Ranks per node.")
+@click.option("--ep", type=click.IntRange(1), help="Expert-parallel degree the launcher uses.")
+@click.option("--tp", type=click.IntRange(1), help="Tensor-parallel degree the launcher uses.")
+@click.option("--world-size", type=click.IntRange(1), help="World size the launcher uses [default: max(ep, tp)].")
+@click.option("--full", is_flag=True, help="Compare every rank file's sha256 (in parallel), not just sizes.")
+@click.option("--io-test", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="Measure read speed (O_DIRECT where possible) for up to this long.")
+@click.option("--kv-budget", type=ByteSize(), default="20GiB", show_default=True,
+              help="KV cache (and other runtime) memory to reserve per GPU.")
+@click.option("--min-free-disk", type=ByteSize(), default="1GiB", show_default=True,
+              help="Free space the disk holding DIRECTORY must keep.")
+@click.option("--no-env", is_flag=True, help="Ignore the launcher's variables (RANK, SLURM_*, ...).")
+@click.option("--jobs", type=click.IntRange(1), default=None, help="Files hashed in parallel with --full [default: CPU count].")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@handle_errors
+def preflight(directory: str, rank: int | None, node: int | None, gpus_per_node: int | None, ep: int | None,
+              tp: int | None, world_size: int | None, full: bool, io_test: float | None, kv_budget: int,
+              min_free_disk: int, no_env: bool, jobs: int | None, as_json: bool) -> None:
+    """Check, in seconds, that this node can load DIRECTORY before the engine boots.
+
+    DIRECTORY is a per-rank layout written by `k3ckpt reshard` or a plain checkpoint (a full
+    download, or an hf-node copy holding only this node's experts). Checks, each PASS / WARN /
+    FAIL with a reason and, for a FAIL, the command that fixes it:
+    topology.json against --ep/--tp/--world-size and the launcher's variables (RANK,
+    WORLD_SIZE, LOCAL_RANK, SLURM_*, torchrun's, JOB_COMPLETION_INDEX); each of this node's
+    ranks READY with every file of its manifest at its size (--full: its sha256) - or, for a
+    plain checkpoint, its structure and the experts this node's ranks need; free disk, host
+    RAM and GPU memory (nvidia-smi / rocm-smi) against weights x 1.15 + --kv-budget; MXFP4
+    support; LICENSE kind, quantization format and source revision; with --io-test, read
+    speed and the predicted load time. This node's ranks: --rank, --node, else the launcher's
+    variables, else all. Exits 0 when nothing FAILs, 1 when something does, 2 when it cannot
+    run. Test hooks: K3CKPT_PREFLIGHT_FREE_BYTES and K3CKPT_PREFLIGHT_MEM_BYTES replace the
+    measured free disk and available memory.
+
+    \b
+    Examples:
+      k3ckpt preflight /nvme/k3-ep8-tp2 --node 0 --gpus-per-node 8
+      k3ckpt preflight /nvme/k3-ep8-tp2 --rank 3 --ep 8 --tp 2 --full --json
+      k3ckpt preflight /nvme/Kimi-K3 --ep 8 --tp 8 --node 1 --gpus-per-node 8 --io-test 10
+    """
+    from .preflight import preflight as run_preflight, render_preflight
+
+    rep = run_preflight(directory, rank=rank, node=node, gpus_per_node=gpus_per_node, ep=ep, tp=tp,
+                        world_size=world_size, full=full, io_test=io_test, kv_budget=kv_budget,
+                        min_free_disk=min_free_disk, use_env=not no_env, jobs=jobs)
+    if as_json:
+        _emit_json(rep.to_json())
+    else:
+        click.echo(render_preflight(rep))
+    if not rep.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
 # -- mx ----------------------------------------------------------------------------------------
 
 

@@ -18,6 +18,9 @@ from .roles import Kind, classify, logical_params_of
 
 #: Kinds that belong to the vision side of a multimodal checkpoint, not the text model.
 VISION_KINDS = frozenset({Kind.VISION, Kind.PROJECTOR})
+#: Words of the finding for a MoE layer that lacks routed experts. ``preflight`` recognizes it:
+#: a per-node (``hf-node``) copy lacks other nodes' experts by design.
+MISSING_EXPERTS = "routed experts missing"
 
 
 @dataclass
@@ -253,7 +256,7 @@ def _findings(
         missing = sorted(expected - seen)
         if missing:
             out.append(Finding("error", f"layer {layer}",
-                               f"{len(missing)} of {whose} routed experts missing: {_compact(missing)}"))
+                               f"{len(missing)} of {whose} {MISSING_EXPERTS}: {_compact(missing)}"))
         extra = sorted(e for e in seen if e >= cfg.num_experts)
         if extra:
             out.append(Finding("error", f"layer {layer}", f"expert ids beyond num_experts {cfg.num_experts}: {_compact(extra)}"))

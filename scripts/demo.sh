@@ -2,7 +2,8 @@
 # The main job, end to end, on an embedded default: a synthetic K3-shaped checkpoint published
 # on a loopback hub (127.0.0.1 only), pinned, fetched, verified and inspected on a "node"; then
 # resharded per rank; then the full-size K3 inventory (headers only, sparse files) inspected,
-# planned and re-verified. Preflight joins when it lands.
+# planned and re-verified; finally preflight on the resharded output, as a node's init container
+# would run it before the engine boots.
 #
 # Usage: scripts/demo.sh [WORK_DIR]        (default: work/demo; re-runs reuse what is there)
 set -euo pipefail
@@ -71,6 +72,11 @@ k3ckpt inspect "$FULL"
 k3ckpt verify "$FULL" --quick >/dev/null || true   # first run: parses every header, fills the cache
 k3ckpt verify "$FULL" --quick                       # unchanged: seconds
 k3ckpt plan "$FULL" --ep 8 --tp 8 --gpus-per-node 8
+
+step "10. preflight the resharded output: node 0 of 8-GPU nodes, the launcher's topology, read speed"
+# the launcher's variables, as torchrun would set them for this node's first worker
+RANK=0 WORLD_SIZE=8 LOCAL_RANK=0 LOCAL_WORLD_SIZE=8 GROUP_RANK=0 \
+  k3ckpt preflight "$RANKS" --node 0 --gpus-per-node 8 --ep 8 --tp 2 --full --io-test 3
 
 step "done"
 cat <<EOT

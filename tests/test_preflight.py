@@ -1,0 +1,533 @@
+"""``k3ckpt preflight``: every FAIL path with the command that fixes it, the PASS path, capacity
+with fake ``nvidia-smi`` / ``rocm-smi`` executables (real subprocesses), and the CLI."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from k3ckpt import preflight as pf
+from k3ckpt.cli import main
+from k3ckpt.reshard import reshard
+from ckpt_edit import drop_tensors, flip_byte
+
+#: No GPU tool on this PATH (the machine has none; tests add fake ones in front).
+NO_GPU = {"PATH": "/usr/bin:/bin"}
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+NVIDIA_ARGS = "--query-gpu=name,memory.total,memory.used --format=csv,noheader,nounits"
+ROCM_ARGS = "--showproductname --showmeminfo vram --json"
+
+
+@pytest.fixture(scope="module")
+def source(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """k3-tiny as `hf download --local-dir` leaves it: its revision is recorded."""
+    src = tmp_path_factory.mktemp("src") / "Kimi-K3"
+    shutil.copytree(k3_tiny, src)
+    meta = src / ".cache" / "huggingface" / "download" / "config.json.metadata"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(f"{COMMIT}\netag\n1700000000.0\n")
+    return src
+
+
+@pytest.fixture(scope="module")
+def pristine(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ep 4 x tp 2 (world size 4) of k3-tiny: 16 experts, 4 per rank. Read-only."""
+    out = tmp_path_factory.mktemp("layout") / "k3-ep4-tp2"
+    reshard(source, out, ep=4, tp=2)
+    return out
+
+
+@pytest.fixture
+def layout(pristine: Path, tmp_path: Path) -> Path:
+    """A private copy of the layout that a test may break."""
+    dest = tmp_path / "layout"
+    shutil.copytree(pristine, dest)
+    return dest
+
+
+def fake_tool(bin_dir: Path, name: str, args: str, output: str, code: int = 0) -> dict[str, str]:
+    """An executable ``name`` that prints ``output`` when called with exactly ``args``; the
+    environment to find it."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    exe = bin_dir / name
+    exe.write_text(f"""#!/bin/sh
+if [ "$*" != "{args}" ]; then echo "unexpected arguments: $*" >&2; exit 64; fi
+cat <<'EOF'
+{output}
+EOF
+exit {code}
+""")
+    exe.chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+def b200s(tmp_path: Path, n: int = 2, name: str = "NVIDIA B200") -> dict[str, str]:
+    return fake_tool(tmp_path / "bin", "nvidia-smi", NVIDIA_ARGS, "\n".join(f"{name}, 183359, 0" for _ in range(n)))
+
+
+def rows(rep: pf.PreflightReport) -> dict[str, pf.Check]:
+    return {c.name: c for c in rep.checks}
+
+
+def statuses(rep: pf.PreflightReport) -> dict[str, str]:
+    return {c.name: c.status for c in rep.checks}
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
+
+
+def run_fix(fix: str) -> None:
+    """Run a fix command as a user would paste it."""
+    argv = shlex.split(fix)
+    assert argv[0] == "k3ckpt"
+    res = run_cli(*argv[1:])
+    assert res.exit_code == 0, res.output
+
+
+# -- the PASS path ----------------------------------------------------------------------------
+
+
+def test_pass_path_node_of_a_rank_layout(layout: Path, source: Path, tmp_path: Path) -> None:
+    env = b200s(tmp_path)
+    rep = pf.preflight(layout, node=1, gpus_per_node=2, ep=4, tp=2, environ=env)
+    assert rep.ok and rep.ranks == [2, 3] and rep.layout == "rank-layout"
+    assert statuses(rep) == {
+        "topology": "PASS", "environment": "PASS", "rank 2": "PASS", "rank 3": "PASS", "disk": "PASS",
+        "host memory": "PASS", "gpu": "PASS", "mxfp4": "PASS", "quantization": "PASS", "license": "PASS",
+        "source": "PASS",
+    }
+    r = rows(rep)
+    assert "ep 4 x tp 2, world size 4" in r["topology"].reason and "as requested" in r["topology"].reason
+    assert "natively" in r["mxfp4"].reason and "B200" in r["mxfp4"].reason
+    assert "Modified MIT" in r["license"].reason and "not plain MIT" in r["license"].reason
+    assert COMMIT in r["source"].reason
+    assert r["quantization"].details["mxfp4_tensors"] > 0
+    manifest = json.loads((layout / "rank-00002" / "rank-manifest.json").read_text())
+    assert r["rank 2"].details["bytes"] == sum(f["size"] for f in manifest["files"].values())
+    assert not any(c.fix for c in rep.checks)
+    text = pf.render_preflight(rep)
+    assert text.splitlines()[-1] == "result     0 FAIL, 0 WARN, 11 PASS: ready to load"
+
+
+def test_default_ranks_are_all_and_full_hashes_every_file(layout: Path) -> None:
+    rep = pf.preflight(layout, full=True, environ=NO_GPU)
+    assert rep.ranks == [0, 1, 2, 3] and rep.ok
+    assert "sha256 match" in rows(rep)["rank 0"].reason
+    assert statuses(rep)["gpu"] == "WARN" and "nvidia-smi nor rocm-smi" in rows(rep)["gpu"].reason
+
+
+# -- completeness FAILs, each with the command that fixes it -----------------------------------
+
+
+def test_missing_rank_directory(layout: Path, source: Path) -> None:
+    shutil.rmtree(layout / "rank-00003")
+    rep = pf.preflight(layout, node=1, gpus_per_node=2, environ=NO_GPU)
+    r = rows(rep)["rank 3"]
+    assert not rep.ok and r.status == "FAIL" and r.reason == "rank-00003/ missing"
+    assert r.fix == f"k3ckpt reshard {source} -o {layout} --ep 4 --tp 2 --ranks 3"
+    assert statuses(rep)["rank 2"] == "PASS" and rep.fix_all is None  # one broken rank: its own fix says it
+    run_fix(r.fix)
+    assert pf.preflight(layout, node=1, gpus_per_node=2, environ=NO_GPU).ok
+
+
+def test_missing_ready(layout: Path) -> None:
+    (layout / "rank-00000" / "READY").unlink()
+    rep = pf.preflight(layout, rank=0, environ=NO_GPU)
+    r = rows(rep)["rank 0"]
+    assert r.status == "FAIL" and "READY missing" in r.reason and r.fix.endswith("--ranks 0")
+    run_fix(r.fix)
+    assert pf.preflight(layout, rank=0, environ=NO_GPU).ok
+
+
+def test_truncated_file(layout: Path) -> None:
+    part = layout / "rank-00001" / "model-rank-1-part-0.safetensors"
+    size = part.stat().st_size
+    os.truncate(part, size - 100)
+    rep = pf.preflight(layout, environ=NO_GPU)
+    r = rows(rep)["rank 1"]
+    assert r.status == "FAIL"
+    assert r.reason == f"model-rank-1-part-0.safetensors: {size - 100:,} bytes, manifest says {size:,} (truncated)"
+    assert r.fix.endswith("--ranks 1") and "--force" not in r.fix
+    assert [c.name for c in rep.checks if c.status == "FAIL"] == ["rank 1"]
+    run_fix(r.fix)
+    assert pf.preflight(layout, environ=NO_GPU).ok
+
+
+def test_missing_file_and_stray_file(layout: Path) -> None:
+    (layout / "rank-00002" / "model-rank-2-part-0.safetensors").unlink()
+    shutil.copy(layout / "rank-00001" / "model-rank-1-part-0.safetensors", layout / "rank-00001" / "extra.safetensors")
+    r = rows(pf.preflight(layout, environ=NO_GPU))
+    assert r["rank 2"].status == "FAIL" and r["rank 2"].reason == "model-rank-2-part-0.safetensors missing"
+    assert r["rank 1"].status == "WARN" and "extra.safetensors" in r["rank 1"].reason
+
+
+def test_corrupted_file_needs_full_and_its_fix_forces(layout: Path) -> None:
+    part = layout / "rank-00002" / "model-rank-2-part-0.safetensors"
+    flip_byte(part, part.stat().st_size - 10)
+    assert pf.preflight(layout, environ=NO_GPU).ok  # sizes match: the default cannot see it
+    rep = pf.preflight(layout, full=True, jobs=2, environ=NO_GPU)
+    r = rows(rep)["rank 2"]
+    assert r.status == "FAIL" and "corrupted" in r.reason and "sha256" in r.reason
+    assert r.fix.endswith("--ranks 2 --force")  # a plain re-run would skip the rank: its sizes match
+    run_fix(r.fix)
+    assert pf.preflight(layout, full=True, environ=NO_GPU).ok
+
+
+def test_rank_manifest_of_another_rank_or_source(layout: Path) -> None:
+    man = layout / "rank-00001" / "rank-manifest.json"
+    shutil.copy(layout / "rank-00000" / "rank-manifest.json", man)
+    r = rows(pf.preflight(layout, rank=1, environ=NO_GPU))["rank 1"]
+    assert r.status == "FAIL" and "rank 0 (topology says 1)" in r.reason
+    m = json.loads((layout / "rank-00003" / "rank-manifest.json").read_text())
+    m["source_index_sha256"] = "f" * 64
+    (layout / "rank-00003" / "rank-manifest.json").write_text(json.dumps(m))
+    r = rows(pf.preflight(layout, rank=3, environ=NO_GPU))["rank 3"]
+    assert r.status == "FAIL" and "another source" in r.reason
+
+
+def test_rank_holding_other_experts(layout: Path) -> None:
+    """A manifest whose experts are not those topology.json places on its ep_rank."""
+    man = layout / "rank-00000" / "rank-manifest.json"
+    m = json.loads(man.read_text())
+    m["tensors"] = {n.replace(".experts.3.", ".experts.7."): t for n, t in m["tensors"].items()}
+    man.write_text(json.dumps(m))
+    r = rows(pf.preflight(layout, rank=0, environ=NO_GPU))["rank 0"]
+    assert r.status == "FAIL" and "lacks experts 3 and holds experts 7 of other ranks" in r.reason
+
+
+# -- topology ---------------------------------------------------------------------------------
+
+
+def test_topology_mismatch(layout: Path, source: Path) -> None:
+    rep = pf.preflight(layout, ep=8, tp=2, node=0, gpus_per_node=4, environ=NO_GPU)
+    r = rows(rep)["topology"]
+    assert r.status == "FAIL"
+    assert "requested --ep 8 (layout has 4), --world-size 8 (layout has 4)" in r.reason
+    # the fix reshards this node's ranks of the requested topology
+    assert r.fix == f"k3ckpt reshard {source} -o {layout} --ep 8 --tp 2 --ranks 0-3 --force"
+    r = rows(pf.preflight(layout, tp=1, environ=NO_GPU))["topology"]
+    assert r.status == "FAIL" and "--tp 1 (layout has 2)" in r.reason
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda tj: "{not json", "not valid JSON"),
+    (lambda tj: json.dumps({**tj, "format": "other"}), "not a k3ckpt-rank-layout"),
+    (lambda tj: json.dumps({**tj, "ep": 3}), "does not divide world size"),
+    (lambda tj: json.dumps({**tj, "experts_by_rank": tj["experts_by_rank"][::-1]}), "experts_by_rank is not"),
+])
+def test_broken_topology_json(layout: Path, source: Path, edit, needle: str) -> None:
+    p = layout / "topology.json"
+    p.write_text(edit(json.loads(p.read_text())))
+    rep = pf.preflight(layout, environ=NO_GPU)
+    r = rows(rep)["topology"]
+    assert r.status == "FAIL" and needle in r.reason and not rep.ok
+    assert r.fix.startswith("k3ckpt reshard ") and r.fix.endswith("--force")
+
+
+def test_missing_topology_json_with_rank_dirs(layout: Path) -> None:
+    (layout / "topology.json").unlink()
+    rep = pf.preflight(layout, environ=NO_GPU)
+    r = rows(rep)["topology"]
+    assert r.status == "FAIL" and "topology.json: not found" in r.reason
+    assert r.fix == f"k3ckpt reshard SRC -o {layout} --ep E --tp T --force"  # the source is not recorded anywhere
+
+
+def test_unrecorded_source_path_is_a_placeholder(layout: Path) -> None:
+    p = layout / "topology.json"
+    tj = json.loads(p.read_text())
+    del tj["source"]["path"], tj["source"]["revision"]
+    p.write_text(json.dumps(tj))
+    shutil.rmtree(layout / "rank-00001")
+    rep = pf.preflight(layout, environ=NO_GPU)
+    assert rows(rep)["rank 1"].fix == f"k3ckpt reshard SRC -o {layout} --ep 4 --tp 2 --ranks 1"
+    assert rows(rep)["source"].status == "WARN"
+
+
+# -- the launcher's environment -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env, kwargs, needle", [
+    ({"WORLD_SIZE": "8"}, {}, "WORLD_SIZE=8 but the topology has world size 4"),
+    ({"RANK": "3"}, {"rank": 2}, "RANK=3 but --rank 2"),
+    ({"SLURM_NTASKS": "2"}, {}, "SLURM_NTASKS=2 but the topology has world size 4"),
+    ({"RANK": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, {}, "LOCAL_RANK=0 but RANK=1 is local rank 1"),
+    ({"SLURM_NODEID": "0"}, {"node": 1, "gpus_per_node": 2}, "SLURM_NODEID=0 but --node 1"),
+    ({"RANK": "0"}, {"node": 1, "gpus_per_node": 2}, "RANK=0 is not one of this node's ranks 2-3"),
+    ({"LOCAL_WORLD_SIZE": "8"}, {"node": 0, "gpus_per_node": 2}, "LOCAL_WORLD_SIZE=8 but --gpus-per-node 2"),
+    ({"RANK": "x"}, {}, "RANK='x' is not a non-negative integer"),
+    ({"JOB_COMPLETION_INDEX": "5"}, {"gpus_per_node": 2}, None),  # node 5 of a 2-node world
+])
+def test_environment_mismatch(pristine: Path, env: dict[str, str], kwargs: dict, needle: str | None) -> None:
+    rep = pf.preflight(pristine, environ={**NO_GPU, **env}, **kwargs)
+    r = rows(rep)["environment"]
+    assert r.status == "FAIL" and not rep.ok, r
+    if needle:
+        assert needle in r.reason
+    # --no-env: the same directory and options pass
+    assert pf.preflight(pristine, environ={**NO_GPU, **env}, use_env=False, **kwargs).ok
+
+
+@pytest.mark.parametrize("env, kwargs, ranks, variable", [
+    ({"JOB_COMPLETION_INDEX": "1"}, {"gpus_per_node": 2}, [2, 3], "JOB_COMPLETION_INDEX"),
+    ({"SLURM_NODEID": "1", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NTASKS": "4"}, {}, [2, 3], "SLURM_NODEID"),
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}, {}, [2, 3],
+     "GROUP_RANK"),
+    ({"RANK": "2", "WORLD_SIZE": "4"}, {}, [2], "RANK"),
+])
+def test_ranks_from_the_environment(pristine: Path, env: dict[str, str], kwargs: dict, ranks: list[int],
+                                    variable: str) -> None:
+    rep = pf.preflight(pristine, environ={**NO_GPU, **env}, **kwargs)
+    assert rep.ranks == ranks and variable in rep.selection
+    assert rows(rep)["environment"].status == "PASS" and rep.ok
+
+
+# -- capacity ---------------------------------------------------------------------------------
+
+
+def test_not_enough_disk(layout: Path) -> None:
+    rep = pf.preflight(layout, environ={**NO_GPU, pf.FREE_BYTES_HOOK: "1000"})
+    r = rows(rep)["disk"]
+    assert r.status == "FAIL" and not rep.ok and "1.00 KB free (K3CKPT_PREFLIGHT_FREE_BYTES)" in r.reason
+    # the real statvfs number against a limit no disk meets
+    r = rows(pf.preflight(layout, min_free_disk=10**18, environ=NO_GPU))["disk"]
+    assert r.status == "FAIL" and r.details["need_bytes"] == 10**18 and "(K3CKPT" not in r.reason
+    # a rank still to be written counts: exactly enough for the limit alone is not enough then
+    shutil.rmtree(layout / "rank-00000")
+    limit = 10**6
+    r = rows(pf.preflight(layout, min_free_disk=limit, environ={**NO_GPU, pf.FREE_BYTES_HOOK: str(limit)}))["disk"]
+    assert r.status == "FAIL" and "for ranks still to be written" in r.reason
+
+
+def test_host_memory_is_a_warning(layout: Path) -> None:
+    rep = pf.preflight(layout, environ={**NO_GPU, pf.MEM_BYTES_HOOK: "1024"})
+    assert rows(rep)["host memory"].status == "WARN" and rep.ok
+
+
+def test_gpu_too_small_and_too_few(layout: Path, tmp_path: Path) -> None:
+    env = fake_tool(tmp_path / "bin", "nvidia-smi", NVIDIA_ARGS, "Tesla T4, 15360, 0\nTesla T4, 15360, 200")
+    rep = pf.preflight(layout, node=0, gpus_per_node=2, environ=env)  # 20 GiB KV > 15 GiB
+    r = rows(rep)["gpu"]
+    assert r.status == "FAIL" and "rank 0 needs" in r.reason and "GPU 0 (Tesla T4)" in r.reason
+    assert len(r.details["problems"]) == 2 and not rep.ok
+    assert rows(rep)["mxfp4"].status == "WARN"
+    assert pf.preflight(layout, node=0, gpus_per_node=2, kv_budget=10**9, environ=env).ok
+    rep = pf.preflight(layout, node=0, gpus_per_node=4, environ=b200s(tmp_path / "few", n=1))
+    assert rows(rep)["gpu"].status == "FAIL" and "needs device 1 but nvidia-smi shows 1" in rows(rep)["gpu"].reason
+
+
+def test_gpu_visible_devices_and_hopper(layout: Path, tmp_path: Path) -> None:
+    env = fake_tool(tmp_path / "bin", "nvidia-smi", NVIDIA_ARGS,
+                    "NVIDIA H100 80GB HBM3, 81559, 81000\nNVIDIA H100 80GB HBM3, 81559, 0\n"
+                    "NVIDIA H100 80GB HBM3, 81559, 0")
+    assert rows(pf.preflight(layout, node=0, gpus_per_node=2, environ=env))["gpu"].status == "FAIL"  # GPU 0 is busy
+    rep = pf.preflight(layout, node=0, gpus_per_node=2, environ={**env, "CUDA_VISIBLE_DEVICES": "1,2"})
+    assert statuses(rep)["gpu"] == "PASS" and rep.ok
+    assert "weight-only" in rows(rep)["mxfp4"].reason and "W4A16" in rows(rep)["mxfp4"].reason
+
+
+def test_rocm_smi(layout: Path, tmp_path: Path) -> None:
+    card = {"Card Series": "AMD Instinct MI355X", "VRAM Total Memory (B)": str(288 * 10**9),
+            "VRAM Total Used Memory (B)": "0"}
+    env = fake_tool(tmp_path / "bin", "rocm-smi", ROCM_ARGS, json.dumps({"card0": card, "card1": card}))
+    rep = pf.preflight(layout, node=0, gpus_per_node=2, environ=env)
+    assert statuses(rep)["gpu"] == "PASS" and "MI355X" in rows(rep)["mxfp4"].reason
+    assert "natively" in rows(rep)["mxfp4"].reason
+
+
+def test_gpu_tool_failing_is_a_warning(layout: Path, tmp_path: Path) -> None:
+    env = fake_tool(tmp_path / "bin", "nvidia-smi", NVIDIA_ARGS, "NVIDIA-SMI has failed: driver not loaded", code=9)
+    rep = pf.preflight(layout, environ=env)
+    r = rows(rep)["gpu"]
+    assert r.status == "WARN" and "nvidia-smi exited 9" in r.reason and rep.ok
+
+
+# -- provenance -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, kind, status", [
+    ("Modified MIT License\n\nCopyright (c) 2026 Moonshot AI", "Modified MIT", "PASS"),
+    ("MIT License\n\nPermission is hereby granted, free of charge, to any person", "MIT", "PASS"),
+    ("Apache License\n  Version 2.0, January 2004", "Apache-2.0", "PASS"),
+    ("LLAMA 3 COMMUNITY LICENSE AGREEMENT", "unrecognized", "WARN"),
+])
+def test_license_kind(text: str, kind: str, status: str) -> None:
+    got, st = pf.license_kind(text)
+    assert got.startswith(kind) and st == status
+
+
+def test_missing_license_and_quantization_mismatch(layout: Path) -> None:
+    (layout / "LICENSE").unlink()
+    cfg = json.loads((layout / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (layout / "config.json").write_text(json.dumps(cfg))
+    rep = pf.preflight(layout, environ=NO_GPU)
+    r = rows(rep)
+    assert r["license"].status == "WARN" and "no LICENSE" in r["license"].reason
+    assert r["quantization"].status == "FAIL"
+    assert "says no quantization_config but the tensors have" in r["quantization"].reason and "MXFP4 weights" in r["quantization"].reason
+
+
+# -- plain checkpoints and hf-node copies -------------------------------------------------------
+
+
+def _keep_experts(ckpt: Path, keep: set[int]) -> None:
+    """Drop every routed expert not in ``keep``, as an hf-node copy for those experts would."""
+    from k3ckpt.checkpoint import open_checkpoint
+
+    c = open_checkpoint(ckpt)
+    by_file: dict[str, set[str]] = {}
+    for name, role in c.roles.items():
+        if role.expert is not None and role.expert not in keep:
+            by_file.setdefault(c.tensors[name].file, set()).add(name)
+    for names in by_file.values():
+        drop_tensors(ckpt, names)
+
+
+def test_plain_checkpoint_pass(source: Path, tmp_path: Path) -> None:
+    rep = pf.preflight(source, ep=4, tp=2, node=1, gpus_per_node=2, environ=b200s(tmp_path))
+    assert rep.layout == "checkpoint" and rep.ranks == [2, 3]
+    assert {c.name: c.status for c in rep.checks if c.status != "PASS"} == {}
+    assert "8 experts ranks 2-3 needs" in rows(rep)["experts"].reason
+    rep = pf.preflight(source, full=True, environ=NO_GPU)  # no topology: every expert is needed
+    assert rep.ok and "scanned for NaN" in rows(rep)["structure"].reason
+    assert "not compared" not in rows(rep)["gpu"].reason  # no GPU tool: not checked at all
+    assert rows(rep)["gpu"].status == "WARN"
+
+
+def test_hf_node_copy_covers_its_node_only(source: Path, clone_checkpoint) -> None:
+    node1 = clone_checkpoint(source)
+    _keep_experts(node1, set(range(8, 16)))
+    rep = pf.preflight(node1, ep=4, tp=2, node=1, gpus_per_node=2, environ=NO_GPU)
+    assert rows(rep)["experts"].status == "PASS" and rows(rep)["structure"].status == "PASS"
+    rep = pf.preflight(node1, ep=4, tp=2, node=0, gpus_per_node=2, environ=NO_GPU)
+    r = rows(rep)["experts"]
+    assert r.status == "FAIL" and "lacks 8 expert(s) that ranks 0-1 needs: 0-7" in r.reason
+    assert r.fix == f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {node1}"
+    assert rows(pf.preflight(node1, environ=NO_GPU))["experts"].status == "FAIL"
+
+
+def test_plain_checkpoint_missing_shard(source: Path, clone_checkpoint) -> None:
+    c = clone_checkpoint(source)
+    (c / "model-00003-of-000008.safetensors").unlink()
+    rep = pf.preflight(c, environ=NO_GPU)
+    r = rows(rep)["structure"]
+    assert r.status == "FAIL" and "model-00003-of-000008.safetensors" in r.reason
+    assert r.fix == (f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {c} "
+                     f"--include model-00003-of-000008.safetensors")
+
+
+def test_plain_stacked_experts(gptoss_tiny: Path) -> None:
+    rep = pf.preflight(gptoss_tiny, ep=2, environ=NO_GPU)
+    assert statuses(rep)["experts"] == "PASS" and statuses(rep)["structure"] == "PASS"
+    assert statuses(rep)["license"] == "PASS" and "Apache" in rows(rep)["license"].reason
+
+
+def test_plain_checkpoint_needs_topology_for_a_rank(source: Path) -> None:
+    with pytest.raises(pf.PreflightError, match="need --ep/--tp"):
+        pf.preflight(source, rank=0, environ=NO_GPU)
+
+
+# -- read speed -------------------------------------------------------------------------------
+
+
+def test_io_test_reads_the_node_files(layout: Path) -> None:
+    rep = pf.preflight(layout, node=1, gpus_per_node=2, io_test=60, environ=NO_GPU)
+    node_bytes = sum(p.stat().st_size for r in (2, 3) for p in (layout / f"rank-{r:05d}").glob("*.safetensors"))
+    rs = rep.read_speed
+    assert rs is not None and rs.files == 2 and rs.readers == 2
+    assert rs.bytes_read == node_bytes == rep.node_bytes  # tiny files: read to the end
+    r = rows(rep)["read speed"]
+    assert r.details["predicted_load_seconds"] is not None and r.details["bytes_per_second"] > 0
+    assert rs.direct and r.status == "PASS" and "O_DIRECT" in r.reason
+
+
+def test_io_test_without_o_direct(layout: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # This kernel's tmpfs accepts O_DIRECT (Linux >= 6.6); older tmpfs and some FUSE filesystems
+    # refuse it with EINVAL, injected here.
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    rep = pf.preflight(layout, rank=0, io_test=60, environ=NO_GPU)
+    rs = rep.read_speed
+    assert rs is not None and not rs.direct and rs.bytes_read == rep.node_bytes
+    r = rows(rep)["read speed"]
+    assert r.status == "WARN" and "buffered" in r.reason and "POSIX_FADV_DONTNEED" in r.reason
+
+
+def test_io_test_read_error_is_a_fail(layout: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def eio(*a):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", eio)  # a failing disk cannot be made on demand
+    r = rows(pf.preflight(layout, rank=0, io_test=5, environ=NO_GPU))["read speed"]
+    assert r.status == "FAIL" and "Input/output error" in r.reason
+
+
+# -- CLI --------------------------------------------------------------------------------------
+
+
+def test_cli_text_json_and_exit_codes(layout: Path, tmp_path: Path) -> None:
+    env = {**b200s(tmp_path, n=4), "RANK": "", "WORLD_SIZE": "", "LOCAL_RANK": ""}
+    res = run_cli("preflight", str(layout), "--node", "0", "--gpus-per-node", "2", "--ep", "4", "--tp", "2", env=env)
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[-1].startswith("result     0 FAIL")
+    res = run_cli("preflight", str(layout), "--node", "0", "--gpus-per-node", "2", "--json", env=env)
+    data = json.loads(res.output)
+    assert res.exit_code == 0 and data["ok"] and data["ranks"] == [0, 1]
+    assert {c["name"] for c in data["checks"]} >= {"topology", "rank 0", "rank 1", "disk", "gpu", "license"}
+    (layout / "rank-00001" / "READY").unlink()
+    res = run_cli("preflight", str(layout), "--node", "0", "--gpus-per-node", "2", env=env)
+    assert res.exit_code == 1
+    fail = [line for line in res.output.splitlines() if line.startswith("FAIL")]
+    assert len(fail) == 1 and "rank 1" in fail[0]
+    assert "fix: k3ckpt reshard" in res.output
+    res = run_cli("preflight", str(layout), "--json", env=env)
+    data = json.loads(res.output)
+    assert res.exit_code == 1 and not data["ok"] and data["counts"]["FAIL"] == 1
+    assert next(c for c in data["checks"] if c["name"] == "rank 1")["fix"].endswith("--ranks 1")
+    # several broken ranks: one command for all of them, forced when any content is wrong
+    shutil.rmtree(layout / "rank-00003")
+    part = layout / "rank-00002" / "model-rank-2-part-0.safetensors"
+    flip_byte(part, part.stat().st_size - 1)
+    res = run_cli("preflight", str(layout), "--full", "--json", env=env)
+    data = json.loads(res.output)
+    assert data["counts"]["FAIL"] == 3 and data["fix_all"].endswith("--ranks 1-3 --force")
+    run_fix(data["fix_all"])
+    assert run_cli("preflight", str(layout), "--full", env=env).exit_code == 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--rank", "0", "--node", "0", "--gpus-per-node", "2"], "give --rank or --node, not both"),
+    (["--node", "0"], "--node needs --gpus-per-node"),
+    (["--rank", "9"], "--rank 9 out of range 0..3"),
+    (["--node", "5", "--gpus-per-node", "2"], "--node 5 out of range"),
+])
+def test_cli_cannot_run(pristine: Path, args: list[str], needle: str) -> None:
+    res = run_cli("preflight", str(pristine), *args, env=NO_GPU)
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("k3ckpt: error:") and needle in lines[0]
+
+
+def test_cli_not_a_layout_nor_a_checkpoint(tmp_path: Path) -> None:
+    res = run_cli("preflight", str(tmp_path / "nope"))
+    assert res.exit_code == 2 and "no such directory" in res.output
+    res = run_cli("preflight", str(tmp_path))
+    assert res.exit_code == 2 and "neither a rank layout" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_bad_hook_value(pristine: Path) -> None:
+    res = run_cli("preflight", str(pristine), env={**NO_GPU, pf.FREE_BYTES_HOOK: "lots"})
+    assert res.exit_code == 2 and "K3CKPT_PREFLIGHT_FREE_BYTES='lots' is not a byte count" in res.output
