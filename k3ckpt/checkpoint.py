@@ -15,6 +15,7 @@ config contradicts the tensors) are collected in :attr:`Checkpoint.problems`; pr
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing as mp
 import operator
 import os
@@ -215,11 +216,28 @@ def resolve_root(path: str | os.PathLike[str]) -> tuple[Path, Source]:
         repo_dir = p.parent.parent.name  # models--org--name
         repo = "/".join(repo_dir.split("--")[1:])
         return p, Source("hf-cache", repo=repo, revision=p.name, hub="hf")
-    return p, Source("local-dir", revision=_local_dir_revision(p))
+    return p, _local_dir_source(p)
 
 
 def _is_hf_snapshot(p: Path) -> bool:
     return p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--")
+
+
+#: Where ``k3ckpt fetch`` records the hub, repo and resolved commit a local dir came from
+#: (hidden, so not part of the checkpoint; beside huggingface_hub's own ``.cache/huggingface``).
+SOURCE_RECORD = ".cache/k3ckpt/source.json"
+
+
+def _local_dir_source(root: Path) -> Source:
+    """A local dir's origin: ``k3ckpt fetch``'s record, else the commit ``hf download
+    --local-dir`` left in its metadata, else unknown."""
+    try:
+        rec = json.loads((root / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        rec = None
+    if isinstance(rec, dict) and all(isinstance(rec.get(k), str) and rec[k] for k in ("hub", "repo", "revision")):
+        return Source("local-dir", repo=rec["repo"], revision=rec["revision"], hub=rec["hub"])
+    return Source("local-dir", revision=_local_dir_revision(root))
 
 
 def _local_dir_revision(root: Path) -> str | None:

@@ -10,6 +10,7 @@ other commands accept.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,4 +97,18 @@ def run_fetch(
     # ``verify --quick`` trust it while its stat is unchanged, instead of checking sizes only.
     files = plan.listing.files
     record_verified(plan.dest, {p: (files[p].sha256, files[p].git_sha1) for p in result.fetched + result.skipped})
+    if result.ok:
+        record_source(plan.dest, plan.listing)
     return result
+
+
+def record_source(dest: str | os.PathLike[str], listing: HubListing) -> None:
+    """Record in ``dest`` (:data:`k3ckpt.checkpoint.SOURCE_RECORD`) which hub, repo and commit its
+    files came from, so ``reshard``'s ``topology.json`` and ``preflight`` can name the revision."""
+    from .bytecopy import atomic_write
+    from .checkpoint import SOURCE_RECORD
+
+    path = Path(dest) / SOURCE_RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"hub": listing.hub, "repo": listing.repo, "revision": listing.revision}
+    atomic_write(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())

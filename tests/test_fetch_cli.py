@@ -26,8 +26,10 @@ def run(*args: str):
 
 
 def digests(root: Path) -> dict[str, str]:
+    """sha256 of every checkpoint file (hidden metadata directories such as ``.cache`` excluded)."""
     return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and ".k3ckpt" not in p.parts}
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts[:-1])}
 
 
 def test_select_paths_globs() -> None:
@@ -107,3 +109,21 @@ def test_verify_quick_after_fetch_trusts_what_fetch_verified(hub, tmp_path: Path
     rep = json.loads(run("verify", str(dest), "--quick", "--against", "hf", "--repo", REPO, "--endpoint", h.url,
                          "--json").output)
     assert "config.json" in rep["files_size_only"] and "config.json" not in rep["files_trusted"]
+
+
+def test_fetch_records_its_source_for_reshard_and_preflight(hub, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    h, served = hub
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    dest = tmp_path / "dest"
+    res = run("fetch", "--source", "modelscope", "--repo", REPO, "--dest", str(dest), "--endpoint", h.url, "--json")
+    assert res.exit_code == 0, res.output
+    revision = json.loads(res.output)["revision"]
+    src = open_checkpoint(dest).source
+    assert (src.hub, src.repo, src.revision) == ("modelscope", REPO, revision)
+    out = tmp_path / "rs"
+    assert run("reshard", str(dest), "-o", str(out), "--ep", "2").exit_code == 0
+    topo = json.loads((out / "topology.json").read_text())
+    assert (topo["source"]["repo"], topo["source"]["revision"]) == (REPO, revision)
+    # the record is not part of the checkpoint: a hub verify sees exactly the hub's files
+    assert run("verify", str(dest), "--against", "modelscope", "--repo", REPO, "--endpoint", h.url).exit_code == 0
