@@ -525,14 +525,23 @@ class _Job:
 
 def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str, str], timeout: float,
                   cancel: threading.Event, count: Callable[[int], None]) -> None:
-    """One ranged GET of chunk ``index`` written in place; raises _Retryable/_Fatal/_Cancelled.
+    """One ranged GET of chunk ``index`` written in place; raises _Retryable/_Fatal/_Cancelled."""
+    start, length = job.chunk(index)
+    _stream_range(listing, job.entry, start, length, job.fd, start, headers, timeout, cancel, count)  # type: ignore[arg-type]
+
+
+def _stream_range(listing: HubListing, entry: HubFile, start: int, length: int, fd: int, dest_offset: int,
+                  headers: dict[str, str], timeout: float, cancel: threading.Event, count: Callable[[int], None],
+                  sink: Callable[[memoryview], None] | None = None) -> None:
+    """One ranged GET of bytes ``[start, start + length)`` of ``entry``, written to ``fd`` at
+    ``dest_offset`` (the rank-aware fetch writes a tensor at another offset than the source's);
+    ``sink`` sees every written piece in order (to hash while streaming). Raises
+    _Retryable/_Fatal/_Cancelled; after one of them, what ``sink`` saw is void.
 
     The response checks mirror :func:`hubclient._body`: a body is only written when its
     ``Content-Range`` is exactly the requested range, or when there is none and the server
     sent the file from byte 0 (then we skip to our offset, up to ``RANGE_SKIP_LIMIT``).
     """
-    entry = job.entry
-    start, length = job.chunk(index)
     end = start + length - 1
     ctx: dict[str, Any] = {"hub": listing.hub, "repo": listing.repo, "revision": listing.revision,
                            "path": entry.path, "endpoint": listing.endpoint}
@@ -589,7 +598,7 @@ def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str,
             skip = start
         raw = resp.raw
         received = 0
-        offset = start
+        offset = dest_offset
         try:
             while skip > 0:
                 data = raw.read(min(skip, PIECE), decode_content=False)
@@ -606,9 +615,11 @@ def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str,
                 count(len(data))
                 view = memoryview(data)
                 while view:
-                    n = os.pwrite(job.fd, view, offset)  # type: ignore[arg-type]
+                    n = os.pwrite(fd, view, offset)
                     view = view[n:]
                     offset += n
+                if sink is not None:
+                    sink(memoryview(data))
                 received += len(data)
             extra = b""
             if received == length and content_range is not None and announced is None:
@@ -848,6 +859,7 @@ def fetch_files(
     on_plan: Callable[[int], None] | None = None,
     retry: RetryPolicy | None = None,
     check_space: bool = True,
+    take_lock: bool = True,
 ) -> FetchResult:
     """Download files of ``listing`` into ``dest``: parallel, chunked, resumable and verified.
 
@@ -866,6 +878,8 @@ def fetch_files(
         retry: Per-chunk retry policy; defaults to :data:`FETCH_RETRY`.  Backoff delays get
             jitter; ``Retry-After`` is honoured as given (capped at ``max_retry_after``).
         check_space: Refuse to start when the filesystem has less free space than needed.
+        take_lock: ``False`` when the caller already holds ``dest``'s lock (the rank-aware fetch
+            downloads its whole files inside its own locked run).
 
     Returns:
         FetchResult: ``ok`` only if every requested file is present and verified; every file
@@ -889,7 +903,8 @@ def fetch_files(
     result = FetchResult(dest=dest_path)
 
     lock = _DestLock(dest_real)
-    lock.acquire()
+    if take_lock:
+        lock.acquire()
     try:
         entries: list[tuple[HubFile, str]] = []
         for rel in wanted:

@@ -72,8 +72,8 @@ from .topology import (
     Topology,
     TopologyError,
     index_of,
-    parse_ranks,
-    ranks_of_node,
+    num_experts_of,
+    select_ranks,
     tensors_for_ranks,
 )
 
@@ -307,28 +307,13 @@ def plan_reshard(
         raise ReshardError(f"alignment {align} must be a power of two >= 8")
     idx = index_of(ckpt)
     cfg = ckpt.config
-    found = idx.max_expert + 1 if idx.max_expert >= 0 else 0
-    num_experts = (cfg.num_experts if cfg and cfg.num_experts else 0) or found or 1
-    if found > num_experts:
-        raise TopologyError(f"the checkpoint has expert {found - 1} but config.json says {num_experts} experts")
+    num_experts = num_experts_of(idx, cfg.num_experts if cfg else None)
     topo = Topology.make(ep=ep, tp=tp, world_size=world_size, placement=placement, num_experts=num_experts)
     if cfg is not None:
         _check_heads(cfg, topo.tp, [])
-    if node is not None and ranks is not None:
-        raise TopologyError("give --ranks or --node, not both")
-    if node is not None:
-        if gpus_per_node is None:
-            raise TopologyError("--node needs --gpus-per-node")
-        selected = ranks_of_node(node, gpus_per_node, topo.world_size)
-    elif isinstance(ranks, str):
-        selected = parse_ranks(ranks, topo.world_size)
-    elif ranks is not None:
-        selected = parse_ranks(",".join(map(str, ranks)), topo.world_size) if ranks else []
-        if not selected:
-            raise TopologyError("no ranks selected")
-    else:
-        selected = list(range(topo.world_size))
+    selected = select_ranks(topo, ranks=ranks, node=node, gpus_per_node=gpus_per_node)
     per_rank = tensors_for_ranks(idx, topo, selected, gpus_per_node=gpus_per_node)
+    _require_experts(ckpt.root, idx, per_rank)
     plans = []
     for r in selected:
         rt = per_rank[r]
@@ -343,6 +328,20 @@ def plan_reshard(
     skip = set(ckpt.shards) | {INDEX_NAME}
     extra = [f for f in ckpt.iter_files() if f not in skip and not f.endswith(".safetensors")]
     return ReshardPlan(ckpt, topo, plans, _source_json(ckpt), gpus_per_node, extra)
+
+
+def _require_experts(root: Path, idx: Any, per_rank: dict[int, Any]) -> None:
+    """Refuse ranks whose routed experts the checkpoint lacks entirely - a partial checkpoint
+    (``k3ckpt fetch --ranks``) holds only its ranks' experts - rather than write them without."""
+    if not idx.expert_names:
+        return  # no per-expert tensors at all (a dense model, or gpt-oss stacked experts)
+    for r, rt in sorted(per_rank.items()):
+        missing = [e for e in rt.rank.experts if e not in idx.expert_names]
+        if missing:
+            from .summary import _ranges
+
+            raise ReshardError(f"{root}: rank {r} needs routed experts {_ranges(missing)}, which this checkpoint "
+                               "does not hold (a partial checkpoint? its k3ckpt-partial.json says which ranks it has)")
 
 
 # ---------------------------------------------------------------------------------------------

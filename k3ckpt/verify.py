@@ -378,7 +378,7 @@ def _structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue
     out = [Issue(p.kind, p.where if p.kind != "index" else None, p.message,
                  tensor=p.where if p.kind == "index" else None) for p in ckpt.problems]
     out += _path_issues(ckpt)
-    for f in inspect_checkpoint(ckpt).findings:
+    for f in _partial_findings(ckpt, inspect_checkpoint(ckpt).findings):
         if f.severity != "error" or any(f.message == p.message for p in ckpt.problems):
             continue
         mx = any(w in f.where or w in f.message for w in ("weight_packed", "weight_scale", "_blocks", "_scales"))
@@ -390,6 +390,47 @@ def _structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue
             out.append(Issue(kind, None, f"{f.where}: {f.message}"))
     if manifest is not None:
         out += _layout_issues(ckpt, manifest)
+    return out
+
+
+#: Marker files of partial checkpoints (``k3ckpt fetch --ranks/--node`` writes the first). Each
+#: lists the routed experts expected in each MoE layer, ``{"experts_by_layer": {"<layer>": [ids]}}``.
+PARTIAL_MARKERS = ("k3ckpt-partial.json",)
+
+
+def _partial_findings(ckpt: Checkpoint, findings: list[Any]) -> list[Any]:
+    """Findings of :func:`~k3ckpt.summary.inspect_checkpoint`, where a partial checkpoint's marker
+    replaces the config as what says which routed experts a layer must hold: only the marker's
+    experts are required in the layers it lists (other layers must still hold every expert)."""
+    from .errors import ConfigError
+    from .jsonfile import load_json
+    from .summary import Finding, _compact
+
+    cfg = ckpt.config
+    marker = next((ckpt.root / m for m in PARTIAL_MARKERS if (ckpt.root / m).is_file()), None)
+    if marker is None or cfg is None:
+        return findings
+    try:
+        data, _ = load_json(marker, ConfigError)
+        expected = {int(layer): {int(e) for e in ids} for layer, ids in data["experts_by_layer"].items()}
+    except (ConfigError, KeyError, TypeError, ValueError, AttributeError) as e:
+        why = str(e) if isinstance(e, ConfigError) else f"no valid experts_by_layer ({type(e).__name__}: {e})"
+        return findings + [Finding("error", marker.name, why.replace(f"{marker}: ", ""))]
+    seen: dict[int, set[int]] = {}
+    for layer, expert in ckpt.stats.expert_parts:
+        seen.setdefault(layer, set()).add(expert)
+    # the exact findings the config check made for these layers (summary words them so)
+    against_config = set()
+    for layer in expected:
+        missing = sorted(set(range(cfg.num_experts)) - seen.get(layer, set()))
+        against_config.add((f"layer {layer}", f"{len(missing)} of {cfg.num_experts} routed experts missing: "
+                                              f"{_compact(missing)}"))
+    out = [f for f in findings if (f.where, f.message) not in against_config]
+    for layer, want in sorted(expected.items()):
+        missing = sorted(want - seen.get(layer, set()))
+        if missing:
+            out.append(Finding("error", f"layer {layer}", f"{len(missing)} of the {len(want)} routed experts "
+                                                          f"{marker.name} lists are missing: {_compact(missing)}"))
     return out
 
 
