@@ -263,7 +263,7 @@ class RankFetchPlan:
         excluded: Non-weight files left out by ``--include``/``--exclude``.
         experts_by_layer: MoE layer -> routed experts the selected ranks hold there.
         header_bytes: Bytes read to plan (length prefixes and headers of every shard).
-        source_bytes: Bytes of the whole checkpoint (every shard and every non-weight file).
+        source_bytes: Bytes a full fetch would move (every shard, the index, every non-weight file).
         source_index_sha256: sha256 of the source's index file (``None`` for a single file).
         manifest: The tensor-hash manifest to verify against, if any.
         manifest_label: How to name it in messages.
@@ -517,7 +517,7 @@ def plan_rank_fetch(
         chunk_size=chunk_size, shards=shards, files=files, excluded=excluded,
         experts_by_layer=_experts_by_layer(sorted(wanted), experts),
         header_bytes=sum(h.data_start for h in headers),
-        source_bytes=sum(listing.files[p].size for p in shard_paths) + sum(listing.files[f].size for f in others),
+        source_bytes=sum(listing.files[p].size for p in shard_paths + others + ([INDEX_NAME] if weight_map else [])),
         source_index_sha256=index_sha, manifest=manifest, manifest_label=label,
     )
 
@@ -789,7 +789,7 @@ class _Run:
         with self.count_lock:
             self.pieces_journaled += 1
             n = self.pieces_journaled
-        download._pause_point("after_chunk", n)
+        download._pause_point("after_piece", n)  # test hook: the n-th piece of the run journaled
 
     @staticmethod
     def _rehash(job: _ShardJob, piece: Piece, hasher: _TensorHasher) -> None:
@@ -840,7 +840,7 @@ class _Run:
         if head != sp.prefix:
             raise _PieceFailed(f"{job.part}: the header on disk is not the one written")
         parse_header_bytes(head[8:], file=sp.path, path=job.part, file_size=sp.size)  # valid safetensors
-        download._pause_point("before_rename")
+        download._pause_point("before_shard_rename")  # test hook
         with job.lock:
             job.close()
             os.replace(job.part, job.final)
