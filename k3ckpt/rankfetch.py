@@ -69,15 +69,15 @@ from pathlib import Path
 from typing import Any
 
 from . import download, hubclient
-from .checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
+from .checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, bulk_allocation
 from .config import ModelConfig, parse_config
 from .errors import ConfigError, K3ckptError
 from .fetch import select_paths
 from .hashing import HashError, Span, hash_file
 from .hubclient import HubFile, HubListing, RetryPolicy
-from .manifest import Manifest
+from .manifest import Manifest, tensors_from_headers
 from .roles import Kind, classify
-from .safetensors_header import ShardHeader, TensorSpec, build_header, parse_header_bytes
+from .safetensors_header import ShardHeader, TensorInfo, TensorSpec, build_header, parse_header_bytes
 from .topology import Topology, build_index, fp8_block_of, num_experts_of, select_ranks, tensors_for_ranks
 
 __all__ = [
@@ -89,6 +89,7 @@ __all__ = [
     "plan_rank_fetch",
     "plan_shard",
     "run_rank_fetch",
+    "select_tensors",
 ]
 
 #: The marker written last into a rank-aware fetch's destination.
@@ -392,25 +393,25 @@ def _check_manifest(manifest: Manifest, label: str, headers: list[ShardHeader], 
     where = f"manifest {label}"
     if not manifest.tensor_hashes:
         raise RankFetchError(f"{where} has no tensor hashes; build it with `k3ckpt manifest build --tensor-hashes`")
+    unhashed = next((n for n in sorted(wanted) if n in manifest.tensors and not manifest.tensors[n].sha256), None)
+    if unhashed is not None:
+        raise RankFetchError(f"{where}: tensor {unhashed!r} has no sha256")
+    actual = tensors_from_headers(headers)
+    if actual == {n: t._replace(sha256=None) for n, t in manifest.tensors.items()}:
+        return  # compared in C: the common case costs no per-tensor Python
     hub = f"{listing.hub}:{listing.repo}@{listing.revision}"
-    actual = {name: (h.file, t.dtype, t.shape, (h.data_start + t.begin, h.data_start + t.end))
-              for h in headers for name, t in h.tensors.items()}
-    for name, (file, dtype, shape, offsets) in sorted(actual.items()):
+    for name, a in sorted(actual.items()):
         m = manifest.tensors.get(name)
         if m is None:
-            raise RankFetchError(f"{where}: tensor {name!r} ({file} on {hub}) is not in the manifest; "
+            raise RankFetchError(f"{where}: tensor {name!r} ({a.file} on {hub}) is not in the manifest; "
                                  "it describes another checkpoint or revision")
-        for what, mine, theirs in (("file", m.file, file), ("dtype", m.dtype, dtype), ("shape", m.shape, shape),
-                                   ("offsets", m.offsets, offsets)):
-            if mine != theirs:
-                raise RankFetchError(f"{where}: tensor {name!r}: {what} {_show(mine)} in the manifest, {_show(theirs)} "
-                                     f"on {hub}; it describes another checkpoint or revision")
-        if name in wanted and not m.sha256:
-            raise RankFetchError(f"{where}: tensor {name!r} has no sha256")
+        for what in ("file", "dtype", "shape", "offsets"):
+            if getattr(m, what) != getattr(a, what):
+                raise RankFetchError(f"{where}: tensor {name!r}: {what} {_show(getattr(m, what))} in the manifest, "
+                                     f"{_show(getattr(a, what))} on {hub}; it describes another checkpoint or revision")
     missing = sorted(manifest.tensors.keys() - actual.keys())
-    if missing:
-        raise RankFetchError(f"{where}: tensor {missing[0]!r} is in no shard header on {hub} "
-                             f"({len(missing)} such); it describes another checkpoint or revision")
+    raise RankFetchError(f"{where}: tensor {missing[0]!r} is in no shard header on {hub} "
+                         f"({len(missing)} such); it describes another checkpoint or revision")
 
 
 def _show(v: Any) -> str:
@@ -426,6 +427,39 @@ def _experts_by_layer(selected_names: list[str], experts: set[int]) -> dict[int,
             layers.add(role.layer)
     ordered = sorted(experts)
     return {layer: ordered for layer in sorted(layers)}
+
+
+def select_tensors(
+    tensors: dict[str, TensorInfo],
+    cfg: ModelConfig | None,
+    *,
+    ep: int = 1,
+    tp: int = 1,
+    world_size: int | None = None,
+    placement: str = "linear",
+    ranks: str | list[int] | None = None,
+    node: int | None = None,
+    gpus_per_node: int | None = None,
+) -> tuple[Topology, list[int], set[str], set[int]]:
+    """``(topology, ranks, tensor names, routed experts)`` the selected ranks hold, from an
+    inventory and its config (the expert count comes from the config when it has one).
+
+    Raises:
+        TopologyError, SplitError: An impossible topology or rank selection.
+    """
+    from .plan import _check_heads
+
+    idx = build_index(tensors, fp8_block=fp8_block_of(cfg))
+    topo = Topology.make(ep=ep, tp=tp, world_size=world_size, placement=placement,
+                         num_experts=num_experts_of(idx, cfg.num_experts if cfg else None))
+    if cfg is not None:
+        _check_heads(cfg, topo.tp, [])
+    selected = select_ranks(topo, ranks=ranks, node=node, gpus_per_node=gpus_per_node)
+    per_rank = tensors_for_ranks(idx, topo, selected, gpus_per_node=gpus_per_node)
+    wanted: set[str] = set()
+    for rt in per_rank.values():
+        wanted.update(rt.tensors)
+    return topo, selected, wanted, {e for rt in per_rank.values() for e in rt.rank.experts}
 
 
 def plan_rank_fetch(
@@ -477,8 +511,6 @@ def plan_rank_fetch(
         TopologyError, SplitError: An impossible topology or rank selection.
         HubError, SafetensorsHeaderError, ConfigError: As the hub client and parsers raise them.
     """
-    from .plan import _check_heads
-
     if chunk_size < 1:
         raise RankFetchError(f"chunk size {chunk_size} must be positive")
     label = None
@@ -494,24 +526,18 @@ def plan_rank_fetch(
     if not tensors:
         raise RankFetchError(f"{listing.hub}:{listing.repo}@{listing.revision}: the shards hold no tensors")
 
-    idx = build_index(tensors, fp8_block=fp8_block_of(cfg))
-    topo = Topology.make(ep=ep, tp=tp, world_size=world_size, placement=placement,
-                         num_experts=num_experts_of(idx, cfg.num_experts if cfg else None))
-    if cfg is not None:
-        _check_heads(cfg, topo.tp, [])
-    selected = select_ranks(topo, ranks=ranks, node=node, gpus_per_node=gpus_per_node)
-    per_rank = tensors_for_ranks(idx, topo, selected, gpus_per_node=gpus_per_node)
-    wanted: set[str] = set()
-    for rt in per_rank.values():
-        wanted.update(rt.tensors)
-    if manifest is not None:
-        _check_manifest(manifest, label or "(given)", headers, wanted, listing)
-
-    shards = [sp for h in headers if (sp := plan_shard(h, listing.files[h.file], wanted, chunk_size)) is not None]
+    # ~10^6 fresh acyclic tuples at the full K3 scale: without pausing the cyclic GC this
+    # takes 2-3x longer (see checkpoint.bulk_allocation)
+    with bulk_allocation():
+        topo, selected, wanted, experts = select_tensors(tensors, cfg, ep=ep, tp=tp, world_size=world_size,
+                                                         placement=placement, ranks=ranks, node=node,
+                                                         gpus_per_node=gpus_per_node)
+        if manifest is not None:
+            _check_manifest(manifest, label or "(given)", headers, wanted, listing)
+        shards = [sp for h in headers if (sp := plan_shard(h, listing.files[h.file], wanted, chunk_size)) is not None]
     skip = set(shard_paths) | {INDEX_NAME, PARTIAL_NAME}
     others = [f for f in listing.files if f not in skip and not f.endswith(".safetensors")]
     files, excluded = select_paths(others, include, exclude)
-    experts = {e for rt in per_rank.values() for e in rt.rank.experts}
     return RankFetchPlan(
         listing=listing, dest=Path(dest), topology=topo, ranks=selected, node=node, gpus_per_node=gpus_per_node,
         chunk_size=chunk_size, shards=shards, files=files, excluded=excluded,
