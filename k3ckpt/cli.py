@@ -537,7 +537,7 @@ def _fetch_ranks(hub: str, repo: str, revision: str | None, dest: str, include: 
                            manifest=manifest_path, include=include, exclude=exclude, chunk_size=chunk_size,
                            jobs=workers)
     t = plan.topology
-    what = (f"ranks {_ranges(plan.ranks)} of ep {t.ep} x tp {t.tp} (world size {t.world_size}, "
+    what = (f"rank{'s' if len(plan.ranks) > 1 else ''} {_ranges(plan.ranks)} of ep {t.ep} x tp {t.tp} (world size {t.world_size}, "
             f"{t.placement} placement)")
     source = f"{hub}:{plan.listing.repo}@{plan.listing.revision}"
     if dry_run:
