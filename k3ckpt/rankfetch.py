@@ -59,7 +59,6 @@ import collections
 import hashlib
 import json
 import os
-import random
 import shutil
 import threading
 import time
@@ -687,18 +686,7 @@ class _ShardJob:
         if not download._within(self.dest_real, os.path.realpath(parent)):
             raise _PieceFailed(f"refusing to write {self.plan.path!r}: its directory resolves to "
                                f"{os.path.realpath(parent)!r}, outside {self.dest_real!r}")
-        fd = os.open(self.part, os.O_RDWR | os.O_CREAT | os.O_EXCL | download._NOFOLLOW, 0o644)
-        try:
-            try:
-                os.posix_fallocate(fd, 0, self.plan.size)  # ENOSPC now, not at the 900th request
-            except (AttributeError, OSError):
-                os.ftruncate(fd, self.plan.size)
-            os.pwrite(fd, self.plan.prefix, 0)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd = fd
+        self.fd = download._create_part(self.part, self.plan.size, self.plan.prefix)
         self.write_journal()
 
     def write_journal(self) -> None:
@@ -848,10 +836,7 @@ class _Run:
                     hasher.restore(snap)  # what the failed response fed is void
                 if failures >= self.retry.attempts:
                     raise _PieceFailed(f"{e}; gave up after {failures} attempts ({where})") from None
-                delay = self.retry.delay(failures, e.retry_after)
-                if e.retry_after is None:  # equal jitter, as the downloader does
-                    delay = delay / 2 + random.uniform(0, delay / 2)
-                self.retry.sleep(delay)
+                download._back_off(self.retry, failures, e.retry_after)
 
     # -- finishing a shard -----------------------------------------------------------------------
 
@@ -917,25 +902,8 @@ class _Run:
                     self.cond.notify_all()
 
     def run(self, workers: int) -> None:
-        threads = [threading.Thread(target=self.worker, name=f"k3ckpt-rankfetch-{i}", daemon=True)
-                   for i in range(workers)]
-        for t in threads:
-            t.start()
-        try:
-            with self.cond:
-                while self.pending > 0:
-                    self.cond.wait(0.5)
-        except BaseException:
-            # Ctrl-C: stop between pieces; journals are consistent at any moment (see module doc).
-            self.cancel.set()
-            with self.cond:
-                self.cond.notify_all()
-            deadline = time.monotonic() + 2.0
-            for t in threads:
-                t.join(timeout=max(0.0, deadline - time.monotonic()))
-            raise
-        for t in threads:
-            t.join()
+        download._run_workers(self.worker, workers, "k3ckpt-rankfetch", self.cond, lambda: self.pending > 0,
+                              self.cancel)
 
 
 def _index_json(plan: RankFetchPlan) -> bytes:
