@@ -990,15 +990,20 @@ def run_rank_fetch(
             job.load_resume()
             jobs.append(job)
         partial_todo = sum(job.todo_bytes() for job in jobs)
-        if check_space and jobs:
-            needed = sum(job.plan.size for job in jobs if not job.done)
+        whole = plan.files + [sp.path for sp in plan.shards if sp.whole]
+        if check_space:
+            # before any byte moves, for both stages together (the downloader checks its own
+            # stage again, exactly); whole files not there at all are what they will take
+            absent = [f for f in whole if not os.path.lexists(os.path.join(dest_real, f))]
+            needed = (sum(job.plan.size for job in jobs if not job.done)
+                      + sum(plan.listing.files[f].size for f in absent))
             free = shutil.disk_usage(dest_real).free
             if needed > free:
                 raise download.DiskSpaceError(
-                    f"{dest_real}: not enough free space for {len(jobs)} rewritten shard(s): need {needed} bytes "
-                    f"({download._human(needed)}), only {free} bytes ({download._human(free)}) free")
+                    f"{dest_real}: not enough free space for {len(jobs)} rewritten shard(s) and {len(absent)} "
+                    f"file(s): need {needed} bytes ({download._human(needed)}), only {free} bytes "
+                    f"({download._human(free)}) free")
 
-        whole = plan.files + [sp.path for sp in plan.shards if sp.whole]
         report = (lambda n: on_plan(n + partial_todo)) if on_plan is not None else None
         if whole:
             fr = download.fetch_files(plan.listing, plan.dest, whole, workers=workers, chunk_size=plan.chunk_size,

@@ -302,6 +302,49 @@ def test_manifest_of_other_headers_is_refused_before_any_tensor_byte(served_hub:
     assert res.exit_code == 2 and "has no tensor hashes" in res.output
 
 
+def test_manifest_rechecks_complete_shards_and_refetches_a_damaged_one(served_hub: Any, tensor_manifest: Path,
+                                                                      tmp_path: Path) -> None:
+    h, served = served_hub
+    dest = tmp_path / "d"
+    assert fetch(h, dest, "--manifest", str(tensor_manifest)).exit_code == 0
+    shard = "model-00005-of-000008.safetensors"
+    hdr = read_header(dest / shard)
+    name = next(n for n in hdr.tensors if ".experts.6.w3.weight_packed" in n)
+    at = hdr.absolute_range(name)[0] + 3
+    with open(dest / shard, "r+b") as f:  # damage one byte of a complete shard, keep its size
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    # structure and sizes cannot see it: the shard is taken as complete
+    plain = json.loads(fetch(h, dest, "--json").output)
+    assert plain["skipped"] == sorted(plain["skipped"]) and shard in plain["skipped"] and plain["bytes_downloaded"] == 0
+    # the tensor hashes can: only that shard is fetched again
+    h.reset_counters()
+    checked = json.loads(fetch(h, dest, "--manifest", str(tensor_manifest), "--json").output)
+    assert checked["ok"] and checked["written"] == [shard] and shard not in checked["skipped"]
+    assert checked["bytes_downloaded"] == sum(t.nbytes for t in hdr.tensors.values())
+    assert open_checkpoint(dest).read_tensor(name).tobytes() == open_checkpoint(served).read_tensor(name).tobytes()
+
+
+def test_disk_space_checked_before_any_tensor_byte(served_hub: Any, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from collections import namedtuple
+
+    from k3ckpt import rankfetch
+
+    h, served = served_hub
+    plan = _plan(h, tmp_path / "d")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(rankfetch.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    h.reset_counters()
+    with pytest.raises(download.DiskSpaceError) as ei:
+        run_rank_fetch(plan, token="")
+    needed = sum(sp.size for sp in plan.shards) + sum(plan.listing.files[f].size for f in plan.files)
+    assert f"need {needed} bytes" in str(ei.value) and "only 1000 bytes" in str(ei.value)
+    assert h.total_bytes_sent() == 0 and sorted(p.name for p in (tmp_path / "d").iterdir()) == []
+
+
 # ----------------------------------------------------------------------------------------------
 # dry run, usage errors
 # ----------------------------------------------------------------------------------------------
@@ -321,8 +364,10 @@ def test_dry_run_lists_bytes_and_fetches_only_headers(served_hub: Any, node0_nam
     assert sum("model-0000" in line for line in lines) == 8 and "(whole)" in res.output
     assert lines[-1].startswith("note: no --manifest")
     assert not dest.exists()
-    js = fetch(h, dest, "--dry-run", "--json")
+    js = fetch(h, dest, "--dry-run", "--json", "--exclude", "LICENSE")
     data = json.loads(js.output)
+    assert data["excluded"] == ["LICENSE"] and "LICENSE" not in data["files"]
+    selection -= (served / "LICENSE").stat().st_size
     assert data["bytes_total"] == selection and data["source_bytes"] == sum(p.stat().st_size for p in served.iterdir())
     assert data["tensors"] == len(node0_names) and data["ranks"] == [0, 1, 2, 3]
     assert sum(s["bytes"] for s in data["shards"].values()) + sum(data["files"].values()) == selection
