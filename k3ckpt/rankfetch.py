@@ -63,6 +63,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -973,16 +974,20 @@ def run_rank_fetch(
         # Until this run succeeds the destination must not look like a complete checkpoint.
         for name in (PARTIAL_NAME, INDEX_NAME):
             download._unlink(os.path.join(dest_real, name))
-        jobs: list[_ShardJob] = []
+        targets: list[tuple[ShardPlan, str]] = []
         for sp in plan.shards:
             if sp.whole:
                 continue
             try:
-                final = download._target(dest_real, sp.path)
+                targets.append((sp, download._target(dest_real, sp.path)))
             except ValueError as e:
                 result.failed[sp.path] = str(e)
-                continue
-            if _complete(sp, final, plan.manifest):
+        # with a manifest this reads every present shard: in parallel, as the downloader does
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            complete = list(pool.map(lambda t: _complete(t[0], t[1], plan.manifest), targets))
+        jobs: list[_ShardJob] = []
+        for (sp, final), done in zip(targets, complete):
+            if done:
                 result.skipped.append(sp.path)
                 download._unlink(final + ".part.journal")
                 continue

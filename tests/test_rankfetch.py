@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from click.testing import CliRunner
 
 from k3ckpt import download
 from k3ckpt.checkpoint import INDEX_NAME, open_checkpoint
+from k3ckpt.hubclient import HubFile
 from k3ckpt.cli import main
 from k3ckpt.manifest import build_manifest
 from k3ckpt.rankfetch import PARTIAL_NAME, plan_rank_fetch, plan_shard, run_rank_fetch
@@ -97,8 +97,6 @@ def expected_bytes(served: Path, names: set[str]) -> dict[str, int]:
 def test_plan_shard_rewrites_header_and_coalesces_adjacent_tensors(k3_tiny: Path, node0_names: set[str]) -> None:
     path = k3_tiny / "model-00002-of-000008.safetensors"
     h = read_header(path)
-    from k3ckpt.hubclient import HubFile
-
     entry = HubFile(path.name, path.stat().st_size, None, None)
     sp = plan_shard(h, entry, node0_names, CHUNK)
     assert sp is not None and not sp.whole
@@ -494,4 +492,36 @@ def test_journal_of_another_selection_is_discarded(served_hub: Any, tmp_path: Pa
     res = run_rank_fetch(plan, workers=2, token="")
     assert res.ok and shard in res.written
     assert open_checkpoint(dest).read_tensor(sp.names[0]).tobytes() == open_checkpoint(served).read_tensor(sp.names[0]).tobytes()
-    shutil.rmtree(dest)
+
+
+# ----------------------------------------------------------------------------------------------
+# other families
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family, verification", [("k2_tiny", "structure-and-sizes"), ("gptoss_tiny", "file-sha256")])
+def test_other_families_reshard_identically(family: str, verification: str, request: pytest.FixtureRequest,
+                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kimi-K2 (per-expert FP8 with block scales): experts of other ranks are left out. gpt-oss
+    (all experts stacked in one tensor per projection): every tensor is needed whole, so every
+    shard is fetched whole and checked against the hub's sha256."""
+    from k3ckpt.testing.hub import LoopbackHub
+
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    src: Path = request.getfixturevalue(family)
+    with LoopbackHub({REPO: src}, cache_dir=tmp_path / "hub-cache") as h:
+        dest = tmp_path / "d"
+        plan = plan_rank_fetch("hf", REPO, dest, endpoint=h.url, token="", ep=4, ranks="0-1", chunk_size=CHUNK)
+        res = run_rank_fetch(plan, workers=2, token="")
+        assert res.ok, res.failed
+        assert res.verification == plan.verification == verification
+        assert (plan.bytes_total < plan.source_bytes) and (any(not s.whole for s in plan.shards) == (family == "k2_tiny"))
+    assert verify_checkpoint(dest).ok
+    a, b = tmp_path / "a", tmp_path / "b"
+    reshard(dest, a, ep=4, ranks="0-1")
+    reshard(src, b, ep=4, ranks="0-1")
+    for rank in (0, 1):
+        files = sorted((b / f"rank-{rank:05d}").glob("*.safetensors"))
+        assert files
+        for f in files:
+            assert (a / f"rank-{rank:05d}" / f.name).read_bytes() == f.read_bytes()
