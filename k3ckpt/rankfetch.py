@@ -21,9 +21,10 @@ accept:
 - every non-weight file (config, tokenizer, LICENSE, code) is fetched whole, as a full fetch
   does (``--include``/``--exclude`` filter these);
 - ``k3ckpt-partial.json`` (:data:`PARTIAL_NAME`), written last, says what was selected:
-  source, topology, ranks, the routed experts expected in each MoE layer, and how the bytes
-  were verified. ``verify`` requires only those experts; a later run can tell a partial
-  checkpoint from a broken one. Its presence means the run completed.
+  source, topology, ranks, ``experts`` (the routed experts every MoE layer holds, as in the
+  ``k3ckpt-node.json`` of ``reshard --format hf-node``) and how the bytes were verified.
+  ``verify`` requires only those experts; a later run can tell a partial checkpoint from a
+  broken one. Its presence means the run completed.
 
 How bytes move. Tensors adjacent in the source (an expert's six tensors; a rank's run of
 experts) are coalesced into one Range request of at most ``chunk_size`` bytes, so requests are
@@ -76,7 +77,6 @@ from .fetch import select_paths
 from .hashing import HashError, Span, hash_file
 from .hubclient import HubFile, HubListing, RetryPolicy
 from .manifest import Manifest, tensors_from_headers
-from .roles import Kind, classify
 from .safetensors_header import ShardHeader, TensorInfo, TensorSpec, build_header, parse_header_bytes
 from .topology import Topology, build_index, fp8_block_of, num_experts_of, select_ranks, tensors_for_ranks
 
@@ -262,7 +262,7 @@ class RankFetchPlan:
         shards: One plan per source shard holding a selected tensor, by path.
         files: Non-weight files fetched whole.
         excluded: Non-weight files left out by ``--include``/``--exclude``.
-        experts_by_layer: MoE layer -> routed experts the selected ranks hold there.
+        experts: The routed experts the selected ranks hold (in every MoE layer).
         header_bytes: Bytes read to plan (length prefixes and headers of every shard).
         source_bytes: Bytes a full fetch would move (every shard, the index, every non-weight file).
         source_index_sha256: sha256 of the source's index file (``None`` for a single file).
@@ -280,7 +280,7 @@ class RankFetchPlan:
     shards: list[ShardPlan]
     files: list[str]
     excluded: list[str]
-    experts_by_layer: dict[int, list[int]]
+    experts: list[int]
     header_bytes: int
     source_bytes: int
     source_index_sha256: str | None
@@ -320,7 +320,7 @@ class RankFetchPlan:
             "files": {f: self.listing.files[f].size for f in self.files}, "excluded": self.excluded,
             "bytes_total": self.bytes_total, "source_bytes": self.source_bytes, "header_bytes": self.header_bytes,
             "tensors": self.tensors, "verification": self.verification,
-            "experts_by_layer": {str(k): v for k, v in sorted(self.experts_by_layer.items())},
+            "experts": self.experts,
         }
 
 
@@ -416,17 +416,6 @@ def _check_manifest(manifest: Manifest, label: str, headers: list[ShardHeader], 
 
 def _show(v: Any) -> str:
     return json.dumps(list(v)) if isinstance(v, tuple) else str(v)
-
-
-def _experts_by_layer(selected_names: list[str], experts: set[int]) -> dict[int, list[int]]:
-    """MoE layer -> the experts the ranks hold there, for every layer where one of them has tensors."""
-    layers = set()
-    for name in selected_names:
-        role = classify(name)
-        if role.kind == Kind.ROUTED_EXPERT and role.expert is not None and role.layer is not None:
-            layers.add(role.layer)
-    ordered = sorted(experts)
-    return {layer: ordered for layer in sorted(layers)}
 
 
 def select_tensors(
@@ -541,7 +530,7 @@ def plan_rank_fetch(
     return RankFetchPlan(
         listing=listing, dest=Path(dest), topology=topo, ranks=selected, node=node, gpus_per_node=gpus_per_node,
         chunk_size=chunk_size, shards=shards, files=files, excluded=excluded,
-        experts_by_layer=_experts_by_layer(sorted(wanted), experts),
+        experts=sorted(experts),
         header_bytes=sum(h.data_start for h in headers),
         source_bytes=sum(listing.files[p].size for p in shard_paths + others + ([INDEX_NAME] if weight_map else [])),
         source_index_sha256=index_sha, manifest=manifest, manifest_label=label,
@@ -920,7 +909,7 @@ def _marker_json(plan: RankFetchPlan) -> bytes:
         "format": PARTIAL_FORMAT, "version": PARTIAL_VERSION, "source": plan.source_json(),
         "topology": plan.topology.to_json(), "ranks": plan.ranks, "node": plan.node,
         "gpus_per_node": plan.gpus_per_node,
-        "experts_by_layer": {str(k): v for k, v in sorted(plan.experts_by_layer.items())},
+        "experts": plan.experts,
         "tensors": plan.tensors, "verification": plan.verification,
         "manifest_sha256": plan.manifest.fingerprint() if plan.manifest is not None else None,
     }

@@ -394,14 +394,13 @@ def _structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue
 
 
 #: Marker files of partial checkpoints (``k3ckpt fetch --ranks/--node`` writes the first). Each
-#: lists the routed experts expected in each MoE layer, ``{"experts_by_layer": {"<layer>": [ids]}}``.
+#: lists the routed experts every MoE layer holds: ``{"experts": [ids], ...}``.
 PARTIAL_MARKERS = ("k3ckpt-partial.json",)
 
 
 def _partial_findings(ckpt: Checkpoint, findings: list[Any]) -> list[Any]:
     """Findings of :func:`~k3ckpt.summary.inspect_checkpoint`, where a partial checkpoint's marker
-    replaces the config as what says which routed experts a layer must hold: only the marker's
-    experts are required in the layers it lists (other layers must still hold every expert)."""
+    replaces the config as what says which routed experts each MoE layer must hold."""
     from .errors import ConfigError
     from .jsonfile import load_json
     from .summary import Finding, _compact
@@ -412,22 +411,25 @@ def _partial_findings(ckpt: Checkpoint, findings: list[Any]) -> list[Any]:
         return findings
     try:
         data, _ = load_json(marker, ConfigError)
-        expected = {int(layer): {int(e) for e in ids} for layer, ids in data["experts_by_layer"].items()}
-    except (ConfigError, KeyError, TypeError, ValueError, AttributeError) as e:
-        why = str(e) if isinstance(e, ConfigError) else f"no valid experts_by_layer ({type(e).__name__}: {e})"
+        want = set(data["experts"])
+        if not all(type(e) is int for e in want):
+            raise ValueError("expert ids must be integers")
+    except (ConfigError, KeyError, TypeError, ValueError) as e:
+        why = str(e) if isinstance(e, ConfigError) else f"no valid list of experts ({type(e).__name__}: {e})"
         return findings + [Finding("error", marker.name, why.replace(f"{marker}: ", ""))]
     seen: dict[int, set[int]] = {}
     for layer, expert in ckpt.stats.expert_parts:
         seen.setdefault(layer, set()).add(expert)
-    # the exact findings the config check made for these layers (summary words them so)
+    # the exact findings the config check made for layers holding per-expert tensors (a layer
+    # with none at all keeps its finding; stacked gpt-oss layers have none)
     against_config = set()
-    for layer in expected:
-        missing = sorted(set(range(cfg.num_experts)) - seen.get(layer, set()))
+    for layer, held in seen.items():
+        missing = sorted(set(range(cfg.num_experts)) - held)
         against_config.add((f"layer {layer}", f"{len(missing)} of {cfg.num_experts} routed experts missing: "
                                               f"{_compact(missing)}"))
     out = [f for f in findings if (f.where, f.message) not in against_config]
-    for layer, want in sorted(expected.items()):
-        missing = sorted(want - seen.get(layer, set()))
+    for layer, held in sorted(seen.items()):
+        missing = sorted(want - held)
         if missing:
             out.append(Finding("error", f"layer {layer}", f"{len(missing)} of the {len(want)} routed experts "
                                                           f"{marker.name} lists are missing: {_compact(missing)}"))

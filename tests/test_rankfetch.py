@@ -173,7 +173,7 @@ def test_node0_moves_only_its_share_and_reshards_identically(served_hub: Any, k3
     marker = json.loads((dest / PARTIAL_NAME).read_text())
     assert marker["ranks"] == [0, 1, 2, 3] and marker["topology"]["ep"] == 8
     assert marker["verification"] == "structure-and-sizes" and marker["source"]["repo"] == REPO
-    assert marker["experts_by_layer"] == {str(layer): list(range(8)) for layer in range(1, 5)}
+    assert marker["experts"] == list(range(8))
 
     rep = verify_checkpoint(dest)
     assert rep.ok, [str(i) for i in rep.issues]
@@ -406,11 +406,11 @@ def test_verify_requires_the_markers_experts(served_hub: Any, tmp_path: Path, mo
     dest = tmp_path / "d"
     assert fetch(h, dest).exit_code == 0
     marker = json.loads((dest / PARTIAL_NAME).read_text())
-    marker["experts_by_layer"]["2"] = list(range(10))
+    marker["experts"] = list(range(10))
     (dest / PARTIAL_NAME).write_text(json.dumps(marker))
     rep = verify_checkpoint(dest)
     assert [str(i) for i in rep.problems] == [
-        f"layer 2: 2 of the 10 routed experts {PARTIAL_NAME} lists are missing: 8, 9"]
+        f"layer {layer}: 2 of the 10 routed experts {PARTIAL_NAME} lists are missing: 8, 9" for layer in range(1, 5)]
     (dest / PARTIAL_NAME).unlink()  # without the marker it is a checkpoint missing half its experts
     rep = verify_checkpoint(dest)
     assert len(rep.problems) == 4 and all("8 of 16 routed experts missing" in str(i) for i in rep.problems)
