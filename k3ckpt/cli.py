@@ -429,12 +429,24 @@ class ByteSize(click.ParamType):
 @click.option("--chunk-size", type=ByteSize(), default="64MiB", show_default=True,
               help="Large files are fetched in chunks of this size, in parallel.")
 @click.option("--endpoint", help="Hub endpoint [default: HF_ENDPOINT / MODELSCOPE_ENDPOINT, else the public hub].")
+@click.option("--ep", type=click.IntRange(1), help="Rank-aware: expert-parallel degree.")
+@click.option("--tp", type=click.IntRange(1), help="Rank-aware: tensor-parallel degree of dense weights.")
+@click.option("--world-size", type=click.IntRange(1), help="Rank-aware: ranks in all [default: max(ep, tp)].")
+@click.option("--placement", type=click.Choice(["linear", "round_robin"]),
+              help="Rank-aware: expert placement [default: linear].")
+@click.option("--ranks", "ranks_spec", help="Rank-aware: fetch only what these ranks need, e.g. 0-3,8.")
+@click.option("--node", type=click.IntRange(0), help="Rank-aware: fetch only what this node's ranks need.")
+@click.option("--gpus-per-node", type=click.IntRange(1), help="Rank-aware: ranks per node (for --node).")
+@click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False, path_type=str),
+              help="Rank-aware: verify every fetched tensor against this tensor-hash manifest.")
 @click.option("--dry-run", is_flag=True, help="List what would be downloaded and how many bytes; download nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
 @click.option("-v", "--verbose", is_flag=True, help="Name every file as it completes.")
 @handle_errors
 def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[str, ...], exclude: tuple[str, ...],
-          workers: int, chunk_size: int, endpoint: str | None, dry_run: bool, as_json: bool, verbose: bool) -> None:
+          workers: int, chunk_size: int, endpoint: str | None, ep: int | None, tp: int | None, world_size: int | None,
+          placement: str | None, ranks_spec: str | None, node: int | None, gpus_per_node: int | None,
+          manifest_path: str | None, dry_run: bool, as_json: bool, verbose: bool) -> None:
     """Download a checkpoint from Hugging Face or ModelScope: resumable, parallel, verified.
 
     Metadata comes through the real client (HF_ENDPOINT, HF_TOKEN or a saved login,
@@ -444,15 +456,38 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
     it stopped, every file's sha256 checked before it is renamed into place. Files already
     present and verified are skipped. Exits 1 and lists every file it could not fetch.
 
+    Rank-aware (--ranks or --node with --ep/--tp): reads every shard's header, then downloads
+    only the tensors those ranks need (whole tensors; the saving is the routed experts other
+    ranks own), each shard rewritten with just those tensors under its own name, plus a
+    matching index, the non-weight files and k3ckpt-partial.json (what was selected, written
+    last). reshard and verify accept the result. The hub's sha256 covers whole files, so
+    rewritten shards are verified tensor by tensor against --manifest (from `k3ckpt manifest
+    build --tensor-hashes`); without it only structure and sizes are checked, and it says so.
+
     \b
     Examples:
       k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest /nvme/Kimi-K3
       k3ckpt fetch --source modelscope --repo moonshotai/Kimi-K3 --dest /nvme/Kimi-K3 --workers 16
       k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest ./k3 --include '*.json' --include 'tokenizer*'
       k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest ./k3 --dry-run
+      k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest /nvme/k3-node0 --ep 8 --tp 2 --node 0 --gpus-per-node 4
+      k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest ./k3-r0 --ep 8 --ranks 0 --manifest kimi-k3.json
     """
     from .fetch import plan_fetch, run_fetch
     from .summary import human_bytes
+
+    rank_opts = {"--ep": ep, "--tp": tp, "--world-size": world_size, "--ranks": ranks_spec, "--node": node}
+    if any(v is not None for v in rank_opts.values()):
+        if ranks_spec is None and node is None:
+            raise click.UsageError("rank-aware fetch needs --ranks or --node (all ranks need the whole checkpoint: "
+                                   "drop --ep/--tp/--world-size for a full fetch)")
+        _fetch_ranks(hub, repo, revision, dest, include, exclude, workers, chunk_size, endpoint, ep or 1, tp or 1,
+                     world_size, placement or "linear", ranks_spec, node, gpus_per_node, manifest_path, dry_run,
+                     as_json, verbose)
+        return
+    for flag, given in (("--placement", placement), ("--gpus-per-node", gpus_per_node), ("--manifest", manifest_path)):
+        if given is not None:
+            raise click.UsageError(f"{flag} is for a rank-aware fetch: add --ranks or --node with --ep/--tp")
 
     plan = plan_fetch(hub, repo, dest, revision=revision, include=include, exclude=exclude, endpoint=endpoint)
     if dry_run:
@@ -486,6 +521,70 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
             click.echo(f"  could not fetch {p}: {why}")
         for note in res.notes:
             click.echo(f"  note: {note}", err=True)
+    if not res.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
+def _fetch_ranks(hub: str, repo: str, revision: str | None, dest: str, include: tuple[str, ...],
+                 exclude: tuple[str, ...], workers: int, chunk_size: int, endpoint: str | None, ep: int, tp: int,
+                 world_size: int | None, placement: str, ranks_spec: str | None, node: int | None,
+                 gpus_per_node: int | None, manifest_path: str | None, dry_run: bool, as_json: bool,
+                 verbose: bool) -> None:
+    """``k3ckpt fetch`` with a rank selection: see :mod:`k3ckpt.rankfetch`."""
+    from .rankfetch import STRUCTURE_ONLY_NOTE, VERIFIED_STRUCTURE, plan_rank_fetch, run_rank_fetch
+    from .summary import _ranges, human_bytes
+
+    plan = plan_rank_fetch(hub, repo, dest, revision=revision, endpoint=endpoint, ep=ep, tp=tp, world_size=world_size,
+                           placement=placement, ranks=ranks_spec, node=node, gpus_per_node=gpus_per_node,
+                           manifest=manifest_path, include=include, exclude=exclude, chunk_size=chunk_size,
+                           jobs=workers)
+    t = plan.topology
+    what = (f"rank{'s' if len(plan.ranks) > 1 else ''} {_ranges(plan.ranks)} of ep {t.ep} x tp {t.tp} (world size {t.world_size}, "
+            f"{t.placement} placement)")
+    source = f"{hub}:{plan.listing.repo}@{plan.listing.revision}"
+    if dry_run:
+        if as_json:
+            _emit_json(plan.to_json())
+            return
+        for sp in plan.shards:
+            how = "whole" if sp.whole else f"{len(sp.names)} of {sp.source_tensors} tensors, {len(sp.pieces)} request{'s' if len(sp.pieces) != 1 else ''}"
+            click.echo(f"{human_bytes(sp.download_bytes):>10} of {human_bytes(sp.source.size):>10}  {sp.path}  ({how})")
+        for f in plan.files:
+            click.echo(f"{human_bytes(plan.listing.files[f].size):>10}{'':14}  {f}")
+        share = plan.bytes_total / plan.source_bytes if plan.source_bytes else 1.0
+        click.echo(f"would fetch {human_bytes(plan.bytes_total)} of {human_bytes(plan.source_bytes)} ({share:.1%}) "
+                   f"from {source} into {plan.dest} for {what}: {plan.tensors:,} tensors in {len(plan.shards)} "
+                   f"shards ({sum(not s.whole for s in plan.shards)} rewritten) and {len(plan.files)} other files; "
+                   f"headers read: {human_bytes(plan.header_bytes)}")
+        if plan.verification == VERIFIED_STRUCTURE:
+            click.echo(f"note: {STRUCTURE_ONLY_NOTE}")
+        return
+    with ByteProgress(not as_json, "fetching") as bar:
+        res = run_rank_fetch(plan, workers=workers, progress=bar, on_plan=bar.plan)
+    if as_json:
+        d = res.to_json()
+        d.update(hub=hub, repo=plan.listing.repo, revision=plan.listing.revision, ranks=plan.ranks,
+                 topology=t.to_json(), source_bytes=plan.source_bytes)
+        _emit_json(d)
+    else:
+        if verbose:
+            for p in res.written:
+                click.echo(f"wrote    {p} (selected tensors)")
+            for p in res.fetched:
+                click.echo(f"fetched  {p}")
+            for p in res.skipped + res.files_skipped:
+                click.echo(f"verified {p} (already present)")
+        rate = f" at {human_bytes(res.bytes_downloaded / res.seconds)}/s" if res.seconds and res.bytes_downloaded else ""
+        checked = f", {res.tensors_verified:,} tensors verified against the manifest" if plan.manifest is not None else ""
+        click.echo(f"{'ok' if res.ok else 'FAILED'}: {source} -> {plan.dest}: {what}: "
+                   f"{len(res.written)} shards rewritten, {len(res.fetched)} files fetched "
+                   f"({human_bytes(res.bytes_downloaded)}{rate}; the selection is {human_bytes(plan.bytes_total)} of "
+                   f"{human_bytes(plan.source_bytes)}), {len(res.skipped) + len(res.files_skipped)} already present"
+                   f"{checked}, {len(res.failed)} failed")
+        for p, why in sorted(res.failed.items()):
+            click.echo(f"  could not fetch {p}: {why}")
+        if res.verification == VERIFIED_STRUCTURE:
+            click.echo(f"note: {STRUCTURE_ONLY_NOTE}")
     if not res.ok:
         sys.exit(EXIT_PROBLEMS)
 

@@ -577,19 +577,7 @@ class _Job:
         if not _within(self.dest_real, os.path.realpath(parent)):
             raise _Fatal(f"refusing to write {self.entry.path!r}: its directory resolves to "
                          f"{os.path.realpath(parent)!r}, outside {self.dest_real!r}")
-        fd = os.open(self.part, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
-        try:
-            if self.entry.size:
-                try:
-                    # Reserve the blocks now: ENOSPC here, not in the middle of chunk 900.
-                    os.posix_fallocate(fd, 0, self.entry.size)
-                except (AttributeError, OSError):
-                    os.ftruncate(fd, self.entry.size)  # filesystems without fallocate: sparse
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd = fd
+        self.fd = _create_part(self.part, self.entry.size)
         self.write_journal()
 
     def write_journal(self) -> None:
@@ -610,6 +598,26 @@ class _Job:
 
 #: Task index of a whole-file sequential GET (the fallback for a server that ignores ``Range``).
 _WHOLE = -1
+
+
+def _create_part(path: str, size: int, head: bytes = b"") -> int:
+    """Create ``path`` exclusively (never through a symlink), reserve ``size`` bytes, write
+    ``head`` at offset 0, ``fsync``; return the open descriptor."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+    try:
+        if size:
+            try:
+                # Reserve the blocks now: ENOSPC here, not in the middle of chunk 900.
+                os.posix_fallocate(fd, 0, size)
+            except (AttributeError, OSError):
+                os.ftruncate(fd, size)  # filesystems without fallocate: sparse
+        if head:
+            os.pwrite(fd, head, 0)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class _RangeIgnored(_Fatal):
@@ -927,11 +935,7 @@ class _Run:
         if failures >= self.retry.attempts:
             self.fail(job, f"{e}; gave up after {failures} attempts")
             return False
-        delay = self.retry.delay(failures, e.retry_after)
-        if e.retry_after is None:
-            # Equal jitter: workers that failed together must not retry in lockstep.
-            delay = delay / 2 + random.uniform(0, delay / 2)
-        self.retry.sleep(delay)
+        _back_off(self.retry, failures, e.retry_after)
         return True
 
     def _go_sequential(self, job: _Job) -> None:
@@ -1018,27 +1022,41 @@ class _Run:
                 self.result.fetched.append(entry.path)
 
     def run(self) -> None:
-        threads = [threading.Thread(target=self.worker, name=f"k3ckpt-fetch-{i}", daemon=True)
-                   for i in range(self.workers)]
+        _run_workers(self.worker, self.workers, "k3ckpt-fetch", self.cond, lambda: self.pending > 0, self.cancel)
+
+
+def _back_off(policy: RetryPolicy, failures: int, retry_after: float | None) -> None:
+    """Sleep before retry number ``failures`` (``Retry-After`` as given, else the backoff)."""
+    delay = policy.delay(failures, retry_after)
+    if retry_after is None:
+        # Equal jitter: workers that failed together must not retry in lockstep.
+        delay = delay / 2 + random.uniform(0, delay / 2)
+    policy.sleep(delay)
+
+
+def _run_workers(worker: Callable[[], None], workers: int, name: str, cond: threading.Condition,
+                 busy: Callable[[], bool], cancel: threading.Event) -> None:
+    """Run ``workers`` daemon threads of ``worker`` until ``busy()`` (read under ``cond``) is false."""
+    threads = [threading.Thread(target=worker, name=f"{name}-{i}", daemon=True) for i in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        with cond:
+            while busy():
+                cond.wait(0.5)
+    except BaseException:
+        # Ctrl-C: stop the workers between pieces; the journal is consistent at any moment.
+        # A worker blocked in a read is not waited for beyond a moment (it is a daemon
+        # thread, and once cancelled it records nothing more in any journal).
+        cancel.set()
+        with cond:
+            cond.notify_all()
+        deadline = time.monotonic() + 2.0
         for t in threads:
-            t.start()
-        try:
-            with self.cond:
-                while self.pending > 0:
-                    self.cond.wait(0.5)
-        except BaseException:
-            # Ctrl-C: stop the workers between pieces; the journal is consistent at any moment.
-            # A worker blocked in a read is not waited for beyond a moment (it is a daemon
-            # thread, and once cancelled it records nothing more in any journal).
-            self.cancel.set()
-            with self.cond:
-                self.cond.notify_all()
-            deadline = time.monotonic() + 2.0
-            for t in threads:
-                t.join(timeout=max(0.0, deadline - time.monotonic()))
-            raise
-        for t in threads:
-            t.join()
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        raise
+    for t in threads:
+        t.join()
 
 
 def _mismatch(entry: HubFile, size: int, sha256: str, git_sha1: str | None) -> str | None:
@@ -1079,6 +1097,7 @@ def fetch_files(
     on_plan: Callable[[int], None] | None = None,
     retry: RetryPolicy | None = None,
     check_space: bool = True,
+    take_lock: bool = True,
 ) -> FetchResult:
     """Download files of ``listing`` into ``dest``: parallel, chunked, resumable and verified.
 
@@ -1097,6 +1116,8 @@ def fetch_files(
         retry: Per-chunk retry policy; defaults to :data:`FETCH_RETRY`.  Backoff delays get
             jitter; ``Retry-After`` is honoured as given (capped at ``max_retry_after``).
         check_space: Refuse to start when the filesystem has less free space than needed.
+        take_lock: ``False`` when the caller already holds ``dest``'s lock (the rank-aware fetch
+            downloads its whole files inside its own locked run).
 
     Returns:
         FetchResult: ``ok`` only if every requested file is present and verified; every file
@@ -1120,7 +1141,8 @@ def fetch_files(
     result = FetchResult(dest=dest_path)
 
     lock = _DestLock(dest_real)
-    lock.acquire()
+    if take_lock:
+        lock.acquire()
     try:
         entries: list[tuple[HubFile, str]] = []
         for rel in wanted:

@@ -84,6 +84,7 @@ __all__ = [
     "UnsafePath",
     "auth_headers",
     "fetch_header",
+    "fetch_headers",
     "file_url",
     "list_repo",
     "read_range",
@@ -999,3 +1000,26 @@ def fetch_header(
         raise SafetensorsHeaderError(label, f"header length {n} runs past the end of the {size}-byte file (truncated?)")
     raw = _read(listing, path, 8, n, headers, timeout, policy)
     return parse_header_columns(raw, file=path, path=label, file_size=size)
+
+
+def fetch_headers(
+    listing: HubListing,
+    paths: list[str],
+    *,
+    token: str | None = None,
+    jobs: int = 8,
+    timeout: float = 30.0,
+    retry: RetryPolicy | None = None,
+) -> list[HeaderColumns]:
+    """:func:`fetch_header` of several shards, ``jobs`` at a time, in the order of ``paths``.
+
+    Raises:
+        SafetensorsHeaderError, HubError: As :func:`fetch_header`, for the first shard that fails.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(path: str) -> HeaderColumns:
+        return fetch_header(listing, path, token=token, timeout=timeout, retry=retry)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(paths) or 1))) as ex:
+        return list(ex.map(one, paths))

@@ -271,12 +271,9 @@ def pull_manifest(
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from .hubclient import fetch_header, list_repo, read_range
+    from .hubclient import fetch_headers, list_repo, read_range
 
     listing = list_repo(hub, repo, revision, endpoint=endpoint, token=token)
-
-    def header(path: str) -> ShardHeader:
-        return fetch_header(listing, path, token=token).to_header()
 
     def small_sha(path: str) -> str:
         return hashlib.sha256(read_range(listing, path, 0, listing.files[path].size, token=token)).hexdigest()
@@ -287,8 +284,8 @@ def pull_manifest(
     if too_big:
         raise ManifestError(f"{hub}:{repo}@{listing.revision}: {too_big[0]} has no published sha256 and is "
                             f"{listing.files[too_big[0]].size} bytes; build the manifest from a local copy instead")
+    headers = [c.to_header() for c in fetch_headers(listing, shards, token=token, jobs=jobs)]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
-        headers = list(ex.map(header, shards))
         shas = dict(zip(unhashed, ex.map(small_sha, unhashed)))
     data_start = {h.file: h.data_start for h in headers}
     files = {

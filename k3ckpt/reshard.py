@@ -93,9 +93,10 @@ from .topology import (
     TopologyError,
     check_heads,
     index_of,
+    num_experts_of,
     num_nodes,
-    parse_ranks,
     ranks_of_node,
+    select_ranks,
     tensors_for_ranks,
 )
 
@@ -109,6 +110,9 @@ READY_NAME = "READY"
 TOPOLOGY_NAME = "topology.json"
 #: Marker of an ``--format hf-node`` directory: topology, node, its experts, digests.
 NODE_MARKER = "k3ckpt-node.json"
+#: The marker of a rank-aware fetch (``k3ckpt fetch --ranks/--node``; ``rankfetch.PARTIAL_NAME``):
+#: the same ``experts`` list, so verify reads either through :func:`read_node_marker`.
+PARTIAL_MARKER = "k3ckpt-partial.json"
 NODE_FORMAT = "k3ckpt-node"
 #: ``topology.json``'s format of an ``--format hf-node`` output (not the rank-layout contract's).
 HF_NODE_FORMAT = "k3ckpt-hf-node-layout"
@@ -137,13 +141,14 @@ def hf_shard_name(k: int, n: int) -> str:
 
 
 def read_node_marker(root: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The ``k3ckpt-node.json`` of an ``--format hf-node`` directory, or None when there is none.
+    """The ``k3ckpt-node.json`` of an ``--format hf-node`` directory (or the ``k3ckpt-partial.json``
+    of a rank-aware fetch), or None when there is none.
 
     Raises:
         ReshardError: the marker exists but is unreadable or lists no experts.
     """
-    path = Path(root) / NODE_MARKER
-    if not path.exists():
+    path = next((Path(root) / m for m in (NODE_MARKER, PARTIAL_MARKER) if (Path(root) / m).exists()), None)
+    if path is None:
         return None
     marker, _ = load_json(path, ReshardError)
     experts = marker.get("experts") if isinstance(marker, dict) else None
@@ -410,10 +415,7 @@ def plan_reshard(
         raise ReshardError(f"alignment {align} must be a power of two >= 8")
     idx = index_of(ckpt)
     cfg = ckpt.config
-    found = idx.max_expert + 1 if idx.max_expert >= 0 else 0
-    num_experts = (cfg.num_experts if cfg and cfg.num_experts else 0) or found or 1
-    if found > num_experts:
-        raise TopologyError(f"the checkpoint has expert {found - 1} but config.json says {num_experts} experts")
+    num_experts = num_experts_of(idx, cfg.num_experts if cfg else None)
     topo = Topology.make(ep=ep, tp=tp, world_size=world_size, placement=placement, num_experts=num_experts)
     if cfg is not None:
         check_heads(cfg, topo.tp, [])
@@ -431,19 +433,9 @@ def plan_reshard(
         nodes = [node] if node is not None else list(range(num_nodes(gpus_per_node, topo.world_size)))
         node_plans = [_node_plan(ckpt, idx, topo, n, gpus_per_node, max_file_size, align) for n in nodes]
         return ReshardPlan(ckpt, topo, [], _source_json(ckpt), gpus_per_node, extra, node_plans, layout)
-    if node is not None:
-        if gpus_per_node is None:
-            raise TopologyError("--node needs --gpus-per-node")
-        selected = ranks_of_node(node, gpus_per_node, topo.world_size)
-    elif isinstance(ranks, str):
-        selected = parse_ranks(ranks, topo.world_size)
-    elif ranks is not None:
-        selected = parse_ranks(",".join(map(str, ranks)), topo.world_size) if ranks else []
-        if not selected:
-            raise TopologyError("no ranks selected")
-    else:
-        selected = list(range(topo.world_size))
+    selected = select_ranks(topo, ranks=ranks, node=node, gpus_per_node=gpus_per_node)
     per_rank = tensors_for_ranks(idx, topo, selected, gpus_per_node=gpus_per_node)
+    _require_experts(ckpt.root, idx, per_rank)
     plans = []
     for r in selected:
         rt = per_rank[r]
@@ -456,6 +448,20 @@ def plan_reshard(
         plans.append(RankPlan(r, info.ep_rank, info.tp_rank, info.moe_tp_rank,
                               _pack_files(r, outs, max_file_size, align, lambda k, _n, r=r: part_name(r, k))))
     return ReshardPlan(ckpt, topo, plans, _source_json(ckpt), gpus_per_node, extra)
+
+
+def _require_experts(root: Path, idx: Any, per_rank: dict[int, Any]) -> None:
+    """Refuse ranks whose routed experts the checkpoint lacks entirely - a partial checkpoint
+    (``k3ckpt fetch --ranks``) holds only its ranks' experts - rather than write them without."""
+    if not idx.expert_names:
+        return  # no per-expert tensors at all (a dense model, or gpt-oss stacked experts)
+    for r, rt in sorted(per_rank.items()):
+        missing = [e for e in rt.rank.experts if e not in idx.expert_names]
+        if missing:
+            from .summary import _ranges
+
+            raise ReshardError(f"{root}: rank {r} needs routed experts {_ranges(missing)}, which this checkpoint "
+                               "does not hold (a partial checkpoint? its k3ckpt-partial.json says which ranks it has)")
 
 
 def _node_plan(ckpt: Checkpoint, idx: InventoryIndex, topo: Topology, node: int, gpus_per_node: int,

@@ -294,6 +294,45 @@ def parse_ranks(spec: str, world_size: int) -> list[int]:
     return sorted(out)
 
 
+def select_ranks(
+    topo: Topology, *, ranks: str | list[int] | None = None, node: int | None = None, gpus_per_node: int | None = None,
+) -> list[int]:
+    """The ranks a command works on: ``--ranks`` (``"0-3,8"`` or a list), ``--node N`` with
+    ``--gpus-per-node G``, or every rank when neither is given. Sorted, without duplicates.
+
+    Raises:
+        TopologyError: both or an invalid selection given, ``--node`` without ``--gpus-per-node``,
+            or an empty list.
+    """
+    if node is not None and ranks is not None:
+        raise TopologyError("give --ranks or --node, not both")
+    if node is not None:
+        if gpus_per_node is None:
+            raise TopologyError("--node needs --gpus-per-node")
+        return ranks_of_node(node, gpus_per_node, topo.world_size)
+    if isinstance(ranks, str):
+        return parse_ranks(ranks, topo.world_size)
+    if ranks is not None:
+        if not ranks:
+            raise TopologyError("no ranks selected")
+        return parse_ranks(",".join(map(str, ranks)), topo.world_size)
+    return list(range(topo.world_size))
+
+
+def num_experts_of(idx: InventoryIndex, config_experts: int | None) -> int:
+    """How many routed experts a topology places: the config's count, else one more than the
+    highest expert id in the tensor names (1 for a model without routed experts).
+
+    Raises:
+        TopologyError: the tensors name an expert beyond the config's count.
+    """
+    found = idx.max_expert + 1 if idx.max_expert >= 0 else 0
+    num_experts = config_experts or found or 1
+    if found > num_experts:
+        raise TopologyError(f"the checkpoint has expert {found - 1} but config.json says {num_experts} experts")
+    return num_experts
+
+
 def num_nodes(gpus_per_node: int, world_size: int) -> int:
     """Nodes needed for ``world_size`` ranks; the last one may be partial."""
     _check_gpus_per_node(gpus_per_node)
@@ -613,11 +652,14 @@ def index_of(source: Checkpoint | InventoryIndex | tuple) -> InventoryIndex:
     if isinstance(source, tuple):
         tensors, roles = source
         return build_index(tensors, roles)
-    block = DEFAULT_FP8_BLOCK
-    cfg = getattr(source, "config", None)
+    return build_index(source.tensors, source.roles, fp8_block=fp8_block_of(getattr(source, "config", None)))
+
+
+def fp8_block_of(cfg: ModelConfig | None) -> tuple[int, ...]:
+    """The FP8 scale block size the config declares (``weight_block_size``), else the default."""
     if cfg is not None and cfg.quantization.get("weight_block_size"):
-        block = tuple(int(b) for b in cfg.quantization["weight_block_size"])
-    return build_index(source.tensors, source.roles, fp8_block=block)
+        return tuple(int(b) for b in cfg.quantization["weight_block_size"])
+    return DEFAULT_FP8_BLOCK
 
 
 @dataclass

@@ -403,7 +403,7 @@ def _structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue
         marker = read_node_marker(ckpt.root)
     except ReshardError as e:
         marker = None
-        out.append(Issue("config", NODE_MARKER, str(e).split(": ", 1)[-1]))
+        out.append(Issue("config", os.path.basename(str(e).split(": ", 1)[0]) or NODE_MARKER, str(e).split(": ", 1)[-1]))
     experts = marker["experts"] if marker is not None else None
     for f in inspect_checkpoint(ckpt, experts=experts).findings:
         if f.severity != "error" or any(f.message == p.message for p in ckpt.problems):

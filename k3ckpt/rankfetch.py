@@ -1,0 +1,1032 @@
+"""Rank-aware fetch: download only the tensors that some ranks of a TP/EP topology need.
+
+``k3ckpt fetch --ep 8 --tp 2 --node 0 --gpus-per-node 4`` reads the config, the index and every
+shard's header with Range requests (about 60 MB for the full K3), works out with
+:func:`k3ckpt.topology.tensors_for_ranks` which tensors the selected ranks hold, and downloads
+only their byte ranges. A node of an 8-way expert-parallel deployment so stores about 1/8 of the
+routed experts instead of 1.56 TB. Tensors are fetched *whole* (``reshard`` slices the dense
+ones later); the saving is the routed experts these ranks do not own.
+
+Output: a plain local-dir checkpoint of the selected tensors that ``reshard`` and ``verify``
+accept:
+
+- every source shard holding a selected tensor keeps its file name. If it holds only selected
+  tensors it is downloaded whole by :func:`k3ckpt.download.fetch_files` (so the hub's sha256
+  verifies it); otherwise it is rewritten as a valid safetensors file holding just the
+  selected tensors: a new header (the source's ``__metadata__``, the source's tensor order,
+  offsets recomputed back to back, data buffer 8-byte aligned as
+  :func:`~k3ckpt.safetensors_header.build_header` pads) followed by the tensors' bytes;
+- ``model.safetensors.index.json`` lists exactly the tensors present, ``metadata.total_size``
+  their bytes;
+- every non-weight file (config, tokenizer, LICENSE, code) is fetched whole, as a full fetch
+  does (``--include``/``--exclude`` filter these);
+- ``k3ckpt-partial.json`` (:data:`PARTIAL_NAME`), written last, says what was selected:
+  source, topology, ranks, ``experts`` (the routed experts every MoE layer holds, as in the
+  ``k3ckpt-node.json`` of ``reshard --format hf-node``) and how the bytes were verified.
+  ``verify`` requires only those experts; a later run can tell a partial checkpoint from a
+  broken one. Its presence means the run completed.
+
+How bytes move. Tensors adjacent in the source (an expert's six tensors; a rank's run of
+experts) are coalesced into one Range request of at most ``chunk_size`` bytes, so requests are
+parallel and a crash loses little; a tensor larger than a chunk gets a sequence of requests.
+Each response streams into a preallocated ``<shard>.part`` at the tensor's *new* offset
+(:func:`k3ckpt.download._stream_range`, with the downloader's response checks and retry rules).
+Requests are grouped into *tasks*, the unit of hashing: one request of whole tensors, or the
+requests of one large tensor, fetched in order by one worker.
+
+Verification. The hub's sha256 covers whole files, so a rewritten shard cannot be checked
+against it. With a tensor-hash manifest (``k3ckpt manifest build --tensor-hashes``) each
+tensor is hashed while its bytes stream in (no second read) and compared with the manifest; a
+mismatch re-fetches that task once, then fails the shard naming the tensor. The manifest must
+describe the hub's headers exactly (file, dtype, shape, offsets) or the run is refused before
+any byte moves. Without a manifest only structure (the header written) and sizes are checked,
+and the result says so.
+
+Crash safety (SIGKILL at any moment) follows the downloader's design: the ``.part`` is
+preallocated and its new header written and ``fsync``-ed before a journal
+(``<shard>.part.journal``) exists; a request's bytes are ``fdatasync``-ed before its index is
+added to the journal (rewritten atomically); the journal records a fingerprint of the exact
+selection (source file, new header, request layout), so a journal of another selection or
+chunk size is discarded. A task whose every request is journaled was verified (its last
+request is journaled only after the tensor hashes matched); a large tensor's earlier requests
+are re-read from the ``.part`` on resume to rebuild its hash. A complete ``.part`` is checked
+(size, header bytes) and renamed into place; the index and the marker are removed at the start
+of a run and written only when everything succeeded. The destination lock is the downloader's.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import download, hubclient
+from .checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, bulk_allocation
+from .config import ModelConfig, parse_config
+from .errors import ConfigError, K3ckptError
+from .fetch import select_paths
+from .hashing import HashError, Span, hash_file
+from .hubclient import HubFile, HubListing, RetryPolicy
+from .manifest import Manifest, tensors_from_headers
+from .reshard import PARTIAL_MARKER
+from .safetensors_header import ShardHeader, TensorInfo, TensorSpec, build_header, parse_header_bytes
+from .topology import Topology, build_index, check_heads, fp8_block_of, num_experts_of, select_ranks, tensors_for_ranks
+
+__all__ = [
+    "PARTIAL_NAME",
+    "RankFetchError",
+    "RankFetchPlan",
+    "RankFetchResult",
+    "ShardPlan",
+    "plan_rank_fetch",
+    "plan_shard",
+    "run_rank_fetch",
+    "select_tensors",
+]
+
+#: The marker written last into a rank-aware fetch's destination.
+PARTIAL_NAME = PARTIAL_MARKER
+PARTIAL_FORMAT = "k3ckpt-partial"
+PARTIAL_VERSION = 1
+#: ``verification`` values of the result and the marker: every rewritten shard's tensors were
+#: checked against a manifest; or only their structure and sizes; or no shard was rewritten (every
+#: file was checked against the hub's sha256).
+VERIFIED_TENSORS = "tensor-sha256"
+VERIFIED_STRUCTURE = "structure-and-sizes"
+VERIFIED_FILES = "file-sha256"
+#: Said plainly whenever no manifest was given.
+STRUCTURE_ONLY_NOTE = ("no --manifest: the rewritten shards were checked for structure and sizes only (the hub's "
+                       "sha256 covers whole files); pass a tensor-hash manifest (k3ckpt manifest build "
+                       "--tensor-hashes) to verify every tensor")
+
+_JOURNAL_VERSION = 1
+_READ_BACK = 1 << 20  # bytes per pread when re-hashing a resumed large tensor
+
+
+class RankFetchError(K3ckptError):
+    """The repo, its headers or the manifest do not allow a rank-aware fetch (the message says why)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning: which bytes go where
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One ranged GET: ``length`` bytes at absolute offset ``src`` of the source shard, written
+    at absolute offset ``dst`` of the output shard."""
+
+    src: int
+    dst: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Task:
+    """The unit of hashing: whole tensors adjacent in the source fetched by one piece, or one
+    tensor larger than a chunk fetched by several pieces in order.
+
+    Attributes:
+        tensors: ``(name, start, stop)`` of each tensor, absolute offsets in the output shard.
+        pieces: Indices into :attr:`ShardPlan.pieces`, in output order.
+    """
+
+    tensors: tuple[tuple[str, int, int], ...]
+    pieces: tuple[int, ...]
+
+
+@dataclass
+class ShardPlan:
+    """What one source shard contributes to the output.
+
+    Attributes:
+        path: Repo-relative path; also the output file's name.
+        source: The hub's entry for the source shard.
+        source_tensors: Number of tensors in the source shard.
+        names: The selected tensors, in source order.
+        prefix: The output's 8-byte length and header (empty for a whole shard: the source's is kept).
+        size: Size of the output file.
+        tensor_bytes: Bytes of the selected tensors' data.
+        whole: Every tensor is selected: the shard is fetched whole and sha256-verified.
+        pieces: The ranged GETs (empty for a whole shard).
+        tasks: The hashing units over :attr:`pieces` (empty for a whole shard).
+    """
+
+    path: str
+    source: HubFile
+    source_tensors: int
+    names: list[str]
+    prefix: bytes
+    size: int
+    tensor_bytes: int
+    whole: bool
+    pieces: list[Piece] = field(default_factory=list)
+    tasks: list[Task] = field(default_factory=list)
+
+    @property
+    def download_bytes(self) -> int:
+        """Bytes the fetch moves for this shard (a whole shard comes with its header)."""
+        return self.source.size if self.whole else self.tensor_bytes
+
+    def fingerprint(self) -> str:
+        """Identifies the exact ``.part`` this plan writes: source content, new header and the
+        request layout (so a journal of another selection or chunk size is never adopted)."""
+        h = hashlib.sha256()
+        h.update(json.dumps([self.path, self.source.size, self.source.sha256, self.source.git_sha1]).encode())
+        h.update(self.prefix)
+        h.update(json.dumps([[p.src, p.dst, p.length] for p in self.pieces]).encode())
+        return h.hexdigest()
+
+
+def plan_shard(header: ShardHeader, source: HubFile, wanted: set[str] | frozenset[str], chunk_size: int) -> ShardPlan | None:
+    """The output of one source shard for the ``wanted`` tensors, or ``None`` if it holds none.
+
+    Args:
+        header: The source shard's parsed header.
+        source: Its hub entry (size and digests).
+        wanted: Names of the tensors to keep (names of other shards are ignored).
+        chunk_size: Largest ranged GET, in bytes.
+    """
+    kept = sorted((t for n, t in header.tensors.items() if n in wanted), key=lambda t: t.begin)
+    if not kept:
+        return None
+    nbytes = sum(t.end - t.begin for t in kept)
+    if len(kept) == len(header.tensors):
+        return ShardPlan(source.path, source, len(header.tensors), [t.name for t in kept], b"", source.size, nbytes,
+                         True)
+    prefix, offsets = build_header([TensorSpec(t.name, t.dtype, t.shape) for t in kept], header.metadata)
+    base = len(prefix)
+    spans = [(t.name, header.data_start + t.begin, base + b, base + e) for t, (b, e) in zip(kept, offsets)]
+    pieces, tasks = _pieces_and_tasks(spans, chunk_size)
+    size = base + (offsets[-1][1] if offsets else 0)
+    return ShardPlan(source.path, source, len(header.tensors), [t.name for t in kept], prefix, size, nbytes, False,
+                     pieces, tasks)
+
+
+def _pieces_and_tasks(spans: list[tuple[str, int, int, int]], chunk_size: int) -> tuple[list[Piece], list[Task]]:
+    """Coalesce ``(name, src_start, dst_start, dst_stop)`` spans (in source order) into pieces
+    of at most ``chunk_size`` bytes and group them into tasks (see :class:`Task`)."""
+    pieces: list[Piece] = []
+    tasks: list[Task] = []
+    group: list[tuple[str, int, int, int]] = []
+
+    def flush() -> None:
+        if not group:
+            return
+        src, dst, stop = group[0][1], group[0][2], group[-1][3]
+        ids: tuple[int, ...] = ()
+        if stop > dst:  # a group of zero-byte tensors needs no request
+            pieces.append(Piece(src, dst, stop - dst))
+            ids = (len(pieces) - 1,)
+        tasks.append(Task(tuple((n, b, e) for n, _, b, e in group), ids))
+        group.clear()
+
+    for span in spans:
+        name, src, dst, stop = span
+        nbytes = stop - dst
+        if nbytes > chunk_size:
+            flush()
+            first = len(pieces)
+            pieces.extend(Piece(src + off, dst + off, min(chunk_size, nbytes - off)) for off in range(0, nbytes, chunk_size))
+            tasks.append(Task(((name, dst, stop),), tuple(range(first, len(pieces)))))
+            continue
+        if group:
+            g_src_end = group[-1][1] + (group[-1][3] - group[-1][2])
+            if g_src_end != src or stop - group[0][2] > chunk_size:
+                flush()
+        group.append(span)
+    flush()
+    return pieces, tasks
+
+
+@dataclass
+class RankFetchPlan:
+    """Everything a rank-aware fetch will do, decided from hub metadata and headers alone.
+
+    Attributes:
+        listing: The hub listing (pinned to the resolved commit).
+        dest: Destination directory.
+        topology: The topology the ranks belong to.
+        ranks: The selected global ranks.
+        node: ``--node`` when the ranks came from it.
+        gpus_per_node: ``--gpus-per-node`` when given.
+        chunk_size: Largest ranged GET.
+        shards: One plan per source shard holding a selected tensor, by path.
+        files: Non-weight files fetched whole.
+        excluded: Non-weight files left out by ``--include``/``--exclude``.
+        experts: The routed experts the selected ranks hold (in every MoE layer).
+        header_bytes: Bytes read to plan (length prefixes and headers of every shard).
+        source_bytes: Bytes a full fetch would move (every shard, the index, every non-weight file).
+        source_index_sha256: sha256 of the source's index file (``None`` for a single file).
+        manifest: The tensor-hash manifest to verify against, if any.
+        manifest_label: How to name it in messages.
+    """
+
+    listing: HubListing
+    dest: Path
+    topology: Topology
+    ranks: list[int]
+    node: int | None
+    gpus_per_node: int | None
+    chunk_size: int
+    shards: list[ShardPlan]
+    files: list[str]
+    excluded: list[str]
+    experts: list[int]
+    header_bytes: int
+    source_bytes: int
+    source_index_sha256: str | None
+    manifest: Manifest | None = None
+    manifest_label: str | None = None
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes the fetch moves when nothing is present yet (planning headers excluded)."""
+        return sum(s.download_bytes for s in self.shards) + sum(self.listing.files[f].size for f in self.files)
+
+    @property
+    def verification(self) -> str:
+        if all(s.whole for s in self.shards):
+            return VERIFIED_FILES
+        return VERIFIED_TENSORS if self.manifest is not None else VERIFIED_STRUCTURE
+
+    @property
+    def tensors(self) -> int:
+        return sum(len(s.names) for s in self.shards)
+
+    def source_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"hub": self.listing.hub, "repo": self.listing.repo, "revision": self.listing.revision}
+        if self.source_index_sha256 is not None:
+            out["index_sha256"] = self.source_index_sha256
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--dry-run --json`` output."""
+        return {
+            "hub": self.listing.hub, "repo": self.listing.repo, "revision": self.listing.revision,
+            "dest": str(self.dest), "topology": self.topology.to_json(), "ranks": self.ranks, "node": self.node,
+            "gpus_per_node": self.gpus_per_node,
+            "shards": {s.path: {"tensors": len(s.names), "source_tensors": s.source_tensors, "whole": s.whole,
+                                "bytes": s.download_bytes, "source_bytes": s.source.size, "size": s.size,
+                                "requests": 1 if s.whole else len(s.pieces)} for s in self.shards},
+            "files": {f: self.listing.files[f].size for f in self.files}, "excluded": self.excluded,
+            "bytes_total": self.bytes_total, "source_bytes": self.source_bytes, "header_bytes": self.header_bytes,
+            "tensors": self.tensors, "verification": self.verification,
+            "experts": self.experts,
+        }
+
+
+def _read_small(listing: HubListing, path: str, token: str | None) -> bytes:
+    return hubclient.read_range(listing, path, 0, listing.files[path].size, token=token)
+
+
+def _label(listing: HubListing, path: str) -> str:
+    return f"{listing.hub}:{listing.repo}@{listing.revision}/{path}"
+
+
+def _remote_index(listing: HubListing, token: str | None) -> tuple[dict[str, str] | None, list[str], str | None]:
+    """``(weight_map, shard paths, index sha256)`` from the repo's index, or its single file."""
+    if INDEX_NAME not in listing.files:
+        if SINGLE_NAME in listing.files:
+            return None, [SINGLE_NAME], None
+        raise RankFetchError(f"{listing.hub}:{listing.repo}@{listing.revision}: no {INDEX_NAME} and no {SINGLE_NAME}; "
+                             "is this a safetensors checkpoint?")
+    raw = _read_small(listing, INDEX_NAME, token)
+    where = _label(listing, INDEX_NAME)
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RankFetchError(f"{where}: not valid JSON ({e})") from None
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
+        raise RankFetchError(f"{where}: no weight_map of tensor names to file names")
+    shards = sorted(set(wm.values()))
+    for f in shards:
+        if f not in listing.files:
+            raise RankFetchError(f"{where}: names the shard {f!r}, which the repo does not have")
+    return wm, shards, hashlib.sha256(raw).hexdigest()
+
+
+def _remote_config(listing: HubListing, token: str | None) -> ModelConfig | None:
+    if CONFIG_NAME not in listing.files:
+        return None
+    where = _label(listing, CONFIG_NAME)
+    try:
+        raw = json.loads(_read_small(listing, CONFIG_NAME, token))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: not a JSON object")
+    return parse_config(raw, where)
+
+
+def _check_headers(headers: list[ShardHeader], weight_map: dict[str, str] | None, listing: HubListing) -> None:
+    """Refuse a repo whose headers repeat a tensor or disagree with its index."""
+    seen: dict[str, str] = {}
+    for h in headers:
+        for name in h.tensors:
+            prev = seen.setdefault(name, h.file)
+            if prev != h.file:
+                raise RankFetchError(f"{_label(listing, h.file)}: tensor {name!r} is also in {prev}")
+    if weight_map is None or weight_map == seen:
+        return
+    where = _label(listing, INDEX_NAME)
+    for name, file in sorted(weight_map.items()):
+        if seen.get(name) != file:
+            actual = f"is in {seen[name]}" if name in seen else "is in no shard header"
+            raise RankFetchError(f"{where}: tensor {name!r} is listed under {file} but {actual}")
+    extra = sorted(seen.keys() - weight_map.keys())[0]
+    raise RankFetchError(f"{where}: tensor {extra!r} is in {seen[extra]} but not listed in the index")
+
+
+def _check_manifest(manifest: Manifest, label: str, headers: list[ShardHeader], wanted: set[str],
+                    listing: HubListing) -> None:
+    """The manifest must describe the hub's headers exactly and hash every wanted tensor."""
+    where = f"manifest {label}"
+    if not manifest.tensor_hashes:
+        raise RankFetchError(f"{where} has no tensor hashes; build it with `k3ckpt manifest build --tensor-hashes`")
+    unhashed = next((n for n in sorted(wanted) if n in manifest.tensors and not manifest.tensors[n].sha256), None)
+    if unhashed is not None:
+        raise RankFetchError(f"{where}: tensor {unhashed!r} has no sha256")
+    actual = tensors_from_headers(headers)
+    if actual == {n: t._replace(sha256=None) for n, t in manifest.tensors.items()}:
+        return  # compared in C: the common case costs no per-tensor Python
+    hub = f"{listing.hub}:{listing.repo}@{listing.revision}"
+    for name, a in sorted(actual.items()):
+        m = manifest.tensors.get(name)
+        if m is None:
+            raise RankFetchError(f"{where}: tensor {name!r} ({a.file} on {hub}) is not in the manifest; "
+                                 "it describes another checkpoint or revision")
+        for what in ("file", "dtype", "shape", "offsets"):
+            if getattr(m, what) != getattr(a, what):
+                raise RankFetchError(f"{where}: tensor {name!r}: {what} {_show(getattr(m, what))} in the manifest, "
+                                     f"{_show(getattr(a, what))} on {hub}; it describes another checkpoint or revision")
+    missing = sorted(manifest.tensors.keys() - actual.keys())
+    raise RankFetchError(f"{where}: tensor {missing[0]!r} is in no shard header on {hub} "
+                         f"({len(missing)} such); it describes another checkpoint or revision")
+
+
+def _show(v: Any) -> str:
+    return json.dumps(list(v)) if isinstance(v, tuple) else str(v)
+
+
+def select_tensors(
+    tensors: dict[str, TensorInfo],
+    cfg: ModelConfig | None,
+    *,
+    ep: int = 1,
+    tp: int = 1,
+    world_size: int | None = None,
+    placement: str = "linear",
+    ranks: str | list[int] | None = None,
+    node: int | None = None,
+    gpus_per_node: int | None = None,
+) -> tuple[Topology, list[int], set[str], set[int]]:
+    """``(topology, ranks, tensor names, routed experts)`` the selected ranks hold, from an
+    inventory and its config (the expert count comes from the config when it has one).
+
+    Raises:
+        TopologyError, SplitError: An impossible topology or rank selection.
+    """
+    idx = build_index(tensors, fp8_block=fp8_block_of(cfg))
+    topo = Topology.make(ep=ep, tp=tp, world_size=world_size, placement=placement,
+                         num_experts=num_experts_of(idx, cfg.num_experts if cfg else None))
+    if cfg is not None:
+        check_heads(cfg, topo.tp, [])
+    selected = select_ranks(topo, ranks=ranks, node=node, gpus_per_node=gpus_per_node)
+    per_rank = tensors_for_ranks(idx, topo, selected, gpus_per_node=gpus_per_node)
+    wanted: set[str] = set()
+    for rt in per_rank.values():
+        wanted.update(rt.tensors)
+    return topo, selected, wanted, {e for rt in per_rank.values() for e in rt.rank.experts}
+
+
+def plan_rank_fetch(
+    hub: str,
+    repo: str,
+    dest: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    ep: int = 1,
+    tp: int = 1,
+    world_size: int | None = None,
+    placement: str = "linear",
+    ranks: str | list[int] | None = None,
+    node: int | None = None,
+    gpus_per_node: int | None = None,
+    manifest: Manifest | str | os.PathLike[str] | None = None,
+    include: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (),
+    chunk_size: int = download.DEFAULT_CHUNK,
+    jobs: int = 8,
+) -> RankFetchPlan:
+    """Decide what a rank-aware fetch downloads, from the hub's metadata and shard headers.
+
+    Reads the listing (through the real client), ``config.json``, the index and every shard's
+    header (two Range requests each); no tensor data.
+
+    Args:
+        hub (`str`): ``"hf"`` or ``"modelscope"``.
+        repo (`str`): Repository id.
+        dest (`str` or `os.PathLike`): Destination directory.
+        revision (`str`, *optional*): Branch, tag or commit; the plan pins the resolved commit.
+        endpoint (`str`, *optional*), token (`str`, *optional*): As :func:`k3ckpt.hubclient.list_repo`.
+        ep, tp, world_size, placement: The topology (``rank-layout.md``).
+        ranks (`str` or `list[int]`, *optional*): ``"0-3,8"`` or a list; with ``node``, exclusive.
+        node (`int`, *optional*), gpus_per_node (`int`, *optional*): The ranks of one node.
+        manifest (`Manifest` or path, *optional*): A tensor-hash manifest to verify against.
+        include, exclude (`tuple[str, ...]`): Globs filtering the non-weight files.
+        chunk_size (`int`): Largest ranged GET, in bytes.
+        jobs (`int`): Concurrent header requests.
+
+    Returns:
+        `RankFetchPlan`.
+
+    Raises:
+        RankFetchError: No checkpoint in the repo, headers that disagree with the index, or a
+            manifest that does not describe the hub's headers.
+        TopologyError, SplitError: An impossible topology or rank selection.
+        HubError, SafetensorsHeaderError, ConfigError: As the hub client and parsers raise them.
+    """
+    if chunk_size < 1:
+        raise RankFetchError(f"chunk size {chunk_size} must be positive")
+    label = None
+    if manifest is not None and not isinstance(manifest, Manifest):
+        label = os.fspath(manifest)
+        manifest = Manifest.load(manifest)
+    listing = hubclient.list_repo(hub, repo, revision, endpoint=endpoint, token=token)
+    weight_map, shard_paths, index_sha = _remote_index(listing, token)
+    cfg = _remote_config(listing, token)
+    headers = [c.to_header() for c in hubclient.fetch_headers(listing, shard_paths, token=token, jobs=jobs)]
+    _check_headers(headers, weight_map, listing)
+    tensors = {name: t for h in headers for name, t in h.tensors.items()}
+    if not tensors:
+        raise RankFetchError(f"{listing.hub}:{listing.repo}@{listing.revision}: the shards hold no tensors")
+
+    # ~10^6 fresh acyclic tuples at the full K3 scale: without pausing the cyclic GC this
+    # takes 2-3x longer (see checkpoint.bulk_allocation)
+    with bulk_allocation():
+        topo, selected, wanted, experts = select_tensors(tensors, cfg, ep=ep, tp=tp, world_size=world_size,
+                                                         placement=placement, ranks=ranks, node=node,
+                                                         gpus_per_node=gpus_per_node)
+        if manifest is not None:
+            _check_manifest(manifest, label or "(given)", headers, wanted, listing)
+        shards = [sp for h in headers if (sp := plan_shard(h, listing.files[h.file], wanted, chunk_size)) is not None]
+    skip = set(shard_paths) | {INDEX_NAME, PARTIAL_NAME}
+    others = [f for f in listing.files if f not in skip and not f.endswith(".safetensors")]
+    files, excluded = select_paths(others, include, exclude)
+    return RankFetchPlan(
+        listing=listing, dest=Path(dest), topology=topo, ranks=selected, node=node, gpus_per_node=gpus_per_node,
+        chunk_size=chunk_size, shards=shards, files=files, excluded=excluded,
+        experts=sorted(experts),
+        header_bytes=sum(h.data_start for h in headers),
+        source_bytes=sum(listing.files[p].size for p in shard_paths + others + ([INDEX_NAME] if weight_map else [])),
+        source_index_sha256=index_sha, manifest=manifest, manifest_label=label,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass
+class RankFetchResult:
+    """What one :func:`run_rank_fetch` did.
+
+    Attributes:
+        dest: The destination directory.
+        written: Rewritten shards downloaded (fully or resumed) and checked this run.
+        skipped: Rewritten shards already complete (size, header and, with a manifest, tensor hashes).
+        fetched: Whole files (non-weight files and whole shards) downloaded and sha256-verified.
+        files_skipped: Whole files already present and verified.
+        failed: Path -> one-line reason, for everything that could not be fetched.
+        bytes_downloaded: Body bytes received this run (retries included; planning headers not).
+        bytes_total: Bytes of the whole selection (see :attr:`RankFetchPlan.bytes_total`).
+        tensors_verified: Tensors whose sha256 was checked against the manifest this run.
+        verification: :data:`VERIFIED_TENSORS` or :data:`VERIFIED_STRUCTURE`.
+        seconds: Wall time of the run.
+    """
+
+    dest: Path
+    verification: str
+    written: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    fetched: list[str] = field(default_factory=list)
+    files_skipped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    bytes_downloaded: int = 0
+    bytes_total: int = 0
+    tensors_verified: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True only if every selected shard and file is present and checked."""
+        return not self.failed
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "dest": str(self.dest), "ok": self.ok, "written": sorted(self.written), "skipped": sorted(self.skipped),
+            "fetched": sorted(self.fetched), "files_skipped": sorted(self.files_skipped),
+            "failed": dict(sorted(self.failed.items())), "bytes_downloaded": self.bytes_downloaded,
+            "bytes_total": self.bytes_total, "tensors_verified": self.tensors_verified,
+            "verification": self.verification, "seconds": round(self.seconds, 3),
+        }
+        if self.verification == VERIFIED_STRUCTURE:
+            d["note"] = STRUCTURE_ONLY_NOTE
+        return d
+
+
+class _PieceFailed(Exception):
+    pass
+
+
+class _TensorHasher:
+    """sha256 of each tensor of a task, fed the task's bytes in output order."""
+
+    def __init__(self, tensors: tuple[tuple[str, int, int], ...]) -> None:
+        self.tensors = tensors
+        self.i = 0
+        self.pos = tensors[0][1] if tensors else 0
+        self.h = hashlib.sha256()
+        self.digests: dict[str, str] = {}
+        self._close_finished()
+
+    def _close_finished(self) -> None:
+        while self.i < len(self.tensors) and self.pos == self.tensors[self.i][2]:
+            self.digests[self.tensors[self.i][0]] = self.h.hexdigest()
+            self.h = hashlib.sha256()
+            self.i += 1
+
+    def feed(self, data: memoryview) -> None:
+        while data:
+            take = min(len(data), self.tensors[self.i][2] - self.pos)
+            self.h.update(data[:take])
+            self.pos += take
+            data = data[take:]
+            self._close_finished()
+
+    def snapshot(self) -> tuple[int, int, Any, dict[str, str]]:
+        return self.i, self.pos, self.h.copy(), dict(self.digests)
+
+    def restore(self, snap: tuple[int, int, Any, dict[str, str]]) -> None:
+        self.i, self.pos, h, digests = snap
+        self.h, self.digests = h.copy(), dict(digests)
+
+
+class _ShardJob:
+    """One rewritten shard being written: its ``.part``, journal and outstanding tasks."""
+
+    def __init__(self, plan: ShardPlan, final: str, dest_real: str) -> None:
+        self.plan = plan
+        self.final = final
+        self.dest_real = dest_real
+        self.part = final + ".part"
+        self.journal = self.part + ".journal"
+        self.fingerprint = plan.fingerprint()
+        self.done: set[int] = set()
+        self.lock = threading.Lock()
+        self.fd: int | None = None
+        self.remaining = len(plan.tasks)
+        self.failed: str | None = None
+
+    def load_resume(self) -> None:
+        """Adopt a ``.part`` + journal of this exact selection; otherwise forget them."""
+        try:
+            with open(self.journal, "rb") as f:
+                doc = json.loads(f.read())
+        except (OSError, ValueError):
+            doc = None
+        try:
+            part_ok = (os.path.isfile(self.part) and not os.path.islink(self.part)
+                       and os.path.getsize(self.part) == self.plan.size)
+        except OSError:
+            part_ok = False
+        if (isinstance(doc, dict) and part_ok and doc.get("version") == _JOURNAL_VERSION
+                and doc.get("fingerprint") == self.fingerprint and isinstance(doc.get("done"), list)
+                and all(type(i) is int and 0 <= i < len(self.plan.pieces) for i in doc["done"])):
+            self.done = set(doc["done"])
+            return
+        self.done = set()
+        download._unlink(self.journal)
+
+    def todo_bytes(self) -> int:
+        return sum(p.length for i, p in enumerate(self.plan.pieces) if i not in self.done)
+
+    def open(self) -> None:
+        """Resume the ``.part``, or create it: preallocate, write the new header, sync, journal."""
+        if self.done:
+            self.fd = os.open(self.part, os.O_RDWR | download._NOFOLLOW)
+            return
+        download._unlink(self.part)
+        parent = os.path.dirname(self.final)
+        os.makedirs(parent, exist_ok=True)
+        if not download._within(self.dest_real, os.path.realpath(parent)):
+            raise _PieceFailed(f"refusing to write {self.plan.path!r}: its directory resolves to "
+                               f"{os.path.realpath(parent)!r}, outside {self.dest_real!r}")
+        self.fd = download._create_part(self.part, self.plan.size, self.plan.prefix)
+        self.write_journal()
+
+    def write_journal(self) -> None:
+        doc = {"version": _JOURNAL_VERSION, "path": self.plan.path, "fingerprint": self.fingerprint,
+               "size": self.plan.size, "done": sorted(self.done)}
+        download._write_atomic(self.journal, json.dumps(doc).encode())
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _complete(sp: ShardPlan, final: str, manifest: Manifest | None) -> bool:
+    """Whether ``final`` already is this shard: size, header bytes, and with a manifest every
+    tensor's sha256 (read locally; nothing is downloaded for a complete shard)."""
+    try:
+        if os.path.islink(final) or not os.path.isfile(final) or os.path.getsize(final) != sp.size:
+            return False
+        with open(final, "rb") as f:
+            if f.read(len(sp.prefix)) != sp.prefix:
+                return False
+    except OSError:
+        return False
+    if manifest is None:
+        return True
+    spans = [Span(name, start, stop) for task in sp.tasks for name, start, stop in task.tensors]
+    try:
+        digest = hash_file(final, spans=spans)
+    except HashError:
+        return False
+    return all(manifest.tensors[n].sha256 == d for n, d in (digest.spans or {}).items())
+
+
+class _Run:
+    """Shared state of the rewritten shards' download: a task queue and ``workers`` threads."""
+
+    def __init__(self, plan: RankFetchPlan, result: RankFetchResult, headers: dict[str, str], retry: RetryPolicy,
+                 progress: Callable[[int], None] | None) -> None:
+        self.plan = plan
+        self.result = result
+        self.headers = headers
+        self.retry = retry
+        self.progress = progress
+        self.cancel = threading.Event()
+        self.cond = threading.Condition()
+        self.queue: collections.deque[tuple[_ShardJob, Task]] = collections.deque()
+        self.pending = 0
+        self.count_lock = threading.Lock()
+        self.pieces_journaled = 0
+
+    def count(self, n: int) -> None:
+        with self.count_lock:
+            self.result.bytes_downloaded += n
+        if self.progress is not None:
+            self.progress(n)
+
+    def fail(self, job: _ShardJob, reason: str) -> None:
+        with job.lock:
+            if job.failed is None:
+                job.failed = reason
+                with self.cond:
+                    self.result.failed[job.plan.path] = reason
+
+    # -- one task --------------------------------------------------------------------------------
+
+    def run_task(self, job: _ShardJob, task: Task) -> None:
+        with job.lock:
+            if job.failed is not None:
+                return
+            if job.fd is None:
+                job.open()
+        manifest = self.plan.manifest
+        for attempt in (1, 2):
+            hasher = _TensorHasher(task.tensors) if manifest is not None else None
+            for k, i in enumerate(task.pieces):
+                last = k == len(task.pieces) - 1
+                if i in job.done:
+                    if hasher is not None:
+                        self._rehash(job, self.plan_piece(job, i), hasher)
+                    continue
+                self._fetch_piece(job, self.plan_piece(job, i), hasher)
+                os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]
+                if not (last and hasher is not None):  # a task's last piece is journaled once verified
+                    self._journal(job, [i])
+            if hasher is None:
+                return
+            bad = [(n, d) for n, d in hasher.digests.items() if manifest.tensors[n].sha256 != d]  # type: ignore[union-attr]
+            if not bad:
+                with self.count_lock:
+                    self.result.tensors_verified += len(hasher.digests)
+                if task.pieces and task.pieces[-1] not in job.done:
+                    self._journal(job, [task.pieces[-1]])
+                return
+            with job.lock:  # un-journal the task: its bytes are not what the manifest says
+                job.done.difference_update(task.pieces)
+                job.write_journal()
+            if attempt == 2:
+                name, got = bad[0]
+                more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+                raise _PieceFailed(f"tensor {name!r}: sha256 {got} but the manifest says "
+                                   f"{manifest.tensors[name].sha256}{more}, also after re-fetching its bytes")  # type: ignore[union-attr]
+
+    @staticmethod
+    def plan_piece(job: _ShardJob, i: int) -> Piece:
+        return job.plan.pieces[i]
+
+    def _journal(self, job: _ShardJob, pieces: list[int]) -> None:
+        with job.lock:
+            if self.cancel.is_set() or job.failed is not None:
+                return
+            job.done.update(pieces)
+            job.write_journal()
+        with self.count_lock:
+            self.pieces_journaled += 1
+            n = self.pieces_journaled
+        download._pause_point("after_piece", n)  # test hook: the n-th piece of the run journaled
+
+    @staticmethod
+    def _rehash(job: _ShardJob, piece: Piece, hasher: _TensorHasher) -> None:
+        """Feed a resumed piece's bytes from the ``.part`` (a large tensor cut by a crash)."""
+        off, end = piece.dst, piece.dst + piece.length
+        while off < end:
+            data = os.pread(job.fd, min(_READ_BACK, end - off), off)  # type: ignore[arg-type]
+            if not data:
+                raise _PieceFailed(f"{job.part}: short read at {off} while re-hashing resumed bytes")
+            hasher.feed(memoryview(data))
+            off += len(data)
+
+    def _fetch_piece(self, job: _ShardJob, piece: Piece, hasher: _TensorHasher | None) -> None:
+        failures = 0
+        where = f"bytes {piece.src}+{piece.length}"
+        while True:
+            if self.cancel.is_set():
+                raise download._Cancelled()
+            snap = hasher.snapshot() if hasher is not None else None
+            try:
+                download._stream_range(self.plan.listing, job.plan.source, piece.src, piece.length, job.fd,  # type: ignore[arg-type]
+                                       piece.dst, self.headers, download.TIMEOUT, self.cancel, self.count,
+                                       sink=hasher.feed if hasher is not None else None)
+                return
+            except download._Fatal as e:
+                raise _PieceFailed(f"{e} ({where})") from None
+            except download._Retryable as e:
+                failures += 1
+                if hasher is not None and snap is not None:
+                    hasher.restore(snap)  # what the failed response fed is void
+                if failures >= self.retry.attempts:
+                    raise _PieceFailed(f"{e}; gave up after {failures} attempts ({where})") from None
+                download._back_off(self.retry, failures, e.retry_after)
+
+    # -- finishing a shard -----------------------------------------------------------------------
+
+    def finish(self, job: _ShardJob) -> None:
+        """Check the complete ``.part`` (size, header) and rename it into place."""
+        sp = job.plan
+        assert job.fd is not None
+        os.fsync(job.fd)
+        if os.fstat(job.fd).st_size != sp.size:
+            raise _PieceFailed(f"{job.part} is {os.fstat(job.fd).st_size} bytes, expected {sp.size}")
+        head = os.pread(job.fd, len(sp.prefix), 0)
+        if head != sp.prefix:
+            raise _PieceFailed(f"{job.part}: the header on disk is not the one written")
+        parse_header_bytes(head[8:], file=sp.path, path=job.part, file_size=sp.size)  # valid safetensors
+        download._pause_point("before_shard_rename")  # test hook
+        with job.lock:
+            job.close()
+            os.replace(job.part, job.final)
+            download._fsync_dir(os.path.dirname(job.final))
+            download._unlink(job.journal)
+        with self.cond:
+            self.result.written.append(sp.path)
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    def submit(self, job: _ShardJob) -> None:
+        with self.cond:
+            for task in job.plan.tasks:
+                self.queue.append((job, task))
+                self.pending += 1
+            if not job.plan.tasks:
+                self.queue.append((job, Task((), ())))  # nothing to fetch: just finish
+                self.pending += 1
+                job.remaining = 1
+            self.cond.notify_all()
+
+    def worker(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and self.pending > 0 and not self.cancel.is_set():
+                    self.cond.wait()
+                if self.cancel.is_set() or not self.queue:
+                    return
+                job, task = self.queue.popleft()
+            try:
+                self.run_task(job, task)
+                with job.lock:
+                    job.remaining -= 1
+                    last = job.remaining == 0 and job.failed is None
+                if last:
+                    self.finish(job)
+            except download._Cancelled:
+                pass
+            except _PieceFailed as e:
+                self.fail(job, str(e))
+            except K3ckptError as e:
+                self.fail(job, str(e))
+            except Exception as e:  # noqa: BLE001 - never lose a worker silently: fail the shard, keep going
+                self.fail(job, f"{type(e).__name__}: {hubclient._one_line(str(e))[:300]}")
+            finally:
+                with self.cond:
+                    self.pending -= 1
+                    self.cond.notify_all()
+
+    def run(self, workers: int) -> None:
+        download._run_workers(self.worker, workers, "k3ckpt-rankfetch", self.cond, lambda: self.pending > 0,
+                              self.cancel)
+
+
+def _index_json(plan: RankFetchPlan) -> bytes:
+    """``model.safetensors.index.json`` of the output: exactly the tensors present."""
+    weight_map = {name: sp.path for sp in plan.shards for name in sp.names}
+    total = sum(sp.tensor_bytes for sp in plan.shards)
+    return json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                      indent=2).encode() + b"\n"
+
+
+def _marker_json(plan: RankFetchPlan) -> bytes:
+    doc = {
+        "format": PARTIAL_FORMAT, "version": PARTIAL_VERSION, "source": plan.source_json(),
+        "topology": plan.topology.to_json(), "ranks": plan.ranks, "node": plan.node,
+        "gpus_per_node": plan.gpus_per_node,
+        "experts": plan.experts,
+        "tensors": plan.tensors, "verification": plan.verification,
+        "manifest_sha256": plan.manifest.fingerprint() if plan.manifest is not None else None,
+    }
+    # one key a line, each value on its line: readable and diffable, and short for the full K3
+    return ("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in doc.items()) + "\n}\n").encode()
+
+
+def run_rank_fetch(
+    plan: RankFetchPlan,
+    *,
+    workers: int = 8,
+    token: str | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
+    retry: RetryPolicy | None = None,
+    check_space: bool = True,
+) -> RankFetchResult:
+    """Download ``plan`` into its destination: resumable, parallel, checked (see the module doc).
+
+    Args:
+        plan (`RankFetchPlan`): From :func:`plan_rank_fetch`.
+        workers (`int`): Concurrent requests.
+        token (`str`, *optional*): See :func:`k3ckpt.hubclient.auth_headers`.
+        progress (`Callable[[int], None]`, *optional*): Called with body byte counts as they arrive
+            (from worker threads).
+        on_plan (`Callable[[int], None]`, *optional*): Called once with the bytes this run will
+            download (complete shards, present files and journaled pieces excluded).
+        retry (`RetryPolicy`, *optional*): Per-request retries; defaults to
+            :data:`k3ckpt.download.FETCH_RETRY`.
+        check_space (`bool`): Refuse to start when the filesystem has too little free space.
+
+    Returns:
+        `RankFetchResult`: ``ok`` only if everything selected is present and checked; the index
+        and :data:`PARTIAL_NAME` are written only then.
+
+    Raises:
+        FetchLockedError: Another live fetch holds the destination's lock.
+        DiskSpaceError: Not enough free space for the rewritten shards.
+        KeyboardInterrupt: Passed through after the workers stopped; re-run to resume.
+    """
+    if workers < 1:
+        raise ValueError("workers must be >= 1")
+    t0 = time.monotonic()
+    policy = retry or download.FETCH_RETRY
+    result = RankFetchResult(dest=plan.dest, verification=plan.verification, bytes_total=plan.bytes_total)
+    os.makedirs(plan.dest, exist_ok=True)
+    dest_real = os.path.realpath(plan.dest)
+    lock = download._DestLock(dest_real)
+    lock.acquire()
+    try:
+        # Until this run succeeds the destination must not look like a complete checkpoint.
+        for name in (PARTIAL_NAME, INDEX_NAME):
+            download._unlink(os.path.join(dest_real, name))
+        targets: list[tuple[ShardPlan, str]] = []
+        for sp in plan.shards:
+            if sp.whole:
+                continue
+            try:
+                targets.append((sp, download._target(dest_real, sp.path)))
+            except ValueError as e:
+                result.failed[sp.path] = str(e)
+        # with a manifest this reads every present shard: in parallel, as the downloader does
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            complete = list(pool.map(lambda t: _complete(t[0], t[1], plan.manifest), targets))
+        jobs: list[_ShardJob] = []
+        for (sp, final), done in zip(targets, complete):
+            if done:
+                result.skipped.append(sp.path)
+                download._unlink(final + ".part.journal")
+                continue
+            job = _ShardJob(sp, final, dest_real)
+            job.load_resume()
+            jobs.append(job)
+        partial_todo = sum(job.todo_bytes() for job in jobs)
+        whole = plan.files + [sp.path for sp in plan.shards if sp.whole]
+        if check_space:
+            # before any byte moves, for both stages together (the downloader checks its own
+            # stage again, exactly); whole files not there at all are what they will take
+            absent = [f for f in whole if not os.path.lexists(os.path.join(dest_real, f))]
+            needed = (sum(job.plan.size for job in jobs if not job.done)
+                      + sum(plan.listing.files[f].size for f in absent))
+            free = shutil.disk_usage(dest_real).free
+            if needed > free:
+                raise download.DiskSpaceError(
+                    f"{dest_real}: not enough free space for {len(jobs)} rewritten shard(s) and {len(absent)} "
+                    f"file(s): need {needed} bytes ({download._human(needed)}), only {free} bytes "
+                    f"({download._human(free)}) free")
+
+        report = (lambda n: on_plan(n + partial_todo)) if on_plan is not None else None
+        if whole:
+            fr = download.fetch_files(plan.listing, plan.dest, whole, workers=workers, chunk_size=plan.chunk_size,
+                                      token=token, progress=progress, on_plan=report, retry=policy,
+                                      check_space=check_space, take_lock=False)
+            result.fetched, result.files_skipped = list(fr.fetched), list(fr.skipped)
+            result.failed.update(fr.failed)
+            result.bytes_downloaded += fr.bytes_downloaded
+        elif report is not None:
+            report(0)
+
+        run = _Run(plan, result, hubclient.auth_headers(plan.listing, token), policy, progress)
+        for job in jobs:
+            run.submit(job)
+        try:
+            if jobs:
+                run.run(workers)
+        finally:
+            for job in jobs:
+                job.close()
+        for job in jobs:  # nothing may end neither written nor failed
+            if job.plan.path not in result.written and job.plan.path not in result.failed:
+                result.failed[job.plan.path] = "not completed"
+        if result.ok:
+            download._write_atomic(os.path.join(dest_real, INDEX_NAME), _index_json(plan))
+            download._write_atomic(os.path.join(dest_real, PARTIAL_NAME), _marker_json(plan))
+            download._fsync_dir(dest_real)
+    finally:
+        lock.release()
+    result.written.sort()
+    result.skipped.sort()
+    result.seconds = time.monotonic() - t0
+    return result

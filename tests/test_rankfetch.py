@@ -1,0 +1,528 @@
+"""Rank-aware fetch (k3ckpt/rankfetch.py, ``k3ckpt fetch --ep/--tp/--ranks/--node``) against the
+loopback hub: only the selected ranks' share moves (counted by the emulator), the output is a
+checkpoint that verify accepts and that reshards byte-for-byte like the full one, tensor-hash
+manifests catch corruption and refuse a manifest of other headers, SIGKILL + resume.
+
+The selection under test is node 0 of ``--ep 8 --tp 2 --gpus-per-node 4`` over k3-tiny (16
+experts): ranks 0-3, experts 0-7 of every MoE layer, every dense tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from k3ckpt import download
+from k3ckpt.checkpoint import INDEX_NAME, open_checkpoint
+from k3ckpt.hubclient import HubFile
+from k3ckpt.cli import main
+from k3ckpt.manifest import build_manifest
+from k3ckpt.rankfetch import PARTIAL_NAME, plan_rank_fetch, plan_shard, run_rank_fetch
+from k3ckpt.reshard import reshard
+from k3ckpt.roles import Kind, classify
+from k3ckpt.safetensors_header import read_header
+from k3ckpt.verify import verify_checkpoint
+
+REPO = "moonshotai/Kimi-K3"
+NODE0 = ("--ep", "8", "--tp", "2", "--node", "0", "--gpus-per-node", "4")
+CHUNK = 16 * 1024  # small enough that the shards need several requests, and big tensors several pieces
+
+
+def run(*args: str) -> Any:
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def fetch(h: Any, dest: Path, *extra: str, source: str = "hf") -> Any:
+    return run("fetch", "--source", source, "--repo", REPO, "--dest", str(dest), "--endpoint", h.url,
+               "--chunk-size", str(CHUNK), "--workers", "3", *NODE0, *extra)
+
+
+def sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def digests(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): sha(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def node0_names(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    """What node 0 holds, by an independent route: the union of a full reshard's rank manifests."""
+    out = tmp_path_factory.mktemp("full-node0")
+    reshard(k3_tiny, out, ep=8, tp=2, node=0, gpus_per_node=4)
+    names: set[str] = set()
+    for m in out.glob("rank-*/rank-manifest.json"):
+        names.update(json.loads(m.read_text())["tensors"])
+    return names
+
+
+@pytest.fixture(scope="module")
+def tensor_manifest(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("manifest") / "k3-tiny.json"
+    build_manifest(k3_tiny, tensor_hashes=True).save(path)
+    return path
+
+
+def expected_bytes(served: Path, names: set[str]) -> dict[str, int]:
+    """Bytes the hub must send per file: the index, config and every header to plan; then the
+    selected tensors of each shard (a shard wholly selected: the whole file), config again and
+    every other file once."""
+    out: dict[str, int] = {}
+    for p in sorted(served.iterdir()):
+        if p.suffix == ".safetensors":
+            h = read_header(p)
+            kept = [t for n, t in h.tensors.items() if n in names]
+            out[p.name] = h.data_start + (p.stat().st_size if len(kept) == len(h.tensors) else sum(t.nbytes for t in kept))
+        elif p.name in (INDEX_NAME, "config.json"):
+            out[p.name] = p.stat().st_size * (2 if p.name == "config.json" else 1)
+        else:
+            out[p.name] = p.stat().st_size
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# planning
+# ----------------------------------------------------------------------------------------------
+
+
+def test_plan_shard_rewrites_header_and_coalesces_adjacent_tensors(k3_tiny: Path, node0_names: set[str]) -> None:
+    path = k3_tiny / "model-00002-of-000008.safetensors"
+    h = read_header(path)
+    entry = HubFile(path.name, path.stat().st_size, None, None)
+    sp = plan_shard(h, entry, node0_names, CHUNK)
+    assert sp is not None and not sp.whole
+    kept = sorted((t for n, t in h.tensors.items() if n in node0_names), key=lambda t: t.begin)
+    assert sp.names == [t.name for t in kept] and 0 < len(kept) < len(h.tensors)
+    assert sp.tensor_bytes == sum(t.nbytes for t in kept) and sp.size == len(sp.prefix) + sp.tensor_bytes
+    assert len(sp.prefix) % 8 == 0  # the data buffer starts 8-byte aligned
+    # pieces: at most a chunk, never across a gap in the source, tiling the output's data exactly
+    assert all(0 < p.length <= CHUNK for p in sp.pieces)
+    assert sum(p.length for p in sp.pieces) == sp.tensor_bytes
+    assert [p.dst for p in sp.pieces] == sorted(p.dst for p in sp.pieces)
+    src_of = {t.name: h.data_start + t.begin for t in kept}
+    for task in sp.tasks:
+        start = task.tensors[0][1]
+        for name, b, e in task.tensors:
+            assert b == start and e - b == h.tensors[name].nbytes
+            start = e
+        pieces = [sp.pieces[i] for i in task.pieces]
+        assert sum(p.length for p in pieces) == start - task.tensors[0][1]
+        # each piece reads the source exactly where its tensors are
+        first = task.tensors[0][0]
+        assert pieces[0].src == src_of[first] and pieces[0].dst == task.tensors[0][1]
+    # a rank's expert run (adjacent in the source) costs fewer requests than it has tensors
+    assert len(sp.pieces) < len(kept)
+    # a tensor bigger than a chunk is one task of several pieces
+    big = [t for t in sp.tasks if len(t.pieces) > 1]
+    assert big and all(len(t.tensors) == 1 for t in big)
+    # the same plan with a chunk larger than the shard: one request per contiguous run
+    one = plan_shard(h, entry, node0_names, 1 << 30)
+    assert one is not None and len(one.pieces) <= len(sp.pieces) and one.prefix == sp.prefix
+    assert plan_shard(h, entry, set(h.tensors), CHUNK).whole  # type: ignore[union-attr]
+    assert plan_shard(h, entry, set(), CHUNK) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# the share moved, the output accepted
+# ----------------------------------------------------------------------------------------------
+
+
+def test_node0_moves_only_its_share_and_reshards_identically(served_hub: Any, k3_tiny: Path, node0_names: set[str],
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    h, served = served_hub
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    h.reset_counters()
+    dest = tmp_path / "node0"
+    res = fetch(h, dest)
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith("ok: ") and "only structure and sizes" not in res.output
+    assert "checked for structure and sizes only" in res.output  # no --manifest: said plainly
+
+    want = expected_bytes(served, node0_names)
+    sent = {f: h.bytes_sent(f) for f in want}
+    assert sent == want
+    assert h.total_bytes_sent() == sum(want.values())
+
+    # a valid checkpoint of exactly those tensors, byte for byte the source's
+    ckpt = open_checkpoint(dest)
+    src = open_checkpoint(served)
+    assert set(ckpt.tensors) == node0_names and not ckpt.problems
+    for name in node0_names:
+        assert (ckpt.tensors[name].dtype, ckpt.tensors[name].shape) == (src.tensors[name].dtype, src.tensors[name].shape)
+        assert ckpt.read_tensor(name).tobytes() == src.read_tensor(name).tobytes(), name
+    experts = {classify(n).expert for n in ckpt.tensors if classify(n).kind == Kind.ROUTED_EXPERT}
+    assert experts == set(range(8))
+
+    def routed(c: Any) -> int:
+        return sum(t.nbytes for n, t in c.tensors.items() if classify(n).kind == Kind.ROUTED_EXPERT)
+
+    assert 2 * routed(ckpt) == routed(src) > 0  # half the experts stored, and moved
+    index = json.loads((dest / INDEX_NAME).read_text())
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in ckpt.tensors.values())
+    for f in ("config.json", "tokenizer_config.json", "LICENSE"):
+        assert sha(dest / f) == sha(served / f)
+    marker = json.loads((dest / PARTIAL_NAME).read_text())
+    assert marker["ranks"] == [0, 1, 2, 3] and marker["topology"]["ep"] == 8
+    assert marker["verification"] == "structure-and-sizes" and marker["source"]["repo"] == REPO
+    assert marker["experts"] == list(range(8))
+
+    rep = verify_checkpoint(dest)
+    assert rep.ok, [str(i) for i in rep.issues]
+    assert run("verify", str(dest)).exit_code == 0
+
+    # reshard of the partial checkpoint == reshard of the full one, for these ranks
+    a, b = tmp_path / "rs-partial", tmp_path / "rs-full"
+    for src_dir, out in ((dest, a), (k3_tiny, b)):
+        r = run("reshard", str(src_dir), "-o", str(out), *NODE0)
+        assert r.exit_code == 0, r.output
+    for rank in range(4):
+        ra, rb = a / f"rank-{rank:05d}", b / f"rank-{rank:05d}"
+        files = sorted(p.name for p in rb.glob("*.safetensors"))
+        assert files and files == sorted(p.name for p in ra.glob("*.safetensors"))
+        for f in files:
+            assert (ra / f).read_bytes() == (rb / f).read_bytes(), (rank, f)
+        ma, mb = (json.loads((d / "rank-manifest.json").read_text()) for d in (ra, rb))
+        assert ma["tensors"] == mb["tensors"] and ma["files"] == mb["files"]
+    # ...and a rank whose experts were not fetched is refused, not written without them
+    r = CliRunner().invoke(main, ["reshard", str(dest), "-o", str(tmp_path / "rs-node1"), "--ep", "8", "--tp", "2",
+                                  "--node", "1", "--gpus-per-node", "4"])
+    assert r.exit_code == 2 and "rank 4 needs routed experts 8-9" in r.output
+    assert not (tmp_path / "rs-node1" / "rank-00004").exists()
+
+    # a second run moves nothing and leaves everything as it was
+    before = digests(dest)
+    h.reset_counters()
+    again = fetch(h, dest, "--json")
+    data = json.loads(again.output)
+    assert again.exit_code == 0 and data["bytes_downloaded"] == 0 and data["written"] == []
+    assert len(data["skipped"]) == 4 and data["verification"] == "structure-and-sizes" and "note" in data
+    assert digests(dest) == before
+
+
+def test_modelscope_gives_the_same_bytes(served_hub: Any, node0_names: set[str], tmp_path: Path) -> None:
+    h, served = served_hub
+    hf_dest, ms_dest = tmp_path / "hf", tmp_path / "ms"
+    assert fetch(h, hf_dest).exit_code == 0
+    h.reset_counters()
+    res = fetch(h, ms_dest, "--json", source="modelscope")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["hub"] == "modelscope" and data["ok"] and len(data["written"]) == 4
+    assert h.total_bytes_sent() == sum(expected_bytes(served, node0_names).values())
+    a, b = digests(hf_dest), digests(ms_dest)
+    marker_a, marker_b = (json.loads((d / PARTIAL_NAME).read_text()) for d in (hf_dest, ms_dest))
+    assert marker_b["source"]["hub"] == "modelscope"
+    del a[PARTIAL_NAME], b[PARTIAL_NAME]
+    assert a == b
+
+
+# ----------------------------------------------------------------------------------------------
+# verification against a tensor-hash manifest
+# ----------------------------------------------------------------------------------------------
+
+
+def test_manifest_verifies_every_tensor_and_refetches_a_corrupt_range_once(
+        served_hub: Any, tensor_manifest: Path, tmp_path: Path) -> None:
+    h, served = served_hub
+    shard = "model-00003-of-000008.safetensors"
+    hdr = read_header(served / shard)
+    expert = next(n for n in hdr.tensors if ".experts.3.w2.weight_packed" in n)
+    h.inject("corrupt_byte", shard, times=1, offset=hdr.absolute_range(expert)[0] + 5)
+    dest = tmp_path / "d"
+    res = fetch(h, dest, "--manifest", str(tensor_manifest), "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    rewritten = sum(len(plan.names) for plan in _plan(h, dest, tensor_manifest).shards if not plan.whole)
+    assert data["verification"] == "tensor-sha256" and data["tensors_verified"] == rewritten and "note" not in data
+    assert json.loads((dest / PARTIAL_NAME).read_text())["verification"] == "tensor-sha256"
+    src = open_checkpoint(served)
+    assert open_checkpoint(dest).read_tensor(expert).tobytes() == src.read_tensor(expert).tobytes()
+    # the corrupt range was fetched twice, nothing else was
+    assert h.bytes_sent(shard) > expected_bytes(served, set(open_checkpoint(dest).tensors))[shard]
+    text = fetch(h, tmp_path / "d2", "--manifest", str(tensor_manifest))
+    assert text.exit_code == 0 and "tensors verified against the manifest" in text.output
+    assert "structure and sizes only" not in text.output
+
+
+def _plan(h: Any, dest: Path, manifest: Path | None = None) -> Any:
+    return plan_rank_fetch("hf", REPO, dest, endpoint=h.url, token="", ep=8, tp=2, node=0, gpus_per_node=4,
+                           manifest=manifest, chunk_size=CHUNK)
+
+
+def test_persistent_corruption_fails_the_shard_naming_the_tensor(served_hub: Any, tensor_manifest: Path,
+                                                                 tmp_path: Path) -> None:
+    h, served = served_hub
+    shard = "model-00004-of-000008.safetensors"
+    hdr = read_header(served / shard)
+    expert = next(n for n in hdr.tensors if ".experts.1.w1.weight_scale" in n)
+    h.inject("corrupt_byte", shard, times=None, offset=hdr.absolute_range(expert)[0])
+    dest = tmp_path / "d"
+    res = fetch(h, dest, "--manifest", str(tensor_manifest))
+    assert res.exit_code == 1
+    assert res.output.startswith("FAILED: ")
+    line = next(x for x in res.output.splitlines() if x.startswith(f"  could not fetch {shard}"))
+    assert f"tensor {expert!r}: sha256" in line and "also after re-fetching its bytes" in line
+    assert not (dest / shard).exists()  # never under its final name
+    assert not (dest / INDEX_NAME).exists() and not (dest / PARTIAL_NAME).exists()
+    assert (dest / "model-00002-of-000008.safetensors").exists()  # the other shards completed
+
+
+def test_manifest_of_other_headers_is_refused_before_any_tensor_byte(served_hub: Any, tensor_manifest: Path,
+                                                                     tmp_path: Path) -> None:
+    h, served = served_hub
+    doc = json.loads(tensor_manifest.read_text())
+    name = next(n for n in sorted(doc["tensors"]) if ".experts.0.w1.weight_packed" in n)
+    doc["tensors"][name]["offsets"] = [doc["tensors"][name]["offsets"][0] + 16, doc["tensors"][name]["offsets"][1] + 16]
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps(doc))
+    h.reset_counters()
+    res = fetch(h, tmp_path / "d", "--manifest", str(bad))
+    assert res.exit_code == 2
+    assert res.output.count("\n") == 1 and res.output.startswith("k3ckpt: error: manifest ")
+    assert f"tensor {name!r}: offsets" in res.output and "another checkpoint or revision" in res.output
+    planning = sum(read_header(p).data_start for p in served.glob("*.safetensors"))
+    planning += (served / INDEX_NAME).stat().st_size + (served / "config.json").stat().st_size
+    assert h.total_bytes_sent() == planning
+    assert not (tmp_path / "d").exists()
+
+    no_hashes = tmp_path / "plain.json"
+    build_manifest(served).save(no_hashes)
+    res = fetch(h, tmp_path / "d", "--manifest", str(no_hashes))
+    assert res.exit_code == 2 and "has no tensor hashes" in res.output
+
+
+def test_manifest_rechecks_complete_shards_and_refetches_a_damaged_one(served_hub: Any, tensor_manifest: Path,
+                                                                      tmp_path: Path) -> None:
+    h, served = served_hub
+    dest = tmp_path / "d"
+    assert fetch(h, dest, "--manifest", str(tensor_manifest)).exit_code == 0
+    shard = "model-00005-of-000008.safetensors"
+    hdr = read_header(dest / shard)
+    name = next(n for n in hdr.tensors if ".experts.6.w3.weight_packed" in n)
+    at = hdr.absolute_range(name)[0] + 3
+    with open(dest / shard, "r+b") as f:  # damage one byte of a complete shard, keep its size
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    # structure and sizes cannot see it: the shard is taken as complete
+    plain = json.loads(fetch(h, dest, "--json").output)
+    assert plain["skipped"] == sorted(plain["skipped"]) and shard in plain["skipped"] and plain["bytes_downloaded"] == 0
+    # the tensor hashes can: only that shard is fetched again
+    h.reset_counters()
+    checked = json.loads(fetch(h, dest, "--manifest", str(tensor_manifest), "--json").output)
+    assert checked["ok"] and checked["written"] == [shard] and shard not in checked["skipped"]
+    assert checked["bytes_downloaded"] == sum(t.nbytes for t in hdr.tensors.values())
+    assert open_checkpoint(dest).read_tensor(name).tobytes() == open_checkpoint(served).read_tensor(name).tobytes()
+
+
+def test_disk_space_checked_before_any_tensor_byte(served_hub: Any, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from collections import namedtuple
+
+    from k3ckpt import rankfetch
+
+    h, served = served_hub
+    plan = _plan(h, tmp_path / "d")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(rankfetch.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    h.reset_counters()
+    with pytest.raises(download.DiskSpaceError) as ei:
+        run_rank_fetch(plan, token="")
+    needed = sum(sp.size for sp in plan.shards) + sum(plan.listing.files[f].size for f in plan.files)
+    assert f"need {needed} bytes" in str(ei.value) and "only 1000 bytes" in str(ei.value)
+    assert h.total_bytes_sent() == 0 and sorted(p.name for p in (tmp_path / "d").iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# dry run, usage errors
+# ----------------------------------------------------------------------------------------------
+
+
+def test_dry_run_lists_bytes_and_fetches_only_headers(served_hub: Any, node0_names: set[str], tmp_path: Path) -> None:
+    h, served = served_hub
+    h.reset_counters()
+    dest = tmp_path / "d"
+    res = fetch(h, dest, "--dry-run")
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    want = expected_bytes(served, node0_names)
+    selection = sum(want.values()) - sum(read_header(p).data_start for p in served.glob("*.safetensors")) \
+        - (served / INDEX_NAME).stat().st_size - (served / "config.json").stat().st_size
+    assert any(line.startswith(f"would fetch ") and "ranks 0-3 of ep 8 x tp 2" in line for line in lines)
+    assert sum("model-0000" in line for line in lines) == 8 and "(whole)" in res.output
+    assert lines[-1].startswith("note: no --manifest")
+    assert not dest.exists()
+    js = fetch(h, dest, "--dry-run", "--json", "--exclude", "LICENSE")
+    data = json.loads(js.output)
+    assert data["excluded"] == ["LICENSE"] and "LICENSE" not in data["files"]
+    selection -= (served / "LICENSE").stat().st_size
+    assert data["bytes_total"] == selection and data["source_bytes"] == sum(p.stat().st_size for p in served.iterdir())
+    assert data["tensors"] == len(node0_names) and data["ranks"] == [0, 1, 2, 3]
+    assert sum(s["bytes"] for s in data["shards"].values()) + sum(data["files"].values()) == selection
+    # the dry runs read the index, the config and the headers: nothing else
+    planning = sum(read_header(p).data_start for p in served.glob("*.safetensors"))
+    planning += (served / INDEX_NAME).stat().st_size + (served / "config.json").stat().st_size
+    assert h.total_bytes_sent() == 2 * planning
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--ep", "8"), "needs --ranks or --node"),
+    (("--manifest", "m.json"), "--manifest is for a rank-aware fetch"),
+    (("--gpus-per-node", "4"), "--gpus-per-node is for a rank-aware fetch"),
+])
+def test_rank_options_usage_errors(args: tuple[str, ...], message: str, tmp_path: Path) -> None:
+    res = CliRunner().invoke(main, ["fetch", "--source", "hf", "--repo", REPO, "--dest", str(tmp_path), *args])
+    assert res.exit_code == 2 and message in res.output
+
+
+def test_impossible_selection_is_one_line(served_hub: Any, tmp_path: Path) -> None:
+    h, _ = served_hub
+    res = run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(tmp_path / "d"), "--endpoint", h.url,
+              "--ep", "8", "--ranks", "0-9")
+    assert res.exit_code == 2 and res.output == "k3ckpt: error: --ranks '0-9': rank 9 out of range 0..7 (world size 8)\n"
+    res = run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(tmp_path / "d"), "--endpoint", h.url,
+              "--ep", "32", "--ranks", "0")
+    assert res.exit_code == 2 and "ep 32 exceeds 16 experts" in res.output
+
+
+# ----------------------------------------------------------------------------------------------
+# verify on partial checkpoints
+# ----------------------------------------------------------------------------------------------
+
+
+def test_verify_requires_the_markers_experts(served_hub: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    h, _ = served_hub
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    dest = tmp_path / "d"
+    assert fetch(h, dest).exit_code == 0
+    marker = json.loads((dest / PARTIAL_NAME).read_text())
+    marker["experts"] = list(range(10))
+    (dest / PARTIAL_NAME).write_text(json.dumps(marker))
+    rep = verify_checkpoint(dest)
+    assert len(rep.problems) == 4
+    assert all(i.kind == "config" and f"layer {layer}" in str(i) and "8, 9" in str(i)
+               for layer, i in zip(range(1, 5), rep.problems)), [str(i) for i in rep.problems]
+    (dest / PARTIAL_NAME).unlink()  # without the marker it is a checkpoint missing half its experts
+    rep = verify_checkpoint(dest)
+    assert len(rep.problems) == 4 and all("8 of 16 routed experts missing" in str(i) for i in rep.problems)
+    (dest / PARTIAL_NAME).write_text("{not json")
+    rep = verify_checkpoint(dest)
+    assert any(PARTIAL_NAME in f"{i.file} {i.message}" and "not valid JSON" in i.message for i in rep.problems)
+
+
+# ----------------------------------------------------------------------------------------------
+# crash and resume
+# ----------------------------------------------------------------------------------------------
+
+_CHILD = """
+import sys
+from k3ckpt.rankfetch import plan_rank_fetch, run_rank_fetch
+url, repo, dest, chunk = sys.argv[1:5]
+plan = plan_rank_fetch("hf", repo, dest, endpoint=url, token="", ep=8, tp=2, node=0, gpus_per_node=4,
+                       chunk_size=int(chunk))
+sys.exit(0 if run_rank_fetch(plan, workers=3, token="").ok else 1)
+"""
+
+
+@pytest.mark.parametrize("point", ["after_piece:5", "before_shard_rename"])
+def test_sigkill_then_resume(point: str, served_hub: Any, node0_names: set[str], tmp_path: Path) -> None:
+    h, served = served_hub
+    dest = tmp_path / "d"
+    marker = tmp_path / "paused"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MODELSCOPE_", "K3CKPT_"))}
+    env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_IMPLICIT_TOKEN="1",
+               K3CKPT_TEST_PAUSE_AT=point, K3CKPT_TEST_PAUSE_FILE=str(marker))
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, h.url, REPO, str(dest), str(CHUNK)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"child exited ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "the child never reached its pause point"
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+
+    assert not (dest / INDEX_NAME).exists() and not (dest / PARTIAL_NAME).exists()
+    assert (dest / download.LOCK_NAME).exists()  # the dead run's lock: stale, must be recovered
+    # every whole file was fetched before the rewritten shards started
+    assert all((dest / f).exists() for f in ("config.json", "model-00001-of-000008.safetensors"))
+    parts = list(dest.glob("*.safetensors.part"))
+    assert parts and all(Path(f"{p}.journal").exists() for p in parts)
+    assert all(json.loads(Path(f"{p}.journal").read_text()).get("fingerprint") for p in parts)  # ours
+    if point == "before_shard_rename":
+        done = [p for p in parts if json.loads(Path(f"{p}.journal").read_text())["done"]]
+        assert done  # a complete .part waits for its rename: not under its final name
+
+    plan = plan_rank_fetch("hf", REPO, dest, endpoint=h.url, token="", ep=8, tp=2, node=0, gpus_per_node=4,
+                           chunk_size=CHUNK)
+    res = run_rank_fetch(plan, workers=3, token="")
+    assert res.ok, res.failed
+    partial = sum(sp.tensor_bytes for sp in plan.shards if not sp.whole)
+    resumed_partial = res.bytes_downloaded - sum(h.files(REPO)[f].size for f in res.fetched)
+    assert resumed_partial < partial  # the journaled pieces were not fetched again
+    assert not list(dest.glob("*.part")) and not list(dest.glob("*.journal"))
+    assert not (dest / download.LOCK_NAME).exists()
+
+    clean = tmp_path / "clean"
+    assert run_rank_fetch(_plan(h, clean), workers=3, token="").ok
+    assert digests(dest) == digests(clean)
+    assert set(open_checkpoint(dest).tensors) == node0_names
+
+
+def test_journal_of_another_selection_is_discarded(served_hub: Any, tmp_path: Path) -> None:
+    h, served = served_hub
+    dest = tmp_path / "d"
+    shard = "model-00002-of-000008.safetensors"
+    plan = _plan(h, dest)
+    sp = next(s for s in plan.shards if s.path == shard)
+    dest.mkdir()
+    (dest / f"{shard}.part").write_bytes(b"\0" * sp.size)
+    doc = {"version": 1, "path": shard, "fingerprint": "0" * 64, "size": sp.size, "done": list(range(len(sp.pieces)))}
+    (dest / f"{shard}.part.journal").write_text(json.dumps(doc))
+    res = run_rank_fetch(plan, workers=2, token="")
+    assert res.ok and shard in res.written
+    assert open_checkpoint(dest).read_tensor(sp.names[0]).tobytes() == open_checkpoint(served).read_tensor(sp.names[0]).tobytes()
+
+
+# ----------------------------------------------------------------------------------------------
+# other families
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family, verification", [("k2_tiny", "structure-and-sizes"), ("gptoss_tiny", "file-sha256")])
+def test_other_families_reshard_identically(family: str, verification: str, request: pytest.FixtureRequest,
+                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kimi-K2 (per-expert FP8 with block scales): experts of other ranks are left out. gpt-oss
+    (all experts stacked in one tensor per projection): every tensor is needed whole, so every
+    shard is fetched whole and checked against the hub's sha256."""
+    from k3ckpt.testing.hub import LoopbackHub
+
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    src: Path = request.getfixturevalue(family)
+    with LoopbackHub({REPO: src}, cache_dir=tmp_path / "hub-cache") as h:
+        dest = tmp_path / "d"
+        plan = plan_rank_fetch("hf", REPO, dest, endpoint=h.url, token="", ep=4, ranks="0-1", chunk_size=CHUNK)
+        res = run_rank_fetch(plan, workers=2, token="")
+        assert res.ok, res.failed
+        assert res.verification == plan.verification == verification
+        assert (plan.bytes_total < plan.source_bytes) and (any(not s.whole for s in plan.shards) == (family == "k2_tiny"))
+    assert verify_checkpoint(dest).ok
+    a, b = tmp_path / "a", tmp_path / "b"
+    reshard(dest, a, ep=4, ranks="0-1")
+    reshard(src, b, ep=4, ranks="0-1")
+    for rank in (0, 1):
+        files = sorted((b / f"rank-{rank:05d}").glob("*.safetensors"))
+        assert files
+        for f in files:
+            assert (a / f"rank-{rank:05d}" / f.name).read_bytes() == f.read_bytes()
