@@ -759,7 +759,7 @@ class _PlainCheckpoint:
         more = f" (+{len(gaps) - 1} more layer(s))" if len(gaps) > 1 else ""
         return Check("experts", FAIL, f"layer {layer} lacks {len(lacking)} expert(s) that {who} needs: "
                                       f"{_ranges(lacking)}{more}",
-                     fix=fetch_command(ckpt, self.root, []),
+                     fix=fetch_command(ckpt, self.root, [], topo, ranks),
                      details={"missing": {str(lay): _ranges(e) for lay, e in gaps}})
 
     def _rank_bytes(self, ckpt: Checkpoint, topo: Topology | None, ranks: list[int]) -> dict[int, int | None] | None:
@@ -783,13 +783,18 @@ def _topology_json(topo: Topology | None) -> dict[str, Any] | None:
     return None if topo is None else {k: v for k, v in topo.to_json().items() if k != "experts_by_rank"}
 
 
-def fetch_command(ckpt: Checkpoint, dest: Path, files: list[str]) -> str:
+def fetch_command(ckpt: Checkpoint, dest: Path, files: list[str], topo: Topology | None = None,
+                  ranks: list[int] | None = None) -> str:
     """The ``k3ckpt fetch`` that restores ``files`` (every file when empty) of ``ckpt`` into
-    ``dest``; ``REPO`` stands for the repository when the layout does not say."""
+    ``dest`` - with ``topo`` and ``ranks``, the rank-aware fetch of just those ranks' tensors;
+    ``REPO`` stands for the repository when the layout does not say."""
     args = ["k3ckpt", "fetch", "--source", ckpt.source.hub or "hf", "--repo", ckpt.source.repo or "REPO"]
     if ckpt.source.revision:
         args += ["--revision", ckpt.source.revision]
     args += ["--dest", str(dest)]
+    if topo is not None and ranks:
+        args += ["--ep", str(topo.ep), "--tp", str(topo.tp), "--world-size", str(topo.world_size),
+                 "--placement", topo.placement, "--ranks", _ranges(ranks)]
     for f in files:
         args += ["--include", f]
     return " ".join(a if a == "REPO" else shlex.quote(a) for a in args)

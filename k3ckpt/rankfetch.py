@@ -73,7 +73,7 @@ from . import download, hubclient
 from .checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, bulk_allocation
 from .config import ModelConfig, parse_config
 from .errors import ConfigError, K3ckptError
-from .fetch import select_paths
+from .fetch import record_source, select_paths
 from .hashing import HashError, Span, hash_file
 from .hubclient import HubFile, HubListing, RetryPolicy
 from .manifest import Manifest, tensors_from_headers
@@ -1024,6 +1024,7 @@ def run_rank_fetch(
             download._write_atomic(os.path.join(dest_real, INDEX_NAME), _index_json(plan))
             download._write_atomic(os.path.join(dest_real, PARTIAL_NAME), _marker_json(plan))
             download._fsync_dir(dest_real)
+            record_source(dest_real, plan.listing)
     finally:
         lock.release()
     result.written.sort()

@@ -421,7 +421,8 @@ def plan_reshard(
         check_heads(cfg, topo.tp, [])
     if node is not None and ranks is not None:
         raise TopologyError("give --ranks or --node, not both")
-    skip = set(ckpt.shards) | {INDEX_NAME}
+    # a partial source's marker describes the source, not the output (the output has its own)
+    skip = set(ckpt.shards) | {INDEX_NAME, NODE_MARKER, PARTIAL_MARKER}
     extra = [f for f in ckpt.iter_files() if f not in skip and not f.endswith(".safetensors")]
     if layout not in LAYOUTS:
         raise ReshardError(f"unknown --format {layout!r}; choose {' or '.join(LAYOUTS)}")

@@ -410,7 +410,9 @@ def test_hf_node_copy_covers_its_node_only(source: Path, clone_checkpoint) -> No
     rep = pf.preflight(node1, ep=4, tp=2, node=0, gpus_per_node=2, environ=NO_GPU)
     r = rows(rep)["experts"]
     assert r.status == "FAIL" and "lacks 8 expert(s) that ranks 0-1 needs: 0-7" in r.reason
-    assert r.fix == f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {node1}"
+    # the fix is the rank-aware fetch of exactly the ranks that lack experts
+    assert r.fix == (f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {node1} "
+                     f"--ep 4 --tp 2 --world-size 4 --placement linear --ranks 0-1")
     assert rows(pf.preflight(node1, environ=NO_GPU))["experts"].status == "FAIL"
 
 

@@ -192,6 +192,10 @@ def test_node0_moves_only_its_share_and_reshards_identically(served_hub: Any, k3
             assert (ra / f).read_bytes() == (rb / f).read_bytes(), (rank, f)
         ma, mb = (json.loads((d / "rank-manifest.json").read_text()) for d in (ra, rb))
         assert ma["tensors"] == mb["tensors"] and ma["files"] == mb["files"]
+    # the source's marker is not copied as if it described the output; the revision is recorded
+    assert not (a / PARTIAL_NAME).exists()
+    topo = json.loads((a / "topology.json").read_text())
+    assert topo["source"]["repo"] == REPO and topo["source"]["revision"] == marker["source"]["revision"]
     # ...and a rank whose experts were not fetched is refused, not written without them
     r = CliRunner().invoke(main, ["reshard", str(dest), "-o", str(tmp_path / "rs-node1"), "--ep", "8", "--tp", "2",
                                   "--node", "1", "--gpus-per-node", "4"])
