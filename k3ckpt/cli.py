@@ -79,7 +79,9 @@ def inspect(path: str, show_layers: bool, as_json: bool, jobs: int | None) -> No
 
     PATH is a checkpoint directory (as `hf download --local-dir` leaves it), a Hugging Face
     cache snapshot, or a `models--org--name` cache folder. Exits 1 when the config, the index
-    and the tensors disagree.
+    and the tensors disagree. A node's partial copy (with the k3ckpt-node.json or
+    k3ckpt-partial.json that reshard --format hf-node and fetch --ranks write) must hold the
+    experts its marker lists.
 
     \b
     Examples:
@@ -88,10 +90,15 @@ def inspect(path: str, show_layers: bool, as_json: bool, jobs: int | None) -> No
       k3ckpt inspect ./Kimi-K3 --json | jq .params_active
     """
     from .checkpoint import open_checkpoint
+    from .reshard import read_node_marker
     from .summary import inspect_checkpoint, render_text
 
     t0 = time.perf_counter()
-    rep = inspect_checkpoint(open_checkpoint(path, jobs=jobs))
+    ckpt = open_checkpoint(path, jobs=jobs)
+    # a node's copy (reshard --format hf-node, fetch --ranks/--node) holds only the experts its
+    # marker lists: those are the ones each MoE layer must have
+    marker = read_node_marker(ckpt.root)
+    rep = inspect_checkpoint(ckpt, experts=marker["experts"] if marker is not None else None)
     elapsed = time.perf_counter() - t0
     if as_json:
         d = rep.to_json(layers=show_layers)

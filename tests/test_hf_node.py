@@ -183,3 +183,16 @@ def test_cli(k3_tiny: Path, nodes: Path, tmp_path: Path) -> None:
     # and unshard says plainly that this is not a rank layout
     r = runner.invoke(main, ["unshard", str(nodes), "-o", str(tmp_path / "b")])
     assert r.exit_code == 2 and "not a k3ckpt rank layout" in r.output, r.output
+
+
+def test_inspect_honours_the_node_marker(nodes: Path, tmp_path: Path) -> None:
+    ndir = tmp_path / "n"
+    shutil.copytree(nodes / "node-00001", ndir)
+    res = CliRunner().invoke(main, ["inspect", str(ndir)])
+    assert res.exit_code == 0, res.output
+    (ndir / "k3ckpt-node.json").rename(tmp_path / "marker")  # now a checkpoint missing half its experts
+    res = CliRunner().invoke(main, ["inspect", str(ndir)])
+    assert res.exit_code == 1 and "8 of 16 routed experts missing" in res.output
+    (ndir / "k3ckpt-node.json").write_text("{not json")
+    res = CliRunner().invoke(main, ["inspect", str(ndir)])
+    assert res.exit_code == 2 and "k3ckpt-node.json" in res.output and "Traceback" not in res.output
