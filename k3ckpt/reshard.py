@@ -74,7 +74,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -436,7 +436,7 @@ def plan_reshard(
         return ReshardPlan(ckpt, topo, [], _source_json(ckpt), gpus_per_node, extra, node_plans, layout)
     selected = select_ranks(topo, ranks=ranks, node=node, gpus_per_node=gpus_per_node)
     per_rank = tensors_for_ranks(idx, topo, selected, gpus_per_node=gpus_per_node)
-    _require_experts(ckpt.root, idx, per_rank)
+    _require_experts(ckpt.root, idx, [(f"rank {r}", rt.rank.experts) for r, rt in sorted(per_rank.items())])
     plans = []
     for r in selected:
         rt = per_rank[r]
@@ -451,17 +451,18 @@ def plan_reshard(
     return ReshardPlan(ckpt, topo, plans, _source_json(ckpt), gpus_per_node, extra)
 
 
-def _require_experts(root: Path, idx: Any, per_rank: dict[int, Any]) -> None:
-    """Refuse ranks whose routed experts the checkpoint lacks entirely - a partial checkpoint
-    (``k3ckpt fetch --ranks``) holds only its ranks' experts - rather than write them without."""
+def _require_experts(root: Path, idx: Any, needs: list[tuple[str, Sequence[int]]]) -> None:
+    """Refuse ranks (or nodes) whose routed experts the checkpoint lacks entirely - a partial
+    checkpoint (``k3ckpt fetch --ranks``) holds only its ranks' experts - rather than write them
+    without. ``needs``: ``(who, experts)`` pairs such as ``("rank 4", [8, 9])``."""
     if not idx.expert_names:
         return  # no per-expert tensors at all (a dense model, or gpt-oss stacked experts)
-    for r, rt in sorted(per_rank.items()):
-        missing = [e for e in rt.rank.experts if e not in idx.expert_names]
+    for who, experts in needs:
+        missing = [e for e in experts if e not in idx.expert_names]
         if missing:
             from .summary import _ranges
 
-            raise ReshardError(f"{root}: rank {r} needs routed experts {_ranges(missing)}, which this checkpoint "
+            raise ReshardError(f"{root}: {who} needs routed experts {_ranges(missing)}, which this checkpoint "
                                "does not hold (a partial checkpoint? its k3ckpt-partial.json says which ranks it has)")
 
 
@@ -471,6 +472,7 @@ def _node_plan(ckpt: Checkpoint, idx: InventoryIndex, topo: Topology, node: int,
     and the per-expert tensors of the experts of the node's ranks, whole, in source order."""
     ranks = ranks_of_node(node, gpus_per_node, topo.world_size)
     experts = sorted({e for r in ranks for e in topo.rank_info(r).experts})
+    _require_experts(ckpt.root, idx, [(f"node {node}", experts)])
     names = list(idx.dense_names)
     for e in experts:
         names += idx.expert_names.get(e, [])

@@ -201,6 +201,9 @@ def test_node0_moves_only_its_share_and_reshards_identically(served_hub: Any, k3
                                   "--node", "1", "--gpus-per-node", "4"])
     assert r.exit_code == 2 and "rank 4 needs routed experts 8-9" in r.output
     assert not (tmp_path / "rs-node1" / "rank-00004").exists()
+    r = CliRunner().invoke(main, ["reshard", str(dest), "-o", str(tmp_path / "hf-node1"), "--ep", "8", "--tp", "2",
+                                  "--node", "1", "--gpus-per-node", "4", "--format", "hf-node"])
+    assert r.exit_code == 2 and "node 1 needs routed experts 8-15" in r.output
 
     # a second run moves nothing and leaves everything as it was
     before = digests(dest)
