@@ -582,6 +582,8 @@ def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str,
             # 200 without Content-Range: the server ignored Range and sends the file from byte 0.
             if announced is not None and announced != entry.size:
                 what = "an empty body" if announced == 0 else f"a {announced}-byte body"
+                if hubclient._is_html(resp):  # a proxy's or portal's error page, not the file
+                    what = f"a {announced}-byte HTML page"
                 raise _Retryable(f"server sent {what} (HTTP 200) for a {entry.size}-byte file")
             if start > hubclient.RANGE_SKIP_LIMIT:
                 raise _Retryable(f"server ignored Range (HTTP 200 with the whole file) for bytes {start}-{end}; "
@@ -926,8 +928,9 @@ def fetch_files(
             job.load_resume()
             jobs.append(job)
 
-        to_download = sum(sum(job.chunk(i)[1] for i in range(job.nchunks) if i not in job.done)
-                          for job in jobs if job.entry.size)
+        # From the journaled chunks, not by walking every chunk: a hostile listing's size of
+        # 2**60 bytes must reach the space check below, not spin through 2**34 chunks first.
+        to_download = sum(job.entry.size - sum(job.chunk(i)[1] for i in job.done) for job in jobs)
         if check_space and jobs:
             needed = sum(job.entry.size - job.resumable_bytes() for job in jobs)
             free = shutil.disk_usage(dest_real).free
