@@ -65,6 +65,7 @@ from typing import Any
 
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .errors import K3ckptError
+from .jsonfile import write_atomic
 from .safetensors_header import DTYPE_BITS, TensorSpec, build_header
 from .topology import (
     ExpertSlice,
@@ -477,10 +478,20 @@ def _tmp_name(final: Path) -> Path:
 def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
                 progress: Callable[[int], None] | None, fail_before: Callable[[str], None] | None = None,
                 ) -> dict[str, Any]:
-    """Write one output file under its temporary name, fsync it; return its digests."""
+    """Write one output file under its temporary name, fsync it; return its digests.
+
+    Raises:
+        ReshardError: the file cannot be written (disk full, file too large, ...), naming it;
+            ranks already complete stay, and a re-run redoes only the others.
+    """
     fds = _FdCache(plan.ckpt)
     try:
         return _write_file_with(plan, f, dest, mode, cache, progress, fds, fail_before)
+    except OSError as e:
+        # copy_file_range/pwrite errors carry no file name; without it "File too large" is a riddle.
+        hint = ("; free space (or raise the limit) and re-run: completed ranks are kept"
+                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "")
+        raise ReshardError(f"{e.filename or dest}: cannot write ({e.strerror or e}){hint}") from None
     finally:
         fds.close()
 
@@ -492,7 +503,8 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
     tmp = _tmp_name(dest)
     fh = hashlib.sha256(f.prefix)
     digests: dict[str, str] = {}
-    dst = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    # O_NOFOLLOW: a symlink planted at the temporary name must not redirect the write.
+    dst = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         os.pwrite(dst, f.prefix, 0)
         base = len(f.prefix)
@@ -608,12 +620,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = _tmp_name(path)
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, data)  # unique temporary name, never through a symlink, fsync-ed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -671,9 +678,9 @@ def _copy_extra(plan: ReshardPlan, out: Path) -> None:
     for rel in plan.extra_files:
         dst = out / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_name(dst)
-        shutil.copyfile(plan.ckpt.root / rel, tmp)
-        os.replace(tmp, dst)
+        # Config, tokenizer and code files: small enough to hold, and written like every other
+        # small file (a symlink planted at a fixed temporary name once redirected this copy).
+        write_atomic(dst, (plan.ckpt.root / rel).read_bytes())
 
 
 def run_reshard(
