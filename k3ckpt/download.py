@@ -48,6 +48,7 @@ origin), ``Retry-After`` parsing, status mapping and ``Content-Range`` grammar.
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import random
@@ -694,6 +695,8 @@ class _Run:
                 pass
             except _Fatal as e:
                 self.fail(job, str(e))
+            except OSError as e:  # the local side: disk full, file too large, out of descriptors
+                self.fail(job, _local_failure(e, job.part))
             except Exception as e:  # noqa: BLE001 - never lose a worker silently: fail the file, keep going
                 self.fail(job, f"{type(e).__name__}: {hubclient._one_line(str(e))[:300]}")
             finally:
@@ -810,6 +813,16 @@ class _Run:
             raise
         for t in threads:
             t.join()
+
+
+def _local_failure(e: OSError, path: str) -> str:
+    """One line for a local I/O failure, naming the file and what to do about it."""
+    hint = ""
+    if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        hint = "; free space (or raise the file-size limit) and re-run: finished chunks are kept"
+    elif e.errno in (errno.EMFILE, errno.ENFILE):
+        hint = "; raise the open-files limit (ulimit -n) or use fewer --workers, and re-run"
+    return f"{e.filename or path}: {e.strerror or e}{hint}"
 
 
 def _mismatch(entry: HubFile, size: int, sha256: str, git_sha1: str | None) -> str | None:

@@ -491,7 +491,10 @@ def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _Di
         # copy_file_range/pwrite errors carry no file name; without it "File too large" is a riddle.
         hint = ("; free space (or raise the limit) and re-run: completed ranks are kept"
                 if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "")
-        raise ReshardError(f"{e.filename or dest}: cannot write ({e.strerror or e}){hint}") from None
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            hint = "; raise the open-files limit (ulimit -n) or use fewer --jobs"
+        what = f"{e.filename}: " if e.filename else ""
+        raise ReshardError(f"writing {dest}: {what}{e.strerror or e}{hint}") from None
     finally:
         fds.close()
 
