@@ -50,7 +50,8 @@ class CrashStats:
 
     Attributes:
         kills: SIGKILLs delivered to a running child.
-        kills_at_pause_points: ... of which at an exact named point (after chunk N, before rename).
+        kills_at_pause_points: ... of which at an exact point (fetch: after chunk N, before a
+            rename; reshard: after the K-th rank file was renamed into place).
         kills_mid_transfer: ... of which at a random byte count in the middle of a transfer.
         finished_before_kill: runs that completed before their kill point was reached.
         power_loss_faults: damage injected between runs (flipped journaled bytes, garbage
@@ -315,8 +316,9 @@ def _damage_reshard(out: Path, rng: random.Random, stats: CrashStats) -> bool:
 
 def reshard_campaign(source: Path, work: Path, *, kills: int, seed: int, power_loss: float = 0.3) -> CrashStats:
     """Reshard ``source`` into ``work/out`` with ``kills`` SIGKILLs at seeded random points
-    (a random number of bytes allocated in the output), then to completion, comparing with a
-    clean reference run; raise :class:`InvariantViolation` on a breach.
+    (a random number of bytes allocated in the output, or just after the K-th rank file is
+    renamed into place), then to completion, comparing with a clean reference run; raise
+    :class:`InvariantViolation` on a breach.
 
     A cut final-named file is the one thing a re-run cannot tell from its manifest without
     reading it, when its size is unchanged; the damage here changes the size, which the
@@ -333,15 +335,25 @@ def reshard_campaign(source: Path, work: Path, *, kills: int, seed: int, power_l
         raise InvariantViolation(f"reference reshard failed: {res.stderr[-500:]}")
     ref = _digests(ref_dir)
     total = _allocated(ref_dir)
+    parts = sum(1 for k in ref if k.endswith(".safetensors"))
     out = work / "out"
     args = [*common, "-o", str(out)]
     env = _child_env({})
     while stats.kills < kills:
-        threshold = rng.randrange(1, max(2, total))
+        # Half the kills at a random number of bytes written; half just after the K-th rank file
+        # is renamed into place (renames cluster at the end of a rank, where bytes rarely land).
+        at_point = rng.random() < 0.5
+        if at_point:
+            k = rng.randrange(1, max(2, parts))
+            ready = lambda k=k: out.exists() and len(list(out.glob("rank-*/[!.]*.safetensors"))) >= k  # noqa: E731
+        else:
+            threshold = rng.randrange(1, max(2, total))
+            ready = lambda threshold=threshold: out.exists() and _allocated(out) >= threshold  # noqa: E731
         proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        if _wait_exit_or_kill(proc, lambda: out.exists() and _allocated(out) >= threshold):
+        if _wait_exit_or_kill(proc, ready):
             stats.kills += 1
-            stats.kills_mid_transfer += 1
+            stats.kills_at_pause_points += at_point
+            stats.kills_mid_transfer += not at_point
         else:
             stats.finished_before_kill += 1
             if proc.returncode != 0:
