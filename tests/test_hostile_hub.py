@@ -29,6 +29,8 @@ HUBS = ("hf", "modelscope")
 SHARD = "model-00001-of-000008.safetensors"  # 1.6 MB
 CHUNK = 256 * 1024
 
+pytestmark = pytest.mark.usefixtures("isolated_hub_clients")
+
 
 def run(*args: str):
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
@@ -40,23 +42,6 @@ def fast_retry() -> RetryPolicy:
 
 def tree(root: Path) -> set[str]:
     return {p.relative_to(root).as_posix() for p in root.rglob("*")}
-
-
-@pytest.fixture(autouse=True)
-def _isolated_clients(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No credentials or endpoints from the machine leak into a test."""
-    import huggingface_hub.constants as hfc
-    import modelscope_hub.config as msc
-
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "MODELSCOPE_API_TOKEN",
-                "MODELSCOPE_ENDPOINT", "MODELSCOPE_DOMAIN"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(hfc, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))
-    monkeypatch.setattr(hfc, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf" / "stored_tokens"))
-    monkeypatch.setattr(hfc, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("MODELSCOPE_HOME", str(tmp_path / "ms-home"))
-    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms-cache"))
-    monkeypatch.setattr(msc, "_default_config", None)
 
 
 @pytest.fixture(params=HUBS)

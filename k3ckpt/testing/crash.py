@@ -116,6 +116,21 @@ def _wait_exit_or_kill(proc: subprocess.Popen[bytes], ready: Any, timeout: float
     return True
 
 
+def _run_until_killed(args: list[str], env: dict[str, str], ready: Any, at_point: bool, stats: CrashStats) -> bool:
+    """Start the command and SIGKILL it once ``ready()``; True if killed, False if it finished
+    first (successfully: a failure is a violation)."""
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if _wait_exit_or_kill(proc, ready):
+        stats.kills += 1
+        stats.kills_at_pause_points += at_point
+        stats.kills_mid_transfer += not at_point
+        return True
+    stats.finished_before_kill += 1
+    if proc.returncode != 0:
+        raise InvariantViolation(f"{' '.join(args[2:4])} exited {proc.returncode}: {proc.stderr.read().decode()[-500:]}")
+    return False
+
+
 # ----------------------------------------------------------------------------------------------
 # fetch
 # ----------------------------------------------------------------------------------------------
@@ -220,15 +235,7 @@ def fetch_campaign(served: Path, work: Path, *, kills: int, seed: int, power_los
                 start = hub.total_bytes_sent()
                 threshold = start + rng.randrange(1, max(2, total))
                 ready = lambda threshold=threshold: hub.total_bytes_sent() >= threshold  # noqa: E731
-            proc = subprocess.Popen(args, env=child_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            if _wait_exit_or_kill(proc, ready):
-                stats.kills += 1
-                stats.kills_at_pause_points += at_point
-                stats.kills_mid_transfer += not at_point
-            else:
-                stats.finished_before_kill += 1
-                if proc.returncode != 0:
-                    raise InvariantViolation(f"fetch exited {proc.returncode}: {proc.stderr.read().decode()[-500:]}")
+            if not _run_until_killed(args, child_env, ready, at_point, stats):
                 _scan_fetch(dest, served, stats)
                 shutil.rmtree(dest)  # start over so that the next kills land mid-run again
                 continue
@@ -349,15 +356,7 @@ def reshard_campaign(source: Path, work: Path, *, kills: int, seed: int, power_l
         else:
             threshold = rng.randrange(1, max(2, total))
             ready = lambda threshold=threshold: out.exists() and _allocated(out) >= threshold  # noqa: E731
-        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        if _wait_exit_or_kill(proc, ready):
-            stats.kills += 1
-            stats.kills_at_pause_points += at_point
-            stats.kills_mid_transfer += not at_point
-        else:
-            stats.finished_before_kill += 1
-            if proc.returncode != 0:
-                raise InvariantViolation(f"reshard exited {proc.returncode}: {proc.stderr.read().decode()[-500:]}")
+        if not _run_until_killed(args, env, ready, at_point, stats):
             _scan_reshard(out, ref, stats)
             shutil.rmtree(out)
             continue
