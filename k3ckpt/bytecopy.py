@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import K3ckptError
+from .jsonfile import write_atomic
 
 #: Bytes per copy / hash step (and the size of each worker's buffers).
 CHUNK = 8 * 1024 * 1024
@@ -242,12 +242,9 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    tmp = tmp_name(path)
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """A small file (manifest, marker, ``READY``) written so its final name never holds a partial
+    one, and never through a symlink planted in the output: see :func:`k3ckpt.jsonfile.write_atomic`."""
+    write_atomic(path, data)
 
 
 
@@ -257,5 +254,6 @@ def copy_files(src: Path, rels: list[str], out: Path) -> None:
     for rel in rels:
         dst = out / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src / rel, tmp_name(dst))
-        os.replace(tmp_name(dst), dst)
+        # Config, tokenizer and code files: small enough to hold, and written like every other
+        # small file (a symlink planted at a fixed temporary name once redirected this copy).
+        write_atomic(dst, (src / rel).read_bytes())

@@ -211,13 +211,14 @@ class ByteProgress:
 
 @main.group(context_settings=CONTEXT)
 def manifest() -> None:
-    """Build, pull and diff manifests: what a checkpoint is, file by file and tensor by tensor.
+    """Build, pull, diff and sign manifests: what a checkpoint is, file by file and tensor by tensor.
 
     \b
     Examples:
       k3ckpt manifest build ./Kimi-K3 -o manifests/kimi-k3.json --tensor-hashes
       k3ckpt manifest pull --source hf --repo moonshotai/Kimi-K3 -o kimi-k3.json
       k3ckpt manifest diff old.json new.json
+      k3ckpt manifest keygen release.key && k3ckpt manifest sign kimi-k3.json --key release.key
     """
 
 
@@ -228,9 +229,12 @@ def manifest() -> None:
 @click.option("--tensor-hashes", is_flag=True,
               help="Also a sha256 per tensor, computed in the same read as the file hashes.")
 @click.option("--jobs", type=click.IntRange(1), default=None, help="Files hashed in parallel [default: CPU count].")
+@click.option("--sign", "sign_key", type=click.Path(dir_okay=False, path_type=str),
+              help="Also sign the manifest with this ed25519 private key (writes OUTPUT.sig).")
 @click.option("--json", "as_json", is_flag=True, help="Print a summary as JSON.")
 @handle_errors
-def manifest_build(path: str, output: str, tensor_hashes: bool, jobs: int | None, as_json: bool) -> None:
+def manifest_build(path: str, output: str, tensor_hashes: bool, jobs: int | None, sign_key: str | None,
+                   as_json: bool) -> None:
     """Hash every file of a local checkpoint and write its manifest.
 
     Deterministic JSON (sorted keys, one file or tensor per line), so manifests can be
@@ -240,18 +244,38 @@ def manifest_build(path: str, output: str, tensor_hashes: bool, jobs: int | None
     Examples:
       k3ckpt manifest build work/k3-small -o k3-small.json
       k3ckpt manifest build ./Kimi-K3 -o kimi-k3.json --tensor-hashes --jobs 8
+      k3ckpt manifest build ./Kimi-K3 -o kimi-k3.json --sign release.key
     """
     from .checkpoint import open_checkpoint
     from .manifest import build_manifest
 
+    if sign_key:
+        _check_signing_key(sign_key)  # before hours of hashing, not after
     ckpt = open_checkpoint(path, jobs=jobs)
     with ByteProgress(not as_json, "hashing") as bar:
         bar.plan(sum((ckpt.root / f).stat().st_size for f in ckpt.iter_files()))
         m = build_manifest(ckpt, tensor_hashes=tensor_hashes, jobs=jobs, progress=bar)
     m.save(output)
+    signed = _sign_output(output, sign_key)
     if as_json:
         _emit_json({"output": output, "files": len(m.files), "tensors": len(m.tensors),
-                    "bytes": m.total_bytes, "tensor_hashes": m.tensor_hashes, "source": m.source})
+                    "bytes": m.total_bytes, "tensor_hashes": m.tensor_hashes, "source": m.source, **signed})
+
+
+def _check_signing_key(key: str) -> None:
+    from .signing import load_private_key
+
+    load_private_key(key)
+
+
+def _sign_output(output: str, key: str | None) -> dict[str, str]:
+    """Sign a just-written manifest with ``--sign KEY``; the JSON fields to report."""
+    if not key:
+        return {}
+    from .signing import sign_file
+
+    res = sign_file(output, key)
+    return {"signature": res.signature, "key_id": res.key_id}
 
 
 @manifest.command("pull", context_settings=CONTEXT)
@@ -262,10 +286,12 @@ def manifest_build(path: str, output: str, tensor_hashes: bool, jobs: int | None
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str),
               help="Where to write the manifest (JSON).")
 @click.option("--jobs", type=click.IntRange(1), default=8, show_default=True, help="Concurrent header requests.")
+@click.option("--sign", "sign_key", type=click.Path(dir_okay=False, path_type=str),
+              help="Also sign the manifest with this ed25519 private key (writes OUTPUT.sig).")
 @click.option("--json", "as_json", is_flag=True, help="Print a summary as JSON.")
 @handle_errors
 def manifest_pull(hub: str, repo: str, revision: str | None, endpoint: str | None, output: str, jobs: int,
-                  as_json: bool) -> None:
+                  sign_key: str | None, as_json: bool) -> None:
     """Build a manifest from hub metadata alone, before downloading anything.
 
     Sizes and sha256 come from the hub API; each shard's safetensors header is fetched with
@@ -279,11 +305,14 @@ def manifest_pull(hub: str, repo: str, revision: str | None, endpoint: str | Non
     """
     from .manifest import pull_manifest
 
+    if sign_key:
+        _check_signing_key(sign_key)
     m = pull_manifest(hub, repo, revision, endpoint=endpoint, jobs=jobs)
     m.save(output)
+    signed = _sign_output(output, sign_key)
     if as_json:
         _emit_json({"output": output, "files": len(m.files), "tensors": len(m.tensors),
-                    "bytes": m.total_bytes, "source": m.source})
+                    "bytes": m.total_bytes, "source": m.source, **signed})
 
 
 @manifest.command("diff", context_settings=CONTEXT)
@@ -313,6 +342,63 @@ def manifest_diff(a: str, b: str, as_json: bool) -> None:
         sys.exit(EXIT_PROBLEMS)
 
 
+@manifest.command("keygen", context_settings=CONTEXT)
+@click.argument("key", type=click.Path(dir_okay=False, path_type=str))
+@click.option("--public", "public_path", type=click.Path(dir_okay=False, path_type=str),
+              help="Where the public key goes [default: KEY.pub].")
+@click.option("--force", is_flag=True, help="Overwrite existing key files.")
+@click.option("--json", "as_json", is_flag=True, help="Print the key id and paths as JSON.")
+@handle_errors
+def manifest_keygen(key: str, public_path: str | None, force: bool, as_json: bool) -> None:
+    """Make an ed25519 signing key pair: KEY (PKCS#8 PEM, mode 0600) and KEY.pub (PEM).
+
+    Both are ordinary OpenSSL formats: `openssl pkeyutl` can sign and verify with them, and a
+    key made by `openssl genpkey -algorithm ed25519` (or `ssh-keygen -t ed25519`) works here too.
+    Keep KEY offline with whoever releases manifests; hand KEY.pub to the fleet.
+
+    \b
+    Examples:
+      k3ckpt manifest keygen release.key
+      k3ckpt manifest keygen /secure/release.key --public deploy/release.pub
+    """
+    from .signing import generate_key
+
+    pub = public_path or f"{key}.pub"
+    kid = generate_key(key, pub, force=force)
+    if as_json:
+        _emit_json({"private_key": key, "public_key": pub, "key_id": kid})
+    else:
+        click.echo(f"{kid}: private key {key}, public key {pub}")
+
+
+@manifest.command("sign", context_settings=CONTEXT)
+@click.argument("file", type=click.Path(dir_okay=False, path_type=str))
+@click.option("--key", required=True, type=click.Path(dir_okay=False, path_type=str),
+              help="ed25519 private key (PEM, OpenSSH or raw 32 bytes; passphrase in $K3CKPT_KEY_PASSPHRASE).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=str),
+              help="Where to write the signature [default: FILE.sig].")
+@click.option("--json", "as_json", is_flag=True, help="Print what was signed as JSON.")
+@handle_errors
+def manifest_sign(file: str, key: str, output: str | None, as_json: bool) -> None:
+    """Sign a manifest: a detached ed25519 signature over its exact bytes (FILE.sig).
+
+    The signature is the raw 64 bytes `openssl pkeyutl -sign -rawin` writes, so either tool
+    can check the other's. A fleet then runs `k3ckpt verify --manifest FILE --signature
+    FILE.sig --pubkey KEY.pub`, which refuses a manifest changed after signing before it hashes
+    anything. Re-sign after editing the manifest.
+
+    \b
+    Examples:
+      k3ckpt manifest sign kimi-k3.json --key release.key
+      k3ckpt manifest sign kimi-k3.json --key ~/.ssh/id_ed25519 -o kimi-k3.json.sig --json
+    """
+    from .signing import sign_file
+
+    res = sign_file(file, key, output)
+    if as_json:
+        _emit_json(res.to_json())
+
+
 # -- verify ------------------------------------------------------------------------------------
 
 
@@ -320,6 +406,10 @@ def manifest_diff(a: str, b: str, as_json: bool) -> None:
 @click.argument("path", type=click.Path(file_okay=False, path_type=str))
 @click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False, path_type=str),
               help="Verify against this manifest (sizes, sha256, tensor hashes when it has them).")
+@click.option("--signature", "signature_path", type=click.Path(dir_okay=False, path_type=str),
+              help="Require this ed25519 signature over the --manifest (needs --pubkey).")
+@click.option("--pubkey", "pubkey_path", type=click.Path(dir_okay=False, path_type=str),
+              help="The public key the --signature must verify with (PEM, OpenSSH or raw).")
 @click.option("--against", type=click.Choice(["hf", "modelscope"]), help="Verify against a hub's listing.")
 @click.option("--repo", help="Repository id for --against, e.g. moonshotai/Kimi-K3.")
 @click.option("--revision", help="Revision for --against [default: the repo's main, resolved].")
@@ -330,18 +420,22 @@ def manifest_diff(a: str, b: str, as_json: bool) -> None:
 @click.option("--jobs", type=click.IntRange(1), default=None, help="Files hashed in parallel [default: CPU count].")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @handle_errors
-def verify(path: str, manifest_path: str | None, against: str | None, repo: str | None, revision: str | None,
-           endpoint: str | None, quick: bool, no_scan: bool, no_cache: bool, jobs: int | None, as_json: bool) -> None:
+def verify(path: str, manifest_path: str | None, signature_path: str | None, pubkey_path: str | None,
+           against: str | None, repo: str | None, revision: str | None, endpoint: str | None, quick: bool,
+           no_scan: bool, no_cache: bool, jobs: int | None, as_json: bool) -> None:
     """Prove a checkpoint intact, or say exactly what is wrong (exit 1).
 
     Always checks structure: every shard header, index vs headers, paths, config vs tensors,
     MXFP4 pairs, NaN scale bytes. With --manifest or --against it also checks the set of files,
     their sizes and sha256 (and with tensor hashes, which tensors differ). --quick re-verifies
-    an unchanged directory in seconds from the stat cache a full run leaves behind.
+    an unchanged directory in seconds from the stat cache a full run leaves behind. With
+    --signature and --pubkey the manifest must carry that key's signature: a bad one exits 1
+    before anything is hashed.
 
     \b
     Examples:
       k3ckpt verify ./Kimi-K3 --manifest manifests/kimi-k3.json
+      k3ckpt verify ./Kimi-K3 --manifest kimi-k3.json --signature kimi-k3.json.sig --pubkey release.pub
       k3ckpt verify ./Kimi-K3 --against hf --repo moonshotai/Kimi-K3 --revision f831ab66
       k3ckpt verify ./Kimi-K3 --manifest kimi-k3.json --quick
       k3ckpt verify ./Kimi-K3 --json | jq .issues
@@ -352,8 +446,17 @@ def verify(path: str, manifest_path: str | None, against: str | None, repo: str 
         raise click.UsageError("use --manifest or --against, not both")
     if against and not repo:
         raise click.UsageError("--against needs --repo")
+    if bool(signature_path) != bool(pubkey_path):
+        raise click.UsageError("--signature and --pubkey go together")
+    if signature_path and not manifest_path:
+        raise click.UsageError("--signature checks a --manifest; give one")
     kwargs: dict[str, Any] = {}
-    if manifest_path:
+    if manifest_path and signature_path:
+        from .signing import load_signed_manifest
+
+        signed, kid = load_signed_manifest(manifest_path, signature_path, pubkey_path)  # type: ignore[arg-type]
+        kwargs.update(manifest=signed, reference=f"manifest {manifest_path}, signed by {kid}")
+    elif manifest_path:
         from .manifest import Manifest
 
         kwargs.update(manifest=Manifest.load(manifest_path), manifest_label=manifest_path)

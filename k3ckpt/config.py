@@ -16,11 +16,43 @@ from .errors import ConfigError
 from .jsonfile import load_json
 
 
+#: More layers than any model has; a bigger count is a hostile or broken config, and would
+#: otherwise size per-layer lists (10**12 layers: an allocation that never ends).
+MAX_LAYERS = 100_000
+#: Bound for sizes and counts (hidden size, vocabulary, experts, ...).
+MAX_SIZE = 1 << 40
+
+
 def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
     for k in keys:
         if k in d and d[k] is not None:
             return d[k]
     return default
+
+
+def _int_field(d: dict[str, Any], *keys: str, source: str, default: Any = 0, hi: int = MAX_SIZE) -> Any:
+    """The first of ``keys`` present in ``d`` as a non-negative int up to ``hi`` (``default`` if
+    none is present).
+
+    Raises:
+        ConfigError: the value is not a whole number in range (a bool, a string, a list, inf,
+            10**12 layers), naming the field.
+    """
+    key = next((k for k in keys if d.get(k) is not None), None)
+    if key is None:
+        return default
+    value = d[key]
+    if isinstance(value, float) and value.is_integer() and abs(value) <= hi:
+        value = int(value)  # 64.0 is 64; inf and 1e300 stay refused
+    if type(value) is not int or not 0 <= value <= hi:
+        raise ConfigError(f"{source}: {key} is {json_repr(value)}, not a whole number from 0 to {hi}")
+    return value
+
+
+def json_repr(value: Any) -> str:
+    """A short rendering of a config value for an error message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass
@@ -90,12 +122,20 @@ def _family(model_type: str, text_model_type: str, archs: list[str]) -> str:
     return "unknown"
 
 
-def _attention_kinds(family: str, text: dict[str, Any], num_layers: int) -> list[str]:
+def _layer_numbers(lac: dict[str, Any], key: str, source: str) -> set[int]:
+    """0-based layers from a list of 1-based layer numbers in ``linear_attn_config``."""
+    value = lac.get(key) or []
+    if not isinstance(value, list) or not all(type(i) is int for i in value):
+        raise ConfigError(f"{source}: linear_attn_config.{key} is {json_repr(value)}, not a list of layer numbers")
+    return {i - 1 for i in value}
+
+
+def _attention_kinds(family: str, text: dict[str, Any], num_layers: int, source: str = "config.json") -> list[str]:
     lac = text.get("linear_attn_config")
     if isinstance(lac, dict) and (lac.get("kda_layers") or lac.get("full_attn_layers")):
         # 1-based layer numbers in the K3 / Kimi-Linear config.
-        full = {int(i) - 1 for i in lac.get("full_attn_layers") or []}
-        kda = {int(i) - 1 for i in lac.get("kda_layers") or []}
+        full = _layer_numbers(lac, "full_attn_layers", source)
+        kda = _layer_numbers(lac, "kda_layers", source)
         kinds = []
         for i in range(num_layers):
             kinds.append("mla" if i in full else "kda" if i in kda or not full else "mla")
@@ -112,21 +152,29 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
     """Normalize a parsed ``config.json``.
 
     Raises:
-        ConfigError: when a field every family has (layers, hidden size) is missing.
+        ConfigError: when a field every family has (layers, hidden size) is missing, or a
+            size, count or layer list is of the wrong kind or out of range (naming the field).
     """
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: not a JSON object")
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     model_type = str(raw.get("model_type", ""))
     text_model_type = str(text.get("model_type", model_type))
-    archs = [str(a) for a in raw.get("architectures") or []]
+    archs_raw = raw.get("architectures") or []
+    if not isinstance(archs_raw, list):
+        raise ConfigError(f"{source}: architectures is {json_repr(archs_raw)}, not a list")
+    archs = [str(a) for a in archs_raw]
     family = _family(model_type, text_model_type, archs)
-    try:
-        num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers"))
-        hidden = int(_first(text, "hidden_size", "n_embd", "d_model"))
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}: missing num_hidden_layers or hidden_size") from None
-    num_experts = int(_first(text, "num_experts", "n_routed_experts", "num_local_experts", default=0))
+    num_layers = _int_field(text, "num_hidden_layers", "n_layer", "num_layers", source=source, default=None,
+                            hi=MAX_LAYERS)
+    hidden = _int_field(text, "hidden_size", "n_embd", "d_model", source=source, default=None)
+    if num_layers is None or hidden is None:
+        raise ConfigError(f"{source}: missing num_hidden_layers or hidden_size")
+
+    def count(*keys: str, default: Any = 0) -> Any:
+        return _int_field(text, *keys, source=source, default=default)
+
+    num_experts = count("num_experts", "n_routed_experts", "num_local_experts")
     quant = _first(raw, "quantization_config", default=None) or _first(text, "quantization_config", default={}) or {}
     return ModelConfig(
         family=family,
@@ -135,19 +183,17 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         architectures=archs,
         num_layers=num_layers,
         hidden_size=hidden,
-        vocab_size=int(_first(text, "vocab_size", default=0)),
-        num_attention_heads=int(_first(text, "num_attention_heads", "n_head", default=0)),
+        vocab_size=count("vocab_size"),
+        num_attention_heads=count("num_attention_heads", "n_head"),
         num_experts=num_experts,
-        experts_per_token=int(
-            _first(text, "num_experts_per_token", "num_experts_per_tok", "experts_per_token", default=0)
-        ),
-        num_shared_experts=int(_first(text, "num_shared_experts", "n_shared_experts", default=0)),
-        moe_intermediate_size=_first(text, "moe_intermediate_size", default=None),
-        intermediate_size=_first(text, "intermediate_size", default=None),
-        routed_expert_hidden_size=_first(text, "routed_expert_hidden_size", default=None),
-        first_k_dense=int(_first(text, "first_k_dense_replace", default=0)),
-        moe_layer_freq=int(_first(text, "moe_layer_freq", default=1)),
-        attention_kinds=_attention_kinds(family, text, num_layers),
+        experts_per_token=count("num_experts_per_token", "num_experts_per_tok", "experts_per_token"),
+        num_shared_experts=count("num_shared_experts", "n_shared_experts"),
+        moe_intermediate_size=count("moe_intermediate_size", default=None),
+        intermediate_size=count("intermediate_size", default=None),
+        routed_expert_hidden_size=count("routed_expert_hidden_size", default=None),
+        first_k_dense=count("first_k_dense_replace"),
+        moe_layer_freq=count("moe_layer_freq", default=1),
+        attention_kinds=_attention_kinds(family, text, num_layers, source),
         quantization=quant if isinstance(quant, dict) else {},
         tie_word_embeddings=bool(_first(text, "tie_word_embeddings", default=_first(raw, "tie_word_embeddings", default=False))),
         has_vision=isinstance(raw.get("vision_config"), dict),

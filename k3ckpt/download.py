@@ -50,6 +50,7 @@ origin), ``Retry-After`` parsing, status mapping and ``Content-Range`` grammar.
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import json
 import os
@@ -744,6 +745,8 @@ def _stream_range(listing: HubListing, entry: HubFile, start: int, length: int, 
             # 200 without Content-Range: the server ignored Range and sends the file from byte 0.
             if announced is not None and announced != entry.size:
                 what = "an empty body" if announced == 0 else f"a {announced}-byte body"
+                if hubclient._is_html(resp):  # a proxy's or portal's error page, not the file
+                    what = f"a {announced}-byte HTML page"
                 raise _Retryable(f"server sent {what} (HTTP 200) for a {entry.size}-byte file")
             if start != 0 or length != entry.size:
                 raise _RangeIgnored(f"the server ignores Range (HTTP 200 with the whole file for bytes {start}-{end})")
@@ -868,6 +871,8 @@ class _Run:
                 pass
             except _Fatal as e:
                 self.fail(job, str(e))
+            except OSError as e:  # the local side: disk full, file too large, out of descriptors
+                self.fail(job, _local_failure(e, job.part))
             except Exception as e:  # noqa: BLE001 - never lose a worker silently: fail the file, keep going
                 self.fail(job, f"{type(e).__name__}: {hubclient._one_line(str(e))[:300]}")
             finally:
@@ -1059,6 +1064,16 @@ def _run_workers(worker: Callable[[], None], workers: int, name: str, cond: thre
         t.join()
 
 
+def _local_failure(e: OSError, path: str) -> str:
+    """One line for a local I/O failure, naming the file and what to do about it."""
+    hint = ""
+    if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        hint = "; free space (or raise the file-size limit) and re-run: finished chunks are kept"
+    elif e.errno in (errno.EMFILE, errno.ENFILE):
+        hint = "; raise the open-files limit (ulimit -n) or use fewer --workers, and re-run"
+    return f"{e.filename or path}: {e.strerror or e}{hint}"
+
+
 def _mismatch(entry: HubFile, size: int, sha256: str, git_sha1: str | None) -> str | None:
     """Why local content does not match the listing, or None if it does."""
     if size != entry.size:
@@ -1179,8 +1194,9 @@ def fetch_files(
             job.load_resume()
             jobs.append(job)
 
-        to_download = sum(sum(job.chunk(i)[1] for i in range(job.nchunks) if i not in job.done)
-                          for job in jobs if job.entry.size)
+        # From the journaled chunks, not by walking every chunk: a hostile listing's size of
+        # 2**60 bytes must reach the space check below, not spin through 2**34 chunks first.
+        to_download = sum(job.entry.size - sum(job.chunk(i)[1] for i in job.done) for job in jobs)
         if check_space and jobs:
             needed = sum(job.entry.size - job.resumable_bytes() for job in jobs)
             free = shutil.disk_usage(dest_real).free

@@ -98,7 +98,10 @@ def run_fetch(
     files = plan.listing.files
     record_verified(plan.dest, {p: (files[p].sha256, files[p].git_sha1) for p in result.fetched + result.skipped})
     if result.ok:
-        record_source(plan.dest, plan.listing)
+        try:
+            record_source(plan.dest, plan.listing)
+        except OSError as e:  # every file is in place and verified: not a reason to fail the fetch
+            result.notes.append(f"could not record the source revision in {plan.dest}: {e.strerror or e}")
     return result
 
 

@@ -805,7 +805,8 @@ def _body(resp: requests.Response, url: str, start: int, end: int, size: int | N
             raise RangeNotSupported(f"{url}: server ignored Range (HTTP 200, whole body) and byte {start} is "
                                     f"past the {RANGE_SKIP_LIMIT}-byte skip limit", **ctx)
         if announced is not None and size is not None and announced != size:
-            raise RangeMismatch(f"{url}: server ignored Range and sent a {announced}-byte body for a "
+            what = "HTML page" if _is_html(resp) else "body"
+            raise RangeMismatch(f"{url}: server ignored Range and sent a {announced}-byte {what} for a "
                                 f"{size}-byte file", **ctx)
         skip = start
     try:
@@ -820,6 +821,12 @@ def _body(resp: requests.Response, url: str, start: int, end: int, size: int | N
     if len(data) != length:
         raise _Transient(ShortRead(f"{url}: expected {length} bytes (bytes {start}-{end}), got {len(data)}", **ctx))
     return data
+
+
+def _is_html(resp: requests.Response) -> bool:
+    """Whether a response is a web page (an error page of a proxy, portal or CDN): named as such
+    in errors, since "a 312-byte body for a 17 GB file" leaves the operator guessing."""
+    return (resp.headers.get("Content-Type") or "").split(";")[0].strip().lower() in ("text/html", "application/xhtml+xml")
 
 
 def _status_error(resp: requests.Response, url: str, ctx: dict[str, Any]) -> HubError:

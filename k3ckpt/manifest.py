@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import K3ckptError
 from .hashing import Span, hash_files
-from .jsonfile import load_json
+from .jsonfile import load_json, write_atomic
 from .safetensors_header import ShardHeader
 
 FORMAT = "k3ckpt-manifest"
@@ -110,10 +110,7 @@ class Manifest:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically: a reader never sees a half-written manifest under the final name."""
-        p = Path(path)
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-        tmp.write_text(self.to_json(), encoding="utf-8")
-        os.replace(tmp, p)
+        write_atomic(Path(path), self.to_json().encode("utf-8"))
 
     @classmethod
     def from_json(cls, data: Any, where: str = "manifest") -> "Manifest":
@@ -126,7 +123,7 @@ class Manifest:
             files = {_safe_path(k, where): _parse_file(v) for k, v in data["files"].items()}
             tensors = {str(k): _parse_tensor(v) for k, v in data["tensors"].items()}
             source = {str(k): str(v) for k, v in (data.get("source") or {}).items()}
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise ManifestError(f"{where}: malformed ({type(e).__name__}: {e})") from None
         for name, t in tensors.items():
             if t.file not in files:
@@ -138,6 +135,19 @@ class Manifest:
         p = Path(path)
         data, raw = load_json(p, ManifestError)
         m = cls.from_json(data, str(p))
+        m._fingerprint = hashlib.sha256(raw).hexdigest()
+        return m
+
+    @classmethod
+    def loads(cls, raw: bytes, where: str = "manifest") -> "Manifest":
+        """Parse a manifest from bytes already read (e.g. the exact bytes a signature covers)."""
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{where}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ManifestError(f"{where}: not valid JSON (nested too deeply)") from None
+        m = cls.from_json(data, where)
         m._fingerprint = hashlib.sha256(raw).hexdigest()
         return m
 

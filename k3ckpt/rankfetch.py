@@ -1024,7 +1024,10 @@ def run_rank_fetch(
             download._write_atomic(os.path.join(dest_real, INDEX_NAME), _index_json(plan))
             download._write_atomic(os.path.join(dest_real, PARTIAL_NAME), _marker_json(plan))
             download._fsync_dir(dest_real)
-            record_source(dest_real, plan.listing)
+            try:
+                record_source(dest_real, plan.listing)
+            except OSError:
+                pass  # provenance only: the marker names the source revision too
     finally:
         lock.release()
     result.written.sort()

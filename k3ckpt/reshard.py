@@ -67,6 +67,7 @@ The copying machinery (kernel-side copies, strided gathers, fd caches, atomic fi
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -501,10 +502,23 @@ class _DigestCache:
 def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
                 progress: Callable[[int], None] | None, fail_before: Callable[[str], None] | None = None,
                 ) -> dict[str, Any]:
-    """Write one output file under its temporary name, fsync it; return its digests."""
+    """Write one output file under its temporary name, fsync it; return its digests.
+
+    Raises:
+        ReshardError: the file cannot be written (disk full, file too large, ...), naming it;
+            ranks already complete stay, and a re-run redoes only the others.
+    """
     fds = FdCache(plan.ckpt.path_of)
     try:
         return _write_file_with(plan, f, dest, mode, cache, progress, fds, fail_before)
+    except OSError as e:
+        # copy_file_range/pwrite errors carry no file name; without it "File too large" is a riddle.
+        hint = ("; free space (or raise the limit) and re-run: completed ranks are kept"
+                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "")
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            hint = "; raise the open-files limit (ulimit -n) or use fewer --jobs"
+        what = f"{e.filename}: " if e.filename else ""
+        raise ReshardError(f"writing {dest}: {what}{e.strerror or e}{hint}") from None
     finally:
         fds.close()
 
@@ -516,7 +530,8 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
     tmp = tmp_name(dest)
     fh = hashlib.sha256(f.prefix)
     digests: dict[str, str] = {}
-    dst = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    # O_NOFOLLOW: a symlink planted at the temporary name must not redirect the write.
+    dst = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         os.pwrite(dst, f.prefix, 0)
         base = len(f.prefix)

@@ -453,7 +453,7 @@ def _write_shard(plan: UnshardPlan, topo: Topology, shard: _OutShard, dest: Path
     """Write one output shard under its temporary name and fsync it."""
     copier = Copier(mode)
     fds = FdCache(lambda rel: plan.root / rel)
-    dst = os.open(tmp_name(dest), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    dst = os.open(tmp_name(dest), os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         os.pwrite(dst, shard.prefix, 0)
         base = len(shard.prefix)

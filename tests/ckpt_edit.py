@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Callable
 
 from k3ckpt.checkpoint import INDEX_NAME
 from k3ckpt.safetensors_header import TensorSpec, build_header, read_header
+
+
+def tree_digests(root: Path) -> dict[str, str]:
+    """sha256 of every checkpoint file under ``root``, by relative path (files in hidden metadata
+    directories such as fetch's ``.cache/k3ckpt`` excluded, as the checkpoint model does)."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and not any(d.startswith(".") for d in p.relative_to(root).parts[:-1])}
 
 
 def shard_tensors(path: Path) -> tuple[dict[str, str], list[list]]:

@@ -98,3 +98,22 @@ def served_hub(k3_tiny: Path, tmp_path: Path) -> Iterator[tuple[Any, Path]]:
     shutil.copytree(k3_tiny, served)
     with LoopbackHub({"moonshotai/Kimi-K3": served}, cache_dir=tmp_path / "hub-cache") as h:
         yield h, served
+
+
+@pytest.fixture()
+def isolated_hub_clients(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No credentials, endpoints or caches from the machine leak into a test that talks to a hub
+    through the real clients (use with ``pytest.mark.usefixtures`` or an autouse wrapper)."""
+    import huggingface_hub.constants as hfc
+    import modelscope_hub.config as msc
+
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE", "HF_ENDPOINT", "MODELSCOPE_API_TOKEN",
+                "MODELSCOPE_ENDPOINT", "MODELSCOPE_DOMAIN", "K3CKPT_TEST_PAUSE_AT", "K3CKPT_LOCK_STALE_SECONDS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hfc, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))
+    monkeypatch.setattr(hfc, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf" / "stored_tokens"))
+    monkeypatch.setattr(hfc, "HF_HUB_DISABLE_IMPLICIT_TOKEN", False)
+    monkeypatch.setattr(hfc, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("MODELSCOPE_HOME", str(tmp_path / "ms-home"))
+    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms-cache"))
+    monkeypatch.setattr(msc, "_default_config", None)

@@ -36,6 +36,8 @@ NESTED = "tokenizer/vocab.txt"
 EMPTY = "empty.txt"
 CHUNK = 64 * 1024
 
+pytestmark = pytest.mark.usefixtures("isolated_hub_clients")
+
 
 # ----------------------------------------------------------------------------------------------
 # fixtures and helpers
@@ -66,23 +68,6 @@ def hub(module_hub: LoopbackHub) -> Iterator[LoopbackHub]:
     module_hub.reset_counters()
     yield module_hub
     module_hub.faults.clear()
-
-
-@pytest.fixture(autouse=True)
-def _isolated_clients(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No credentials, endpoints or caches from the machine leak into a test."""
-    import huggingface_hub.constants as hfc
-    import modelscope_hub.config as msc
-
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "MODELSCOPE_API_TOKEN",
-                "MODELSCOPE_ENDPOINT", "MODELSCOPE_DOMAIN", "K3CKPT_TEST_PAUSE_AT", "K3CKPT_LOCK_STALE_SECONDS"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(hfc, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))
-    monkeypatch.setattr(hfc, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf" / "stored_tokens"))
-    monkeypatch.setattr(hfc, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("MODELSCOPE_HOME", str(tmp_path / "ms-home"))
-    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms-cache"))
-    monkeypatch.setattr(msc, "_default_config", None)
 
 
 @pytest.fixture(params=HUBS)

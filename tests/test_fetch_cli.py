@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
+from ckpt_edit import tree_digests
 from click.testing import CliRunner
 
 from k3ckpt.checkpoint import open_checkpoint
@@ -23,13 +23,6 @@ def hub(served_hub):
 
 def run(*args: str):
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
-def digests(root: Path) -> dict[str, str]:
-    """sha256 of every checkpoint file (hidden metadata directories such as ``.cache`` excluded)."""
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*"))
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts[:-1])}
 
 
 def test_select_paths_globs() -> None:
@@ -70,7 +63,7 @@ def test_fetch_verify_inspect(hub, tmp_path: Path, source: str, monkeypatch: pyt
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert data["failed"] == {} and sorted(data["fetched"]) == sorted(p.name for p in served.iterdir())
-    assert digests(dest) == digests(served)
+    assert tree_digests(dest) == tree_digests(served)
     assert open_checkpoint(dest).tensors.keys() == open_checkpoint(served).tensors.keys()
     assert run("verify", str(dest), "--against", source, "--repo", REPO, "--endpoint", h.url).exit_code == 0
     again = run("fetch", "--source", source, "--repo", REPO, "--dest", str(dest), "--endpoint", h.url, "--json")

@@ -151,7 +151,7 @@ def test_interrupted_node_has_no_index_marker_or_ready(k3_tiny: Path, tmp_path: 
         if name == last:
             raise OSError(28, "No space left on device")
 
-    with pytest.raises(OSError):
+    with pytest.raises(rs.ReshardError, match="No space left on device; free space"):
         rs.run_reshard(plan, tmp_path / "o", jobs=1, _fail_before=boom)
     unfinished = [d for d in (tmp_path / "o").glob("node-*") if not (d / "READY").exists()]
     assert unfinished

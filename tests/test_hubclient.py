@@ -104,22 +104,7 @@ def token_hub(served: Path, hash_cache: Path) -> Iterator[LoopbackHub]:
         yield h
 
 
-@pytest.fixture(autouse=True)
-def _isolated_clients(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No credentials, endpoints or caches from the machine leak into a test."""
-    import huggingface_hub.constants as hfc
-    import modelscope_hub.config as msc
-
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE", "HF_ENDPOINT",
-                "MODELSCOPE_API_TOKEN", "MODELSCOPE_ENDPOINT", "MODELSCOPE_DOMAIN"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(hfc, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))
-    monkeypatch.setattr(hfc, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf" / "stored_tokens"))
-    monkeypatch.setattr(hfc, "HF_HUB_DISABLE_IMPLICIT_TOKEN", False)
-    monkeypatch.setattr(hfc, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("MODELSCOPE_HOME", str(tmp_path / "ms-home"))
-    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms-cache"))
-    monkeypatch.setattr(msc, "_default_config", None)
+pytestmark = pytest.mark.usefixtures("isolated_hub_clients")
 
 
 class Sleeps(list):

@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ckpt_edit import tree_digests
 from click.testing import CliRunner
 
 from k3ckpt import download
 from k3ckpt.checkpoint import INDEX_NAME, open_checkpoint
-from k3ckpt.hubclient import HubFile
 from k3ckpt.cli import main
+from k3ckpt.hubclient import HubFile
 from k3ckpt.manifest import build_manifest
 from k3ckpt.rankfetch import PARTIAL_NAME, plan_rank_fetch, plan_shard, run_rank_fetch
 from k3ckpt.reshard import reshard
@@ -48,10 +49,6 @@ def fetch(h: Any, dest: Path, *extra: str, source: str = "hf") -> Any:
 
 def sha(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-def digests(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): sha(p) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -206,13 +203,13 @@ def test_node0_moves_only_its_share_and_reshards_identically(served_hub: Any, k3
     assert r.exit_code == 2 and "node 1 needs routed experts 8-15" in r.output
 
     # a second run moves nothing and leaves everything as it was
-    before = digests(dest)
+    before = tree_digests(dest)
     h.reset_counters()
     again = fetch(h, dest, "--json")
     data = json.loads(again.output)
     assert again.exit_code == 0 and data["bytes_downloaded"] == 0 and data["written"] == []
     assert len(data["skipped"]) == 4 and data["verification"] == "structure-and-sizes" and "note" in data
-    assert digests(dest) == before
+    assert tree_digests(dest) == before
 
 
 def test_modelscope_gives_the_same_bytes(served_hub: Any, node0_names: set[str], tmp_path: Path) -> None:
@@ -225,7 +222,7 @@ def test_modelscope_gives_the_same_bytes(served_hub: Any, node0_names: set[str],
     data = json.loads(res.output)
     assert data["hub"] == "modelscope" and data["ok"] and len(data["written"]) == 4
     assert h.total_bytes_sent() == sum(expected_bytes(served, node0_names).values())
-    a, b = digests(hf_dest), digests(ms_dest)
+    a, b = tree_digests(hf_dest), tree_digests(ms_dest)
     marker_a, marker_b = (json.loads((d / PARTIAL_NAME).read_text()) for d in (hf_dest, ms_dest))
     assert marker_b["source"]["hub"] == "modelscope"
     del a[PARTIAL_NAME], b[PARTIAL_NAME]
@@ -483,7 +480,7 @@ def test_sigkill_then_resume(point: str, served_hub: Any, node0_names: set[str],
 
     clean = tmp_path / "clean"
     assert run_rank_fetch(_plan(h, clean), workers=3, token="").ok
-    assert digests(dest) == digests(clean)
+    assert tree_digests(dest) == tree_digests(clean)
     assert set(open_checkpoint(dest).tensors) == node0_names
 
 

@@ -135,6 +135,21 @@ Kinds and parameters:
 - ``ignore_range_with_content_range``: answer a Range request with 200 *and* the correct
   ``Content-Range`` and the requested slice (the ModelScope behaviour of issue #50).
 
+Hostile hubs (a compromised mirror, a broken proxy or CDN), for security tests:
+
+- ``lie_size``: every listing (HF siblings / tree / paths-info, ModelScope files) reports the
+  matching files' size plus ``delta`` (may be negative); HEAD's ``X-Linked-Size`` too.
+- ``list_as``: listings name the matching file ``name`` instead (e.g. ``../../etc/evil``).
+- ``wrong_content_range``: answer a Range request with 206 and the range shifted by ``delta``
+  bytes (its ``Content-Range`` and body agree with each other, not with the request).
+- ``redirect``: answer 302 with ``Location: <location><request path and query>``; serve the
+  same repo on another hub at ``location`` (e.g. ``http://127.0.0.2:PORT``) and look at its
+  ``request_log`` (``RequestRecord.credentials``) to see whether the token followed.
+- ``endless_body``: 200 without ``Content-Length`` (or, with ``content_range=True``, a 206 with
+  the right ``Content-Range``) and a body of ``fill`` bytes that never ends (it stops after
+  ``after`` bytes when ``after`` > 0, or when the client goes away).
+- ``html_200``: answer 200 with ``Content-Type: text/html`` and an HTML error page.
+
 With ``scope="api"`` a ``status`` fault matches the URL path of API requests instead of file
 paths (e.g. ``hub.inject("status", "/api/models/*/tree/*", scope="api", status=429)``).
 
@@ -200,8 +215,17 @@ FAULT_KINDS = frozenset(
         "corrupt_byte",
         "ignore_range",
         "ignore_range_with_content_range",
+        # Hostile hubs (what a compromised mirror or a broken proxy might answer):
+        "lie_size",
+        "list_as",
+        "wrong_content_range",
+        "redirect",
+        "endless_body",
+        "html_200",
     }
 )
+#: Fault kinds that change what the listings say rather than how a file is served.
+_LISTING_FAULTS = frozenset({"lie_size", "list_as"})
 
 _HASH_CACHE_VERSION = 1
 _SENDFILE_CHUNK = 8 << 20
@@ -547,6 +571,11 @@ class Fault:
         close: Whether ``stall`` closes the connection after sleeping.
         reset: Whether ``drop_after`` aborts with an RST (True) or closes with a FIN.
         offset: File offset flipped by ``corrupt_byte``.
+        delta: Size change of ``lie_size``; range shift of ``wrong_content_range``.
+        name: The path ``list_as`` lists the file under.
+        location: Base URL ``redirect`` sends the client to.
+        content_range: Whether ``endless_body`` answers 206 with a correct ``Content-Range``.
+        fill: The byte value an ``endless_body`` repeats.
         hits: How many requests it has affected so far.
     """
 
@@ -564,6 +593,11 @@ class Fault:
     close: bool = False
     reset: bool = True
     offset: int = 0
+    delta: int = 1
+    name: str = ""
+    location: str = ""
+    content_range: bool = False
+    fill: int = 0
     hits: int = 0
 
     def __post_init__(self) -> None:
@@ -571,6 +605,10 @@ class Fault:
             raise ValueError(f"unknown fault kind {self.kind!r}; expected one of {sorted(FAULT_KINDS)}")
         if self.scope not in ("file", "api"):
             raise ValueError("scope must be 'file' or 'api'")
+        if self.kind == "list_as" and not self.name:
+            raise ValueError("list_as needs name=")
+        if self.kind == "redirect" and not self.location:
+            raise ValueError("redirect needs location=")
         if self.scope == "api" and self.kind != "status":
             raise ValueError("only 'status' faults can target API endpoints")
         if self.times is not None and self.times < 0:
@@ -651,6 +689,8 @@ class RequestRecord:
         file: Repo-relative file path for downloads.
         range: The ``Range`` header, if any.
         body_bytes: Body bytes handed to the socket.
+        credentials: Whether the request carried an ``Authorization`` header or a ModelScope
+            ``m_session_id`` cookie (what must not follow a redirect to another host).
     """
 
     method: str
@@ -661,6 +701,7 @@ class RequestRecord:
     file: str | None
     range: str | None
     body_bytes: int
+    credentials: bool = False
 
 
 class _Counters:
@@ -862,6 +903,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     file=self._file,
                     range=self.headers.get("Range"),
                     body_bytes=self._body_bytes,
+                    credentials=bool(self.headers.get("Authorization"))
+                    or "m_session_id" in (self.headers.get("Cookie") or ""),
                 )
             )
 
@@ -991,10 +1034,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._hf_error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
         return commit
 
+    def _listed(self, snap: RepoSnapshot, e: FileEntry) -> tuple[str, int]:
+        """The (path, size) a listing reports for a file: the truth unless a listing fault lies."""
+        taken = self.server.hub.faults.take("file", snap.repo_id, e.path, self._method,
+                                            lambda f: f.kind in _LISTING_FAULTS)
+        path, size = e.path, e.size
+        for f in taken:
+            if f.kind == "list_as":
+                path = f.name
+            else:
+                size = max(0, size + f.delta)
+        return path, size
+
     def _hf_file_json(self, snap: RepoSnapshot, e: FileEntry, expand: bool) -> dict[str, Any]:
-        d: dict[str, Any] = {"type": "file", "oid": e.blob_id, "size": e.size, "path": e.path}
+        path, size = self._listed(snap, e)
+        d: dict[str, Any] = {"type": "file", "oid": e.blob_id, "size": size, "path": path}
         if e.lfs:
-            d["lfs"] = {"oid": e.sha256, "size": e.size, "pointerSize": len(e.pointer)}
+            d["lfs"] = {"oid": e.sha256, "size": size, "pointerSize": len(e.pointer)}
         if expand:
             d["lastCommit"] = self._hf_last_commit(snap)
             d["securityFileStatus"] = {"status": "safe", "avScan": {"virusFound": False},
@@ -1022,12 +1078,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         blobs = _truthy(self._query.get("blobs"))
         siblings = []
         for e in snap.files.values():
-            s: dict[str, Any] = {"rfilename": e.path}
+            path, size = self._listed(snap, e)
+            s: dict[str, Any] = {"rfilename": path}
             if blobs:
-                s["size"] = e.size
+                s["size"] = size
                 s["blobId"] = e.blob_id
                 if e.lfs:
-                    s["lfs"] = {"sha256": e.sha256, "size": e.size, "pointerSize": len(e.pointer)}
+                    s["lfs"] = {"sha256": e.sha256, "size": size, "pointerSize": len(e.pointer)}
             siblings.append(s)
         owner = snap.repo_id.split("/")[0] if "/" in snap.repo_id else None
         payload = {
@@ -1157,7 +1214,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         }
         if entry.lfs:
             headers["X-Linked-Etag"] = f'"{entry.sha256}"'
-            headers["X-Linked-Size"] = str(entry.size)
+            headers["X-Linked-Size"] = str(self._listed(snap, entry)[1])
         self._serve_file(snap, entry, headers, ms=False)
 
     # -- ModelScope ------------------------------------------------------------------------------
@@ -1274,9 +1331,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             }
             if p in snap.files:
                 e = snap.files[p]
+                listed_path, size = self._listed(snap, e)
                 base.update(
-                    {"Type": "blob", "Mode": "100644", "Id": e.blob_id, "Size": e.size, "Sha256": e.sha256,
-                     "IsLFS": e.lfs}
+                    {"Path": listed_path, "Name": listed_path.rsplit("/", 1)[-1], "Type": "blob", "Mode": "100644",
+                     "Id": e.blob_id, "Size": size, "Sha256": e.sha256, "IsLFS": e.lfs}
                 )
             else:
                 base.update({"Type": "tree", "Mode": "40000", "Id": snap.dirs[p], "Size": 0, "Sha256": "",
@@ -1329,6 +1387,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._hf_error(f.status, None, msg, extra)
             return
 
+        if self._hostile(snap, entry, parsed, ms):
+            return
+
         range_faults = hub.faults.take(
             "file",
             snap.repo_id,
@@ -1376,6 +1437,57 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._sendfile(snap.repo_id, entry, start, length)
         else:
             self._send_faulty(snap.repo_id, entry, start, length, faults)
+
+    def _hostile(self, snap: RepoSnapshot, entry: FileEntry, parsed: Any, ms: bool) -> bool:
+        """Apply an armed hostile fault to a file request; True if it answered the request."""
+        kinds = ("redirect", "html_200", "endless_body", "wrong_content_range")
+        taken = self.server.hub.faults.take(
+            "file", snap.repo_id, entry.path, self._method,
+            lambda f: f.kind in kinds and (f.kind != "wrong_content_range" or isinstance(parsed, tuple)))
+        if not taken:
+            return False
+        f = taken[0]
+        if f.kind == "redirect":
+            self._send_head(302, {"Location": f.location.rstrip("/") + self.path, "Content-Length": "0"})
+        elif f.kind == "html_200":
+            page = (b"<!DOCTYPE html><html><head><title>502 Bad Gateway</title></head><body><h1>Bad Gateway</h1>"
+                    b"<p>The upstream server is temporarily unavailable. Please try again later.</p></body></html>\n")
+            self._send_head(200, {"Content-Type": "text/html; charset=utf-8", "Content-Length": str(len(page))})
+            if self._method != "HEAD":
+                self.wfile.write(page)
+                self._count(snap.repo_id, entry.path, len(page))
+        elif f.kind == "endless_body":
+            self._endless(snap, entry, parsed, f)
+        else:
+            start, end = parsed
+            size = entry.size
+            # Shifted but self-consistent: only comparing with the request shows it is wrong.
+            s0 = min(max(0, start + f.delta), size - 1)
+            e0 = min(max(s0, end + f.delta), size - 1)
+            self._send_head(206, {"Content-Type": "application/octet-stream", "Content-Range": f"bytes {s0}-{e0}/{size}",
+                                  "Content-Length": str(e0 - s0 + 1)})
+            if self._method != "HEAD":
+                self._sendfile(snap.repo_id, entry, s0, e0 - s0 + 1)
+        return True
+
+    def _endless(self, snap: RepoSnapshot, entry: FileEntry, parsed: Any, f: Fault) -> None:
+        """A body that never ends (until the client leaves, the hub stops, or ``f.after`` bytes)."""
+        headers = {"Content-Type": "application/octet-stream", "Connection": "close"}
+        status = 200
+        if f.content_range and isinstance(parsed, tuple):
+            status = 206
+            headers["Content-Range"] = f"bytes {parsed[0]}-{parsed[1]}/{entry.size}"
+        self.close_connection = True
+        self._send_head(status, headers)
+        if self._method == "HEAD":
+            return
+        block = bytes([f.fill & 0xFF]) * _COPY_CHUNK
+        sent = 0
+        while not self.server.hub._stopping.is_set() and (f.after == 0 or sent < f.after):
+            self.wfile.write(block)
+            self._count(snap.repo_id, entry.path, len(block))
+            sent += len(block)
+        raise _Abort()
 
     def _count(self, repo: str, path: str, n: int) -> None:
         self._body_bytes += n

@@ -1,0 +1,162 @@
+"""Resource exhaustion: a full disk (``RLIMIT_FSIZE``, and a real ENOSPC on a small tmpfs where
+this machine allows mounting one) and too few file descriptors, in the middle of ``fetch`` and
+``reshard``. Each must end with one line per failure naming the file, a non-zero exit, no
+wrong file under a final name, and a state a plain re-run completes from.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ckpt_edit import tree_digests
+
+REPO = "moonshotai/Kimi-K3"
+SHARD = "model-00001-of-000008.safetensors"  # 1.6 MB, the largest k3-tiny shard
+
+
+def k3ckpt(args: list[str], *, env: dict[str, str] | None = None, fsize: int | None = None,
+           nofile: int | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the CLI in a child with resource limits (SIGXFSZ ignored, so a write past the limit
+    fails with EFBIG as it would on a full disk, instead of killing the process)."""
+
+    def limits() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        if fsize is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    return subprocess.run([sys.executable, "-m", "k3ckpt", *args], env=env, preexec_fn=limits,
+                          capture_output=True, text=True, timeout=300)
+
+
+def final_names_are_complete(dest: Path, served: Path) -> None:
+    for p in dest.rglob("*"):
+        if p.is_file() and not p.name.endswith((".part", ".journal", ".tmp")) and not p.name.startswith(".k3ckpt"):
+            assert p.read_bytes() == (served / p.relative_to(dest)).read_bytes(), f"{p} is final-named but wrong"
+
+
+def assert_failure_lines(out: str, needle: str) -> list[str]:
+    lines = [line for line in out.splitlines() if "could not fetch" in line]
+    assert lines, out
+    assert all(needle in line for line in lines), out
+    return lines
+
+
+@pytest.fixture
+def hub_env(served_hub) -> tuple[object, Path, dict[str, str]]:
+    hub, served = served_hub
+    env = hub.client_env()
+    for var in ("HF_TOKEN", "K3CKPT_TEST_PAUSE_AT"):
+        env.pop(var, None)
+    return hub, served, env
+
+
+def fetch_args(hub, dest: Path, *extra: str) -> list[str]:
+    return ["fetch", "--source", "hf", "--repo", REPO, "--dest", str(dest), "--endpoint", hub.url,
+            "--chunk-size", "65536", *extra]
+
+
+@pytest.mark.parametrize("limit,needle", [("fsize", "File too large; free space"),
+                                          ("nofile", "Too many open files; raise the open-files limit")])
+def test_fetch_out_of_space_or_descriptors_fails_per_file_then_resumes(hub_env, tmp_path: Path, limit: str,
+                                                                       needle: str) -> None:
+    hub, served, env = hub_env
+    dest = tmp_path / "dest"
+    res = k3ckpt(fetch_args(hub, dest), env=env, **({"fsize": 300_000} if limit == "fsize" else {"nofile": 14}))
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    lines = assert_failure_lines(res.stdout, needle)
+    if limit == "fsize":
+        assert any(SHARD in line and f"{dest / SHARD}.part" in line for line in lines)
+        assert not (dest / SHARD).exists()
+    final_names_are_complete(dest, served)
+    # Space (or descriptors) back: a plain re-run completes, byte for byte.
+    res = k3ckpt(fetch_args(hub, dest), env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert tree_digests(dest) == tree_digests(served)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    """``mount(size_bytes) -> path``: a tmpfs of that size (skipped where mounting is not allowed);
+    ``resize(size)`` on the returned object grows it."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mounted = []
+
+    class Tmpfs:
+        def mount(self, size: int) -> Path:
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+            if r.returncode != 0:
+                pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()[:80]})")
+            mounted.append(mnt)
+            return mnt
+
+        def resize(self, size: int) -> None:
+            subprocess.run(["mount", "-o", f"remount,size={size}", str(mnt)], check=True)
+
+    yield Tmpfs()
+    for m in mounted:
+        subprocess.run(["umount", "-l", str(m)], check=False)
+
+
+def test_fetch_hitting_a_really_full_disk_mid_file_keeps_a_resumable_state(hub_env, small_tmpfs,
+                                                                          tmp_path: Path) -> None:
+    """A real ENOSPC after the space check passed: the .part (preallocated) fits exactly, the
+    lock and the first journal take the last pages, and the journal update after the first
+    chunk finds the disk full. The journal on disk is the previous, valid one."""
+    hub, served, env = hub_env
+    page = 4096
+    size = (math.ceil((served / SHARD).stat().st_size / page) + 2) * page
+    dest = small_tmpfs.mount(size) / "dest"
+    res = k3ckpt(fetch_args(hub, dest, "--include", SHARD, "--workers", "1"), env=env)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    assert_failure_lines(res.stdout, "No space left on device; free space")
+    assert not (dest / SHARD).exists()
+    assert (dest / f"{SHARD}.part").exists()
+    small_tmpfs.resize(16 << 20)
+    res = k3ckpt(fetch_args(hub, dest, "--include", SHARD), env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (dest / SHARD).read_bytes() == (served / SHARD).read_bytes()
+    assert sorted(p.name for p in dest.iterdir() if p.name != ".cache") == [SHARD]  # .cache: the source record
+
+
+@pytest.fixture(scope="module")
+def reshard_reference(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("reshard-ref") / "out"
+    res = k3ckpt(["reshard", str(k3_tiny), "-o", str(out), "--ep", "2"])
+    assert res.returncode == 0, res.stderr
+    return tree_digests(out)
+
+
+def ranks_are_all_or_nothing(out: Path) -> None:
+    """A rank without READY may hold only temporary files; with READY, what its manifest says."""
+    for rdir in out.glob("rank-*"):
+        finals = [p for p in rdir.iterdir() if not p.name.startswith(".")]
+        if not (rdir / "READY").exists():
+            assert not [p for p in finals if p.name.endswith(".safetensors")], sorted(p.name for p in finals)
+
+
+@pytest.mark.parametrize("limit", ["fsize", "nofile"])
+def test_reshard_out_of_space_or_descriptors_is_one_line_and_resumable(k3_tiny: Path, tmp_path: Path,
+                                                                     reshard_reference: dict[str, str],
+                                                                     limit: str) -> None:
+    out = tmp_path / "out"
+    args = ["reshard", str(k3_tiny), "-o", str(out), "--ep", "2"]
+    res = k3ckpt(args, fsize=400_000) if limit == "fsize" else k3ckpt(args, nofile=12)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("k3ckpt: error: writing "), res.stderr
+    assert ("File too large; free space" if limit == "fsize" else "Too many open files; raise") in lines[0]
+    ranks_are_all_or_nothing(out)
+    res = k3ckpt(args)
+    assert res.returncode == 0, res.stderr
+    assert tree_digests(out) == reshard_reference
