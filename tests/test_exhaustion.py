@@ -69,7 +69,9 @@ def test_fetch_out_of_space_or_descriptors_fails_per_file_then_resumes(hub_env, 
                                                                        needle: str) -> None:
     hub, served, env = hub_env
     dest = tmp_path / "dest"
-    res = k3ckpt(fetch_args(hub, dest), env=env, **({"fsize": 300_000} if limit == "fsize" else {"nofile": 14}))
+    # 16 workers: their sockets and .part descriptors alone exceed 14 open files
+    limits = {"fsize": 300_000} if limit == "fsize" else {"nofile": 14}
+    res = k3ckpt(fetch_args(hub, dest, "--workers", "16"), env=env, **limits)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "Traceback" not in res.stderr
     lines = assert_failure_lines(res.stdout, needle)
