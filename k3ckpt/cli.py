@@ -758,7 +758,7 @@ def plan(source: str, ep: int, tp: int, world_size: int | None, placement: str, 
 @click.option("--gpus-per-node", type=click.IntRange(1), help="Group ranks into nodes of this many GPUs.")
 @click.option("--max-file-size", type=ByteSize(), default="5GiB", show_default=True,
               help="Split each rank's weights into parts of at most this size.")
-@click.option("--jobs", type=click.IntRange(1), default=None, help="Output files written in parallel [default: min(CPUs, 8)].")
+@click.option("--jobs", type=click.IntRange(1), default=None, help="Output files written in parallel [default: 2 per CPU, at most 16].")
 @click.option("--format", "layout", type=click.Choice(["rank", "hf-node"]), default="rank", show_default=True,
               help="rank: the per-rank layout; hf-node: per node a local-dir checkpoint with every dense "
                    "tensor whole and only the node's experts (needs --gpus-per-node).")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -99,6 +100,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--skip-naive", action="store_true")
+    ap.add_argument("--runs", type=int, default=3,
+                    help="rounds of cp / reshard / reshard-part, interleaved; medians reported (naive: once)")
     args = ap.parse_args()
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -121,35 +124,39 @@ def main() -> None:
     k = max(k, 1)
 
     jobs = ["--jobs", str(args.jobs)] if args.jobs else []
-    rows = []
+    results: dict[str, list[tuple[str, int, float, int]]] = {}
 
     def run(label: str, cmd: list[str], out: Path) -> None:
         shutil.rmtree(out, ignore_errors=True)
         subprocess.run(["sync"], check=True)
         dt, rss = timed(cmd, cold)
         nbytes = du(out)
-        rows.append((label, " ".join(str(c) for c in cmd).replace(PY + " -m k3ckpt", "k3ckpt").replace(str(work) + "/", ""),
-                     nbytes, dt, rss))
+        shown = " ".join(str(c) for c in cmd).replace(PY + " -m k3ckpt", "k3ckpt").replace(str(work) + "/", "")
+        results.setdefault(label, []).append((shown, nbytes, dt, rss))
         print(f"{label:28s} {nbytes / 1e9:6.2f} GB {dt:6.2f} s {nbytes / dt / 1e9:6.2f} GB/s  peak RSS {rss / 2**20:6.0f} MiB",
               flush=True)
         shutil.rmtree(out, ignore_errors=True)
 
-    run("cp -r", ["cp", "-r", str(src), str(work / "cp")], work / "cp")
-    run(f"k3ckpt reshard (all {len(sizes)} ranks)",
-        [*k3, "reshard", str(src), "-o", str(work / "rs"), "--ep", str(args.ep), "--tp", str(args.tp), *jobs], work / "rs")
-    run(f"k3ckpt reshard (ranks 0-{k - 1})",
-        [*k3, "reshard", str(src), "-o", str(work / "rs"), "--ep", str(args.ep), "--tp", str(args.tp),
-         "--ranks", f"0-{k - 1}", *jobs], work / "rs")
+    for _ in range(args.runs):  # interleaved, so that a slow spell of the disk hits every contender
+        run("cp -r", ["cp", "-r", str(src), str(work / "cp")], work / "cp")
+        run(f"k3ckpt reshard (all {len(sizes)} ranks)",
+            [*k3, "reshard", str(src), "-o", str(work / "rs"), "--ep", str(args.ep), "--tp", str(args.tp), *jobs],
+            work / "rs")
+        run(f"k3ckpt reshard (ranks 0-{k - 1})",
+            [*k3, "reshard", str(src), "-o", str(work / "rs"), "--ep", str(args.ep), "--tp", str(args.tp),
+             "--ranks", f"0-{k - 1}", *jobs], work / "rs")
     if not args.skip_naive:
         script = work / "naive_reshard.py"
         script.write_text(NAIVE)
         run("naive safetensors script", [PY, str(script), str(src), str(work / "nv"), str(args.ep), str(args.tp)],
             work / "nv")
+    rows = [(label, rs[0][0], rs[0][1], statistics.median(r[2] for r in rs), max(r[3] for r in rs))
+            for label, rs in results.items()]
 
     cp_rate = rows[0][2] / rows[0][3]
     print()
     print(f"cache: {'dropped before each run (cold)' if cold else 'warm (could not drop the page cache)'}; "
-          f"source {src_bytes / 1e9:.2f} GB; every run followed by sync")
+          f"source {src_bytes / 1e9:.2f} GB; every run followed by sync; median of {args.runs} interleaved rounds")
     print()
     print("| run | command | output bytes | seconds | output GB/s | vs cp | peak RSS |")
     print("|---|---|---:|---:|---:|---:|---:|")
