@@ -753,6 +753,10 @@ class _Abort(Exception):
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog of 5 overflows when a client opens a dozen connections at
+    # once (parallel header reads, 8+ download workers); the kernel then drops SYNs and the
+    # client's connect waits a full second for the retransmit.
+    request_queue_size = 128
     hub: LoopbackHub
 
     def __init__(self, addr: tuple[str, int], hub: LoopbackHub) -> None:
@@ -834,6 +838,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "k3ckpt-loopback-hub/1.0"
     sys_version = ""
     timeout = 120
+    # TCP_NODELAY, as production servers set it: the headers and the sendfile'd body go out as
+    # separate writes, and with Nagle on the body waits for the client's delayed ACK of the
+    # headers - 40 ms per response, which small ranged requests (tensor ranges) pay in full.
+    disable_nagle_algorithm = True
     server: _Server
 
     # -- plumbing ------------------------------------------------------------------------------
