@@ -14,6 +14,7 @@ ensure_venv ""
 WORK="$(mkdir -p "${1:-work/demo}" && cd "${1:-work/demo}" && pwd)"
 HUBDIR="$WORK/hub/Kimi-K3"          # what the (loopback) hub serves
 NODE="$WORK/node/Kimi-K3"           # what a node downloads
+NODE1="$WORK/node1/Kimi-K3"         # what a second node downloads: only its ranks' experts
 FULL="$WORK/k3-full"
 RANKS="$WORK/node/Kimi-K3-ep8-tp2"   # per-rank shards
 MANIFEST="$WORK/kimi-k3.manifest.json"
@@ -46,14 +47,17 @@ HF_ENDPOINT="$(sed -n 's/^Serving on //p' "$HUB_LOG")"
 export HF_ENDPOINT MODELSCOPE_ENDPOINT="$HF_ENDPOINT"
 echo "hub at $HF_ENDPOINT serving $REPO"
 
-step "3. pin a manifest from hub metadata alone (sizes, sha256, shard headers by Range requests)"
+step "3. pin a manifest from hub metadata alone (sizes, sha256, shard headers by Range requests); sign it"
 k3ckpt manifest pull --source hf --repo "$REPO" -o "$MANIFEST" --json
+# the release operator's key; the fleet gets only the .pub
+[ -f "$WORK/release.key" ] || k3ckpt manifest keygen "$WORK/release.key"
+k3ckpt manifest sign "$MANIFEST" --key "$WORK/release.key"
 
 step "4. fetch it to the node: parallel ranged chunks, resumable, every file's sha256 checked"
 k3ckpt fetch --source hf --repo "$REPO" --dest "$NODE" --chunk-size 16MiB
 
-step "5. verify the node's copy against the pinned manifest (structure + every sha256)"
-k3ckpt verify "$NODE" --manifest "$MANIFEST"
+step "5. verify the node's copy against the pinned, signed manifest (signature, structure, every sha256)"
+k3ckpt verify "$NODE" --manifest "$MANIFEST" --signature "$MANIFEST.sig" --pubkey "$WORK/release.key.pub"
 
 step "6. verify again against the hub's own listing, then --quick from the stat cache"
 k3ckpt verify "$NODE" --against hf --repo "$REPO"
@@ -66,14 +70,21 @@ step "8. plan and reshard the node's copy for --ep 8 --tp 2 (per-rank shards, ra
 k3ckpt plan "$NODE" --ep 8 --tp 2 --gpus-per-node 8
 k3ckpt reshard "$NODE" -o "$RANKS" --ep 8 --tp 2
 
-step "9. the full K3 inventory, headers only (96 shards, ~497k tensors, 1.56 TB apparent, sparse)"
+step "9. a second node fetches only its share: node 1 of 4-GPU nodes (ranks 4-7), from ModelScope"
+# the operator publishes per-tensor digests (the hub's sha256 covers whole files only)
+[ -f "$WORK/kimi-k3.tensors.json" ] || k3ckpt manifest build "$HUBDIR" --tensor-hashes -o "$WORK/kimi-k3.tensors.json"
+k3ckpt fetch --source modelscope --repo "$REPO" --dest "$NODE1" --ep 8 --tp 2 --node 1 --gpus-per-node 4 \
+  --manifest "$WORK/kimi-k3.tensors.json"
+k3ckpt preflight "$NODE1" --node 1 --gpus-per-node 4 --ep 8 --tp 2 --no-env
+
+step "10. the full K3 inventory, headers only (96 shards, ~497k tensors, 1.56 TB apparent, sparse)"
 synth_once "$FULL" --preset k3-full --headers-only
 k3ckpt inspect "$FULL"
 k3ckpt verify "$FULL" --quick >/dev/null || true   # first run: parses every header, fills the cache
 k3ckpt verify "$FULL" --quick                       # unchanged: seconds
 k3ckpt plan "$FULL" --ep 8 --tp 8 --gpus-per-node 8
 
-step "10. preflight the resharded output: node 0 of 8-GPU nodes, the launcher's topology, read speed"
+step "11. preflight the resharded output: node 0 of 8-GPU nodes, the launcher's topology, read speed"
 # the launcher's variables, as torchrun would set them for this node's first worker
 RANK=0 WORLD_SIZE=8 LOCAL_RANK=0 LOCAL_WORLD_SIZE=8 GROUP_RANK=0 \
   k3ckpt preflight "$RANKS" --node 0 --gpus-per-node 8 --ep 8 --tp 2 --full --io-test 3
@@ -82,6 +93,7 @@ step "done"
 cat <<EOT
 hub's copy              $HUBDIR ($(du -sh "$HUBDIR" | cut -f1))
 node's copy             $NODE
+node 1's share          $NODE1 ($(du -sh "$NODE1" | cut -f1))
 per-rank shards         $RANKS
 pinned manifest         $MANIFEST
 k3-full (headers only)  $FULL ($(du -shL "$FULL" | cut -f1) on disk, $(du -shL --apparent-size "$FULL" | cut -f1) apparent)
