@@ -76,6 +76,7 @@ from .errors import ConfigError, K3ckptError
 from .fetch import record_source, select_paths
 from .hashing import HashError, Span, hash_file
 from .hubclient import HubFile, HubListing, RetryPolicy
+from .jsonfile import write_atomic
 from .manifest import Manifest, tensors_from_headers
 from .reshard import PARTIAL_MARKER
 from .safetensors_header import ShardHeader, TensorInfo, TensorSpec, build_header, parse_header_bytes
@@ -176,6 +177,15 @@ class ShardPlan:
     def download_bytes(self) -> int:
         """Bytes the fetch moves for this shard (a whole shard comes with its header)."""
         return self.source.size if self.whole else self.tensor_bytes
+
+    def content_key(self) -> str:
+        """Identifies the *content* of the rewritten shard: the source file (path, size, digest)
+        and the new header. Two runs with equal keys write byte-identical files; a new hub
+        revision changes the source digest, so a shard written from the old one is not kept."""
+        h = hashlib.sha256()
+        h.update(json.dumps([self.path, self.source.size, self.source.sha256, self.source.git_sha1]).encode())
+        h.update(self.prefix)
+        return h.hexdigest()
 
     def fingerprint(self) -> str:
         """Identifies the exact ``.part`` this plan writes: source content, new header and the
@@ -689,9 +699,27 @@ class _ShardJob:
             self.fd = None
 
 
-def _complete(sp: ShardPlan, final: str, manifest: Manifest | None) -> bool:
-    """Whether ``final`` already is this shard: size, header bytes, and with a manifest every
-    tensor's sha256 (read locally; nothing is downloaded for a complete shard)."""
+#: Which source content each rewritten shard of the destination was written from
+#: (:meth:`ShardPlan.content_key`), updated after each shard's rename. Size and header say
+#: nothing about the tensor bytes: without a manifest, this record is what tells a shard of the
+#: hub's current revision from one of an earlier revision with the same header.
+SHARD_RECORD = ".cache/k3ckpt/rank-shards.json"
+
+
+def _load_shard_record(dest_real: str) -> dict[str, str]:
+    try:
+        doc = json.loads(Path(dest_real, SHARD_RECORD).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _complete(sp: ShardPlan, final: str, manifest: Manifest | None, written_from: str | None) -> bool:
+    """Whether ``final`` already is this shard: size, header bytes, and then with a manifest every
+    tensor's sha256 (read locally; nothing is downloaded for a complete shard), without one the
+    record that it was written from this very source content (``written_from``)."""
     try:
         if os.path.islink(final) or not os.path.isfile(final) or os.path.getsize(final) != sp.size:
             return False
@@ -701,7 +729,7 @@ def _complete(sp: ShardPlan, final: str, manifest: Manifest | None) -> bool:
     except OSError:
         return False
     if manifest is None:
-        return True
+        return written_from == sp.content_key()
     spans = [Span(name, start, stop) for task in sp.tasks for name, start, stop in task.tensors]
     try:
         digest = hash_file(final, spans=spans)
@@ -726,6 +754,8 @@ class _Run:
         self.pending = 0
         self.count_lock = threading.Lock()
         self.pieces_journaled = 0
+        self.record_lock = threading.Lock()
+        self.dest_real = os.path.realpath(plan.dest)
 
     def count(self, n: int) -> None:
         with self.count_lock:
@@ -846,8 +876,19 @@ class _Run:
             os.replace(job.part, job.final)
             download._fsync_dir(os.path.dirname(job.final))
             download._unlink(job.journal)
+        self.record_written(sp)
         with self.cond:
             self.result.written.append(sp.path)
+
+    def record_written(self, sp: ShardPlan) -> None:
+        """Add ``sp`` to :data:`SHARD_RECORD` (after its rename: a crash in between only costs a
+        re-fetch of that shard)."""
+        with self.record_lock:
+            path = Path(self.dest_real, SHARD_RECORD)
+            record = _load_shard_record(self.dest_real)
+            record[sp.path] = sp.content_key()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, (json.dumps(dict(sorted(record.items())), indent=1) + "\n").encode())
 
     # -- workers ---------------------------------------------------------------------------------
 
@@ -970,9 +1011,11 @@ def run_rank_fetch(
                 targets.append((sp, download._target(dest_real, sp.path)))
             except ValueError as e:
                 result.failed[sp.path] = str(e)
+        record = _load_shard_record(dest_real)
         # with a manifest this reads every present shard: in parallel, as the downloader does
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            complete = list(pool.map(lambda t: _complete(t[0], t[1], plan.manifest), targets))
+            complete = list(pool.map(lambda t: _complete(t[0], t[1], plan.manifest, record.get(t[0].path)),
+                                     targets))
         jobs: list[_ShardJob] = []
         for (sp, final), done in zip(targets, complete):
             if done:

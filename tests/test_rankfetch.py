@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -530,3 +531,34 @@ def test_other_families_reshard_identically(family: str, verification: str, requ
         assert files
         for f in files:
             assert (a / f"rank-{rank:05d}" / f.name).read_bytes() == f.read_bytes()
+
+
+def test_a_new_hub_revision_refetches_shards_whose_source_changed(k3_tiny: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a manifest, size and header cannot tell a shard of the hub's current revision from
+    one of an earlier revision with the same header: the record of what each was written from can."""
+    from k3ckpt.testing.hub import LoopbackHub
+
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    served = tmp_path / "served"
+    shutil.copytree(k3_tiny, served)
+    dest = tmp_path / "dest"
+    with LoopbackHub({REPO: served}, cache_dir=tmp_path / "hc1") as h:
+        assert fetch(h, dest).exit_code == 0
+    rewritten = sorted(p.name for p in dest.glob("*.safetensors") if p.stat().st_size != (served / p.name).stat().st_size)
+    assert rewritten
+    # the publisher changes one byte of a selected tensor: same header, new content, new commit
+    shard = served / rewritten[0]
+    mine = read_header(dest / rewritten[0])
+    name = next(iter(mine.tensors))
+    src = read_header(shard)
+    data = bytearray(shard.read_bytes())
+    data[src.data_start + src.tensors[name].begin] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with LoopbackHub({REPO: served}, cache_dir=tmp_path / "hc2") as h:
+        res = fetch(h, dest, "--json")
+        assert res.exit_code == 0, res.output
+        out = json.loads(res.output)
+    assert out["written"] == [rewritten[0]] and rewritten[0] not in out["skipped"]
+    got = open_checkpoint(dest).read_tensor(name).tobytes()
+    assert got == open_checkpoint(served).read_tensor(name).tobytes()
