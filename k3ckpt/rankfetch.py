@@ -425,6 +425,47 @@ def _check_manifest(manifest: Manifest, label: str, headers: list[ShardHeader], 
                          f"({len(missing)} such); it describes another checkpoint or revision")
 
 
+def _check_manifest_files(manifest: Manifest, label: str, listing: HubListing, whole: list[str]) -> None:
+    """Files fetched whole are checked against the hub listing's sha256 by the downloader; with a
+    manifest the listing itself must agree with it, or a hub could serve other bytes under a
+    listing that vouches for them (the manifest is what the operator trusts, not the hub)."""
+    hub = f"{listing.hub}:{listing.repo}@{listing.revision}"
+    for path in sorted(whole):
+        entry, pinned = listing.files[path], manifest.files.get(path)
+        if pinned is None:
+            raise RankFetchError(f"manifest {label}: {path} (on {hub}) is not in the manifest, so nothing the "
+                                 "manifest vouches for covers it; exclude it (--exclude) or use a manifest that lists it")
+        # (a small file the hub lists by git blob id only is checked against the manifest's
+        # sha256 after the download: _check_against_manifest)
+        if pinned.size != entry.size or (entry.sha256 is not None and pinned.sha256 != entry.sha256):
+            listed = f"{entry.size} bytes, sha256 {entry.sha256}"
+            raise RankFetchError(f"manifest {label}: {path}: {pinned.size} bytes, sha256 {pinned.sha256} in the "
+                                 f"manifest, {listed} on {hub}; it describes another checkpoint or revision")
+
+
+def _check_against_manifest(plan: RankFetchPlan, dest_real: str, paths: list[str]) -> dict[str, str]:
+    """Whole files the hub lists without a sha256 (small files: git blob id only) were checked by
+    the downloader against that id; hash them here against the manifest's sha256. A mismatch is
+    removed and reported: the manifest, not the hub, is what vouches for the bytes."""
+    assert plan.manifest is not None
+    failed: dict[str, str] = {}
+    for path in paths:
+        want = plan.manifest.files[path].sha256
+        if plan.listing.files[path].sha256 is not None or want is None:
+            continue  # the listing's sha256 was compared with the manifest's at plan time
+        final = os.path.join(dest_real, path)
+        try:
+            got = hash_file(final).sha256
+        except (HashError, OSError) as e:
+            failed[path] = f"cannot hash it to compare with the manifest: {e}"
+            continue
+        if got != want:
+            download._unlink(final)
+            failed[path] = (f"sha256 {got} differs from the manifest's {want} (the hub's git blob id matched: "
+                            "the hub serves other content than the manifest vouches for); removed")
+    return failed
+
+
 def _show(v: Any) -> str:
     return json.dumps(list(v)) if isinstance(v, tuple) else str(v)
 
@@ -536,6 +577,8 @@ def plan_rank_fetch(
     skip = set(shard_paths) | {INDEX_NAME, PARTIAL_NAME}
     others = [f for f in listing.files if f not in skip and not f.endswith(".safetensors")]
     files, excluded = select_paths(others, include, exclude)
+    if manifest is not None:
+        _check_manifest_files(manifest, label or "(given)", listing, files + [sp.path for sp in shards if sp.whole])
     return RankFetchPlan(
         listing=listing, dest=Path(dest), topology=topo, ranks=selected, node=node, gpus_per_node=gpus_per_node,
         chunk_size=chunk_size, shards=shards, files=files, excluded=excluded,
@@ -1048,6 +1091,8 @@ def run_rank_fetch(
             result.fetched, result.files_skipped = list(fr.fetched), list(fr.skipped)
             result.failed.update(fr.failed)
             result.bytes_downloaded += fr.bytes_downloaded
+            if plan.manifest is not None:
+                result.failed.update(_check_against_manifest(plan, dest_real, fr.fetched + fr.skipped))
         elif report is not None:
             report(0)
 

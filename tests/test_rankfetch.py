@@ -462,8 +462,10 @@ def test_sigkill_then_resume(point: str, served_hub: Any, node0_names: set[str],
     assert (dest / download.LOCK_NAME).exists()  # the dead run's lock: stale, must be recovered
     # every whole file was fetched before the rewritten shards started
     assert all((dest / f).exists() for f in ("config.json", "model-00001-of-000008.safetensors"))
-    parts = list(dest.glob("*.safetensors.part"))
-    assert parts and all(Path(f"{p}.journal").exists() for p in parts)
+    # Another worker may have been killed between creating a .part (header written, fsync-ed) and
+    # its first journal: a legal state, which resume treats as untrusted and recreates.
+    parts = [p for p in dest.glob("*.safetensors.part") if Path(f"{p}.journal").exists()]
+    assert parts
     assert all(json.loads(Path(f"{p}.journal").read_text()).get("fingerprint") for p in parts)  # ours
     if point == "before_shard_rename":
         done = [p for p in parts if json.loads(Path(f"{p}.journal").read_text())["done"]]
@@ -562,3 +564,49 @@ def test_a_new_hub_revision_refetches_shards_whose_source_changed(k3_tiny: Path,
     assert out["written"] == [rewritten[0]] and rewritten[0] not in out["skipped"]
     got = open_checkpoint(dest).read_tensor(name).tobytes()
     assert got == open_checkpoint(served).read_tensor(name).tobytes()
+
+
+def test_whole_files_must_match_the_manifest_not_just_the_hub(k3_tiny: Path, tensor_manifest: Path,
+                                                             tmp_path: Path) -> None:
+    """The downloader checks whole files against the hub's listing; with a manifest, the listing
+    must agree with the manifest - a hub serving other bytes under a listing that vouches for them
+    does not get past the operator's manifest."""
+    from k3ckpt.testing.hub import LoopbackHub
+
+    served = tmp_path / "served"
+    shutil.copytree(k3_tiny, served)
+    # remote code, a small file the hub lists by git blob id only: checked against the manifest
+    # after the download (same size, one byte changed: nothing at plan time can tell)
+    code = served / "configuration_kimi_k3.py"
+    data = bytearray(code.read_bytes())
+    data[-2] = ord("#") if data[-2] != ord("#") else ord(" ")
+    code.write_bytes(bytes(data))
+    with LoopbackHub({REPO: served}, cache_dir=tmp_path / "hc1") as h:  # its listing vouches for the new bytes
+        res = fetch(h, tmp_path / "a", "--manifest", str(tensor_manifest))
+    assert res.exit_code == 1, res.output
+    assert "could not fetch configuration_kimi_k3.py" in res.output and "differs from the manifest's" in res.output
+    assert not (tmp_path / "a" / code.name).exists() and not (tmp_path / "a" / PARTIAL_NAME).exists()
+    # a file whose size differs is refused at plan time, before any byte moves
+    (served / "generation_config.json").write_text("{}")
+    with LoopbackHub({REPO: served}, cache_dir=tmp_path / "hc2") as h:
+        res = fetch(h, tmp_path / "b", "--manifest", str(tensor_manifest))
+    assert res.exit_code == 2 and "generation_config.json" in res.output and "another checkpoint" in res.output
+
+
+def test_a_whole_shard_listed_with_another_sha256_is_refused_before_any_byte(k3_tiny: Path, tensor_manifest: Path,
+                                                                            tmp_path: Path) -> None:
+    from k3ckpt.testing.hub import LoopbackHub
+
+    served = tmp_path / "served"
+    shutil.copytree(k3_tiny, served)
+    whole = served / "model-00001-of-000008.safetensors"  # every tensor of it is selected: fetched whole
+    hdr = read_header(whole)
+    data = bytearray(whole.read_bytes())
+    data[hdr.data_start] ^= 0xFF  # same header, other bytes: the listing's sha256 changes
+    whole.write_bytes(bytes(data))
+    with LoopbackHub({REPO: served}, cache_dir=tmp_path / "hc") as h:
+        res = run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(tmp_path / "b"), "--endpoint", h.url,
+                  *NODE0, "--manifest", str(tensor_manifest))
+        assert res.exit_code == 2
+        assert "model-00001-of-000008.safetensors" in res.output and "another checkpoint or revision" in res.output
+        assert h.bytes_sent(whole.name) <= hdr.data_start  # its header was read to plan; no data moved
