@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -248,12 +249,59 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 
+def is_within(path: Path, root: Path) -> bool:
+    """True when ``path`` is ``root`` or lies inside it (both resolved; neither need exist)."""
+    p, r = Path(path).resolve(), Path(root).resolve()
+    return p == r or r in p.parents
+
+
 def copy_files(src: Path, rels: list[str], out: Path) -> None:
     """Copy the files ``rels`` (relative paths) from ``src`` to ``out``, each under a temporary
     name first so that no half-copied file ever has its final name."""
     for rel in rels:
         dst = out / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        # Config, tokenizer and code files: small enough to hold, and written like every other
-        # small file (a symlink planted at a fixed temporary name once redirected this copy).
-        write_atomic(dst, (src / rel).read_bytes())
+        copy_file(src / rel, dst)
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` in bounded chunks (kernel-side where possible; never the whole
+    file in memory), through a unique temporary name created exclusively and never through a
+    symlink, fsync'd and renamed; the directory is fsync'd after the rename."""
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    with open(src, "rb") as fin:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            try:
+                _copy_fd(fin.fileno(), fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, dst)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    try:
+        fsync_dir(dst.parent)
+    except OSError:
+        pass  # directories cannot be opened here (some network filesystems): the data is synced
+
+
+def _copy_fd(src: int, dst: int) -> None:
+    off = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while True:
+                k = os.copy_file_range(src, dst, CHUNK, off, off)
+                if k == 0:
+                    return
+                off += k
+        except OSError as e:
+            if e.errno not in _KERNEL_FALLBACK:
+                raise
+    while True:
+        data = os.pread(src, CHUNK, off)
+        if not data:
+            return
+        Copier._pwrite(dst, memoryview(data), off)
+        off += len(data)

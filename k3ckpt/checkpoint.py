@@ -171,6 +171,21 @@ def iter_checkpoint_files(root: Path) -> Iterator[str]:
             yield (rel / fn).as_posix() if rel.parts else fn
 
 
+#: Working files of an unfinished or running fetch (``download.py``: ``<file>.part``, its
+#: ``.part.journal``, temporary ``*.tmp`` files, the ``.k3ckpt-fetch.lock`` and its ``.break``)
+#: and of our own atomic writes (``.<file>.<...>.tmp``).
+_WORK_SUFFIXES = (".part", ".part.journal", ".tmp")
+_FETCH_LOCK = ".k3ckpt-fetch.lock"
+
+
+def is_working_file(rel: str) -> bool:
+    """True for a file that is a tool's temporary working state, not part of the checkpoint
+    (a fetch's ``*.part``/``*.part.journal``/lock, any ``*.tmp``): never copied as one of the
+    checkpoint's files."""
+    base = rel.rsplit("/", 1)[-1]
+    return base.endswith(_WORK_SUFFIXES) or base.startswith(_FETCH_LOCK)
+
+
 def numpy_dtype(dtype: str) -> "np.dtype":
     """The numpy dtype for a safetensors dtype (ml_dtypes for BF16 and the FP8 family)."""
     import ml_dtypes

@@ -37,8 +37,10 @@ Decisions the contract leaves open:
   are allowed by the contract; no ``parts`` key, because the slice is not an even split);
 - ``source.index_sha256`` of a single-file checkpoint is the sha256 of its header prefix (the
   8-byte length and the JSON header);
-- non-weight files: every file of the source except ``*.safetensors`` and
-  ``model.safetensors.index.json`` (a stray safetensors file not in the index is not copied);
+- non-weight files: every file of the source except ``*.safetensors``,
+  ``model.safetensors.index.json`` (a stray safetensors file not in the index is not copied) and
+  working files (:func:`~k3ckpt.checkpoint.is_working_file`: a fetch's ``*.part``, journals,
+  lock, ``*.tmp``), copied in bounded chunks;
 - resuming: a rank whose ``READY`` exists and whose manifest matches what this run would write
   (same tensors, shapes, splits, files and sizes, same source index digest) is skipped; any
   other rank directory is cleared and rewritten. Files are written under temporary names
@@ -72,17 +74,18 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .bytecopy import Copier, FdCache, Run, atomic_write, copy_files, fsync_dir, tmp_name
-from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
+from .bytecopy import Copier, FdCache, Run, atomic_write, copy_files, fsync_dir, is_within, tmp_name
+from .checkpoint import INDEX_NAME, Checkpoint, is_working_file, open_checkpoint
 from .errors import K3ckptError
 from .jsonfile import load_json
 from .safetensors_header import DTYPE_BITS, TensorSpec, build_header
@@ -424,7 +427,8 @@ def plan_reshard(
         raise TopologyError("give --ranks or --node, not both")
     # a partial source's marker describes the source, not the output (the output has its own)
     skip = set(ckpt.shards) | {INDEX_NAME, NODE_MARKER, PARTIAL_MARKER}
-    extra = [f for f in ckpt.iter_files() if f not in skip and not f.endswith(".safetensors")]
+    extra = [f for f in ckpt.iter_files()
+             if f not in skip and not f.endswith(".safetensors") and not is_working_file(f)]
     if layout not in LAYOUTS:
         raise ReshardError(f"unknown --format {layout!r}; choose {' or '.join(LAYOUTS)}")
     if layout == "hf-node":
@@ -686,12 +690,16 @@ def run_reshard(
     """
     t0 = time.perf_counter()
     outp = Path(out)
-    if outp.resolve() == plan.ckpt.root.resolve():
-        raise ReshardError(f"{outp}: the output directory is the source checkpoint")
+    src = plan.ckpt.root
+    if is_within(outp, src):
+        what = "is" if outp.resolve() == src.resolve() else "is inside"
+        raise ReshardError(f"{outp}: the output directory {what} the source checkpoint {src}")
+    if is_within(src, outp):
+        raise ReshardError(f"{outp}: the output directory contains the source checkpoint {src}")
     outp.mkdir(parents=True, exist_ok=True)
     topo_json = plan.topology_json()
     tpath = outp / TOPOLOGY_NAME
-    if tpath.exists() and not force:
+    if tpath.exists():
         try:
             old = json.loads(tpath.read_text())
         except (OSError, ValueError):
@@ -700,8 +708,10 @@ def run_reshard(
                 "gpus_per_node")
         if (not isinstance(old, dict) or any(old.get(k) != topo_json.get(k) for k in keys)
                 or (old.get("source") or {}).get("index_sha256") != topo_json["source"]["index_sha256"]):
-            raise ReshardError(f"{outp} holds a different topology or source ({TOPOLOGY_NAME}); "
-                               f"use another directory or --force")
+            if not force:
+                raise ReshardError(f"{outp} holds a different topology or source ({TOPOLOGY_NAME}); "
+                                   f"use another directory or --force")
+            _clear_old_layout(outp)
     atomic_write(tpath, (json.dumps(topo_json, indent=2) + "\n").encode())
     if plan.layout == "rank":
         copy_files(plan.ckpt.root, plan.extra_files, outp)
@@ -730,7 +740,6 @@ def run_reshard(
     written = 0
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard")
     try:
-        futures: dict[int, list[Future]] = {}
         # largest files first within the whole job keeps the pool busy to the end
         order = sorted(((f.size, rp.unit, k) for rp in todo for k, f in enumerate(rp.files)), reverse=True)
         by_unit = {rp.unit: rp for rp in todo}
@@ -739,12 +748,38 @@ def run_reshard(
             f = by_unit[r].files[k]
             dest = outp / by_unit[r].dir_name / f.name
             slots[(r, k)] = pool.submit(_write_file, plan, f, dest, mode, cache, progress, _fail_before)
-        for rp in todo:
-            futures[rp.unit] = [slots[(rp.unit, k)] for k in range(len(rp.files))]
-        for rp in todo:
-            results = [fu.result() for fu in futures[rp.unit]]
-            _finish_rank(outp / rp.dir_name, rp, results, plan.source_json)
+        # A unit is finished (manifest, READY) as soon as its last file is written, whatever
+        # order files complete in: a failed file costs only its own unit, and the first error
+        # is raised once every other file is done ("completed ranks are kept").
+        unit_of = {fu: r for (r, _), fu in slots.items()}
+        left = {rp.unit: len(rp.files) for rp in todo}
+        failed: set[int] = set()
+        first_error: BaseException | None = None
+
+        def finish(rp: RankPlan | NodePlan) -> None:
+            nonlocal written, first_error
+            results = [slots[(rp.unit, k)].result() for k in range(len(rp.files))]
+            try:
+                _finish_rank(outp / rp.dir_name, rp, results, plan.source_json)
+            except OSError as e:
+                first_error = first_error or ReshardError(f"finishing {outp / rp.dir_name}: {e.strerror or e}")
+                return
             written += rp.nbytes
+
+        for rp in todo:
+            if not rp.files:
+                finish(rp)
+        for fu in as_completed(unit_of):
+            r = unit_of[fu]
+            if fu.exception() is not None:
+                first_error = first_error or fu.exception()
+                failed.add(r)
+                continue
+            left[r] -= 1
+            if left[r] == 0 and r not in failed:
+                finish(by_unit[r])
+        if first_error is not None:
+            raise first_error
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         raise
@@ -753,6 +788,26 @@ def run_reshard(
     fsync_dir(outp)
     return ReshardResult(outp, topo_json, [rp.unit for rp in todo], skipped, written,
                          time.perf_counter() - t0, list(plan.extra_files), plan.layout)
+
+
+#: The unit directories a layout may hold (``rank-NNNNN``, ``node-NNNNN`` with ``--format hf-node``).
+_UNIT_DIR = re.compile(r"(rank|node)-\d{5,}")
+
+
+def _clear_old_layout(outp: Path) -> None:
+    """Remove every rank/node directory of the layout ``outp`` held before (``--force`` with
+    another topology or source): they belong to that topology, whatever this run selects.
+    Every ``READY`` goes first (and durably), so a run killed mid-way never leaves a ``READY``
+    of the old layout under the new ``topology.json`` (written only after this returns)."""
+    dirs = sorted(p for p in outp.iterdir() if _UNIT_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+    for d in dirs:
+        ready = d / READY_NAME
+        if ready.exists() or ready.is_symlink():
+            ready.unlink()
+            fsync_dir(d)
+    for d in dirs:
+        shutil.rmtree(d)
+    fsync_dir(outp)
 
 
 def _finish_rank(rdir: Path, rp: RankPlan | NodePlan, results: list[dict[str, Any]], source: dict[str, Any]) -> None:

@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .bytecopy import Copier, FdCache, atomic_write, copy_files, fsync_dir, tmp_name
-from .checkpoint import INDEX_NAME, iter_checkpoint_files
+from .bytecopy import Copier, FdCache, atomic_write, copy_files, fsync_dir, is_within, tmp_name
+from .checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
 from .errors import K3ckptError
 from .jsonfile import load_json
 from .reshard import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, hf_shard_name, rank_dir_name
@@ -100,18 +100,46 @@ class _Gathered:
     holders: int = 0  # bit mask of the ranks holding (part of) it
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_field(d: dict, key: str, where: str, what: str, minimum: int = 0) -> int:
+    """``d[key]``, which must be an int >= ``minimum``; else a one-line error naming ``what``."""
+    v = d.get(key)
+    if not _is_int(v) or v < minimum:
+        raise UnshardError(f"{where}: {what} {key} is {json.dumps(v)}, not an integer >= {minimum}")
+    return v
+
+
 def _split_kind(split: Any, where: str) -> tuple[str, int, int]:
-    """``(kind, dim, parts)`` of a manifest ``split`` entry."""
+    """``(kind, dim, parts)`` of a manifest ``split`` entry (its field types checked)."""
     if split is None:
         return "whole", -1, 1
     if isinstance(split, dict) and "experts" in split:
-        inner = split.get("split")
+        experts = split["experts"]
+        if not isinstance(experts, list) or not all(_is_int(e) for e in experts):
+            raise UnshardError(f"{where}: split experts is {json.dumps(experts)}, not a list of integers")
+        if "split" not in split:
+            raise UnshardError(f"{where}: split of stacked experts has no field 'split'")
+        inner = split["split"]
         if inner is None:
             return "experts", -1, 1
-        return "experts", int(inner["dim"]), int(inner["parts"])
-    if isinstance(split, dict) and {"dim", "index", "parts"} <= split.keys() and split["parts"] > 1:
-        return "split", int(split["dim"]), int(split["parts"])
+        if not isinstance(inner, dict):
+            raise UnshardError(f"{where}: split split is {json.dumps(inner)}, not null or an object")
+        _int_field(inner, "index", where, "split split")
+        return "experts", _int_field(inner, "dim", where, "split split"), _int_field(inner, "parts", where, "split split", 1)
+    if isinstance(split, dict) and {"dim", "index", "parts"} <= split.keys():
+        _int_field(split, "index", where, "split")
+        return "split", _int_field(split, "dim", where, "split"), _int_field(split, "parts", where, "split", 2)
     raise UnshardError(f"{where}: split {json.dumps(split)} is not a split this tool knows")
+
+
+def _check_file_name(fname: str, where: str) -> None:
+    """A manifest's file names are plain names inside the rank directory: no separators, no
+    leading dot (``..``, hidden or temporary files), no NUL."""
+    if not fname or "/" in fname or "\\" in fname or "\0" in fname or fname.startswith("."):
+        raise UnshardError(f"{where}: refuses file name {fname!r} (not a plain file name in the rank directory)")
 
 
 def _sliced(shape: tuple[int, ...], dim: int, parts: int) -> tuple[int, ...]:
@@ -174,6 +202,8 @@ def _check_rank(root: Path, rank: int, topo: Topology, source_digest: str | None
         if m.get(k) != getattr(info, k):
             raise UnshardError(f"{mpath}: {k} is {m.get(k)!r} but topology.json makes it {getattr(info, k)}")
     got = m.get("source_index_sha256")
+    if got is not None and not isinstance(got, str):
+        raise UnshardError(f"{mpath}: source_index_sha256 is {json.dumps(got)}, not a string")
     if source_digest and got is not None and got != source_digest:
         raise UnshardError(f"{mpath}: written from another source (index sha256 {got[:12]}..., "
                            f"topology.json says {source_digest[:12]}...)")
@@ -185,10 +215,15 @@ def _fold_rank(root: Path, rank: int, m: dict[str, Any], topo: Topology, tensors
     """Check one rank's files against its manifest and record what it holds."""
     rdir = rank_dir_name(rank)
     ep_rank = topo.rank_info(rank).ep_rank
+    mpath = root / rdir / MANIFEST_NAME
+    for fname, fmeta in m["files"].items():
+        _check_file_name(fname, f"{mpath}: files")
+        if not isinstance(fmeta, dict):
+            raise UnshardError(f"{mpath}: file {fname!r}: entry is {json.dumps(fmeta)}, not an object")
     by_file: dict[str, list[str]] = {}
     for name, t in m["tensors"].items():
-        if not isinstance(t, dict) or t.get("file") not in m["files"]:
-            raise UnshardError(f"{root / rdir / MANIFEST_NAME}: tensor {name!r} names no listed file")
+        if not isinstance(t, dict) or not isinstance(t.get("file"), str) or t["file"] not in m["files"]:
+            raise UnshardError(f"{mpath}: tensor {name!r} names no listed file")
         by_file.setdefault(t["file"], []).append(name)
     bit = 1 << rank
     for fname, fmeta in m["files"].items():
@@ -213,9 +248,13 @@ def _fold_rank(root: Path, rank: int, m: dict[str, Any], topo: Topology, tensors
                 raise UnshardError(f"{where}: header says {h.dtype} {list(h.shape)}, "
                                    f"the manifest {t.get('dtype')} {t.get('shape')}")
             if not isinstance(t.get("sha256"), str):
-                raise UnshardError(f"{where}: no sha256 in the manifest")
-            kind, dim, parts = _split_kind(t.get("split"), where)
-            src_shape = tuple(t.get("source_shape") or ())
+                raise UnshardError(f"{mpath}: tensor {name!r}: no sha256 in the manifest")
+            mwhere = f"{mpath}: tensor {name!r}"  # errors in the manifest's own fields
+            kind, dim, parts = _split_kind(t.get("split"), mwhere)
+            src = t.get("source_shape")
+            if not isinstance(src, list) or not all(_is_int(d) and d >= 0 for d in src):
+                raise UnshardError(f"{mwhere}: source_shape is {json.dumps(src)}, not a list of integers >= 0")
+            src_shape = tuple(src)
             g = tensors.get(name)
             if g is None:
                 g = tensors[name] = _Gathered(h.dtype, src_shape, kind, dim, parts)
@@ -255,7 +294,7 @@ def _slice_key(g: _Gathered, split: Any, ep_rank: int, experts_by_rank: list[lis
     inner = split["split"]
     if inner is None:
         return (ep_rank, 0), shape
-    i = inner["index"]
+    i = inner["index"]  # checked by _split_kind
     if not (isinstance(i, int) and 0 <= i < g.parts) or not 0 < g.dim < len(shape) or shape[g.dim] % g.parts:
         raise UnshardError(f"{where}: split {json.dumps(split)} does not tile source shape {list(g.source_shape)}")
     return (ep_rank, i), _sliced(shape, g.dim, g.parts)
@@ -314,7 +353,10 @@ def plan_unshard(layout: str | os.PathLike[str]) -> UnshardPlan:
     if not root.is_dir():
         raise UnshardError(f"{root}: not a directory")
     tj, topo = _load_topology(root)
-    source_digest = (tj.get("source") or {}).get("index_sha256")
+    source = tj.get("source")
+    source_digest = source.get("index_sha256") if isinstance(source, dict) else None
+    if source_digest is not None and not isinstance(source_digest, str):
+        raise UnshardError(f"{root / TOPOLOGY_NAME}: source index_sha256 is {json.dumps(source_digest)}, not a string")
     experts_by_rank = topo.experts_by_ep_rank()
     tensors: dict[str, _Gathered] = {}
     for r in range(topo.world_size):
@@ -330,7 +372,7 @@ def _extra_files(root: Path) -> list[str]:
     def keep(rel: str) -> bool:
         base = rel.rsplit("/", 1)[-1]
         return not (rel == TOPOLOGY_NAME or rel.startswith(("rank-", "node-")) or base.endswith(".safetensors")
-                    or base == INDEX_NAME or (base.startswith(".") and base.endswith(".tmp")))
+                    or base == INDEX_NAME or is_working_file(rel))
     return [f for f in iter_checkpoint_files(root) if keep(f)]
 
 
@@ -483,7 +525,7 @@ class UnshardResult:
 
 
 def _prepare_out(out: Path, layout: Path, force: bool) -> None:
-    if out.resolve() == layout.resolve() or layout.resolve() in out.resolve().parents:
+    if is_within(out, layout):
         raise UnshardError(f"{out}: the output must not be inside the rank layout {layout}")
     out.mkdir(parents=True, exist_ok=True)
     index = out / INDEX_NAME

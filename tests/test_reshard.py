@@ -306,3 +306,121 @@ def test_peak_rss_bounded(tmp_path: Path) -> None:
     nbytes, peak_kib, _ = map(int, out.stdout.split())
     assert nbytes > 100 * 2**20
     assert peak_kib * 1024 < 512 * 2**20, peak_kib
+
+
+def _ready_ranks(out: Path) -> list[str]:
+    return sorted(p.parent.name for p in out.glob("*/READY"))
+
+
+def test_force_other_topology_removes_the_old_ranks(k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "o"
+    rs.reshard(k3_tiny, out, ep=8)
+    # killed while clearing the old layout: no READY of it survives, topology.json is still the old one
+    real_rmtree = rs.shutil.rmtree
+
+    def crash(path, *a, **k):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(rs.shutil, "rmtree", crash)
+    with pytest.raises(RuntimeError):
+        rs.reshard(k3_tiny, out, ep=4, force=True)
+    assert _ready_ranks(out) == [] and json.loads((out / "topology.json").read_text())["ep"] == 8
+    monkeypatch.setattr(rs.shutil, "rmtree", real_rmtree)
+    rs.reshard(k3_tiny, out, ep=4, force=True)
+    check_layout(k3_tiny, out, ep=4)  # rank-00004..7 are gone
+    # per-node runs of one topology share OUT: a node's run keeps the other nodes' ranks
+    rs.reshard(k3_tiny, out, ep=4, node=0, gpus_per_node=2, force=True)
+    rs.reshard(k3_tiny, out, ep=4, node=1, gpus_per_node=2)
+    assert _ready_ranks(out) == [f"rank-{r:05d}" for r in range(4)]
+    # the hf-node layout's node directories are another topology's too
+    rs.reshard(k3_tiny, out, ep=4, gpus_per_node=2, layout="hf-node", force=True)
+    assert _ready_ranks(out) == ["node-00000", "node-00001"]
+    rs.reshard(k3_tiny, out, ep=4, force=True)
+    assert _ready_ranks(out) == [f"rank-{r:05d}" for r in range(4)]
+
+
+def test_failed_file_keeps_later_completed_ranks(k3_tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    plan = rs.plan_reshard(k3_tiny, ep=4, tp=2)
+
+    def boom(name: str) -> None:
+        if name.startswith("model-rank-0-"):
+            raise rs.ReshardError(f"writing {name}: disk full")
+
+    with pytest.raises(rs.ReshardError, match="model-rank-0-"):
+        rs.run_reshard(plan, out, jobs=2, _fail_before=boom)
+    assert _ready_ranks(out) == [f"rank-{r:05d}" for r in range(1, 4)]
+    res = rs.reshard(k3_tiny, out, ep=4, tp=2)
+    assert res.written == [0] and res.skipped == [1, 2, 3]
+    check_layout(k3_tiny, out, ep=4, tp=2)
+
+
+def test_output_and_source_must_not_nest(k3_tiny: Path, tmp_path: Path) -> None:
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(k3_tiny, src)
+    outer = tmp_path / "outer"
+    shutil.copytree(k3_tiny, outer / "src")
+    for s, o, needle in [(src, src, "is the source"), (src, src / "out", "is inside the source"),
+                         (outer / "src", outer, "contains the source")]:
+        with pytest.raises(rs.ReshardError, match=needle):
+            rs.reshard(s, o, ep=2)
+        r = CliRunner().invoke(main, ["reshard", str(s), "-o", str(o), "--ep", "2"])
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and needle in lines[0], r.output
+    assert not (src / "out").exists() and not list(outer.glob("rank-*"))
+
+
+WORKING_FILES = ["big.bin.part", "big.bin.part.journal", ".k3ckpt-fetch.lock", ".k3ckpt-fetch.lock.break",
+                 "config.json.tmp", ".notes.txt.123.abcd.tmp", "sub/w.part"]
+
+
+def test_working_files_are_not_copied(k3_tiny: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from k3ckpt.checkpoint import is_working_file
+    from k3ckpt.unshard import unshard
+
+    src = tmp_path / "src"
+    shutil.copytree(k3_tiny, src)
+    (src / "sub").mkdir()
+    for f in WORKING_FILES:
+        (src / f).write_bytes(b"x")
+    (src / "notes.txt").write_text("kept")
+    assert all(map(is_working_file, WORKING_FILES)) and not is_working_file("notes.txt")
+    for layout in ("rank", "hf-node"):
+        out = tmp_path / layout
+        rs.reshard(src, out, ep=2, gpus_per_node=2, layout=layout)
+        where = out if layout == "rank" else out / "node-00000"
+        assert (where / "notes.txt").read_text() == "kept"
+        assert not [f for f in WORKING_FILES if (where / f).exists()]
+    lay = tmp_path / "rank"
+    (lay / "sub").mkdir(exist_ok=True)
+    for f in WORKING_FILES:
+        (lay / f).write_bytes(b"x")
+    res = unshard(lay, tmp_path / "back")
+    assert "notes.txt" in res.files_copied and not set(WORKING_FILES) & set(res.files_copied)
+
+
+def test_copy_files_streams(tmp_path: Path) -> None:
+    """A large non-weight file is copied in bounded chunks, never read whole into memory."""
+    import tracemalloc
+
+    from k3ckpt.bytecopy import copy_files
+
+    size = 64 * 2**20
+    (tmp_path / "src").mkdir()
+    with open(tmp_path / "src" / "big.bin", "wb") as fh:
+        fh.truncate(size)
+        fh.seek(size // 2)
+        fh.write(b"marker")
+    tracemalloc.start()
+    try:
+        copy_files(tmp_path / "src", ["big.bin"], tmp_path / "dst")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, peak
+    assert (tmp_path / "dst" / "big.bin").read_bytes() == (tmp_path / "src" / "big.bin").read_bytes()
+    assert [p.name for p in (tmp_path / "dst").iterdir()] == ["big.bin"]

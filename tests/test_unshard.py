@@ -367,3 +367,110 @@ def test_per_node_runs_add_up_to_the_full_run(k3_tiny: Path, tmp_path: Path) -> 
         assert (tmp_path / "full" / rel).read_bytes() == (tmp_path / "nodes" / rel).read_bytes(), rel
     unshard(tmp_path / "nodes", tmp_path / "back")
     assert_round_trip(k3_tiny, tmp_path / "back")
+
+
+# -- malformed manifests: always a one-line UnshardError, never another exception ---------------
+
+
+@pytest.fixture(scope="module")
+def gptoss_layout(gptoss_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gpt-oss stacked experts, ep 2 x moe_tp 2 (inner splits; read-only)."""
+    out = tmp_path_factory.mktemp("gptoss-layout") / "lay"
+    rs.reshard(gptoss_tiny, out, ep=2, world_size=4)
+    return out
+
+
+def _first(m: dict, pred) -> str:
+    return next(n for n, t in m["tensors"].items() if pred(t))
+
+
+def _on_split(field, value):
+    def mutate(m: dict) -> None:
+        name = _first(m, lambda t: t["split"] and "experts" not in t["split"])
+        if value is _DEL:
+            del m["tensors"][name]["split"][field]
+        else:
+            m["tensors"][name]["split"][field] = value
+    return mutate
+
+
+def _on_tensor(field, value, pred=lambda t: True):
+    def mutate(m: dict) -> None:
+        m["tensors"][_first(m, pred)][field] = value
+    return mutate
+
+
+def _on_inner(field, value):
+    def mutate(m: dict) -> None:
+        name = _first(m, lambda t: t["split"] and "experts" in t["split"] and t["split"]["split"])
+        split = m["tensors"][name]["split"]
+        target = split if field in ("split", "experts") else split["split"]
+        if value is _DEL:
+            del target[field if field != "split" else "split"]
+        else:
+            target[field] = value
+    return mutate
+
+
+def _rename_file(new: str):
+    def mutate(m: dict) -> None:
+        old = next(iter(m["files"]))
+        m["files"][new] = m["files"].pop(old)
+        for t in m["tensors"].values():
+            if t["file"] == old:
+                t["file"] = new
+    return mutate
+
+
+def _on_files(value):
+    def mutate(m: dict) -> None:
+        m["files"][next(iter(m["files"]))] = value
+    return mutate
+
+
+_DEL = object()
+_BAD = ["2", 2.5, None, True, -1, [], {}]
+_MUTATIONS = (
+    [("k3", f"split.{f}={v!r}", _on_split(f, v)) for f in ("dim", "index", "parts") for v in _BAD + [0, 99]]
+    + [("k3", f"split.{f} missing", _on_split(f, _DEL)) for f in ("dim", "index", "parts")]
+    + [("k3", f"source_shape={v!r}", _on_tensor("source_shape", v)) for v in [5, "abc", None, [1.5], ["a"], [-1], {}]]
+    + [("k3", f"{f}={v!r}", _on_tensor(f, v)) for f in ("file", "dtype", "shape", "sha256", "split")
+       for v in [5, ["x"], {"a": 1}, None, "2"] if (f, v) != ("sha256", "2")]  # a wrong digest fails at copy time
+    + [("k3", f"file name {n!r}", _rename_file(n)) for n in ["../x", "a/b", "a\\b", ".hidden", "", "a\0b"]]
+    + [("k3", f"files entry {v!r}", _on_files(v)) for v in [5, "x", None, [], {"size": "1"}]]
+    + [("k3", "tensor entry 5", lambda m: m["tensors"].__setitem__(next(iter(m["tensors"])), 5))]
+    + [("k3", "source digest 5", lambda m: m.__setitem__("source_index_sha256", 5))]
+    + [("gptoss", f"inner.{f}={v!r}", _on_inner(f, v)) for f in ("dim", "index", "parts") for v in _BAD + [0, 99]]
+    + [("gptoss", f"inner.{f} missing", _on_inner(f, _DEL)) for f in ("dim", "index", "parts", "split")]
+    + [("gptoss", f"experts={v!r}", _on_inner("experts", v)) for v in ["x", [None], 5, [0.5]]]
+    + [("gptoss", f"inner split={v!r}", _on_inner("split", v)) for v in ["x", 5, []]]
+)
+
+
+@pytest.mark.parametrize("which,label,mutate", _MUTATIONS, ids=[m[1] for m in _MUTATIONS])
+def test_malformed_manifest_is_a_one_line_error(layout: Path, gptoss_layout: Path, tmp_path: Path,
+                                                which: str, label: str, mutate) -> None:
+    lay = tmp_path / "lay"
+    shutil.copytree(layout if which == "k3" else gptoss_layout, lay)
+    p, m = _manifest(lay, 0)
+    mutate(m)
+    if m == _manifest(lay, 0)[1]:
+        pytest.skip("the mutation changes nothing here")
+    p.write_text(json.dumps(m))
+    with pytest.raises(UnshardError) as ei:  # any other exception fails the test
+        plan_unshard(lay)
+    msg = str(ei.value)
+    assert "\n" not in msg and "rank-00000" in msg, msg
+
+
+def test_manifest_file_names_stay_in_the_rank_directory(layout: Path, tmp_path: Path) -> None:
+    """``../x`` naming a real copy of a rank file beside the rank directory is still refused."""
+    lay = tmp_path / "lay"
+    shutil.copytree(layout, lay)
+    p, m = _manifest(lay, 0)
+    old = next(iter(m["files"]))
+    shutil.copy(lay / "rank-00000" / old, lay / "x")
+    _rename_file("../x")(m)
+    p.write_text(json.dumps(m))
+    with pytest.raises(UnshardError, match=r"refuses file name '\.\./x'"):
+        plan_unshard(lay)
