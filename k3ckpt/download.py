@@ -526,6 +526,10 @@ class _Job:
         self.refetched = False
         self.finished = False
         self.sequential = False  # the server ignores Range: one whole-file GET writes it
+        # the last chunk is in and the file is being verified: no whole-file GET may start (it
+        # would write through a descriptor _finish is about to close). Exclusive with
+        # ``sequential``: both are only set under ``lock``, each only if the other is not.
+        self.finishing = False
         self.digest = _StreamDigest(entry)
 
     def chunk(self, i: int) -> tuple[int, int]:
@@ -889,6 +893,8 @@ class _Run:
                 return
             if job.sequential and index is not None and index != _WHOLE:
                 return  # the whole-file GET writes this chunk
+            if index == _WHOLE and job.finishing:
+                return  # every chunk arrived by range after all: nothing left for it to do
             job.open()
         if index == _WHOLE:
             if self._fetch_whole(job):
@@ -905,6 +911,7 @@ class _Run:
                 job.done.add(index)
                 job.write_journal()
                 complete = len(job.done) == job.nchunks
+                job.finishing = complete
             with self.bytes_lock:
                 self.chunks_journaled += 1
                 journaled = self.chunks_journaled
@@ -946,7 +953,7 @@ class _Run:
     def _go_sequential(self, job: _Job) -> None:
         """The server ignores Range for this file: queue one whole-file GET (once)."""
         with job.lock:
-            if job.sequential or job.failed is not None:
+            if job.sequential or job.failed is not None or job.finishing:
                 return
             job.sequential = True
         with self.cond:
@@ -1005,6 +1012,7 @@ class _Run:
                     job.digest.reset()
                 with job.lock:
                     job.refetched = True
+                    job.finishing = False
                     job.done = set()
                     job.write_journal()
                 for i in ([_WHOLE] if job.sequential else range(job.nchunks)):

@@ -91,6 +91,7 @@ def run_fetch(
     from .download import DEFAULT_CHUNK, fetch_files
     from .verify import record_verified
 
+    _forget_partial(plan)
     result = fetch_files(plan.listing, plan.dest, plan.paths, workers=workers,
                          chunk_size=chunk_size or DEFAULT_CHUNK, token=token, progress=progress, on_plan=on_plan)
     # Every file fetched or skipped had its digest checked against the hub's: let a later
@@ -103,6 +104,19 @@ def run_fetch(
         except OSError as e:  # every file is in place and verified: not a reason to fail the fetch
             result.notes.append(f"could not record the source revision in {plan.dest}: {e.strerror or e}")
     return result
+
+
+def _forget_partial(plan: FetchPlan) -> None:
+    """A whole fetch into a former rank-aware fetch's directory makes it whole again: its marker
+    (which tells ``verify`` and ``inspect`` to require only some experts) must go first, so that
+    the directory is never whole-but-marked-partial, nor partial-and-unmarked after a failure of
+    this run (then ``verify`` reports the experts still missing, which is the truth)."""
+    from .reshard import PARTIAL_MARKER
+
+    shards = {p for p in plan.listing.files if p.endswith(".safetensors")}
+    marker = plan.dest / PARTIAL_MARKER
+    if shards and shards <= set(plan.paths) and marker.is_file():
+        marker.unlink()
 
 
 def record_source(dest: str | os.PathLike[str], listing: HubListing) -> None:

@@ -759,8 +759,18 @@ class _PlainCheckpoint:
         more = f" (+{len(gaps) - 1} more layer(s))" if len(gaps) > 1 else ""
         return Check("experts", FAIL, f"layer {layer} lacks {len(lacking)} expert(s) that {who} needs: "
                                       f"{_ranges(lacking)}{more}",
-                     fix=fetch_command(ckpt, self.root, [], topo, ranks),
+                     fix=self._coverage_fix(ckpt, topo, ranks),
                      details={"missing": {str(lay): _ranges(e) for lay, e in gaps}})
+
+    def _coverage_fix(self, ckpt: Checkpoint, topo: Topology | None, ranks: list[int]) -> str:
+        """A rank-aware fetch's directory is fixed by fetching these ranks' share into it; any other
+        copy (a full checkpoint missing shards, an hf-node directory) by fetching the checkpoint:
+        a rank-aware fetch refuses to turn a whole checkpoint into subsets."""
+        from .reshard import PARTIAL_MARKER
+
+        if (self.root / PARTIAL_MARKER).is_file():
+            return fetch_command(ckpt, self.root, [], topo, ranks)
+        return fetch_command(ckpt, self.root, [])
 
     def _rank_bytes(self, ckpt: Checkpoint, topo: Topology | None, ranks: list[int]) -> dict[int, int | None] | None:
         if topo is None:

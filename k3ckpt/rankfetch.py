@@ -1043,6 +1043,11 @@ def run_rank_fetch(
     lock = download._DestLock(dest_real)
     lock.acquire()
     try:
+        if os.path.isfile(os.path.join(dest_real, INDEX_NAME)) and not os.path.lexists(os.path.join(dest_real, PARTIAL_NAME)):
+            # an index without our marker: a whole checkpoint (or another tool's), whose shards
+            # this run would replace with subsets
+            raise RankFetchError(f"{dest_real} holds a checkpoint that is not a rank-aware fetch ({INDEX_NAME} and no "
+                                 f"{PARTIAL_NAME}); its shards would be replaced by subsets: fetch into another --dest")
         # Until this run succeeds the destination must not look like a complete checkpoint.
         for name in (PARTIAL_NAME, INDEX_NAME):
             download._unlink(os.path.join(dest_real, name))

@@ -410,10 +410,14 @@ def test_hf_node_copy_covers_its_node_only(source: Path, clone_checkpoint) -> No
     rep = pf.preflight(node1, ep=4, tp=2, node=0, gpus_per_node=2, environ=NO_GPU)
     r = rows(rep)["experts"]
     assert r.status == "FAIL" and "lacks 8 expert(s) that ranks 0-1 needs: 0-7" in r.reason
-    # the fix is the rank-aware fetch of exactly the ranks that lack experts
-    assert r.fix == (f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {node1} "
-                     f"--ep 4 --tp 2 --world-size 4 --placement linear --ranks 0-1")
+    # not a rank-aware fetch's directory: the fix fetches the checkpoint
+    assert r.fix == f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {node1}"
     assert rows(pf.preflight(node1, environ=NO_GPU))["experts"].status == "FAIL"
+    # a rank-aware fetch's directory: the fix fetches exactly the share of the ranks asked for
+    (node1 / "k3ckpt-partial.json").write_text(json.dumps({"experts": list(range(8, 16))}))
+    r = rows(pf.preflight(node1, ep=4, tp=2, node=0, gpus_per_node=2, environ=NO_GPU))["experts"]
+    assert r.status == "FAIL" and r.fix == (f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {node1} "
+                                            f"--ep 4 --tp 2 --world-size 4 --placement linear --ranks 0-1")
 
 
 def test_plain_checkpoint_missing_shard(source: Path, clone_checkpoint) -> None:

@@ -610,3 +610,23 @@ def test_a_whole_shard_listed_with_another_sha256_is_refused_before_any_byte(k3_
         assert res.exit_code == 2
         assert "model-00001-of-000008.safetensors" in res.output and "another checkpoint or revision" in res.output
         assert h.bytes_sent(whole.name) <= hdr.data_start  # its header was read to plan; no data moved
+
+
+def test_rank_fetch_refuses_a_whole_checkpoint_and_a_whole_fetch_clears_the_marker(
+        served_hub: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    h, served = served_hub
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    whole = tmp_path / "whole"
+    shutil.copytree(served, whole)
+    before = tree_digests(whole)
+    res = fetch(h, whole)
+    assert res.exit_code == 2 and "not a rank-aware fetch" in res.output
+    assert tree_digests(whole) == before  # nothing touched, the index included
+    # a rank-aware fetch's directory made whole by a full fetch: its marker goes, verify passes
+    dest = tmp_path / "d"
+    assert fetch(h, dest).exit_code == 0 and (dest / PARTIAL_NAME).exists()
+    res = run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(dest), "--endpoint", h.url)
+    assert res.exit_code == 0, res.output
+    assert not (dest / PARTIAL_NAME).exists()
+    assert run("verify", str(dest)).exit_code == 0
+    assert tree_digests(dest) == tree_digests(served)
