@@ -195,13 +195,26 @@ def test_openssh_raw_base64_and_encrypted_keys(manifest_file: Path, tmp_path: Pa
         serialization.Encoding.Raw, serialization.PublicFormat.Raw) == forms["raw"][1]
 
 
-def test_the_manifest_used_is_the_one_whose_bytes_were_checked(signed) -> None:
-    """A signed manifest that is *also* malformed fails as malformed, never half-used."""
+def test_the_manifest_used_is_the_one_whose_bytes_were_checked(signed, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Swapping the file between the signature check and its use changes nothing: the manifest
+    returned is parsed from the very bytes whose signature verified (read once)."""
+    import k3ckpt.signing as signing
+
     m, sig, pub = signed
+    original = Manifest.load(m).fingerprint()
+    other = b'{"format": "k3ckpt-manifest", "version": 1, "files": {}, "tensors": {}}'
+    checked = signing.verify_bytes
+
+    def verify_then_swap(*args, **kwargs):
+        kid = checked(*args, **kwargs)
+        m.write_bytes(other)  # an attacker replaces the manifest right after the check
+        return kid
+
+    monkeypatch.setattr(signing, "verify_bytes", verify_then_swap)
     manifest, _ = load_signed_manifest(m, sig, pub)
-    assert manifest.fingerprint() == Manifest.load(m).fingerprint()
-    m.write_bytes(b'{"format": "k3ckpt-manifest", "version": 1, "files": [], "tensors": {}}')
-    with pytest.raises(SignatureError):
+    assert manifest.fingerprint() == original != Manifest.load(m).fingerprint()
+    monkeypatch.undo()
+    with pytest.raises(SignatureError):  # and the swapped file itself does not verify
         load_signed_manifest(m, sig, pub)
 
 
