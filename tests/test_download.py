@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import os
 import shutil
 import signal
@@ -426,12 +427,20 @@ def test_disk_space_checked_before_any_byte(hub: LoopbackHub, hf_listing: HubLis
 # ----------------------------------------------------------------------------------------------
 
 _CHILD = """
-import sys
+import sys, threading
 from k3ckpt.download import fetch_files
 from k3ckpt.hubclient import list_repo
 which, url, repo, dest, chunk, workers = sys.argv[1:7]
 listing = list_repo(which, repo, endpoint=url, token="")
-r = fetch_files(listing, dest, chunk_size=int(chunk), workers=int(workers), token="")
+received, lock = [0], threading.Lock()
+def progress(n):
+    with lock:
+        received[0] += n
+try:
+    r = fetch_files(listing, dest, chunk_size=int(chunk), workers=int(workers), token="", progress=progress)
+except KeyboardInterrupt:
+    print(f"RECEIVED {received[0]}", file=sys.stderr)  # what this run got before it stopped
+    raise
 sys.exit(0 if r.ok else 1)
 """
 
@@ -523,7 +532,6 @@ def test_ctrl_c_stops_promptly_releases_lock_and_resumes(hub: LoopbackHub, hf_li
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=15)
-    sent_to_stopped_run = hub.total_bytes_sent()  # (later sends go to dead sockets, see above)
     assert time.monotonic() - t0 < 8  # does not wait out the 20 s stall nor the read timeout
     assert proc.returncode != 0 and b"KeyboardInterrupt" in err
     assert not (dest / download.LOCK_NAME).exists()  # released on the way out
@@ -532,4 +540,9 @@ def test_ctrl_c_stops_promptly_releases_lock_and_resumes(hub: LoopbackHub, hf_li
     r = fetch_files(hf_listing, dest, chunk_size=CHUNK, workers=3, token="")
     assert r.ok
     _assert_identical(served, dest, list(hf_listing.files))
-    assert sent_to_stopped_run + r.bytes_downloaded - sum(f.size for f in hf_listing.files.values()) <= 3 * CHUNK
+    # Received by the stopped run (it says so on its way out) but fetched again: at most the
+    # chunks in flight. Counted by the client: the hub's counter also holds what it pushed into
+    # sockets the stopping run had stopped reading, which grows with the machine's load.
+    received = int(re.search(rb"RECEIVED (\d+)", err).group(1))  # type: ignore[union-attr]
+    kept = sum(f.size for f in hf_listing.files.values()) - r.bytes_downloaded
+    assert received - kept <= 3 * CHUNK
