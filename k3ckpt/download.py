@@ -862,13 +862,8 @@ class _Run:
     # -- workers ---------------------------------------------------------------------------------
 
     def worker(self) -> None:
-        while True:
-            with self.cond:
-                while not self.queue and self.pending > 0 and not self.cancel.is_set():
-                    self.cond.wait()
-                if self.cancel.is_set() or not self.queue:
-                    return
-                job, index = self.queue.popleft()
+        while (item := _next_task(self.cond, self.queue, lambda: self.pending > 0, self.cancel)) is not None:
+            job, index = item
             try:
                 self._run_task(job, index)
             except _Cancelled:
@@ -1045,6 +1040,18 @@ def _back_off(policy: RetryPolicy, failures: int, retry_after: float | None) -> 
         # Equal jitter: workers that failed together must not retry in lockstep.
         delay = delay / 2 + random.uniform(0, delay / 2)
     policy.sleep(delay)
+
+
+def _next_task(cond: threading.Condition, queue: collections.deque[Any], busy: Callable[[], bool],
+               cancel: threading.Event) -> Any | None:
+    """A worker's next task: waits (under ``cond``) while the queue is empty but tasks are still
+    running (a running task may queue more); None when cancelled or when nothing is left."""
+    with cond:
+        while not queue and busy() and not cancel.is_set():
+            cond.wait()
+        if cancel.is_set() or not queue:
+            return None
+        return queue.popleft()
 
 
 def _run_workers(worker: Callable[[], None], workers: int, name: str, cond: threading.Condition,

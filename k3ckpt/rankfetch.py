@@ -947,13 +947,8 @@ class _Run:
             self.cond.notify_all()
 
     def worker(self) -> None:
-        while True:
-            with self.cond:
-                while not self.queue and self.pending > 0 and not self.cancel.is_set():
-                    self.cond.wait()
-                if self.cancel.is_set() or not self.queue:
-                    return
-                job, task = self.queue.popleft()
+        while (item := download._next_task(self.cond, self.queue, lambda: self.pending > 0, self.cancel)) is not None:
+            job, task = item
             try:
                 self.run_task(job, task)
                 with job.lock:

@@ -117,3 +117,13 @@ def isolated_hub_clients(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     monkeypatch.setenv("MODELSCOPE_HOME", str(tmp_path / "ms-home"))
     monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms-cache"))
     monkeypatch.setattr(msc, "_default_config", None)
+
+
+@pytest.fixture
+def hub(module_hub: Any) -> Iterator[Any]:
+    """A test module's shared loopback hub (the module defines ``module_hub``) with no armed
+    faults and zeroed counters, so nothing leaks between its tests."""
+    module_hub.faults.clear()
+    module_hub.reset_counters()
+    yield module_hub
+    module_hub.faults.clear()

@@ -62,15 +62,6 @@ def module_hub(served: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield h
 
 
-@pytest.fixture
-def hub(module_hub: LoopbackHub) -> Iterator[LoopbackHub]:
-    """The shared hub with no armed faults and zeroed counters."""
-    module_hub.faults.clear()
-    module_hub.reset_counters()
-    yield module_hub
-    module_hub.faults.clear()
-
-
 @pytest.fixture(params=HUBS)
 def which(request: pytest.FixtureRequest) -> str:
     return request.param

@@ -90,15 +90,6 @@ def module_hub(served: Path, hash_cache: Path) -> Iterator[LoopbackHub]:
 
 
 @pytest.fixture
-def hub(module_hub: LoopbackHub) -> Iterator[LoopbackHub]:
-    """The shared hub with no armed faults and zeroed counters."""
-    module_hub.faults.clear()
-    module_hub.reset_counters()
-    yield module_hub
-    module_hub.faults.clear()
-
-
-@pytest.fixture
 def token_hub(served: Path, hash_cache: Path) -> Iterator[LoopbackHub]:
     with LoopbackHub({REPO: served}, cache_dir=hash_cache, token=TOKEN) as h:
         yield h

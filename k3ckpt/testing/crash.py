@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,19 +244,27 @@ def fetch_campaign(served: Path, work: Path, *, kills: int, seed: int, power_los
                 start = hub.total_bytes_sent()
                 threshold = start + rng.randrange(1, max(2, total))
                 ready = lambda threshold=threshold: hub.total_bytes_sent() >= threshold  # noqa: E731
-            if not _run_until_killed(args, child_env, ready, at_point, stats):
-                _scan_fetch(dest, served, stats)
-                shutil.rmtree(dest)  # start over so that the next kills land mid-run again
-                continue
-            _scan_fetch(dest, served, stats)
-            if rng.random() < power_loss and _damage_fetch(dest, rng, stats):
-                # The restart after a power loss must repair it: run to the end, compare, start over.
-                _complete(args, env, dest, stats)
-                _compare_trees(dest, served, stats)
-                shutil.rmtree(dest)
+            killed = _run_until_killed(args, child_env, ready, at_point, stats)
+            _after_kill(killed, args, env, dest, stats, scan=lambda: _scan_fetch(dest, served, stats),
+                        damage=lambda: rng.random() < power_loss and _damage_fetch(dest, rng, stats), reference=served)
         _complete(args, env, dest, stats)
     _compare_trees(dest, served, stats)
     return stats
+
+
+def _after_kill(killed: bool, args: list[str], env: dict[str, str], out: Path, stats: CrashStats, *,
+                scan: Callable[[], None], damage: Callable[[], bool], reference: Path | dict[str, str]) -> None:
+    """After one run: check the invariants of what it left (``scan``). A run that ended before its
+    kill point is started over, so that the next kills land mid-run again; a killed one is
+    sometimes damaged as a power loss would (``damage``), and then the restart must repair it:
+    run to the end, compare with the reference, start over."""
+    scan()
+    if not killed:
+        shutil.rmtree(out)
+    elif damage():
+        _complete(args, env, out, stats)
+        _compare_trees(out, reference, stats)
+        shutil.rmtree(out)
 
 
 def _complete(args: list[str], env: dict[str, str], out: Path, stats: CrashStats) -> None:
@@ -367,15 +376,9 @@ def reshard_campaign(source: Path, work: Path, *, kills: int, seed: int, power_l
         else:
             threshold = rng.randrange(1, max(2, total))
             ready = lambda threshold=threshold: out.exists() and _allocated(out) >= threshold  # noqa: E731
-        if not _run_until_killed(args, env, ready, at_point, stats):
-            _scan_reshard(out, ref, stats)
-            shutil.rmtree(out)
-            continue
-        _scan_reshard(out, ref, stats)
-        if rng.random() < power_loss and _damage_reshard(out, rng, stats):
-            _complete(args, env, out, stats)
-            _compare_trees(out, ref, stats)
-            shutil.rmtree(out)
+        killed = _run_until_killed(args, env, ready, at_point, stats)
+        _after_kill(killed, args, env, out, stats, scan=lambda: _scan_reshard(out, ref, stats),
+                    damage=lambda: rng.random() < power_loss and _damage_reshard(out, rng, stats), reference=ref)
     _complete(args, env, out, stats)
     _compare_trees(out, ref, stats)
     return stats
