@@ -46,8 +46,8 @@ def main() -> None:
     ap.add_argument("--to", default="fp32", choices=["bf16", "fp16", "fp32"])
     args = ap.parse_args()
 
-    from k3ckpt.mxsel import MxSource, find_mx_tensors
-    from k3ckpt.synth import spec_from_preset, synthesize
+    from k3ckpt.mx.select import MxSource, find_mx_tensors
+    from k3ckpt.testing.synth import spec_from_preset, synthesize
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-mx-"))
     work.mkdir(parents=True, exist_ok=True)

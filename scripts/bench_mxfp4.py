@@ -41,7 +41,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from k3ckpt.mxfp4 import dequantize_mxfp4
+from k3ckpt.mx.codec import dequantize_mxfp4
 
 try:
     import torch

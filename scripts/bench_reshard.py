@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from k3ckpt.checkpoint import open_checkpoint
-from k3ckpt.reshard import plan_reshard
-from k3ckpt.topology import ExpertSlice
+from k3ckpt.format.checkpoint import open_checkpoint
+from k3ckpt.deploy.reshard import plan_reshard
+from k3ckpt.format.topology import ExpertSlice
 
 src, out, ep, tp = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 plan = plan_reshard(src, ep=ep, tp=tp)  # only to know which tensors and slices each rank holds
@@ -112,7 +112,7 @@ def main() -> None:
     src_bytes = du(src)
     cold = drop_caches()
 
-    from k3ckpt.reshard import plan_reshard
+    from k3ckpt.deploy.reshard import plan_reshard
 
     plan = plan_reshard(src, ep=args.ep, tp=args.tp)
     sizes = [rp.nbytes for rp in plan.ranks]

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from k3ckpt.checkpoint import INDEX_NAME
-from k3ckpt.safetensors_header import TensorSpec, build_header, read_header
+from k3ckpt.format.checkpoint import INDEX_NAME
+from k3ckpt.format.header import TensorSpec, build_header, read_header
 
 
 def tree_digests(root: Path) -> dict[str, str]:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from k3ckpt.synth import spec_from_preset, synthesize
+from k3ckpt.testing.synth import spec_from_preset, synthesize
 
 
 def write_raw_safetensors(

@@ -15,9 +15,9 @@ from typing import Callable
 import numpy as np
 import pytest
 
-import k3ckpt.checkpoint as ckmod
-import k3ckpt.safetensors_header as sh
-from k3ckpt.checkpoint import INDEX_NAME, Checkpoint, HeaderReader, Problem, open_checkpoint
+import k3ckpt.format.checkpoint as ckmod
+import k3ckpt.format.header as sh
+from k3ckpt.format.checkpoint import INDEX_NAME, Checkpoint, HeaderReader, Problem, open_checkpoint
 from k3ckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -25,8 +25,8 @@ from k3ckpt.errors import (
     K3ckptError,
     SafetensorsHeaderError,
 )
-from k3ckpt.roles import Kind
-from k3ckpt.safetensors_header import TensorSpec, build_header, read_header
+from k3ckpt.format.roles import Kind
+from k3ckpt.format.header import TensorSpec, build_header, read_header
 
 REPO = "moonshotai/Kimi-K3"
 BF16_NAME = "language_model.model.embed_tokens.weight"
@@ -676,7 +676,7 @@ def test_open_reads_headers_only(k3_tiny: Path, clone_checkpoint, monkeypatch) -
 
 def test_open_headers_only_synthetic(tmp_path: Path) -> None:
     """A headers-only synth (data regions are holes) opens like the real thing."""
-    from k3ckpt.synth import spec_from_preset, synthesize
+    from k3ckpt.testing.synth import spec_from_preset, synthesize
 
     synthesize(spec_from_preset("k3-tiny", headers_only=True), tmp_path / "holes")
     ck = open_checkpoint(tmp_path / "holes")

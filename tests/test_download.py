@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from k3ckpt import download
-from k3ckpt.download import DiskSpaceError, FetchLockedError, FetchResult, fetch_files
-from k3ckpt.hubclient import HubFile, HubListing, RetryPolicy, list_repo
+from k3ckpt.hub import download
+from k3ckpt.hub.download import DiskSpaceError, FetchLockedError, FetchResult, fetch_files
+from k3ckpt.hub.client import HubFile, HubListing, RetryPolicy, list_repo
 from k3ckpt.testing.hub import LoopbackHub
 
 REPO = "moonshotai/Kimi-K3"
@@ -419,8 +419,8 @@ def test_disk_space_checked_before_any_byte(hub: LoopbackHub, hf_listing: HubLis
 
 _CHILD = """
 import sys, threading
-from k3ckpt.download import fetch_files
-from k3ckpt.hubclient import list_repo
+from k3ckpt.hub.download import fetch_files
+from k3ckpt.hub.client import list_repo
 which, url, repo, dest, chunk, workers = sys.argv[1:7]
 listing = list_repo(which, repo, endpoint=url, token="")
 received, lock = [0], threading.Lock()

@@ -9,9 +9,9 @@ import pytest
 from ckpt_edit import tree_digests
 from click.testing import CliRunner
 
-from k3ckpt.checkpoint import open_checkpoint
+from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.cli import main
-from k3ckpt.fetch import select_paths
+from k3ckpt.hub.fetch import select_paths
 
 REPO = "moonshotai/Kimi-K3"
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from k3ckpt.manifest import Manifest, build_manifest, diff_manifests
+from k3ckpt.integrity.manifest import Manifest, build_manifest, diff_manifests
 
 MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
 HOW = "if synth changed on purpose, regenerate with the loop in manifests/README.md and review the diff"

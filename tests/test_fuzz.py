@@ -16,13 +16,13 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from k3ckpt.checkpoint import open_checkpoint, read_index
+from k3ckpt.format.checkpoint import open_checkpoint, read_index
 from k3ckpt.cli import main
-from k3ckpt.config import load_config
+from k3ckpt.format.config import load_config
 from k3ckpt.errors import ConfigError, IndexError_
-from k3ckpt.manifest import Manifest, ManifestError, build_manifest
+from k3ckpt.integrity.manifest import Manifest, ManifestError, build_manifest
 from k3ckpt.testing.fuzz import SEEDS, TARGETS, encode, header_bytes_from_file, mutate_json, paths_of
-from k3ckpt.verify import verify_checkpoint
+from k3ckpt.integrity.verify import verify_checkpoint
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                 derandomize=True)
@@ -167,7 +167,7 @@ def test_a_hard_linked_shard_verifies_by_content(k3_tiny: Path, clone_checkpoint
 def test_reshard_does_not_write_through_destination_symlinks(k3_tiny: Path, tmp_path: Path) -> None:
     """Symlinks planted in the output - at final names and at the temporary names earlier
     versions used (``.topology.json.tmp``, ``.config.json.tmp``) - never redirect a write."""
-    from k3ckpt.reshard import plan_reshard, run_reshard
+    from k3ckpt.deploy.reshard import plan_reshard, run_reshard
 
     out = tmp_path / "out"
     plan = plan_reshard(k3_tiny, ep=2)

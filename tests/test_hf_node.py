@@ -11,12 +11,12 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from k3ckpt import reshard as rs
-from k3ckpt.checkpoint import INDEX_NAME, open_checkpoint
+from k3ckpt.deploy import reshard as rs
+from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
 from k3ckpt.cli import main
-from k3ckpt.synth import spec_from_preset, synthesize
-from k3ckpt.topology import Topology
-from k3ckpt.verify import verify_checkpoint
+from k3ckpt.testing.synth import spec_from_preset, synthesize
+from k3ckpt.format.topology import Topology
+from k3ckpt.integrity.verify import verify_checkpoint
 from test_unshard import _tensor_digests
 
 

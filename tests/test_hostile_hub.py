@@ -18,10 +18,10 @@ import pytest
 from click.testing import CliRunner
 
 from k3ckpt.cli import main
-from k3ckpt.download import fetch_files
+from k3ckpt.hub.download import fetch_files
 from k3ckpt.errors import K3ckptError
-from k3ckpt.hubclient import RetryPolicy, list_repo
-from k3ckpt.manifest import pull_manifest
+from k3ckpt.hub.client import RetryPolicy, list_repo
+from k3ckpt.hub.pull import pull_manifest
 from k3ckpt.testing.hub import LoopbackHub
 
 REPO = "moonshotai/Kimi-K3"

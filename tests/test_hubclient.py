@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 
-from k3ckpt import hubclient
-from k3ckpt import safetensors_header as sth
+from k3ckpt.hub import client as hubclient
+from k3ckpt.format import header as sth
 from k3ckpt.errors import EXIT_CANNOT_RUN, SafetensorsHeaderError
-from k3ckpt.hubclient import (
+from k3ckpt.hub.client import (
     EntryNotFound,
     HubAuthError,
     HubError,
@@ -49,7 +49,7 @@ from k3ckpt.hubclient import (
     read_range,
     resolve_endpoint,
 )
-from k3ckpt.safetensors_header import read_header
+from k3ckpt.format.header import read_header
 from k3ckpt.testing.hub import LoopbackHub
 
 REPO = "moonshotai/Kimi-K3"

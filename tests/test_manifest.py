@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from k3ckpt.checkpoint import iter_checkpoint_files, open_checkpoint
+from k3ckpt.format.checkpoint import iter_checkpoint_files, open_checkpoint
 from k3ckpt.cli import main
-from k3ckpt.manifest import (
+from k3ckpt.integrity.manifest import (
     FORMAT,
     VERSION,
     FileEntry,
@@ -28,7 +28,7 @@ from k3ckpt.manifest import (
     build_manifest,
     diff_manifests,
 )
-from k3ckpt.verify import verify_checkpoint
+from k3ckpt.integrity.verify import verify_checkpoint
 
 from ckpt_edit import edit_index, flip_byte, rewrite_shard
 

@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from k3ckpt.cli import main
-from k3ckpt.manifest import Manifest, build_manifest, diff_manifests, pull_manifest
+from k3ckpt.hub.pull import pull_manifest
+from k3ckpt.integrity.manifest import Manifest, build_manifest, diff_manifests
 
 REPO = "moonshotai/Kimi-K3"
 

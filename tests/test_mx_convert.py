@@ -19,19 +19,19 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from k3ckpt import mx_convert
-from k3ckpt.checkpoint import numpy_dtype, open_checkpoint
+from k3ckpt.mx import convert as mx_convert
+from k3ckpt.format.checkpoint import numpy_dtype, open_checkpoint
 from k3ckpt.cli import main
-from k3ckpt.mx_convert import (
+from k3ckpt.mx.convert import (
     MxConvertError,
     dequantize_to_file,
     is_quantizable,
     quantize_file,
 )
-from k3ckpt.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_gptoss, quantize_mxfp4
-from k3ckpt.mxsel import MxSelectionError, MxSource, find_mx_tensors
-from k3ckpt.safetensors_header import DTYPE_BITS, TensorSpec, build_header, read_header
-from k3ckpt.synth import spec_from_preset, synthesize
+from k3ckpt.mx.codec import dequantize_mxfp4, dequantize_mxfp4_gptoss, quantize_mxfp4
+from k3ckpt.mx.select import MxSelectionError, MxSource, find_mx_tensors
+from k3ckpt.format.header import DTYPE_BITS, TensorSpec, build_header, read_header
+from k3ckpt.testing.synth import spec_from_preset, synthesize
 
 NP_TO_ST = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
             np.dtype(np.uint8): "U8", np.dtype(np.int64): "I64"}

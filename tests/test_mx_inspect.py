@@ -13,9 +13,9 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-from k3ckpt.checkpoint import open_checkpoint
+from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.cli import main
-from k3ckpt.mx_inspect import (
+from k3ckpt.mx.inspect import (
     CODE_LABELS,
     OUTLIER_Z,
     MxPlotUnavailableError,
@@ -23,13 +23,13 @@ from k3ckpt.mx_inspect import (
     quantization_error,
     render_inspect,
 )
-from k3ckpt.mxfp4 import (
+from k3ckpt.mx.codec import (
     E2M1_VALUES,
     dequantize_mxfp4,
     dequantize_mxfp4_gptoss,
     quantize_mxfp4,
 )
-from k3ckpt.mxsel import MxSelectionError, MxSource, MxTensor, find_mx_tensors
+from k3ckpt.mx.select import MxSelectionError, MxSource, MxTensor, find_mx_tensors
 
 K3 = "language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}"
 
@@ -309,7 +309,7 @@ def test_plot_without_matplotlib_is_a_one_line_error(k3_tiny: Path, tmp_path: Pa
     _one_line_error(res, 2, "matplotlib", "pip install 'k3ckpt[plot]'")
     assert not out.exists()
     with pytest.raises(MxPlotUnavailableError):
-        from k3ckpt.mx_inspect import require_matplotlib
+        from k3ckpt.mx.inspect import require_matplotlib
 
         require_matplotlib()
 
@@ -471,7 +471,7 @@ def test_plot_wiring_with_a_stand_in_figure(k3_tiny: Path, tmp_path: Path, monke
 
 
 def test_worker_processes_give_the_same_report(k3_tiny: Path, monkeypatch) -> None:
-    import k3ckpt.mx_inspect as mxi
+    import k3ckpt.mx.inspect as mxi
 
     monkeypatch.setattr(mxi, "PARALLEL_MIN_BYTES", 0)
     seen: list[int] = []

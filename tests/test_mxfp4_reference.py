@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from k3ckpt import mxfp4 as M
+from k3ckpt.mx import codec as M
 
 
 pytestmark = pytest.mark.skipif(

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from k3ckpt.checkpoint import open_checkpoint
+from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.cli import main
-from k3ckpt.manifest import build_manifest
-from k3ckpt.plan import ACCELERATORS, WEIGHT_OVERHEAD, plan_topology
-from k3ckpt.roles import Kind
+from k3ckpt.integrity.manifest import build_manifest
+from k3ckpt.deploy.plan import ACCELERATORS, WEIGHT_OVERHEAD, plan_topology
+from k3ckpt.format.roles import Kind
 
 
 def run(*args: str):

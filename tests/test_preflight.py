@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from k3ckpt import preflight as pf
+from k3ckpt.deploy import preflight as pf
 from k3ckpt.cli import main
-from k3ckpt.reshard import reshard
+from k3ckpt.deploy.reshard import reshard
 from ckpt_edit import drop_tensors, flip_byte
 
 #: No GPU tool on this PATH (the machine has none; tests add fake ones in front).
@@ -380,7 +380,7 @@ def test_missing_license_and_quantization_mismatch(layout: Path) -> None:
 
 def _keep_experts(ckpt: Path, keep: set[int]) -> None:
     """Drop every routed expert not in ``keep``, as an hf-node copy for those experts would."""
-    from k3ckpt.checkpoint import open_checkpoint
+    from k3ckpt.format.checkpoint import open_checkpoint
 
     c = open_checkpoint(ckpt)
     by_file: dict[str, set[str]] = {}

@@ -23,16 +23,16 @@ import pytest
 from ckpt_edit import tree_digests
 from click.testing import CliRunner
 
-from k3ckpt import download
-from k3ckpt.checkpoint import INDEX_NAME, open_checkpoint
+from k3ckpt.hub import download
+from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
 from k3ckpt.cli import main
-from k3ckpt.hubclient import HubFile
-from k3ckpt.manifest import build_manifest
-from k3ckpt.rankfetch import PARTIAL_NAME, plan_rank_fetch, plan_shard, run_rank_fetch
-from k3ckpt.reshard import reshard
-from k3ckpt.roles import Kind, classify
-from k3ckpt.safetensors_header import read_header
-from k3ckpt.verify import verify_checkpoint
+from k3ckpt.hub.client import HubFile
+from k3ckpt.integrity.manifest import build_manifest
+from k3ckpt.hub.rankfetch import PARTIAL_NAME, plan_rank_fetch, plan_shard, run_rank_fetch
+from k3ckpt.deploy.reshard import reshard
+from k3ckpt.format.roles import Kind, classify
+from k3ckpt.format.header import read_header
+from k3ckpt.integrity.verify import verify_checkpoint
 
 REPO = "moonshotai/Kimi-K3"
 NODE0 = ("--ep", "8", "--tp", "2", "--node", "0", "--gpus-per-node", "4")
@@ -334,7 +334,7 @@ def test_disk_space_checked_before_any_tensor_byte(served_hub: Any, tmp_path: Pa
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from collections import namedtuple
 
-    from k3ckpt import rankfetch
+    from k3ckpt.hub import rankfetch
 
     h, served = served_hub
     plan = _plan(h, tmp_path / "d")
@@ -431,7 +431,7 @@ def test_verify_requires_the_markers_experts(served_hub: Any, tmp_path: Path, mo
 
 _CHILD = """
 import sys
-from k3ckpt.rankfetch import plan_rank_fetch, run_rank_fetch
+from k3ckpt.hub.rankfetch import plan_rank_fetch, run_rank_fetch
 url, repo, dest, chunk = sys.argv[1:5]
 plan = plan_rank_fetch("hf", repo, dest, endpoint=url, token="", ep=8, tp=2, node=0, gpus_per_node=4,
                        chunk_size=int(chunk))

@@ -15,11 +15,11 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from k3ckpt import reshard as rs
-from k3ckpt.checkpoint import INDEX_NAME, open_checkpoint
+from k3ckpt.deploy import reshard as rs
+from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
 from k3ckpt.cli import main
-from k3ckpt.safetensors_header import DTYPE_BITS, read_header
-from k3ckpt.topology import Topology
+from k3ckpt.format.header import DTYPE_BITS, read_header
+from k3ckpt.format.topology import Topology
 
 TENSOR_FIELDS = {"file", "dtype", "shape", "source_shape", "split", "sha256"}
 TOPO_FIELDS = {"format", "version", "world_size", "ep", "tp", "moe_tp", "expert_placement", "num_experts",
@@ -284,7 +284,7 @@ def test_peak_rss_bounded(tmp_path: Path) -> None:
     src = tmp_path / "src"
     from dataclasses import replace
 
-    from k3ckpt.synth import spec_from_preset, synthesize
+    from k3ckpt.testing.synth import spec_from_preset, synthesize
 
     # Synthesize here, reshard in a fresh process: its peak RSS is then the reshard's alone
     # (quantizing the synthetic weights has its own, unrelated peak).
@@ -292,7 +292,7 @@ def test_peak_rss_bounded(tmp_path: Path) -> None:
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so a child of a big
     # pytest process would report the parent's high-water mark.
     code = textwrap.dedent(f"""
-        from k3ckpt.reshard import reshard
+        from k3ckpt.deploy.reshard import reshard
         def hwm():
             for line in open("/proc/self/status"):
                 if line.startswith("VmHWM:"):
@@ -379,8 +379,8 @@ WORKING_FILES = ["big.bin.part", "big.bin.part.journal", ".k3ckpt-fetch.lock", "
 def test_working_files_are_not_copied(k3_tiny: Path, tmp_path: Path) -> None:
     import shutil
 
-    from k3ckpt.checkpoint import is_working_file
-    from k3ckpt.unshard import unshard
+    from k3ckpt.format.checkpoint import is_working_file
+    from k3ckpt.deploy.unshard import unshard
 
     src = tmp_path / "src"
     shutil.copytree(k3_tiny, src)
@@ -407,7 +407,7 @@ def test_copy_files_streams(tmp_path: Path) -> None:
     """A large non-weight file is copied in bounded chunks, never read whole into memory."""
     import tracemalloc
 
-    from k3ckpt.bytecopy import copy_files
+    from k3ckpt.deploy.bytecopy import copy_files
 
     size = 64 * 2**20
     (tmp_path / "src").mkdir()

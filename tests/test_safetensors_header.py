@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import k3ckpt.safetensors_header as sh
+import k3ckpt.format.header as sh
 from k3ckpt.errors import K3ckptError, SafetensorsHeaderError
-from k3ckpt.safetensors_header import (
+from k3ckpt.format.header import (
     DTYPE_BITS,
     TensorSpec,
     build_header,

@@ -16,8 +16,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from k3ckpt.cli import main
-from k3ckpt.manifest import Manifest, build_manifest
-from k3ckpt.signing import (
+from k3ckpt.integrity.manifest import Manifest, build_manifest
+from k3ckpt.integrity.signing import (
     KeyFileError,
     SignatureError,
     generate_key,
@@ -198,7 +198,7 @@ def test_openssh_raw_base64_and_encrypted_keys(manifest_file: Path, tmp_path: Pa
 def test_the_manifest_used_is_the_one_whose_bytes_were_checked(signed, monkeypatch: pytest.MonkeyPatch) -> None:
     """Swapping the file between the signature check and its use changes nothing: the manifest
     returned is parsed from the very bytes whose signature verified (read once)."""
-    import k3ckpt.signing as signing
+    import k3ckpt.integrity.signing as signing
 
     m, sig, pub = signed
     original = Manifest.load(m).fingerprint()

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from k3ckpt.checkpoint import open_checkpoint
-from k3ckpt.summary import inspect_checkpoint, render_text
-from k3ckpt.synth import PRESETS
+from k3ckpt.format.checkpoint import open_checkpoint
+from k3ckpt.format.inspect import inspect_checkpoint, render_text
+from k3ckpt.testing.synth import PRESETS
 
 from ckpt_edit import drop_tensors
 
@@ -78,7 +78,7 @@ def test_other_families_are_clean(request: pytest.FixtureRequest, preset: str) -
 
 def test_parallel_and_serial_open_report_the_same(k3_tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     serial = inspect_checkpoint(open_checkpoint(k3_tiny, jobs=1)).to_json()
-    monkeypatch.setattr("k3ckpt.checkpoint.PARALLEL_HEADER_MIN_FILES", 1)
+    monkeypatch.setattr("k3ckpt.format.checkpoint.PARALLEL_HEADER_MIN_FILES", 1)
     parallel = inspect_checkpoint(open_checkpoint(k3_tiny, jobs=2)).to_json()
     assert serial == parallel
 
@@ -147,7 +147,7 @@ def test_text_rendering_and_layer_table(k3_tiny: Path) -> None:
 def test_layer_missing_a_tensor_its_siblings_have(tmp_path: Path) -> None:
     """A tensor absent from both the header and the index is caught by comparing the layer with
     its siblings (same attention kind, same MLP kind)."""
-    from k3ckpt.synth import spec_from_preset, synthesize
+    from k3ckpt.testing.synth import spec_from_preset, synthesize
 
     root = synthesize(spec_from_preset("k3-tiny", num_layers=8, num_experts=4, experts_per_token=2), tmp_path / "c").path
     assert not inspect_checkpoint(open_checkpoint(root)).findings

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from k3ckpt.checkpoint import open_checkpoint
+from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.errors import SynthError
-from k3ckpt.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from k3ckpt.roles import Kind
-from k3ckpt.synth import PRESETS, _rng, assign_shards, spec_from_preset, synthesize
+from k3ckpt.mx.codec import dequantize_mxfp4, quantize_mxfp4
+from k3ckpt.format.roles import Kind
+from k3ckpt.testing.synth import PRESETS, _rng, assign_shards, spec_from_preset, synthesize
 
 
 def _digests(root: Path) -> dict[str, str]:
@@ -136,7 +136,7 @@ def test_options_scale_the_shape(tmp_path: Path) -> None:
 
 
 def test_assign_shards_never_leaves_a_shard_empty() -> None:
-    from k3ckpt.synth import _Planner
+    from k3ckpt.testing.synth import _Planner
 
     units = _Planner(spec_from_preset("k3-tiny", headers_only=True)).units()
     for n in (1, 2, 5, 17, len(units)):

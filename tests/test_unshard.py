@@ -18,12 +18,12 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from k3ckpt import reshard as rs
-from k3ckpt.checkpoint import INDEX_NAME, open_checkpoint
+from k3ckpt.deploy import reshard as rs
+from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
 from k3ckpt.cli import main
-from k3ckpt.safetensors_header import read_header
-from k3ckpt.synth import spec_from_preset, synthesize
-from k3ckpt.unshard import UnshardError, natural_key, plan_unshard, unshard
+from k3ckpt.format.header import read_header
+from k3ckpt.testing.synth import spec_from_preset, synthesize
+from k3ckpt.deploy.unshard import UnshardError, natural_key, plan_unshard, unshard
 from test_reshard import check_layout
 
 
@@ -111,7 +111,7 @@ def test_k2_fp8_round_trip(k2_tiny: Path, tmp_path: Path, ep: int, placement: st
 
 def test_interleave_through_small_buffers(k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Dim-1 joins in several bands and rows copied one by one give the same bytes."""
-    from k3ckpt import bytecopy
+    from k3ckpt.deploy import bytecopy
 
     rs.reshard(k3_tiny, tmp_path / "lay", ep=2, tp=2, world_size=4)
     monkeypatch.setattr(bytecopy, "CHUNK", 4096)
@@ -309,8 +309,8 @@ def test_cli_json(layout: Path, tmp_path: Path, k3_tiny: Path) -> None:
 
 _KILLER = textwrap.dedent("""
     import os, signal, sys
-    from k3ckpt import bytecopy
-    from k3ckpt.reshard import reshard
+    from k3ckpt.deploy import bytecopy
+    from k3ckpt.deploy.reshard import reshard
     src, out, after = sys.argv[1], sys.argv[2], int(sys.argv[3])
     calls = [0]
     real = bytecopy.Copier.contiguous

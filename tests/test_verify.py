@@ -20,11 +20,11 @@ from typing import Iterator
 import pytest
 from click.testing import CliRunner
 
-from k3ckpt.checkpoint import open_checkpoint
+from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.cli import main
-from k3ckpt.manifest import Manifest, build_manifest
-from k3ckpt.safetensors_header import read_header
-from k3ckpt.verify import KINDS, Issue, VerifyReport, verify_checkpoint
+from k3ckpt.integrity.manifest import Manifest, build_manifest
+from k3ckpt.format.header import read_header
+from k3ckpt.integrity.verify import KINDS, Issue, VerifyReport, verify_checkpoint
 
 from ckpt_edit import edit_index, rewrite_shard, set_byte as patch, shard_tensors
 
@@ -37,7 +37,7 @@ L2_PACKED = "language_model.model.layers.2.block_sparse_moe.experts.0.w1.weight_
 L3_SCALE = "language_model.model.layers.3.block_sparse_moe.experts.5.w3.weight_scale"  # layer-3 shard
 
 hub_needed = pytest.mark.skipif(
-    importlib.util.find_spec("k3ckpt.hubclient") is None,
+    importlib.util.find_spec("k3ckpt.hub.client") is None,
     reason="k3ckpt.hubclient (imported by verify --against) is not written yet",
 )
 
@@ -716,7 +716,7 @@ def test_gptoss_stacked_scales_are_scanned_for_nan(gptoss_tiny: Path, clone_chec
 
 def test_tensor_hashes_and_scan_across_read_chunk_boundaries(k3_tiny: Path, clone_checkpoint, tmp_path: Path,
                                                              monkeypatch, manifests) -> None:
-    import k3ckpt.hashing as hashing
+    import k3ckpt.integrity.hashing as hashing
 
     chunk = 997  # a prime: chunk boundaries fall inside tensors at odd places
     monkeypatch.setattr(hashing, "BUFFER_BYTES", chunk)
@@ -738,7 +738,7 @@ def test_tensor_hashes_and_scan_across_read_chunk_boundaries(k3_tiny: Path, clon
 
 
 def test_nan_written_into_a_hole_of_a_sparse_headers_only_checkpoint(tmp_path: Path) -> None:
-    from k3ckpt.synth import spec_from_preset, synthesize
+    from k3ckpt.testing.synth import spec_from_preset, synthesize
 
     d = tmp_path / "sparse"
     synthesize(spec_from_preset("k3-tiny", headers_only=True), d)
@@ -774,8 +774,8 @@ def test_an_error_during_the_structure_check_stops_the_background_hashing(ckpt: 
     import threading
     import time as _time
 
-    import k3ckpt.hashing as hashing_mod
-    import k3ckpt.verify as verify_mod
+    import k3ckpt.integrity.hashing as hashing_mod
+    import k3ckpt.integrity.verify as verify_mod
 
     started = threading.Event()
     real_hash_file = hashing_mod.hash_file
@@ -790,7 +790,7 @@ def test_an_error_during_the_structure_check_stops_the_background_hashing(ckpt: 
         raise KeyboardInterrupt
 
     monkeypatch.setattr(hashing_mod, "hash_file", slow_hash_file)
-    monkeypatch.setattr(verify_mod, "_structure_issues", boom)
+    monkeypatch.setattr(verify_mod, "structure_issues", boom)
     t0 = _time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
         verify(ckpt, tmp_path, manifest=manifests["tensors"], jobs=1)

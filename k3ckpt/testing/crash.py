@@ -386,7 +386,7 @@ def reshard_campaign(source: Path, work: Path, *, kills: int, seed: int, power_l
 
 def main_selftest() -> None:  # pragma: no cover - a quick manual check
     """``python -m k3ckpt.testing.crash``: one small campaign of each kind."""
-    from ..synth import spec_from_preset, synthesize
+    from .synth import spec_from_preset, synthesize
 
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "src"

@@ -27,11 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import read_index
-from ..config import load_config
+from ..format.checkpoint import read_index
+from ..format.config import load_config
 from ..errors import CheckpointNotFoundError, ConfigError, IndexError_, SafetensorsHeaderError
-from ..manifest import Manifest, ManifestError
-from ..safetensors_header import parse_header_columns, read_header_columns
+from ..integrity.manifest import Manifest, ManifestError
+from ..format.header import parse_header_columns, read_header_columns
 
 __all__ = ["SEEDS", "TARGETS", "mutate_json", "paths_of"]
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import K3ckptError
-from .jsonfile import write_atomic
+from ..errors import K3ckptError
+from ..utils import fsync_dir, write_atomic
 
 #: Bytes per copy / hash step (and the size of each worker's buffers).
 CHUNK = 8 * 1024 * 1024
@@ -232,27 +232,6 @@ class FdCache:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """A small file (manifest, marker, ``READY``) written so its final name never holds a partial
-    one, and never through a symlink planted in the output: see :func:`k3ckpt.jsonfile.write_atomic`."""
-    write_atomic(path, data)
-
-
-
-def is_within(path: Path, root: Path) -> bool:
-    """True when ``path`` is ``root`` or lies inside it (both resolved; neither need exist)."""
-    p, r = Path(path).resolve(), Path(root).resolve()
-    return p == r or r in p.parents
 
 
 def copy_files(src: Path, rels: list[str], out: Path) -> None:

@@ -49,14 +49,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .bytecopy import Copier, FdCache, atomic_write, copy_files, fsync_dir, is_within, tmp_name
-from .checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
-from .errors import K3ckptError
-from .jsonfile import load_json
-from .reshard import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, hf_shard_name, rank_dir_name
-from .roles import classify
-from .safetensors_header import DTYPE_BITS, TensorSpec, build_header, read_header
-from .topology import Topology, TopologyError
+from .bytecopy import Copier, FdCache, copy_files, tmp_name
+from ..utils import fsync_dir, is_within, write_atomic
+from ..format.checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
+from ..errors import K3ckptError
+from ..utils import load_json
+from ..format.layout import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, hf_shard_name, rank_dir_name
+from ..format.roles import classify
+from ..format.header import DTYPE_BITS, TensorSpec, build_header, read_header
+from ..format.topology import Topology, TopologyError
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 #: Shard names of the Hugging Face convention.
@@ -590,7 +591,7 @@ def run_unshard(
     fsync_dir(outp)
     weight_map = {n: s.name for s in shards for n in s.tensors}
     index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    atomic_write(outp / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+    write_atomic(outp / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
     fsync_dir(outp)
     return UnshardResult(outp, [s.name for s in shards], len(plan.tensors), plan.total_size,
                          time.perf_counter() - t0, list(plan.extra_files))

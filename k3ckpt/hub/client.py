@@ -60,10 +60,10 @@ from urllib.parse import quote_plus, urljoin, urlsplit
 import requests
 import urllib3.exceptions
 
-from . import __version__
-from . import safetensors_header as _sth
-from .errors import K3ckptError, SafetensorsHeaderError
-from .safetensors_header import HeaderColumns, parse_header_columns
+from .. import __version__
+from ..format import header as _sth
+from ..errors import K3ckptError, SafetensorsHeaderError
+from ..format.header import HeaderColumns, parse_header_columns
 
 __all__ = [
     "DEFAULT_RETRY",

@@ -69,10 +69,10 @@ from typing import Any
 import requests
 import urllib3.exceptions
 
-from . import hubclient
-from .errors import K3ckptError
-from .hashing import HashError, hash_file
-from .hubclient import HubFile, HubListing, RetryPolicy
+from . import client as hubclient
+from ..errors import K3ckptError
+from ..integrity.hashing import HashError, hash_file
+from .client import HubFile, HubListing, RetryPolicy
 
 __all__ = [
     "DEFAULT_CHUNK",

@@ -84,12 +84,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .bytecopy import Copier, FdCache, Run, atomic_write, copy_files, fsync_dir, is_within, tmp_name
-from .checkpoint import INDEX_NAME, Checkpoint, is_working_file, open_checkpoint
-from .errors import K3ckptError
-from .jsonfile import load_json
-from .safetensors_header import DTYPE_BITS, TensorSpec, build_header
-from .topology import (
+from .bytecopy import Copier, FdCache, Run, copy_files, tmp_name
+from ..utils import fsync_dir, is_within, write_atomic
+from ..format.checkpoint import INDEX_NAME, Checkpoint, is_working_file, open_checkpoint
+from ..errors import K3ckptError
+from ..utils import load_json
+from ..format.header import DTYPE_BITS, TensorSpec, build_header
+from ..format.layout import (
+    FORMAT,
+    HF_NODE_FORMAT,
+    LAYOUTS,
+    MANIFEST_NAME,
+    NODE_FORMAT,
+    NODE_MARKER,
+    PARTIAL_MARKER,
+    READY_NAME,
+    TOPOLOGY_NAME,
+    VERSION,
+    hf_shard_name,
+    node_dir_name,
+    part_name,
+    rank_dir_name,
+    read_node_marker,
+)
+from ..format.topology import (
     ExpertSlice,
     InventoryIndex,
     Split,
@@ -104,61 +122,13 @@ from .topology import (
     tensors_for_ranks,
 )
 
-FORMAT = "k3ckpt-rank-layout"
-VERSION = 1
 #: Alignment of each output file's data buffer.
 ALIGN = 4096
 DEFAULT_MAX_FILE_SIZE = 5 * 1024**3
-MANIFEST_NAME = "rank-manifest.json"
-READY_NAME = "READY"
-TOPOLOGY_NAME = "topology.json"
-#: Marker of an ``--format hf-node`` directory: topology, node, its experts, digests.
-NODE_MARKER = "k3ckpt-node.json"
-#: The marker of a rank-aware fetch (``k3ckpt fetch --ranks/--node``; ``rankfetch.PARTIAL_NAME``):
-#: the same ``experts`` list, so verify reads either through :func:`read_node_marker`.
-PARTIAL_MARKER = "k3ckpt-partial.json"
-NODE_FORMAT = "k3ckpt-node"
-#: ``topology.json``'s format of an ``--format hf-node`` output (not the rank-layout contract's).
-HF_NODE_FORMAT = "k3ckpt-hf-node-layout"
-LAYOUTS = ("rank", "hf-node")
 
 
 class ReshardError(K3ckptError):
     """The output directory or the source cannot be resharded as asked."""
-
-
-def rank_dir_name(rank: int) -> str:
-    return f"rank-{rank:05d}"
-
-
-def part_name(rank: int, part: int) -> str:
-    return f"model-rank-{rank}-part-{part}.safetensors"
-
-
-def node_dir_name(node: int) -> str:
-    return f"node-{node:05d}"
-
-
-def hf_shard_name(k: int, n: int) -> str:
-    """``model-00001-of-00004.safetensors`` (``k`` counts from 0), as ``save_pretrained`` names them."""
-    return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-
-
-def read_node_marker(root: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The ``k3ckpt-node.json`` of an ``--format hf-node`` directory (or the ``k3ckpt-partial.json``
-    of a rank-aware fetch), or None when there is none.
-
-    Raises:
-        ReshardError: the marker exists but is unreadable or lists no experts.
-    """
-    path = next((Path(root) / m for m in (NODE_MARKER, PARTIAL_MARKER) if (Path(root) / m).exists()), None)
-    if path is None:
-        return None
-    marker, _ = load_json(path, ReshardError)
-    experts = marker.get("experts") if isinstance(marker, dict) else None
-    if not isinstance(experts, list) or not all(isinstance(e, int) for e in experts):
-        raise ReshardError(f"{path}: no list of experts")
-    return marker
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,9 +435,9 @@ def _require_experts(root: Path, idx: Any, needs: list[tuple[str, Sequence[int]]
     for who, experts in needs:
         missing = [e for e in experts if e not in idx.expert_names]
         if missing:
-            from .summary import _ranges
+            from ..utils import format_ranges
 
-            raise ReshardError(f"{root}: {who} needs routed experts {_ranges(missing)}, which this checkpoint "
+            raise ReshardError(f"{root}: {who} needs routed experts {format_ranges(missing)}, which this checkpoint "
                                "does not hold (a partial checkpoint? its k3ckpt-partial.json says which ranks it has)")
 
 
@@ -712,7 +682,7 @@ def run_reshard(
                 raise ReshardError(f"{outp} holds a different topology or source ({TOPOLOGY_NAME}); "
                                    f"use another directory or --force")
             _clear_old_layout(outp)
-    atomic_write(tpath, (json.dumps(topo_json, indent=2) + "\n").encode())
+    write_atomic(tpath, (json.dumps(topo_json, indent=2) + "\n").encode())
     if plan.layout == "rank":
         copy_files(plan.ckpt.root, plan.extra_files, outp)
 
@@ -822,12 +792,12 @@ def _finish_rank(rdir: Path, rp: RankPlan | NodePlan, results: list[dict[str, An
         os.replace(tmp_name(rdir / f.name), rdir / f.name)
     fsync_dir(rdir)
     for name, data in rp.extra_json().items():
-        atomic_write(rdir / name, (json.dumps(data, indent=2) + "\n").encode())
+        write_atomic(rdir / name, (json.dumps(data, indent=2) + "\n").encode())
     # no indent: the C encoder (a K3 rank lists ~60k tensors; the pure-Python indenting one
     # costs seconds per rank)
-    atomic_write(rdir / rp.manifest_name, (json.dumps(manifest) + "\n").encode())
+    write_atomic(rdir / rp.manifest_name, (json.dumps(manifest) + "\n").encode())
     fsync_dir(rdir)
-    atomic_write(rdir / READY_NAME, b"")
+    write_atomic(rdir / READY_NAME, b"")
     fsync_dir(rdir)
 
 

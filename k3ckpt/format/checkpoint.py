@@ -31,10 +31,10 @@ if TYPE_CHECKING:
 
 
 from .config import ModelConfig, load_config
-from .errors import CheckpointNotFoundError, ConfigError, IndexError_, SafetensorsHeaderError
-from .jsonfile import load_json
+from ..errors import CheckpointNotFoundError, ConfigError, IndexError_, SafetensorsHeaderError
+from ..utils import load_json
 from .roles import Kind, Role, classify
-from .safetensors_header import HeaderColumns, ShardHeader, TensorInfo, read_header, read_header_columns
+from .header import HeaderColumns, ShardHeader, TensorInfo, read_header, read_header_columns
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -29,12 +29,12 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from .checkpoint import numpy_dtype
-from .errors import K3ckptError
-from .mxfp4 import MX_BLOCK_SIZE, ScaleMode, dequantize_mxfp4, quantize_mxfp4
-from .mxsel import CHUNK_BYTES, MxSource, find_mx_tensors
-from .roles import Kind, classify
-from .safetensors_header import (
+from ..format.checkpoint import numpy_dtype
+from ..errors import K3ckptError
+from .codec import MX_BLOCK_SIZE, ScaleMode, dequantize_mxfp4, quantize_mxfp4
+from .select import CHUNK_BYTES, MxSource, find_mx_tensors
+from ..format.roles import Kind, classify
+from ..format.header import (
     DTYPE_BITS,
     TensorInfo,
     TensorSpec,
@@ -388,7 +388,7 @@ def _check_free_space(out: Path, needed: int) -> None:
         raise MxConvertError(f"{parent}: no such directory")
     free = shutil.disk_usage(parent).free
     if needed > free:
-        from .summary import human_bytes
+        from ..utils import human_bytes
 
         raise MxConvertError(f"{out}: not enough disk space: needs {human_bytes(needed)} ({needed:,} bytes), "
                              f"{human_bytes(free)} ({free:,} bytes) free in {parent}")

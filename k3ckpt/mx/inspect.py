@@ -49,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import K3ckptError
-from .mxfp4 import (
+from ..errors import K3ckptError
+from .codec import (
     E2M1_MAX,
     E2M1_VALUES,
     E8M0_BIAS,
@@ -62,9 +62,9 @@ from .mxfp4 import (
     quantize_mxfp4,
     scale_exponent_histogram,
 )
-from .mxsel import MxSelectionError, MxSource, MxTensor, find_mx_tensors
-from .roles import Kind, classify
-from .safetensors_header import ShardHeader, TensorInfo, read_header
+from .select import MxSelectionError, MxSource, MxTensor, find_mx_tensors
+from ..format.roles import Kind, classify
+from ..format.header import ShardHeader, TensorInfo, read_header
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -851,7 +851,7 @@ def render_inspect(rep: MxInspectReport, *, top: int = 3) -> str:
     One tensor: the detailed view. Several: a one-line-per-tensor table, aggregate charts, the
     exponent groups, every flag, and the detailed view of the ``top`` most severe flagged ones.
     """
-    from .summary import human_bytes, human_count
+    from ..utils import human_bytes, human_count
 
     sel = " ".join(f"--{k} {v}" for k, v in rep.selection.items())
     head = (f"{rep.source}{' ' + sel if sel else ''}: {len(rep.tensors):,} MXFP4 tensor"
@@ -1162,7 +1162,7 @@ def quantization_error(
 
 
 def _measure(header: ShardHeader, info: TensorInfo, scale_mode: str, chunk_bytes: int) -> ErrorRow:
-    from .checkpoint import numpy_dtype
+    from ..format.checkpoint import numpy_dtype
 
     dtype = numpy_dtype(info.dtype)
     out_rows, width = info.shape
@@ -1215,7 +1215,7 @@ def _measure(header: ShardHeader, info: TensorInfo, scale_mode: str, chunk_bytes
 
 def render_error(rep: QuantErrorReport) -> str:
     """One line per tensor, totals, and a summary of what was skipped."""
-    from .summary import human_count
+    from ..utils import human_count
 
     names = [r.name for r in rep.rows]
     prefix = _common_prefix(names)

@@ -69,18 +69,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import download, hubclient
-from .checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, bulk_allocation
-from .config import ModelConfig, parse_config
-from .errors import ConfigError, K3ckptError
+from . import download
+from . import client as hubclient
+from ..format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, bulk_allocation
+from ..format.config import ModelConfig, parse_config
+from ..errors import ConfigError, K3ckptError
 from .fetch import record_source, select_paths
-from .hashing import HashError, Span, hash_file
-from .hubclient import HubFile, HubListing, RetryPolicy
-from .jsonfile import write_atomic
-from .manifest import Manifest, tensors_from_headers
-from .reshard import PARTIAL_MARKER
-from .safetensors_header import ShardHeader, TensorInfo, TensorSpec, build_header, parse_header_bytes
-from .topology import Topology, build_index, check_heads, fp8_block_of, num_experts_of, select_ranks, tensors_for_ranks
+from ..integrity.hashing import HashError, Span, hash_file
+from .client import HubFile, HubListing, RetryPolicy
+from ..utils import write_atomic
+from ..integrity.manifest import Manifest, tensors_from_headers
+from ..format.layout import PARTIAL_MARKER
+from ..format.header import ShardHeader, TensorInfo, TensorSpec, build_header, parse_header_bytes
+from ..format.topology import Topology, build_index, check_heads, fp8_block_of, num_experts_of, select_ranks, tensors_for_ranks
 
 __all__ = [
     "PARTIAL_NAME",

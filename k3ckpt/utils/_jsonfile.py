@@ -10,7 +10,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from .errors import K3ckptError
+from ..errors import K3ckptError
 
 
 def load_json(path: Path, error: type[K3ckptError]) -> tuple[Any, bytes]:

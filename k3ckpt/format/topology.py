@@ -38,9 +38,9 @@ from itertools import repeat
 from typing import TYPE_CHECKING
 
 from .checkpoint import bulk_allocation
-from .errors import EXIT_CANNOT_RUN, K3ckptError
+from ..errors import EXIT_CANNOT_RUN, K3ckptError
 from .roles import TP, Kind, Role, classify
-from .safetensors_header import TensorInfo
+from .header import TensorInfo
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint

@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import click
 
-from . import __version__
-from .errors import EXIT_CANNOT_RUN, EXIT_PROBLEMS, K3ckptError
+from .. import __version__
+from ..errors import EXIT_CANNOT_RUN, EXIT_PROBLEMS, K3ckptError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -89,9 +89,9 @@ def inspect(path: str, show_layers: bool, as_json: bool, jobs: int | None) -> No
       k3ckpt inspect ~/.cache/huggingface/hub/models--moonshotai--Kimi-K3 --layers
       k3ckpt inspect ./Kimi-K3 --json | jq .params_active
     """
-    from .checkpoint import open_checkpoint
-    from .reshard import read_node_marker
-    from .summary import inspect_checkpoint, render_text
+    from ..format.checkpoint import open_checkpoint
+    from ..format.layout import read_node_marker
+    from ..format.inspect import inspect_checkpoint, render_text
 
     t0 = time.perf_counter()
     ckpt = open_checkpoint(path, jobs=jobs)
@@ -155,8 +155,8 @@ def synth(dest: str, preset: str, jobs: int | None, force: bool, as_json: bool, 
       k3ckpt synth work/k3-full --preset k3-full --headers-only
       k3ckpt synth work/wide --preset k3-tiny --experts 64 --layers 8 --seed 7
     """
-    from .summary import human_bytes
-    from .synth import spec_from_preset, synthesize
+    from ..utils import human_bytes
+    from ..testing.synth import spec_from_preset, synthesize
 
     spec = spec_from_preset(preset, **overrides)
     res = synthesize(spec, dest, jobs=jobs or os.cpu_count() or 1, force=force)
@@ -246,8 +246,8 @@ def manifest_build(path: str, output: str, tensor_hashes: bool, jobs: int | None
       k3ckpt manifest build ./Kimi-K3 -o kimi-k3.json --tensor-hashes --jobs 8
       k3ckpt manifest build ./Kimi-K3 -o kimi-k3.json --sign release.key
     """
-    from .checkpoint import open_checkpoint
-    from .manifest import build_manifest
+    from ..format.checkpoint import open_checkpoint
+    from ..integrity.manifest import build_manifest
 
     if sign_key:
         _check_signing_key(sign_key)  # before hours of hashing, not after
@@ -263,7 +263,7 @@ def manifest_build(path: str, output: str, tensor_hashes: bool, jobs: int | None
 
 
 def _check_signing_key(key: str) -> None:
-    from .signing import load_private_key
+    from ..integrity.signing import load_private_key
 
     load_private_key(key)
 
@@ -272,7 +272,7 @@ def _sign_output(output: str, key: str | None) -> dict[str, str]:
     """Sign a just-written manifest with ``--sign KEY``; the JSON fields to report."""
     if not key:
         return {}
-    from .signing import sign_file
+    from ..integrity.signing import sign_file
 
     res = sign_file(output, key)
     return {"signature": res.signature, "key_id": res.key_id}
@@ -303,7 +303,7 @@ def manifest_pull(hub: str, repo: str, revision: str | None, endpoint: str | Non
       k3ckpt manifest pull --source hf --repo moonshotai/Kimi-K3 -o kimi-k3.json
       k3ckpt manifest pull --source modelscope --repo moonshotai/Kimi-K3 --revision master -o ms.json
     """
-    from .manifest import pull_manifest
+    from ..hub.pull import pull_manifest
 
     if sign_key:
         _check_signing_key(sign_key)
@@ -330,7 +330,7 @@ def manifest_diff(a: str, b: str, as_json: bool) -> None:
       k3ckpt manifest diff manifests/k3-tiny.json new.json
       k3ckpt manifest diff a.json b.json --json | jq '.[] | select(.what == "tensor")'
     """
-    from .manifest import Manifest, diff_manifests
+    from ..integrity.manifest import Manifest, diff_manifests
 
     changes = diff_manifests(Manifest.load(a), Manifest.load(b))
     if as_json:
@@ -361,7 +361,7 @@ def manifest_keygen(key: str, public_path: str | None, force: bool, as_json: boo
       k3ckpt manifest keygen release.key
       k3ckpt manifest keygen /secure/release.key --public deploy/release.pub
     """
-    from .signing import generate_key
+    from ..integrity.signing import generate_key
 
     pub = public_path or f"{key}.pub"
     kid = generate_key(key, pub, force=force)
@@ -392,7 +392,7 @@ def manifest_sign(file: str, key: str, output: str | None, as_json: bool) -> Non
       k3ckpt manifest sign kimi-k3.json --key release.key
       k3ckpt manifest sign kimi-k3.json --key ~/.ssh/id_ed25519 -o kimi-k3.json.sig --json
     """
-    from .signing import sign_file
+    from ..integrity.signing import sign_file
 
     res = sign_file(file, key, output)
     if as_json:
@@ -440,7 +440,7 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
       k3ckpt verify ./Kimi-K3 --manifest kimi-k3.json --quick
       k3ckpt verify ./Kimi-K3 --json | jq .issues
     """
-    from .verify import Expected, verify_checkpoint
+    from ..integrity.verify import Expected, verify_checkpoint
 
     if manifest_path and against:
         raise click.UsageError("use --manifest or --against, not both")
@@ -452,16 +452,16 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
         raise click.UsageError("--signature checks a --manifest; give one")
     kwargs: dict[str, Any] = {}
     if manifest_path and signature_path:
-        from .signing import load_signed_manifest
+        from ..integrity.signing import load_signed_manifest
 
         signed, kid = load_signed_manifest(manifest_path, signature_path, pubkey_path)  # type: ignore[arg-type]
         kwargs.update(manifest=signed, reference=f"manifest {manifest_path}, signed by {kid}")
     elif manifest_path:
-        from .manifest import Manifest
+        from ..integrity.manifest import Manifest
 
         kwargs.update(manifest=Manifest.load(manifest_path), manifest_label=manifest_path)
     elif against:
-        from .hubclient import list_repo
+        from ..hub.client import list_repo
 
         listing = list_repo(against, repo, revision, endpoint=endpoint)  # type: ignore[arg-type]
         kwargs.update(
@@ -480,7 +480,7 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
 
 
 def render_verify(rep: Any) -> str:
-    from .summary import human_bytes
+    from ..utils import human_bytes
 
     rate = f" at {human_bytes(rep.bytes_hashed / rep.seconds)}/s" if rep.bytes_hashed and rep.seconds else ""
     head = (f"{'ok' if rep.ok else 'FAILED'}: {rep.root} ({rep.mode}; reference: {rep.reference}): "
@@ -583,8 +583,8 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
       k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest /nvme/k3-node0 --ep 8 --tp 2 --node 0 --gpus-per-node 4
       k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest ./k3-r0 --ep 8 --ranks 0 --manifest kimi-k3.json
     """
-    from .fetch import plan_fetch, run_fetch
-    from .summary import human_bytes
+    from ..hub.fetch import plan_fetch, run_fetch
+    from ..utils import human_bytes
 
     rank_opts = {"--ep": ep, "--tp": tp, "--world-size": world_size, "--ranks": ranks_spec, "--node": node}
     if any(v is not None for v in rank_opts.values()):
@@ -641,15 +641,15 @@ def _fetch_ranks(hub: str, repo: str, revision: str | None, dest: str, include: 
                  gpus_per_node: int | None, manifest_path: str | None, dry_run: bool, as_json: bool,
                  verbose: bool) -> None:
     """``k3ckpt fetch`` with a rank selection: see :mod:`k3ckpt.rankfetch`."""
-    from .rankfetch import STRUCTURE_ONLY_NOTE, VERIFIED_STRUCTURE, plan_rank_fetch, run_rank_fetch
-    from .summary import _ranges, human_bytes
+    from ..hub.rankfetch import STRUCTURE_ONLY_NOTE, VERIFIED_STRUCTURE, plan_rank_fetch, run_rank_fetch
+    from ..utils import format_ranges, human_bytes
 
     plan = plan_rank_fetch(hub, repo, dest, revision=revision, endpoint=endpoint, ep=ep, tp=tp, world_size=world_size,
                            placement=placement, ranks=ranks_spec, node=node, gpus_per_node=gpus_per_node,
                            manifest=manifest_path, include=include, exclude=exclude, chunk_size=chunk_size,
                            jobs=workers)
     t = plan.topology
-    what = (f"rank{'s' if len(plan.ranks) > 1 else ''} {_ranges(plan.ranks)} of ep {t.ep} x tp {t.tp} (world size {t.world_size}, "
+    what = (f"rank{'s' if len(plan.ranks) > 1 else ''} {format_ranges(plan.ranks)} of ep {t.ep} x tp {t.tp} (world size {t.world_size}, "
             f"{t.placement} placement)")
     source = f"{hub}:{plan.listing.repo}@{plan.listing.revision}"
     if dry_run:
@@ -731,7 +731,7 @@ def plan(source: str, ep: int, tp: int, world_size: int | None, placement: str, 
       k3ckpt plan kimi-k3.manifest.json --ep 16 --tp 8 --world-size 16 --gpus-per-node 8
       k3ckpt plan ./Kimi-K3 --tp 8 --kv-budget 40GiB --json
     """
-    from .plan import plan_topology, render_plan
+    from ..deploy.plan import plan_topology, render_plan
 
     rep = plan_topology(source, ep=ep, tp=tp, world_size=world_size, placement=placement,
                         gpus_per_node=gpus_per_node, kv_budget=kv_budget)
@@ -790,8 +790,8 @@ def reshard(source: str, out: str, ep: int, tp: int, world_size: int | None, pla
       k3ckpt reshard ./Kimi-K3 -o ./k3-tp8 --tp 8 --ranks 0-3 --max-file-size 2GiB --json
       k3ckpt reshard ./Kimi-K3 -o /nvme/k3-nodes --format hf-node --ep 16 --tp 8 --world-size 16 --gpus-per-node 8 --node 1
     """
-    from .reshard import plan_reshard, run_reshard
-    from .summary import human_bytes
+    from ..deploy.reshard import plan_reshard, run_reshard
+    from ..utils import human_bytes
 
     plan = plan_reshard(source, ep=ep, tp=tp, world_size=world_size, placement=placement, ranks=ranks_spec,
                         node=node, gpus_per_node=gpus_per_node, max_file_size=max_file_size, layout=layout)
@@ -838,8 +838,8 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
       k3ckpt unshard /nvme/k3-ep8-tp2 -o ./Kimi-K3-again
       k3ckpt unshard /nvme/k3-ep8-tp2 -o ./Kimi-K3-again --max-shard-size 2GiB --json
     """
-    from .summary import human_bytes
-    from .unshard import plan_unshard, run_unshard
+    from ..utils import human_bytes
+    from ..deploy.unshard import plan_unshard, run_unshard
 
     plan = plan_unshard(layout)
     with ByteProgress(not as_json, "unsharding") as bar:
@@ -900,7 +900,7 @@ def preflight(directory: str, rank: int | None, node: int | None, gpus_per_node:
       k3ckpt preflight /nvme/k3-ep8-tp2 --rank 3 --ep 8 --tp 2 --full --json
       k3ckpt preflight /nvme/Kimi-K3 --ep 8 --tp 8 --node 1 --gpus-per-node 8 --io-test 10
     """
-    from .preflight import preflight as run_preflight, render_preflight
+    from ..deploy.preflight import preflight as run_preflight, render_preflight
 
     rep = run_preflight(directory, rank=rank, node=node, gpus_per_node=gpus_per_node, ep=ep, tp=tp,
                         world_size=world_size, full=full, io_test=io_test, kv_budget=kv_budget,
@@ -975,7 +975,7 @@ def mx_inspect(path: str, tensor: str | None, layer: int | None, expert: int | N
       k3ckpt mx inspect ./gpt-oss-20b --layer 3 --plot layer3.png
       k3ckpt mx inspect ./Kimi-K3 --layer 1 --json | jq '.flags'
     """
-    from .mx_inspect import inspect_mx, plot_inspect, render_inspect, require_matplotlib
+    from ..mx.inspect import inspect_mx, plot_inspect, render_inspect, require_matplotlib
 
     if tensor is not None and (layer is not None or expert is not None):
         raise click.UsageError("use --tensor, or --layer/--expert, not both")
@@ -1023,7 +1023,7 @@ def mx_error(path: str, scale_mode: str, tensor: str | None, include_all: bool, 
       k3ckpt mx error finetuned.safetensors --tensor model.layers.1.mlp.experts.0.gate_proj.weight
       k3ckpt mx error finetuned.safetensors --all --json | jq .totals
     """
-    from .mx_inspect import quantization_error, render_error
+    from ..mx.inspect import quantization_error, render_error
 
     rep = quantization_error(path, scale_mode=scale_mode, tensor=tensor, include_all=include_all)
     if as_json:
@@ -1064,8 +1064,8 @@ def mx_dequant(path: str, tensor: str | None, layer: int | None, expert: int | N
       k3ckpt mx dequant model-00002-of-000096.safetensors -o shard2-bf16.safetensors
       k3ckpt mx dequant ./gpt-oss --tensor model.layers.0.mlp.experts.down_proj -o down.safetensors --json
     """
-    from .mx_convert import dequantize_to_file
-    from .summary import human_bytes
+    from ..mx.convert import dequantize_to_file
+    from ..utils import human_bytes
 
     if tensor is not None and (layer is not None or expert is not None):
         raise click.UsageError("use --tensor or --layer/--expert, not both")
@@ -1108,8 +1108,8 @@ def mx_quantize(input_file: str, output: str, scale_mode: str, include_all: bool
       k3ckpt mx quantize experts-bf16.safetensors -o packed.safetensors --scale-mode even --json
       k3ckpt mx quantize small-model.safetensors -o small-mxfp4.safetensors --all
     """
-    from .mx_convert import quantize_file
-    from .summary import human_bytes
+    from ..mx.convert import quantize_file
+    from ..utils import human_bytes
 
     with ByteProgress(not as_json, "quantizing") as bar:
         res = quantize_file(input_file, output, scale_mode=scale_mode, include_all=include_all,  # type: ignore[arg-type]

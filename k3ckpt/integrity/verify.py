@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from .checkpoint import Checkpoint, iter_checkpoint_files, open_checkpoint, resolve_root
+from ..format.checkpoint import Checkpoint, iter_checkpoint_files, open_checkpoint, resolve_root
 from .hashing import FileDigest, HashError, Span, hash_files, scan_file
 from .manifest import Manifest, tensors_from_headers
 
@@ -274,7 +274,7 @@ def verify_checkpoint(
             scan_spans, spans_from_manifest = _manifest_scale_spans(manifest), True
         elif scan:
             ckpt = open_checkpoint(root, jobs=jobs, strict=False)
-            scan_spans = _scale_spans(ckpt)
+            scan_spans = scale_spans(ckpt)
         to_hash = [f for f in sorted(stats) if checkable(f) or f in scan_spans]
         if to_hash:
             if on_plan is not None:
@@ -299,12 +299,12 @@ def verify_checkpoint(
             report.structure_cached = True
         else:
             ckpt = ckpt or open_checkpoint(root, jobs=jobs, strict=False)
-            structure = _structure_issues(ckpt, manifest)
+            structure = structure_issues(ckpt, manifest)
             if cache is not None:
                 cache.structure = {"key": structure_key, "issues": [asdict(i) for i in structure]}
         named = {i.file for i in structure if i.kind == "missing-file"}  # the index check named them once
         issues[:] = [i for i in issues if not (i.kind == "missing-file" and i.file in named)] + structure
-        header_scan_spans = _scale_spans(ckpt) if scan and ckpt is not None else {}
+        header_scan_spans = scale_spans(ckpt) if scan and ckpt is not None else {}
         rescan: list[str] = []
         unscanned: set[str] = set()
         if spans_from_manifest:  # the scan followed the manifest: keep it only where the headers agree
@@ -365,7 +365,7 @@ def verify_checkpoint(
         cancel.set()  # stop the background hashing too: an error or Ctrl-C ends the run now
         raise
     if to_scan:
-        for f, flagged in _scan_files(root, to_scan, header_scan_spans, jobs).items():
+        for f, flagged in scan_files(root, to_scan, header_scan_spans, jobs).items():
             if isinstance(flagged, HashError):
                 issues.append(Issue("unreadable", f, str(flagged.strerror)))
                 continue
@@ -391,9 +391,9 @@ def _structure_key(stats: dict[str, os.stat_result], manifest: Manifest | None, 
     return h.hexdigest()
 
 
-def _structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue]:
-    from .reshard import NODE_MARKER, ReshardError, read_node_marker
-    from .summary import inspect_checkpoint
+def structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue]:
+    from ..format.layout import NODE_MARKER, LayoutError, read_node_marker
+    from ..format.inspect import inspect_checkpoint
 
     out = [Issue(p.kind, p.where if p.kind != "index" else None, p.message,
                  tensor=p.where if p.kind == "index" else None) for p in ckpt.problems]
@@ -401,7 +401,7 @@ def _structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue
     # a `reshard --format hf-node` directory holds only its node's experts, which its marker lists
     try:
         marker = read_node_marker(ckpt.root)
-    except ReshardError as e:
+    except LayoutError as e:
         marker = None
         out.append(Issue("config", os.path.basename(str(e).split(": ", 1)[0]) or NODE_MARKER, str(e).split(": ", 1)[-1]))
     experts = marker["experts"] if marker is not None else None
@@ -460,7 +460,7 @@ def _layout_issues(ckpt: Checkpoint, manifest: Manifest) -> list[Issue]:
     return out
 
 
-def _scale_spans(ckpt: Checkpoint) -> dict[str, list[Span]]:
+def scale_spans(ckpt: Checkpoint) -> dict[str, list[Span]]:
     """E8M0 scale tensors (one byte per scale: 0xFF is NaN) by file."""
     out: dict[str, list[Span]] = {}
     for file, h in ckpt.shards.items():
@@ -473,7 +473,7 @@ def _scale_spans(ckpt: Checkpoint) -> dict[str, list[Span]]:
 
 
 def _manifest_scale_spans(manifest: Manifest) -> dict[str, list[Span]]:
-    """:func:`_scale_spans` as the manifest describes them, in the same order."""
+    """:func:`scale_spans` as the manifest describes them, in the same order."""
     out: dict[str, list[Span]] = {}
     for n, t in manifest.tensors.items():
         if t.dtype in _E8M0_DTYPES and n.endswith(_SCALE_SUFFIXES):
@@ -489,7 +489,7 @@ def _span_start(s: Span) -> int:
     return s.start
 
 
-def _scan_files(root: Path, files: list[str], spans: dict[str, list[Span]], jobs: int | None) -> dict[str, Any]:
+def scan_files(root: Path, files: list[str], spans: dict[str, list[Span]], jobs: int | None) -> dict[str, Any]:
     def one(f: str) -> tuple[str, Any]:
         try:
             return f, scan_file(root / f, spans[f])

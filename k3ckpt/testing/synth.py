@@ -26,8 +26,8 @@ from typing import Callable, Iterator
 import ml_dtypes
 import numpy as np
 
-from .errors import SynthError
-from .safetensors_header import TensorSpec, build_header
+from ..errors import SynthError
+from ..format.header import TensorSpec, build_header
 
 Maker = Callable[[], np.ndarray]
 
@@ -438,7 +438,7 @@ class _LazyQuantized:
         self._pair: tuple[np.ndarray, np.ndarray] | None = None
 
     def get(self, i: int) -> np.ndarray:
-        from .mxfp4 import quantize_mxfp4
+        from ..mx.codec import quantize_mxfp4
 
         if self._pair is None:
             w = _rng(self.seed, self.name).standard_normal(self.shape, dtype=np.float32)

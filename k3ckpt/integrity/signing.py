@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import EXIT_PROBLEMS, K3ckptError
-from .jsonfile import write_atomic
+from ..errors import EXIT_PROBLEMS, K3ckptError
+from ..utils import write_atomic
 
 if TYPE_CHECKING:  # cryptography is imported where it is used: the CLI's other commands start faster
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 from functools import lru_cache, partial
 
-from .safetensors_header import TensorInfo
+from .header import TensorInfo
 
 
 class Kind:

@@ -23,7 +23,7 @@ from functools import partial
 from itertools import chain, repeat
 from typing import Any, BinaryIO, Iterable, NamedTuple
 
-from .errors import SafetensorsHeaderError
+from ..errors import SafetensorsHeaderError
 
 #: Largest header we accept. The real K3 shards have headers under 1 MB; the safetensors
 #: library itself caps at 100 MB. Overridable for exotic checkpoints.

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .jsonfile import load_json
+from ..errors import ConfigError
+from ..utils import load_json
 
 
 #: More layers than any model has; a bigger count is a hostile or broken config, and would

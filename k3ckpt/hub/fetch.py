@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .hubclient import HubListing, list_repo
+from .client import HubListing, list_repo
 
 
 @dataclass
@@ -89,7 +89,7 @@ def run_fetch(
 ) -> Any:
     """Download ``plan`` (see :func:`k3ckpt.download.fetch_files`); returns its ``FetchResult``."""
     from .download import DEFAULT_CHUNK, fetch_files
-    from .verify import record_verified
+    from ..integrity.verify import record_verified
 
     _forget_partial(plan)
     result = fetch_files(plan.listing, plan.dest, plan.paths, workers=workers,
@@ -111,7 +111,7 @@ def _forget_partial(plan: FetchPlan) -> None:
     (which tells ``verify`` and ``inspect`` to require only some experts) must go first, so that
     the directory is never whole-but-marked-partial, nor partial-and-unmarked after a failure of
     this run (then ``verify`` reports the experts still missing, which is the truth)."""
-    from .reshard import PARTIAL_MARKER
+    from ..format.layout import PARTIAL_MARKER
 
     shards = {p for p in plan.listing.files if p.endswith(".safetensors")}
     marker = plan.dest / PARTIAL_MARKER
@@ -122,10 +122,10 @@ def _forget_partial(plan: FetchPlan) -> None:
 def record_source(dest: str | os.PathLike[str], listing: HubListing) -> None:
     """Record in ``dest`` (:data:`k3ckpt.checkpoint.SOURCE_RECORD`) which hub, repo and commit its
     files came from, so ``reshard``'s ``topology.json`` and ``preflight`` can name the revision."""
-    from .bytecopy import atomic_write
-    from .checkpoint import SOURCE_RECORD
+    from ..utils import write_atomic
+    from ..format.checkpoint import SOURCE_RECORD
 
     path = Path(dest) / SOURCE_RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"hub": listing.hub, "repo": listing.repo, "revision": listing.revision}
-    atomic_write(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+    write_atomic(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())

@@ -52,16 +52,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import Checkpoint, open_checkpoint
-from .config import ModelConfig, load_config
-from .errors import EXIT_CANNOT_RUN, CheckpointNotFoundError, ConfigError, K3ckptError
-from .hashing import hash_files
-from .jsonfile import load_json
+from ..format.checkpoint import Checkpoint, open_checkpoint
+from ..format.config import ModelConfig, load_config
+from ..errors import EXIT_CANNOT_RUN, CheckpointNotFoundError, ConfigError, K3ckptError
+from ..integrity.hashing import hash_files
+from ..utils import load_json
 from .plan import DEFAULT_KV_BUDGET, WEIGHT_OVERHEAD
-from .reshard import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, rank_dir_name
-from .roles import Kind, classify
-from .summary import MISSING_EXPERTS, _ranges, human_bytes
-from .topology import (
+from ..format.layout import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, rank_dir_name
+from ..format.roles import Kind, classify
+from ..format.inspect import MISSING_EXPERTS
+from ..utils import format_ranges, human_bytes
+from ..format.topology import (
     RankEnv,
     Topology,
     TopologyError,
@@ -326,7 +327,7 @@ def _env_vs_options(env: RankEnv, ranks: list[int], rank: int | None, node: int 
         if rank is not None and env.rank != rank:
             bad.append(f"{src['rank']}={env.rank} but --rank {rank}")
         elif rank is None and env.rank not in ranks and (node is not None or env.node is not None):
-            bad.append(f"{src['rank']}={env.rank} is not one of this node's ranks {_ranges(ranks)}")
+            bad.append(f"{src['rank']}={env.rank} is not one of this node's ranks {format_ranges(ranks)}")
     if node is not None and env.node is not None and env.node != node:
         bad.append(f"{src['node']}={env.node} but --node {node}")
     if gpus_per_node and env.local_world_size is not None and env.local_world_size != gpus_per_node:
@@ -534,9 +535,9 @@ class _RankLayout:
                 held.update(want)  # a whole stacked tensor: every expert (ep 1)
         if held and held != set(want):
             missing, extra = sorted(set(want) - held), sorted(held - set(want))
-            parts = ([f"lacks experts {_ranges(missing)}"] if missing else []) + (
-                [f"holds experts {_ranges(extra)} of other ranks"] if extra else [])
-            st.problems.append(f"{MANIFEST_NAME} " + " and ".join(parts) + f" (topology places {_ranges(list(want))})")
+            parts = ([f"lacks experts {format_ranges(missing)}"] if missing else []) + (
+                [f"holds experts {format_ranges(extra)} of other ranks"] if extra else [])
+            st.problems.append(f"{MANIFEST_NAME} " + " and ".join(parts) + f" (topology places {format_ranges(list(want))})")
 
     def _compare_digests(self, states: list[_RankState]) -> None:
         # files with a wrong size already have their problem; hashing them would say it twice
@@ -653,7 +654,7 @@ def reshard_command(src: str | None, out: Path, topo: Topology | None, ranks: li
         if topo.placement != "linear":
             args += ["--placement", topo.placement]
         if ranks and len(ranks) < topo.world_size:
-            args += ["--ranks", _ranges(ranks)]
+            args += ["--ranks", format_ranges(ranks)]
     if force:
         args.append("--force")
     placeholders = {"SRC", "E", "T"}
@@ -713,13 +714,13 @@ class _PlainCheckpoint:
         return Topology.make(ep=ask.ep or 1, tp=ask.tp or 1, world_size=ask.world_size, num_experts=num_experts)
 
     def _structure(self, ckpt: Checkpoint) -> Check:
-        from .verify import _scale_spans, _scan_files, _structure_issues
+        from ..integrity.verify import scale_spans, scan_files, structure_issues
 
-        issues = [i for i in _structure_issues(ckpt, None) if MISSING_EXPERTS not in i.message]
+        issues = [i for i in structure_issues(ckpt, None) if MISSING_EXPERTS not in i.message]
         scanned = ""
         if self.ask.full:
-            spans = _scale_spans(ckpt)
-            for f, flagged in sorted(_scan_files(ckpt.root, sorted(spans), spans, self.ask.jobs).items()):
+            spans = scale_spans(ckpt)
+            for f, flagged in sorted(scan_files(ckpt.root, sorted(spans), spans, self.ask.jobs).items()):
                 if isinstance(flagged, OSError):
                     issues.append(_issue("unreadable", f, str(flagged.strerror)))
                 else:
@@ -751,22 +752,22 @@ class _PlainCheckpoint:
             lacking = sorted(set(needed) - present.get(layer, set()))
             if lacking:
                 gaps.append((layer, lacking))
-        who = f"ranks {_ranges(ranks)}" if topo else "a full load"
+        who = f"ranks {format_ranges(ranks)}" if topo else "a full load"
         if not gaps:
             return Check("experts", PASS, f"the {len(needed)} experts {who} needs are in each of "
-                                          f"{len(cfg.moe_layers)} MoE layers", details={"needed": _ranges(needed)})
+                                          f"{len(cfg.moe_layers)} MoE layers", details={"needed": format_ranges(needed)})
         layer, lacking = gaps[0]
         more = f" (+{len(gaps) - 1} more layer(s))" if len(gaps) > 1 else ""
         return Check("experts", FAIL, f"layer {layer} lacks {len(lacking)} expert(s) that {who} needs: "
-                                      f"{_ranges(lacking)}{more}",
+                                      f"{format_ranges(lacking)}{more}",
                      fix=self._coverage_fix(ckpt, topo, ranks),
-                     details={"missing": {str(lay): _ranges(e) for lay, e in gaps}})
+                     details={"missing": {str(lay): format_ranges(e) for lay, e in gaps}})
 
     def _coverage_fix(self, ckpt: Checkpoint, topo: Topology | None, ranks: list[int]) -> str:
         """A rank-aware fetch's directory is fixed by fetching these ranks' share into it; any other
         copy (a full checkpoint missing shards, an hf-node directory) by fetching the checkpoint:
         a rank-aware fetch refuses to turn a whole checkpoint into subsets."""
-        from .reshard import PARTIAL_MARKER
+        from ..format.layout import PARTIAL_MARKER
 
         if (self.root / PARTIAL_MARKER).is_file():
             return fetch_command(ckpt, self.root, [], topo, ranks)
@@ -784,7 +785,7 @@ class _PlainCheckpoint:
 
 
 def _issue(kind: str, file: str, message: str, tensor: str | None = None) -> Any:
-    from .verify import Issue
+    from ..integrity.verify import Issue
 
     return Issue(kind, file, message, tensor=tensor)
 
@@ -804,7 +805,7 @@ def fetch_command(ckpt: Checkpoint, dest: Path, files: list[str], topo: Topology
     args += ["--dest", str(dest)]
     if topo is not None and ranks:
         args += ["--ep", str(topo.ep), "--tp", str(topo.tp), "--world-size", str(topo.world_size),
-                 "--placement", topo.placement, "--ranks", _ranges(ranks)]
+                 "--placement", topo.placement, "--ranks", format_ranges(ranks)]
     for f in files:
         args += ["--include", f]
     return " ".join(a if a == "REPO" else shlex.quote(a) for a in args)
@@ -990,7 +991,7 @@ def gpu_checks(need: Mapping[int, int | None] | None, slots: Mapping[int, int], 
         more = f" (+{len(short) - 1} more)" if len(short) > 1 else ""
         out.append(Check("gpu", FAIL, short[0] + more, details={**details, "problems": short}))
     elif unknown:
-        out.append(Check("gpu", WARN, f"{seen}; weights of ranks {_ranges(unknown)} unknown (no manifest yet)",
+        out.append(Check("gpu", WARN, f"{seen}; weights of ranks {format_ranges(unknown)} unknown (no manifest yet)",
                          details=details))
     elif need:
         biggest = max(w for w in need.values() if w is not None)
@@ -1224,7 +1225,7 @@ def render_preflight(rep: PreflightReport) -> str:
     t = rep.topology
     what = "rank layout" if rep.layout == "rank-layout" else "checkpoint"
     topo = (f", ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}" if t else "")
-    ranks = f"ranks {_ranges(rep.ranks)} ({rep.selection})" if rep.ranks else rep.selection
+    ranks = f"ranks {format_ranges(rep.ranks)} ({rep.selection})" if rep.ranks else rep.selection
     lines = [f"preflight  {rep.path}", f"layout     {what}{topo}; {ranks}", ""]
     width = max((len(c.name) for c in rep.checks), default=8)
     for c in rep.checks:

@@ -12,11 +12,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import Checkpoint, open_checkpoint
-from .config import ModelConfig
-from .roles import classify
-from .safetensors_header import TensorInfo
-from .topology import Topology, TopologyError, check_heads, index_of, tensors_for_ranks
+from ..format.checkpoint import Checkpoint, open_checkpoint
+from ..format.config import ModelConfig
+from ..format.roles import classify
+from ..format.header import TensorInfo
+from ..format.topology import Topology, TopologyError, check_heads, index_of, tensors_for_ranks
 
 #: Rule of thumb for what a rank needs beyond its weights (activations, CUDA graphs, buffers).
 WEIGHT_OVERHEAD = 1.15
@@ -84,7 +84,7 @@ class PlanReport:
 
 
 def _from_manifest(path: Path) -> tuple[dict[str, TensorInfo], int]:
-    from .manifest import Manifest
+    from ..integrity.manifest import Manifest
 
     m = Manifest.load(path)
     tensors = {n: TensorInfo(n, t.dtype, t.shape, t.offsets[0], t.offsets[1], t.file) for n, t in m.tensors.items()}
@@ -150,7 +150,7 @@ def plan_topology(
 
 
 def render_plan(rep: PlanReport) -> str:
-    from .summary import human_bytes
+    from ..utils import human_bytes
 
     t = rep.topology
     lines = [

@@ -14,6 +14,7 @@ from collections.abc import Collection
 from typing import Any
 
 from .checkpoint import Checkpoint, bulk_allocation
+from ..utils import format_ranges, human_bytes, human_count
 from .roles import Kind, classify, logical_params_of
 
 #: Kinds that belong to the vision side of a multimodal checkpoint, not the text model.
@@ -406,35 +407,6 @@ def _mx_pair_problem(pdtype: str, pshape: tuple, sdtype: str | None, sshape: tup
 # -- text rendering ---------------------------------------------------------------------------
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n} B"
-
-
-def human_count(n: float) -> str:
-    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f}{unit}"
-    return str(int(n))
-
-
-def _ranges(nums: list[int]) -> str:
-    if not nums:
-        return "none"
-    out, start, prev = [], nums[0], nums[0]
-    for x in nums[1:] + [None]:  # type: ignore[list-item]
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if x is not None:
-            start = prev = x
-    return ",".join(out)
-
-
 def render_text(rep: InspectReport, *, show_layers: bool = False) -> str:
     lines = [f"checkpoint   {rep.path}"]
     if rep.source.get("repo") or rep.source.get("revision"):
@@ -443,9 +415,9 @@ def render_text(rep: InspectReport, *, show_layers: bool = False) -> str:
     lines.append(f"architecture {', '.join(rep.architectures) or '?'}  (model_type {rep.model_type or '?'}"
                  + (f", text {rep.text_model_type}" if rep.text_model_type and rep.text_model_type != rep.model_type else "")
                  + f"; family {rep.family})")
-    attn = ", ".join(f"{k.upper()} {len(v)} [{_ranges(v)}]" for k, v in sorted(rep.attention_layers.items()))
-    lines.append(f"layers       {rep.num_layers}: dense {len(rep.dense_layers)} [{_ranges(rep.dense_layers)}], "
-                 f"MoE {len(rep.moe_layers)} [{_ranges(rep.moe_layers)}]")
+    attn = ", ".join(f"{k.upper()} {len(v)} [{format_ranges(v)}]" for k, v in sorted(rep.attention_layers.items()))
+    lines.append(f"layers       {rep.num_layers}: dense {len(rep.dense_layers)} [{format_ranges(rep.dense_layers)}], "
+                 f"MoE {len(rep.moe_layers)} [{format_ranges(rep.moe_layers)}]")
     lines.append(f"attention    {attn}")
     if rep.routed_experts:
         lines.append(f"experts      {rep.routed_experts} routed, {rep.experts_per_token} active per token, "
