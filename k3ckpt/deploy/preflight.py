@@ -54,7 +54,7 @@ from typing import Any
 
 from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..format.config import ModelConfig, load_config
-from ..errors import EXIT_CANNOT_RUN, CheckpointNotFoundError, ConfigError, K3ckptError
+from ..errors import CheckpointNotFoundError, ConfigError, PreflightError
 from ..integrity.hashing import hash_files
 from ..utils import load_json
 from .plan import DEFAULT_KV_BUDGET, WEIGHT_OVERHEAD
@@ -87,12 +87,6 @@ LICENSE_NAMES = ("LICENSE", "LICENSE.md", "LICENSE.txt", "LICENCE", "COPYING")
 #: GPU name fragments -> how MXFP4 weights run there (k3-checkpoint.md: Hopper has no FP4).
 MXFP4_NATIVE = ("B200", "B300", "GB200", "GB300", "BLACKWELL", "MI355", "MI350")
 MXFP4_WEIGHT_ONLY = ("H100", "H200", "H800", "H20", "GH200")
-
-
-class PreflightError(K3ckptError):
-    """Preflight cannot run: no such directory, not a layout nor a checkpoint, bad options."""
-
-    exit_code = EXIT_CANNOT_RUN
 
 
 @dataclass

@@ -70,7 +70,7 @@ import requests
 import urllib3.exceptions
 
 from . import client as hubclient
-from ..errors import K3ckptError
+from ..errors import DiskSpaceError, FetchLockedError
 from ..integrity.hashing import HashError, hash_file
 from .client import HubFile, HubListing, RetryPolicy
 
@@ -105,14 +105,6 @@ _JOURNAL_VERSION = 1
 _PAUSE_ENV = "K3CKPT_TEST_PAUSE_AT"
 _PAUSE_FILE_ENV = "K3CKPT_TEST_PAUSE_FILE"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-class FetchLockedError(K3ckptError):
-    """Another live fetch holds the destination's lock (the message names its host and pid)."""
-
-
-class DiskSpaceError(K3ckptError):
-    """The destination's filesystem has less free space than the download needs."""
 
 
 @dataclass

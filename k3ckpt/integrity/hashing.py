@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
+from ..errors import HashError
+
 #: Read size per call. Large enough that syscall and GIL hand-offs vanish next to hashing.
 BUFFER_BYTES = int(os.environ.get("K3CKPT_HASH_BUFFER", 16 * 1024 * 1024))
 
@@ -45,10 +47,6 @@ class FileDigest:
     spans: dict[str, str] | None = None  # span name -> sha256, when spans were asked for
     git_sha1: str | None = None  # git blob id ("blob <size>\\0" + bytes), when asked for
     flagged: list[str] | None = None  # scanned spans that contain the needle byte
-
-
-class HashError(OSError):
-    """A file could not be read to the end (vanished, truncated while reading, I/O error)."""
 
 
 def hash_file(

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import EXIT_PROBLEMS, K3ckptError
+from ..errors import K3ckptError, KeyFileError, SignatureError
 from ..utils import write_atomic
 
 if TYPE_CHECKING:  # cryptography is imported where it is used: the CLI's other commands start faster
@@ -48,16 +48,6 @@ RAW_KEY_BYTES = 32
 MAX_KEY_FILE_BYTES = 64 * 1024
 #: Environment variable holding the passphrase of an encrypted private key.
 PASSPHRASE_ENV = "K3CKPT_KEY_PASSPHRASE"
-
-
-class KeyFileError(K3ckptError):
-    """A key file is missing, unreadable, of another algorithm or not a key at all (exit 2)."""
-
-
-class SignatureError(K3ckptError):
-    """A signature does not verify, or is not an ed25519 signature at all (exit 1)."""
-
-    exit_code = EXIT_PROBLEMS
 
 
 @dataclass(frozen=True)

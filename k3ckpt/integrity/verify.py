@@ -211,7 +211,7 @@ def verify_checkpoint(
         progress: called with byte counts as files are hashed; ``on_plan`` first with the total.
 
     Raises:
-        CheckpointNotFoundError, IndexError_: there is no checkpoint to verify (exit 2).
+        CheckpointNotFoundError, IndexFileError: there is no checkpoint to verify (exit 2).
     """
     t0 = time.perf_counter()
     root, _ = resolve_root(path)

@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from ..format.checkpoint import numpy_dtype
-from ..errors import K3ckptError
+from ..errors import MxConvertError
 from .codec import MX_BLOCK_SIZE, ScaleMode, dequantize_mxfp4, quantize_mxfp4
 from .select import CHUNK_BYTES, MxSource, find_mx_tensors
 from ..format.roles import Kind, classify
@@ -64,10 +64,6 @@ DEQUANT_DTYPES: dict[str, tuple[str, np.dtype]] = {
 QUANTIZABLE_DTYPES = ("BF16", "F16", "F32")
 
 Progress = Callable[[int], None]
-
-
-class MxConvertError(K3ckptError):
-    """A conversion cannot run or cannot finish: bad input, no space, NaN/Inf in a weight."""
 
 
 # -- results -----------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import K3ckptError
+from ..errors import MxInspectError, MxPlotUnavailableError
 from .codec import (
     E2M1_MAX,
     E2M1_VALUES,
@@ -117,14 +117,6 @@ CODE_LABELS = tuple(("-" if i >= 8 else "+") + f"{abs(float(v)):g}" for i, v in 
 
 # Byte -> "both nibbles are +-0" (bit 3 of each nibble is the sign, so mask it off).
 _ZERO_NIBBLES_MASK = np.uint64(0x7777777777777777)
-
-
-class MxInspectError(K3ckptError):
-    """An input cannot be inspected or measured (not float, wrong shape, nothing to do)."""
-
-
-class MxPlotUnavailableError(K3ckptError):
-    """``--plot`` was asked for and matplotlib is not installed."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,16 +24,12 @@ from typing import Iterator
 import numpy as np
 
 from ..format.checkpoint import Checkpoint, open_checkpoint
-from ..errors import K3ckptError
+from ..errors import MxSelectionError
 from ..format.roles import Role, classify
 from ..format.header import ShardHeader, read_header
 
 #: Default bytes of packed data per chunk (the float output of a chunk is 8x this for fp32).
 CHUNK_BYTES = int(os.environ.get("K3CKPT_MX_CHUNK_BYTES", 8 * 1024 * 1024))
-
-
-class MxSelectionError(K3ckptError):
-    """Nothing matches the selection, or a pair is malformed."""
 
 
 @dataclass(frozen=True)
