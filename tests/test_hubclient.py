@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from k3ckpt.hub import client as hubclient
-from k3ckpt.format import header as sth
+from k3ckpt.env import K3CKPT_MAX_HEADER_BYTES
 from k3ckpt.errors import EXIT_CANNOT_RUN, SafetensorsHeaderError
 from k3ckpt.hub.client import (
     EntryNotFoundError,
@@ -440,13 +440,13 @@ def test_header_length_bounded_before_requesting(hub: LoopbackHub, monkeypatch: 
     listing = list_repo("hf", REPO, endpoint=hub.url)
     n = read_header(served / BIG).header_len
     with monkeypatch.context() as mp:
-        mp.setattr(sth, "MAX_HEADER_BYTES", n - 1)
+        mp.setenv("K3CKPT_MAX_HEADER_BYTES", str(n - 1))
         with pytest.raises(SafetensorsHeaderError, match=f"header length {n} exceeds the {n - 1}-byte limit"):
             fetch_header(listing, BIG)
     _settle(hub, BIG, 1)
     assert hub.requests(BIG, method="GET") == 1 and hub.bytes_sent(BIG) == 8
     # Not a safetensors file: 8 bytes of JSON text read as a length are far over the limit.
-    with pytest.raises(SafetensorsHeaderError, match=f"exceeds the {sth.MAX_HEADER_BYTES}-byte limit"):
+    with pytest.raises(SafetensorsHeaderError, match=f"exceeds the {K3CKPT_MAX_HEADER_BYTES.default}-byte limit"):
         fetch_header(listing, "config.json")
     _settle(hub, "config.json", 1)
     assert hub.bytes_sent("config.json") == 8

@@ -54,6 +54,7 @@ from typing import Any
 
 from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..format.config import ModelConfig, load_config
+from ..env import K3CKPT_PREFLIGHT_FREE_BYTES, K3CKPT_PREFLIGHT_MEM_BYTES, EnvVar
 from ..errors import CheckpointNotFoundError, ConfigError, PreflightError
 from ..integrity.hashing import hash_files
 from ..utils import load_json
@@ -74,9 +75,9 @@ from ..format.topology import (
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 #: Test hook: free disk bytes to use instead of what ``statvfs`` says.
-FREE_BYTES_HOOK = "K3CKPT_PREFLIGHT_FREE_BYTES"
+FREE_BYTES_HOOK = K3CKPT_PREFLIGHT_FREE_BYTES.name
 #: Test hook: available host memory to use instead of ``/proc/meminfo``'s ``MemAvailable``.
-MEM_BYTES_HOOK = "K3CKPT_PREFLIGHT_MEM_BYTES"
+MEM_BYTES_HOOK = K3CKPT_PREFLIGHT_MEM_BYTES.name
 DEFAULT_MIN_FREE_DISK = 1024**3
 #: How long ``nvidia-smi`` / ``rocm-smi`` may take before the GPU check gives up on it.
 GPU_QUERY_TIMEOUT = 15.0
@@ -809,18 +810,13 @@ def fetch_command(ckpt: Checkpoint, dest: Path, files: list[str], topo: Topology
 # Capacity
 
 
-def _hook(environ: Mapping[str, str], name: str) -> int | None:
-    raw = environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    if not raw.strip().isdigit():
-        raise PreflightError(f"{name}={raw!r} is not a byte count")
-    return int(raw)
+def _hook(environ: Mapping[str, str], var: EnvVar[int | None]) -> int | None:
+    return var.get(environ)  # read from the same environment as the launcher variables
 
 
 def disk_check(root: Path, min_free: int, still_to_write: int, environ: Mapping[str, str]) -> Check:
     """Free space on the filesystem of ``root``: ``min_free`` plus what incomplete ranks need."""
-    free = _hook(environ, FREE_BYTES_HOOK)
+    free = _hook(environ, K3CKPT_PREFLIGHT_FREE_BYTES)
     hooked = free is not None
     if free is None:
         st = os.statvfs(root)
@@ -837,7 +833,7 @@ def disk_check(root: Path, min_free: int, still_to_write: int, environ: Mapping[
 
 
 def _mem_available(environ: Mapping[str, str]) -> tuple[int | None, str]:
-    hooked = _hook(environ, MEM_BYTES_HOOK)
+    hooked = _hook(environ, K3CKPT_PREFLIGHT_MEM_BYTES)
     if hooked is not None:
         return hooked, f" ({MEM_BYTES_HOOK})"
     try:

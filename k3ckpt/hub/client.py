@@ -61,7 +61,7 @@ import requests
 import urllib3.exceptions
 
 from .. import __version__
-from ..format import header as _sth
+from ..env import K3CKPT_MAX_HEADER_BYTES
 from ..errors import (
     EntryNotFoundError,
     HubAuthError,
@@ -883,7 +883,7 @@ def fetch_header(
 ) -> HeaderColumns:
     """Read and validate a remote safetensors header: 8 bytes, then exactly the header.
 
-    The length prefix is checked against :data:`k3ckpt.safetensors_header.MAX_HEADER_BYTES` and
+    The length prefix is checked against :data:`k3ckpt.env.K3CKPT_MAX_HEADER_BYTES` and
     the listed file size *before* the header is requested, so a hostile prefix cannot make us
     download or allocate more than the limit.
 
@@ -919,7 +919,7 @@ def fetch_header(
     headers = auth_headers(listing, token)
     policy = retry or DEFAULT_RETRY
     (n,) = struct.unpack("<Q", _read(listing, path, 0, 8, headers, timeout, policy))
-    limit = _sth.MAX_HEADER_BYTES  # read at call time: it is an overridable module setting
+    limit = K3CKPT_MAX_HEADER_BYTES.get()  # read at call time, as the local reader does
     if n > limit:
         raise SafetensorsHeaderError(label, f"header length {n} exceeds the {limit}-byte limit")
     if 8 + n > size:
