@@ -54,7 +54,7 @@ from typing import Any
 
 from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..format.config import ModelConfig, load_config
-from ..env import K3CKPT_PREFLIGHT_FREE_BYTES, K3CKPT_PREFLIGHT_MEM_BYTES, EnvVar
+from ..env import K3CKPT_PREFLIGHT_FREE_BYTES, K3CKPT_PREFLIGHT_MEM_BYTES
 from ..errors import CheckpointNotFoundError, ConfigError, PreflightError
 from ..integrity.hashing import hash_files
 from ..utils import load_json
@@ -810,13 +810,9 @@ def fetch_command(ckpt: Checkpoint, dest: Path, files: list[str], topo: Topology
 # Capacity
 
 
-def _hook(environ: Mapping[str, str], var: EnvVar[int | None]) -> int | None:
-    return var.get(environ)  # read from the same environment as the launcher variables
-
-
 def disk_check(root: Path, min_free: int, still_to_write: int, environ: Mapping[str, str]) -> Check:
     """Free space on the filesystem of ``root``: ``min_free`` plus what incomplete ranks need."""
-    free = _hook(environ, K3CKPT_PREFLIGHT_FREE_BYTES)
+    free = K3CKPT_PREFLIGHT_FREE_BYTES.get(environ)  # the hooks live where the launcher variables do
     hooked = free is not None
     if free is None:
         st = os.statvfs(root)
@@ -833,7 +829,7 @@ def disk_check(root: Path, min_free: int, still_to_write: int, environ: Mapping[
 
 
 def _mem_available(environ: Mapping[str, str]) -> tuple[int | None, str]:
-    hooked = _hook(environ, K3CKPT_PREFLIGHT_MEM_BYTES)
+    hooked = K3CKPT_PREFLIGHT_MEM_BYTES.get(environ)
     if hooked is not None:
         return hooked, f" ({MEM_BYTES_HOOK})"
     try:

@@ -264,10 +264,6 @@ def _target(dest_real: str, rel: str) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def _stale_seconds() -> float:
-    return K3CKPT_LOCK_STALE_SECONDS.get()
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -296,7 +292,7 @@ class _DestLock:
         self.path = os.path.join(dest, LOCK_NAME)
         self.token = uuid.uuid4().hex
         self.held = False
-        self.stale_seconds = _stale_seconds()  # read now: a bad value fails the fetch before it starts
+        self.stale_seconds = K3CKPT_LOCK_STALE_SECONDS.get()  # now: a bad value fails before any download
 
     def _try_create(self) -> bool:
         """Create the lock with its content already in it, or return False if it exists.
