@@ -42,6 +42,10 @@ __all__ = [
     "K3CKPT_PREFLIGHT_MEM_BYTES",
     "K3CKPT_TEST_PAUSE_AT",
     "K3CKPT_TEST_PAUSE_FILE",
+    "PATH",
+    "SECONDS",
+    "SIZE",
+    "TEXT",
 ]
 
 T = TypeVar("T")

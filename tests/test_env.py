@@ -135,6 +135,14 @@ def test_bad_values_are_typed_errors(name: str, value: str, problem: str) -> Non
 
 # -- through the real CLI ----------------------------------------------------------------------
 
+#: The variables the CLI tests below set to a bad value; paths and text have none.
+CLI_CHECKED = {"K3CKPT_HASH_BUFFER", "K3CKPT_MAX_HEADER_BYTES", "K3CKPT_MX_CHUNK_BYTES", "K3CKPT_MX_INSPECT_CHUNK_BYTES",
+               "K3CKPT_PREFLIGHT_FREE_BYTES", "K3CKPT_PREFLIGHT_MEM_BYTES", "K3CKPT_LOCK_STALE_SECONDS"}
+
+
+def test_every_variable_that_can_be_bad_is_checked_through_the_cli() -> None:
+    assert CLI_CHECKED == {v.name for v in env.REGISTRY.values() if v.kind in (env.SIZE, env.SECONDS)}
+
 
 @pytest.fixture()
 def cache(tmp_path: Path) -> dict[str, str]:
