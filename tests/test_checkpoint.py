@@ -21,7 +21,7 @@ from k3ckpt.format.checkpoint import INDEX_NAME, Checkpoint, HeaderReader, Probl
 from k3ckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
-    IndexError_,
+    IndexFileError,
     K3ckptError,
     SafetensorsHeaderError,
 )
@@ -262,7 +262,7 @@ def test_read_tensor_of_truncated_shard(k3_tiny: Path, clone_checkpoint) -> None
     info = ck.tensors[BF16_NAME]
     start, _ = ck.shards[info.file].absolute_range(BF16_NAME)
     os.truncate(root / info.file, start + 10)
-    with pytest.raises(IndexError_, match="truncated"):
+    with pytest.raises(IndexFileError, match="truncated"):
         ck.read_tensor(BF16_NAME)
 
 
@@ -305,7 +305,7 @@ def test_dir_without_index_or_single_file(tmp_path: Path, k3_tiny: Path, opener)
 def test_index_not_json(k3_tiny: Path, clone_checkpoint, opener, text: str) -> None:
     root = clone_checkpoint(k3_tiny)
     (root / INDEX_NAME).write_text(text)
-    with pytest.raises(IndexError_) as ei:
+    with pytest.raises(IndexFileError) as ei:
         opener(root)
     assert "not valid JSON" in assert_names(ei.value, root.resolve() / INDEX_NAME)
 
@@ -315,7 +315,7 @@ def test_index_not_json(k3_tiny: Path, clone_checkpoint, opener, text: str) -> N
 def test_index_without_weight_map(k3_tiny: Path, clone_checkpoint, opener, index) -> None:
     root = clone_checkpoint(k3_tiny)
     (root / INDEX_NAME).write_text(json.dumps(index))
-    with pytest.raises(IndexError_) as ei:
+    with pytest.raises(IndexFileError) as ei:
         opener(root)
     assert "no weight_map" in assert_names(ei.value, root.resolve() / INDEX_NAME)
 
@@ -325,7 +325,7 @@ def test_index_maps_to_non_string(k3_tiny: Path, clone_checkpoint, opener) -> No
     index = load_index(root)
     index["weight_map"][BF16_NAME] = 1
     save_index(root, index)
-    with pytest.raises(IndexError_) as ei:
+    with pytest.raises(IndexFileError) as ei:
         opener(root)
     assert "not a file name" in assert_names(ei.value, root.resolve() / INDEX_NAME)
 
@@ -333,7 +333,7 @@ def test_index_maps_to_non_string(k3_tiny: Path, clone_checkpoint, opener) -> No
 def test_index_names_missing_shard(k3_tiny: Path, clone_checkpoint, opener) -> None:
     root = clone_checkpoint(k3_tiny)
     (root / "model-00003-of-000008.safetensors").unlink()
-    with pytest.raises(IndexError_) as ei:
+    with pytest.raises(IndexFileError) as ei:
         opener(root)
     msg = assert_names(ei.value, root.resolve() / "model-00003-of-000008.safetensors")
     assert "listed in model.safetensors.index.json but missing" in msg
@@ -346,7 +346,7 @@ def test_index_shard_path_outside_checkpoint(k3_tiny: Path, clone_checkpoint, op
     index = load_index(root)
     index["weight_map"][BF16_NAME] = bad
     save_index(root, index)
-    with pytest.raises(IndexError_) as ei:
+    with pytest.raises(IndexFileError) as ei:
         opener(root)
     msg = assert_names(ei.value, root.resolve() / INDEX_NAME)
     assert "refuses shard path" in msg and repr(bad) in msg

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from k3ckpt.format.checkpoint import open_checkpoint, read_index
 from k3ckpt.cli import main
 from k3ckpt.format.config import load_config
-from k3ckpt.errors import ConfigError, IndexError_
+from k3ckpt.errors import ConfigError, IndexFileError
 from k3ckpt.integrity.manifest import Manifest, ManifestError, build_manifest
 from k3ckpt.testing.fuzz import SEEDS, TARGETS, encode, header_bytes_from_file, mutate_json, paths_of
 from k3ckpt.integrity.verify import verify_checkpoint
@@ -97,7 +97,7 @@ def test_deep_nesting_is_a_one_line_error(tmp_path: Path, reader: str) -> None:
     name = {"manifest": "m.json", "index": "model.safetensors.index.json", "config": "config.json"}[reader]
     p = tmp_path / name
     p.write_bytes(raw)
-    with pytest.raises((ManifestError, IndexError_, ConfigError), match="nested too deeply"):
+    with pytest.raises((ManifestError, IndexFileError, ConfigError), match="nested too deeply"):
         {"manifest": Manifest.load, "index": lambda _: read_index(tmp_path), "config": load_config}[reader](p)
 
 

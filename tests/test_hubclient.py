@@ -25,23 +25,23 @@ from typing import Any
 import pytest
 
 from k3ckpt.hub import client as hubclient
-from k3ckpt.format import header as sth
+from k3ckpt.env import K3CKPT_MAX_HEADER_BYTES
 from k3ckpt.errors import EXIT_CANNOT_RUN, SafetensorsHeaderError
 from k3ckpt.hub.client import (
-    EntryNotFound,
+    EntryNotFoundError,
     HubAuthError,
     HubError,
     HubFile,
     HubListing,
     HubListingError,
-    HubUnreachable,
-    RangeMismatch,
-    RangeNotSupported,
-    RepoNotFound,
+    HubUnreachableError,
+    RangeMismatchError,
+    RangeNotSupportedError,
+    RepoNotFoundError,
     RetryPolicy,
-    RevisionNotFound,
-    ShortRead,
-    UnsafePath,
+    RevisionNotFoundError,
+    HubShortReadError,
+    UnsafePathError,
     auth_headers,
     fetch_header,
     file_url,
@@ -179,14 +179,14 @@ def test_revision_none_resolves_default_branch_and_pins_commit(which: str, hub: 
 
 @pytest.mark.parametrize("which", HUBS)
 def test_repo_and_revision_not_found(which: str, hub: LoopbackHub) -> None:
-    with pytest.raises(RepoNotFound) as e:
+    with pytest.raises(RepoNotFoundError) as e:
         list_repo(which, "nobody/nothing", endpoint=hub.url)
     assert e.value.exit_code == EXIT_CANNOT_RUN
     assert f"{which}:nobody/nothing@" in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(RevisionNotFound) as e:
+    with pytest.raises(RevisionNotFoundError) as e:
         list_repo(which, REPO, "no-such-branch", endpoint=hub.url)
     assert f"{which}:{REPO}@no-such-branch" in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(RevisionNotFound):
+    with pytest.raises(RevisionNotFoundError):
         list_repo(which, REPO, "0" * 40, endpoint=hub.url)  # a well-formed but unknown commit
 
 
@@ -198,14 +198,14 @@ def test_unreachable_endpoint_names_it(which: str, monkeypatch: pytest.MonkeyPat
     # keep the retries, drop the waiting.
     monkeypatch.setattr(urllib3.util.retry.Retry, "get_backoff_time", lambda self: 0)
     endpoint = f"http://127.0.0.1:{_closed_port()}"
-    with pytest.raises(HubUnreachable) as e:
+    with pytest.raises(HubUnreachableError) as e:
         list_repo(which, REPO, endpoint=endpoint)
     assert f"cannot reach {endpoint}" in str(e.value) and REPO in str(e.value)
     assert e.value.exit_code == EXIT_CANNOT_RUN
 
     listing = HubListing(which, REPO, "a" * 40, endpoint, {"x.bin": HubFile("x.bin", 10, None, None)})
     sleeps = Sleeps()
-    with pytest.raises(HubUnreachable) as e:
+    with pytest.raises(HubUnreachableError) as e:
         read_range(listing, "x.bin", 0, 4, retry=_policy(sleeps, attempts=3))
     assert f"cannot reach {endpoint}" in str(e.value) and "'x.bin'" in str(e.value)
     assert sleeps == [0.5, 1.0]
@@ -224,7 +224,7 @@ def test_unsafe_paths_refused_hf(bad: str, hub: LoopbackHub, monkeypatch: pytest
         return info
 
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
-    with pytest.raises(UnsafePath) as e:
+    with pytest.raises(UnsafePathError) as e:
         list_repo("hf", REPO, endpoint=hub.url)
     assert repr(bad) in str(e.value) and "\n" not in str(e.value)
 
@@ -240,7 +240,7 @@ def test_unsafe_paths_refused_modelscope(bad: str, hub: LoopbackHub, monkeypatch
         return [*real(self, *args, **kwargs), FileInfo(path=bad, size=1, sha256="0" * 64)]
 
     monkeypatch.setattr(modelscope_hub.HubApi, "list_repo_files", list_repo_files)
-    with pytest.raises(UnsafePath):
+    with pytest.raises(UnsafePathError):
         list_repo("modelscope", REPO, endpoint=hub.url)
 
 
@@ -344,7 +344,7 @@ def test_read_range_arbitrary_ranges(which: str, hub: LoopbackHub, served: Path)
         read_range(listing, "config.json", 10, listing.files["config.json"].size)
     with pytest.raises(ValueError):
         read_range(listing, "config.json", -1, 2)
-    with pytest.raises(EntryNotFound):
+    with pytest.raises(EntryNotFoundError):
         read_range(listing, "missing.bin", 0, 1)
 
 
@@ -357,7 +357,7 @@ def test_server_ignoring_range(which: str, hub: LoopbackHub, served: Path) -> No
     start = hubclient.RANGE_SKIP_LIMIT + 4096
     hub.inject("ignore_range", BIG)
     sleeps = Sleeps()
-    with pytest.raises(RangeNotSupported) as e:
+    with pytest.raises(RangeNotSupportedError) as e:
         read_range(listing, BIG, start, 16, retry=_policy(sleeps))
     msg = str(e.value)
     assert "ignored Range" in msg and file_url(listing, BIG) in msg and str(start) in msg
@@ -413,7 +413,7 @@ def test_persistent_5xx_gives_up_after_bounded_attempts(which: str, hub: Loopbac
     hub.faults.clear()
     hub.inject("status", NESTED, status=404, times=None)  # not retryable
     sleeps.clear()
-    with pytest.raises(EntryNotFound, match="HTTP 404"):
+    with pytest.raises(EntryNotFoundError, match="HTTP 404"):
         read_range(listing, NESTED, 0, 5, retry=_policy(sleeps))
     assert sleeps == []
 
@@ -430,7 +430,7 @@ def test_short_body_is_retried_then_an_error(which: str, hub: LoopbackHub, serve
     assert read_range(listing, BIG, 500, 4000, retry=_policy(sleeps)) == data[500:4500]
     assert sleeps == [0.5, 0.5]
     hub.inject("short_body", BIG, missing=10, times=None)
-    with pytest.raises(ShortRead) as e:
+    with pytest.raises(HubShortReadError) as e:
         read_range(listing, BIG, 500, 4000, retry=_policy(Sleeps(), attempts=2))
     assert file_url(listing, BIG) in str(e.value) and "500-4499" in str(e.value)
 
@@ -440,20 +440,20 @@ def test_header_length_bounded_before_requesting(hub: LoopbackHub, monkeypatch: 
     listing = list_repo("hf", REPO, endpoint=hub.url)
     n = read_header(served / BIG).header_len
     with monkeypatch.context() as mp:
-        mp.setattr(sth, "MAX_HEADER_BYTES", n - 1)
+        mp.setenv("K3CKPT_MAX_HEADER_BYTES", str(n - 1))
         with pytest.raises(SafetensorsHeaderError, match=f"header length {n} exceeds the {n - 1}-byte limit"):
             fetch_header(listing, BIG)
     _settle(hub, BIG, 1)
     assert hub.requests(BIG, method="GET") == 1 and hub.bytes_sent(BIG) == 8
     # Not a safetensors file: 8 bytes of JSON text read as a length are far over the limit.
-    with pytest.raises(SafetensorsHeaderError, match=f"exceeds the {sth.MAX_HEADER_BYTES}-byte limit"):
+    with pytest.raises(SafetensorsHeaderError, match=f"exceeds the {K3CKPT_MAX_HEADER_BYTES.default}-byte limit"):
         fetch_header(listing, "config.json")
     _settle(hub, "config.json", 1)
     assert hub.bytes_sent("config.json") == 8
     with pytest.raises(SafetensorsHeaderError, match="too short"):
         fetch_header(listing, "empty.txt")
     assert hub.requests("empty.txt") == 0
-    with pytest.raises(EntryNotFound):
+    with pytest.raises(EntryNotFoundError):
         fetch_header(listing, "nope.safetensors")
 
 
@@ -598,12 +598,12 @@ def _listing(srv: _Script, which: str = "hf") -> HubListing:
 @pytest.mark.parametrize(
     ("mode", "exc", "needle"),
     [
-        ("shifted", RangeMismatch, "asked for bytes 100-199, server answered 'bytes 101-200/16384' (HTTP 206)"),
-        ("shifted_200", RangeMismatch, "asked for bytes 100-199, server answered 'bytes 101-200/16384' (HTTP 200)"),
-        ("no_content_range", RangeMismatch, "HTTP 206 without Content-Range"),
-        ("other_size", RangeMismatch, "says the file is 16385 bytes, the listing says 16384"),
-        ("gzip", RangeMismatch, "Content-Encoding 'gzip'"),
-        ("whole_but_longer", RangeMismatch, "16389-byte body for a 16384-byte file"),
+        ("shifted", RangeMismatchError, "asked for bytes 100-199, server answered 'bytes 101-200/16384' (HTTP 206)"),
+        ("shifted_200", RangeMismatchError, "asked for bytes 100-199, server answered 'bytes 101-200/16384' (HTTP 200)"),
+        ("no_content_range", RangeMismatchError, "HTTP 206 without Content-Range"),
+        ("other_size", RangeMismatchError, "says the file is 16385 bytes, the listing says 16384"),
+        ("gzip", RangeMismatchError, "Content-Encoding 'gzip'"),
+        ("whole_but_longer", RangeMismatchError, "16389-byte body for a 16384-byte file"),
     ],
 )
 def test_wrong_answers_are_errors_not_bytes(scripted: list[_Script], mode: str, exc: type[HubError],
@@ -645,7 +645,7 @@ def test_redirect_within_origin_keeps_credentials(scripted: list[_Script]) -> No
 def test_errors_pickle_and_are_one_line() -> None:
     import pickle
 
-    e = RangeMismatch("a\nb", hub="hf", repo="o/r", revision="c" * 40, path="x.bin", endpoint="http://h")
+    e = RangeMismatchError("a\nb", hub="hf", repo="o/r", revision="c" * 40, path="x.bin", endpoint="http://h")
     again = pickle.loads(pickle.dumps(e))
-    assert type(again) is RangeMismatch and str(again) == str(e) == f"hf:o/r@{'c' * 40} 'x.bin': a b"
+    assert type(again) is RangeMismatchError and str(again) == str(e) == f"hf:o/r@{'c' * 40} 'x.bin': a b"
     assert (again.hub, again.repo, again.path, again.endpoint) == ("hf", "o/r", "x.bin", "http://h")

@@ -63,13 +63,13 @@ def test_file_shorter_than_8_bytes(tmp_path: Path) -> None:
 
 
 def test_header_length_over_the_limit(tmp_path: Path, write_raw, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sh, "MAX_HEADER_BYTES", 64)
+    monkeypatch.setenv("K3CKPT_MAX_HEADER_BYTES", "64")
     hdr = {"__metadata__": {"pad": "x" * 80}}
     p = write_raw(tmp_path / "big.safetensors", hdr)
     n = len(json.dumps(hdr).encode())
     refuse(p, f"header length {n}", "exceeds the 64-byte limit")
     # Exactly at the limit is fine.
-    monkeypatch.setattr(sh, "MAX_HEADER_BYTES", n)
+    monkeypatch.setenv("K3CKPT_MAX_HEADER_BYTES", str(n))
     assert read_header(p).metadata == {"pad": "x" * 80}
 
 
@@ -77,7 +77,7 @@ def test_header_length_2_pow_63_does_not_allocate(tmp_path: Path, write_raw, mon
     p = write_raw(tmp_path / "huge.safetensors", b"{}", length=2**63)
     refuse(p, f"header length {2**63}", "exceeds the", "-byte limit")
     # Even with the limit lifted, the file size is checked before anything is read or allocated.
-    monkeypatch.setattr(sh, "MAX_HEADER_BYTES", 2**64)
+    monkeypatch.setenv("K3CKPT_MAX_HEADER_BYTES", str(2**64))
     tracemalloc.start()
     try:
         refuse(p, f"header length {2**63}", "runs past the end", "truncated")

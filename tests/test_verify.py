@@ -716,10 +716,8 @@ def test_gptoss_stacked_scales_are_scanned_for_nan(gptoss_tiny: Path, clone_chec
 
 def test_tensor_hashes_and_scan_across_read_chunk_boundaries(k3_tiny: Path, clone_checkpoint, tmp_path: Path,
                                                              monkeypatch, manifests) -> None:
-    import k3ckpt.integrity.hashing as hashing
-
     chunk = 997  # a prime: chunk boundaries fall inside tensors at odd places
-    monkeypatch.setattr(hashing, "BUFFER_BYTES", chunk)
+    monkeypatch.setenv("K3CKPT_HASH_BUFFER", str(chunk))
     assert build_manifest(k3_tiny, tensor_hashes=True).to_json() == manifests["tensors"].to_json()
     d = clone_checkpoint(k3_tiny)
     ckpt = open_checkpoint(d)

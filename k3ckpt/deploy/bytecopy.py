@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import K3ckptError
+from ..errors import SourceShortReadError
 from ..utils import fsync_dir, write_atomic
 
 #: Bytes per copy / hash step (and the size of each worker's buffers).
@@ -31,10 +31,6 @@ CHUNK = 8 * 1024 * 1024
 READ_AHEAD = 4 * CHUNK
 #: A strided row at least this long is copied as its own contiguous run instead of gathered.
 ROW_COPY_MIN = 1024 * 1024
-
-
-class ShortReadError(K3ckptError):
-    """A file ended before the bytes its header promised."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +95,7 @@ class Copier:
             else:
                 return False
             if k == 0:
-                raise ShortReadError(f"source ended early: {n} bytes missing at offset {so}")
+                raise SourceShortReadError(f"source ended early: {n} bytes missing at offset {so}")
             n -= k
             so += k
             do += k
@@ -111,7 +107,7 @@ class Copier:
         while got < n:
             k = os.preadv(fd, [v[got:]], off + got)
             if k == 0:
-                raise ShortReadError(f"source ended early: {n - got} bytes missing at offset {off + got}")
+                raise SourceShortReadError(f"source ended early: {n - got} bytes missing at offset {off + got}")
             got += k
         return v
 

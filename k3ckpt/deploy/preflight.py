@@ -54,7 +54,8 @@ from typing import Any
 
 from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..format.config import ModelConfig, load_config
-from ..errors import EXIT_CANNOT_RUN, CheckpointNotFoundError, ConfigError, K3ckptError
+from ..env import K3CKPT_PREFLIGHT_FREE_BYTES, K3CKPT_PREFLIGHT_MEM_BYTES
+from ..errors import CheckpointNotFoundError, ConfigError, PreflightError
 from ..integrity.hashing import hash_files
 from ..utils import load_json
 from .plan import DEFAULT_KV_BUDGET, WEIGHT_OVERHEAD
@@ -74,9 +75,9 @@ from ..format.topology import (
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 #: Test hook: free disk bytes to use instead of what ``statvfs`` says.
-FREE_BYTES_HOOK = "K3CKPT_PREFLIGHT_FREE_BYTES"
+FREE_BYTES_HOOK = K3CKPT_PREFLIGHT_FREE_BYTES.name
 #: Test hook: available host memory to use instead of ``/proc/meminfo``'s ``MemAvailable``.
-MEM_BYTES_HOOK = "K3CKPT_PREFLIGHT_MEM_BYTES"
+MEM_BYTES_HOOK = K3CKPT_PREFLIGHT_MEM_BYTES.name
 DEFAULT_MIN_FREE_DISK = 1024**3
 #: How long ``nvidia-smi`` / ``rocm-smi`` may take before the GPU check gives up on it.
 GPU_QUERY_TIMEOUT = 15.0
@@ -87,12 +88,6 @@ LICENSE_NAMES = ("LICENSE", "LICENSE.md", "LICENSE.txt", "LICENCE", "COPYING")
 #: GPU name fragments -> how MXFP4 weights run there (k3-checkpoint.md: Hopper has no FP4).
 MXFP4_NATIVE = ("B200", "B300", "GB200", "GB300", "BLACKWELL", "MI355", "MI350")
 MXFP4_WEIGHT_ONLY = ("H100", "H200", "H800", "H20", "GH200")
-
-
-class PreflightError(K3ckptError):
-    """Preflight cannot run: no such directory, not a layout nor a checkpoint, bad options."""
-
-    exit_code = EXIT_CANNOT_RUN
 
 
 @dataclass
@@ -815,18 +810,9 @@ def fetch_command(ckpt: Checkpoint, dest: Path, files: list[str], topo: Topology
 # Capacity
 
 
-def _hook(environ: Mapping[str, str], name: str) -> int | None:
-    raw = environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    if not raw.strip().isdigit():
-        raise PreflightError(f"{name}={raw!r} is not a byte count")
-    return int(raw)
-
-
 def disk_check(root: Path, min_free: int, still_to_write: int, environ: Mapping[str, str]) -> Check:
     """Free space on the filesystem of ``root``: ``min_free`` plus what incomplete ranks need."""
-    free = _hook(environ, FREE_BYTES_HOOK)
+    free = K3CKPT_PREFLIGHT_FREE_BYTES.get(environ)  # the hooks live where the launcher variables do
     hooked = free is not None
     if free is None:
         st = os.statvfs(root)
@@ -843,7 +829,7 @@ def disk_check(root: Path, min_free: int, still_to_write: int, environ: Mapping[
 
 
 def _mem_available(environ: Mapping[str, str]) -> tuple[int | None, str]:
-    hooked = _hook(environ, MEM_BYTES_HOOK)
+    hooked = K3CKPT_PREFLIGHT_MEM_BYTES.get(environ)
     if hooked is not None:
         return hooked, f" ({MEM_BYTES_HOOK})"
     try:

@@ -87,7 +87,7 @@ from typing import Any
 from .bytecopy import Copier, FdCache, Run, copy_files, tmp_name
 from ..utils import fsync_dir, is_within, write_atomic
 from ..format.checkpoint import INDEX_NAME, Checkpoint, is_working_file, open_checkpoint
-from ..errors import K3ckptError
+from ..errors import ReshardError
 from ..utils import load_json
 from ..format.header import DTYPE_BITS, TensorSpec, build_header
 from ..format.layout import (
@@ -125,10 +125,6 @@ from ..format.topology import (
 #: Alignment of each output file's data buffer.
 ALIGN = 4096
 DEFAULT_MAX_FILE_SIZE = 5 * 1024**3
-
-
-class ReshardError(K3ckptError):
-    """The output directory or the source cannot be resharded as asked."""
 
 
 # ---------------------------------------------------------------------------------------------

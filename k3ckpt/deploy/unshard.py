@@ -52,7 +52,7 @@ from typing import Any
 from .bytecopy import Copier, FdCache, copy_files, tmp_name
 from ..utils import fsync_dir, is_within, write_atomic
 from ..format.checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
-from ..errors import K3ckptError
+from ..errors import UnshardError
 from ..utils import load_json
 from ..format.layout import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, hf_shard_name, rank_dir_name
 from ..format.roles import classify
@@ -62,10 +62,6 @@ from ..format.topology import Topology, TopologyError
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 #: Shard names of the Hugging Face convention.
 SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-
-
-class UnshardError(K3ckptError):
-    """The rank layout is incomplete or inconsistent, or the output cannot be written."""
 
 
 def natural_key(name: str) -> tuple:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 from .config import ModelConfig, load_config
-from ..errors import CheckpointNotFoundError, ConfigError, IndexError_, SafetensorsHeaderError
+from ..errors import CheckpointNotFoundError, ConfigError, IndexFileError, SafetensorsHeaderError
 from ..utils import load_json
 from .roles import Kind, Role, classify
 from .header import HeaderColumns, ShardHeader, TensorInfo, read_header, read_header_columns
@@ -156,7 +156,7 @@ class Checkpoint:
             self.path_of(info.file), dtype=np.uint8, count=info.nbytes, offset=header.data_start + info.begin
         )
         if raw.size != info.nbytes:
-            raise IndexError_(f"{info.file}: tensor {name!r}: file is truncated ({raw.size} of {info.nbytes} bytes)")
+            raise IndexFileError(f"{info.file}: tensor {name!r}: file is truncated ({raw.size} of {info.nbytes} bytes)")
         return raw.view(numpy_dtype(info.dtype)).reshape(info.shape)
 
 
@@ -268,7 +268,7 @@ def _local_dir_revision(root: Path) -> str | None:
 def _safe_relpath(root: Path, rel: str, what: str) -> str:
     pp = PurePosixPath(rel)
     if not rel or pp.is_absolute() or ".." in pp.parts or "\\" in rel:
-        raise IndexError_(f"{what}: refuses shard path {rel!r} (absolute or outside the checkpoint)")
+        raise IndexFileError(f"{what}: refuses shard path {rel!r} (absolute or outside the checkpoint)")
     return pp.as_posix()
 
 
@@ -277,23 +277,23 @@ def read_index(root: Path, unsafe: list[str] | None = None) -> tuple[dict[str, s
 
     Returns ``(weight_map, index_file)``; for a single file the map is empty and filled from
     its header by the caller. A shard path that is absolute or climbs out of ``root`` raises
-    :class:`IndexError_` - or, given an ``unsafe`` list, is appended there and its tensors left
+    :class:`IndexFileError` - or, given an ``unsafe`` list, is appended there and its tensors left
     out of the map.
     """
     index_path = root / INDEX_NAME
     if index_path.is_file():
-        data, _ = load_json(index_path, IndexError_)
+        data, _ = load_json(index_path, IndexFileError)
         wm = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wm, dict) or not wm:
-            raise IndexError_(f"{index_path}: no weight_map (or it is empty)")
+            raise IndexFileError(f"{index_path}: no weight_map (or it is empty)")
         for name, file in wm.items():
             if not isinstance(file, str):
-                raise IndexError_(f"{index_path}: tensor {name!r} maps to {file!r}, not a file name")
+                raise IndexFileError(f"{index_path}: tensor {name!r} maps to {file!r}, not a file name")
         files: dict[str, str | None] = {}
         for f in set(wm.values()):
             try:
                 files[f] = _safe_relpath(root, f, str(index_path))
-            except IndexError_:
+            except IndexFileError:
                 if unsafe is None:
                     raise
                 unsafe.append(f)
@@ -335,7 +335,7 @@ def open_checkpoint(
             with kind ``missing-file`` / ``header`` and opens the rest.
 
     Raises:
-        CheckpointNotFoundError, IndexError_, SafetensorsHeaderError, ConfigError.
+        CheckpointNotFoundError, IndexFileError, SafetensorsHeaderError, ConfigError.
     """
     with bulk_allocation():
         return _open(path, jobs, require_config, strict)
@@ -373,7 +373,7 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool, 
         for f in list(files):
             if not (root / f).is_file():
                 if strict:
-                    raise IndexError_(f"{root / f}: listed in {index_file} but missing")
+                    raise IndexFileError(f"{root / f}: listed in {index_file} but missing")
                 problems.append(Problem(f, f"listed in {index_file} but missing", "missing-file"))
                 files.remove(f)
     except BaseException:
@@ -449,7 +449,7 @@ class HeaderReader:
 
     def index_digests(self, unsafe: list[str] | None = None) -> dict[str, tuple[int, int]] | None:
         """``{shard: names_digest}`` of the index, parsed by a worker; ``None`` when the index is
-        read in this process instead. Raises the worker's :class:`IndexError_`; in tolerant
+        read in this process instead. Raises the worker's :class:`IndexFileError`; in tolerant
         mode unsafe shard paths are appended to ``unsafe`` instead."""
         if self._index is None:
             return None

@@ -23,11 +23,8 @@ from functools import partial
 from itertools import chain, repeat
 from typing import Any, BinaryIO, Iterable, NamedTuple
 
+from ..env import K3CKPT_MAX_HEADER_BYTES
 from ..errors import SafetensorsHeaderError
-
-#: Largest header we accept. The real K3 shards have headers under 1 MB; the safetensors
-#: library itself caps at 100 MB. Overridable for exotic checkpoints.
-MAX_HEADER_BYTES: int = int(os.environ.get("K3CKPT_MAX_HEADER_BYTES", 100_000_000))
 
 #: dtype name -> size in bits, as defined by the safetensors ``Dtype`` enum.
 DTYPE_BITS: dict[str, int] = {
@@ -409,8 +406,9 @@ def _read_header_from(f: BinaryIO, size: int, path: str, file: str) -> HeaderCol
     if size < 8:
         raise SafetensorsHeaderError(path, f"file is {size} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", f.read(8))
-    if n > MAX_HEADER_BYTES:
-        raise SafetensorsHeaderError(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    limit = K3CKPT_MAX_HEADER_BYTES.get()  # at call time: overridable for exotic checkpoints
+    if n > limit:
+        raise SafetensorsHeaderError(path, f"header length {n} exceeds the {limit}-byte limit")
     if 8 + n > size:
         raise SafetensorsHeaderError(path, f"header length {n} runs past the end of the {size}-byte file (truncated?)")
     raw = f.read(n)

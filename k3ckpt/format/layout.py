@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import K3ckptError
+from ..errors import LayoutError
 from ..utils import load_json
 
 FORMAT = "k3ckpt-rank-layout"
@@ -25,10 +25,6 @@ NODE_FORMAT = "k3ckpt-node"
 #: ``topology.json``'s format of an ``--format hf-node`` output (not the rank-layout contract's).
 HF_NODE_FORMAT = "k3ckpt-hf-node-layout"
 LAYOUTS = ("rank", "hf-node")
-
-
-class LayoutError(K3ckptError):
-    """A layout marker file exists but cannot be read."""
 
 
 def rank_dir_name(rank: int) -> str:

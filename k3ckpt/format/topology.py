@@ -38,7 +38,7 @@ from itertools import repeat
 from typing import TYPE_CHECKING
 
 from .checkpoint import bulk_allocation
-from ..errors import EXIT_CANNOT_RUN, K3ckptError
+from ..errors import SplitError, TopologyError
 from .roles import TP, Kind, Role, classify
 from .header import TensorInfo
 
@@ -57,24 +57,6 @@ MX_BLOCK = 32
 _WHOLE_PARTS = frozenset({"input_scale", "weight_global_scale", "input_global_scale"})
 _MX_SCALE_DTYPES = frozenset({"U8", "F8_E8M0"})
 _FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
-
-
-class TopologyError(K3ckptError):
-    """A topology, rank selection or split that cannot work. One line, names what to change."""
-
-    exit_code = EXIT_CANNOT_RUN
-
-
-class SplitError(TopologyError):
-    """A tensor that cannot be split as the topology asks. The message names the tensor."""
-
-    def __init__(self, tensor: str | None, problem: str) -> None:
-        self.tensor = tensor
-        self.problem = problem
-        super().__init__(f"tensor {tensor!r}: {problem}" if tensor is not None else problem)
-
-    def __reduce__(self) -> tuple:  # so it crosses process boundaries intact
-        return (type(self), (self.tensor, self.problem))
 
 
 # ---------------------------------------------------------------------------------------------

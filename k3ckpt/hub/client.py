@@ -61,27 +61,40 @@ import requests
 import urllib3.exceptions
 
 from .. import __version__
-from ..format import header as _sth
-from ..errors import K3ckptError, SafetensorsHeaderError
+from ..env import K3CKPT_MAX_HEADER_BYTES
+from ..errors import (
+    EntryNotFoundError,
+    HubAuthError,
+    HubError,
+    HubListingError,
+    HubShortReadError,
+    HubUnreachableError,
+    RangeMismatchError,
+    RangeNotSupportedError,
+    RepoNotFoundError,
+    RevisionNotFoundError,
+    SafetensorsHeaderError,
+    UnsafePathError,
+)
 from ..format.header import HeaderColumns, parse_header_columns
 
 __all__ = [
     "DEFAULT_RETRY",
-    "EntryNotFound",
+    "EntryNotFoundError",
     "HubAuthError",
     "HubError",
     "HubFile",
     "HubListing",
     "HubListingError",
-    "HubUnreachable",
+    "HubShortReadError",
+    "HubUnreachableError",
     "RANGE_SKIP_LIMIT",
-    "RangeMismatch",
-    "RangeNotSupported",
-    "RepoNotFound",
+    "RangeMismatchError",
+    "RangeNotSupportedError",
+    "RepoNotFoundError",
     "RetryPolicy",
-    "RevisionNotFound",
-    "ShortRead",
-    "UnsafePath",
+    "RevisionNotFoundError",
+    "UnsafePathError",
     "auth_headers",
     "fetch_header",
     "fetch_headers",
@@ -124,100 +137,6 @@ _NOT_RETRYABLE_5XX = frozenset({501, 505})
 def _one_line(text: str) -> str:
     """Collapse whitespace (client messages span several lines; ours are one line for the CLI)."""
     return " ".join(str(text).split())
-
-
-class HubError(K3ckptError):
-    """A hub could not give us what we asked for. The message is one line naming hub, repo,
-    revision and (where there is one) the file path.
-
-    Args:
-        problem (`str`):
-            What went wrong.
-        hub (`str`):
-            ``"hf"`` or ``"modelscope"``.
-        repo (`str`, *optional*):
-            The repo id.
-        revision (`str`, *optional*):
-            The revision as requested, or the resolved commit once there is a listing.
-        path (`str`, *optional*):
-            The repo-relative file path.
-        endpoint (`str`, *optional*):
-            The endpoint talked to.
-    """
-
-    def __init__(
-        self,
-        problem: str,
-        *,
-        hub: str,
-        repo: str | None = None,
-        revision: str | None = None,
-        path: str | None = None,
-        endpoint: str | None = None,
-    ) -> None:
-        self.problem = _one_line(problem)
-        self.hub = hub
-        self.repo = repo
-        self.revision = revision
-        self.path = path
-        self.endpoint = endpoint
-        where = hub
-        if repo is not None:
-            where += f":{repo}@{revision if revision is not None else '(default)'}"
-        if path is not None:
-            where += f" {path!r}"
-        super().__init__(f"{where}: {self.problem}")
-
-    def __reduce__(self) -> tuple:  # keep the keyword arguments across process boundaries
-        return (
-            _rebuild_error,
-            (type(self), self.problem, self.hub, self.repo, self.revision, self.path, self.endpoint),
-        )
-
-
-def _rebuild_error(cls: type[HubError], problem: str, hub: str, repo: str | None, revision: str | None,
-                   path: str | None, endpoint: str | None) -> HubError:
-    return cls(problem, hub=hub, repo=repo, revision=revision, path=path, endpoint=endpoint)
-
-
-class HubUnreachable(HubError):
-    """The endpoint could not be connected to (refused, DNS failure, no route)."""
-
-
-class HubAuthError(HubError):
-    """The hub refused our credentials, or wants some (401/403, gated repo)."""
-
-
-class RepoNotFound(HubError):
-    """The repo does not exist (or is private and not visible with these credentials)."""
-
-
-class RevisionNotFound(HubError):
-    """The repo exists but the branch, tag or commit does not."""
-
-
-class EntryNotFound(HubError):
-    """The file is not in the listing, or the hub answers 404 for it."""
-
-
-class HubListingError(HubError):
-    """The hub's listing is unusable (missing sizes, malformed hashes, duplicates, truncation)."""
-
-
-class UnsafePath(HubListingError):
-    """The listing names a path that could escape a local directory (absolute, ``..``, ``\\``, NUL)."""
-
-
-class RangeNotSupported(HubError):
-    """The server ignored ``Range`` and the requested offset is too far in to skip to."""
-
-
-class RangeMismatch(HubError):
-    """The server answered a different byte range (or representation) than the one requested."""
-
-
-class ShortRead(HubError):
-    """The body ended before the requested bytes were all received (after retries)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -463,7 +382,7 @@ def _add_file(files: dict[str, HubFile], ctx: dict[str, Any], path: Any, size: A
     """Validate one listing entry and add it to ``files``."""
     reason = _unsafe_reason(path)
     if reason is not None:
-        raise UnsafePath(f"refusing the path {path!r} from the listing: it {reason}", **ctx)
+        raise UnsafePathError(f"refusing the path {path!r} from the listing: it {reason}", **ctx)
     if path in files:
         raise HubListingError("listed twice", path=path, **ctx)
     if type(size) is not int or size < 0:
@@ -523,10 +442,10 @@ def _list_hf(repo: str, revision: str | None, endpoint: str, token: str | None) 
         raise HubAuthError(f"gated repo: accept its terms on the hub and use a token ({e.server_message or 'HTTP 403'})",
                            **ctx) from None
     except hf_errors.RepositoryNotFoundError:
-        raise RepoNotFound("repository not found (or private and not visible with these credentials)",
+        raise RepoNotFoundError("repository not found (or private and not visible with these credentials)",
                            **ctx) from None
     except hf_errors.RevisionNotFoundError:
-        raise RevisionNotFound("revision not found", **ctx) from None
+        raise RevisionNotFoundError("revision not found", **ctx) from None
     except hf_errors.HfHubHTTPError as e:
         status = e.response.status_code if e.response is not None else None
         detail = e.server_message or _one_line(str(e)).split(" for url")[0]
@@ -538,7 +457,7 @@ def _list_hf(repo: str, revision: str | None, endpoint: str, token: str | None) 
     except hf_errors.HFValidationError as e:
         raise HubError(f"invalid repo id or revision ({e})", **ctx) from None
     except httpx.ConnectError as e:
-        raise HubUnreachable(f"cannot reach {endpoint} ({_connection_reason(e)})", **ctx) from None
+        raise HubUnreachableError(f"cannot reach {endpoint} ({_connection_reason(e)})", **ctx) from None
     except httpx.TimeoutException as e:
         raise HubError(f"timed out talking to {endpoint} ({type(e).__name__})", **ctx) from None
     except httpx.TransportError as e:
@@ -580,7 +499,7 @@ def _ms_error(exc: BaseException, ctx: dict[str, Any], not_found: type[HubError]
         return HubError(f"{what}: timed out talking to {endpoint}", **ctx)
     if isinstance(exc, ms_errors.NetworkError):
         if _is_connect_failure(exc):
-            return HubUnreachable(f"cannot reach {endpoint} ({_connection_reason(exc)})", **ctx)
+            return HubUnreachableError(f"cannot reach {endpoint} ({_connection_reason(exc)})", **ctx)
         return HubError(f"{what}: network error talking to {endpoint} ({detail[:200]})", **ctx)
     if isinstance(exc, ms_errors.APIError):
         return HubError(f"{what}: HTTP {getattr(exc, 'status_code', '?')} from {endpoint} ({detail[:200]})", **ctx)
@@ -599,7 +518,7 @@ def _list_modelscope(repo: str, revision: str | None, endpoint: str, token: str 
     try:
         revisions = api.list_repo_revisions(repo, "model")
     except ms_errors.HubError as e:
-        raise _ms_error(e, ctx, RepoNotFound, "listing revisions") from None
+        raise _ms_error(e, ctx, RepoNotFoundError, "listing revisions") from None
     except (requests.RequestException, ValueError, TypeError, AttributeError) as e:
         raise HubListingError(f"unexpected revisions answer from {endpoint} ({type(e).__name__}: {e})",
                               **ctx) from None
@@ -612,13 +531,13 @@ def _list_modelscope(repo: str, revision: str | None, endpoint: str, token: str 
     if commit is None:
         if not _COMMITISH.fullmatch(rev):
             names = sorted(str(e.get("Revision")) for e in revisions if isinstance(e, Mapping))
-            raise RevisionNotFound(f"no branch or tag of that name (have: {', '.join(names) or 'none'})", **ctx)
+            raise RevisionNotFoundError(f"no branch or tag of that name (have: {', '.join(names) or 'none'})", **ctx)
         commit = rev  # looks like a commit id: the file listing below accepts or refuses it
     ctx["revision"] = commit
     try:
         infos = api.list_repo_files(repo, "model", revision=commit, recursive=True)
     except ms_errors.HubError as e:
-        raise _ms_error(e, ctx, RevisionNotFound, "listing files") from None
+        raise _ms_error(e, ctx, RevisionNotFoundError, "listing files") from None
     except (requests.RequestException, ValueError, TypeError, AttributeError) as e:
         raise HubListingError(f"unexpected file listing from {endpoint} ({type(e).__name__}: {e})",
                               **ctx) from None
@@ -663,11 +582,11 @@ def list_repo(
         `HubListing`: Files keyed by path; ``revision`` is the resolved commit.
 
     Raises:
-        RepoNotFound: The repo does not exist (or is not visible).
-        RevisionNotFound: The revision does not exist.
+        RepoNotFoundError: The repo does not exist (or is not visible).
+        RevisionNotFoundError: The revision does not exist.
         HubAuthError: Credentials refused or required.
-        HubUnreachable: The endpoint cannot be connected to.
-        UnsafePath: A listed path is absolute or contains ``..``, a backslash or NUL.
+        HubUnreachableError: The endpoint cannot be connected to.
+        UnsafePathError: A listed path is absolute or contains ``..``, a backslash or NUL.
         HubListingError: The listing is otherwise unusable.
         HubError: Any other hub or network failure.
     """
@@ -778,7 +697,7 @@ def _body(resp: requests.Response, url: str, start: int, end: int, size: int | N
     length = end - start + 1
     encoding = (resp.headers.get("Content-Encoding") or "identity").strip().lower()
     if encoding != "identity":
-        raise RangeMismatch(f"{url}: server applied Content-Encoding {encoding!r} to a byte-range request", **ctx)
+        raise RangeMismatchError(f"{url}: server applied Content-Encoding {encoding!r} to a byte-range request", **ctx)
     content_range = resp.headers.get("Content-Range")
     content_length = resp.headers.get("Content-Length")
     announced = int(content_length) if content_length and content_length.strip().isdigit() else None
@@ -786,27 +705,27 @@ def _body(resp: requests.Response, url: str, start: int, end: int, size: int | N
     if content_range is not None:
         m = _CONTENT_RANGE.match(content_range)
         if not m:
-            raise RangeMismatch(f"{url}: unparseable Content-Range {content_range!r} "
+            raise RangeMismatchError(f"{url}: unparseable Content-Range {content_range!r} "
                                 f"(asked for bytes {start}-{end})", **ctx)
         got_start, got_end, total = int(m.group(1)), int(m.group(2)), m.group(3)
         if (got_start, got_end) != (start, end):
-            raise RangeMismatch(f"{url}: asked for bytes {start}-{end}, server answered "
+            raise RangeMismatchError(f"{url}: asked for bytes {start}-{end}, server answered "
                                 f"{content_range!r} (HTTP {resp.status_code})", **ctx)
         if total != "*" and size is not None and int(total) != size:
-            raise RangeMismatch(f"{url}: Content-Range {content_range!r} says the file is {total} bytes, "
+            raise RangeMismatchError(f"{url}: Content-Range {content_range!r} says the file is {total} bytes, "
                                 f"the listing says {size}", **ctx)
         if announced is not None and announced != length:
-            raise RangeMismatch(f"{url}: Content-Range {content_range!r} with Content-Length {announced}", **ctx)
+            raise RangeMismatchError(f"{url}: Content-Range {content_range!r} with Content-Length {announced}", **ctx)
     elif resp.status_code == 206:
-        raise RangeMismatch(f"{url}: HTTP 206 without Content-Range (asked for bytes {start}-{end})", **ctx)
+        raise RangeMismatchError(f"{url}: HTTP 206 without Content-Range (asked for bytes {start}-{end})", **ctx)
     else:
         # 200 without Content-Range: the server ignored Range and sends the file from byte 0.
         if start > RANGE_SKIP_LIMIT:
-            raise RangeNotSupported(f"{url}: server ignored Range (HTTP 200, whole body) and byte {start} is "
+            raise RangeNotSupportedError(f"{url}: server ignored Range (HTTP 200, whole body) and byte {start} is "
                                     f"past the {RANGE_SKIP_LIMIT}-byte skip limit", **ctx)
         if announced is not None and size is not None and announced != size:
             what = "HTML page" if _is_html(resp) else "body"
-            raise RangeMismatch(f"{url}: server ignored Range and sent a {announced}-byte {what} for a "
+            raise RangeMismatchError(f"{url}: server ignored Range and sent a {announced}-byte {what} for a "
                                 f"{size}-byte file", **ctx)
         skip = start
     try:
@@ -814,12 +733,12 @@ def _body(resp: requests.Response, url: str, start: int, end: int, size: int | N
         if len(data) == length and content_range is not None and announced is None:
             # Chunked 206: make sure the server does not send more than the range it announced.
             if _read_exactly(resp, 1):
-                raise RangeMismatch(f"{url}: body is longer than the {length} bytes of the range", **ctx)
+                raise RangeMismatchError(f"{url}: body is longer than the {length} bytes of the range", **ctx)
     except (urllib3.exceptions.HTTPError, requests.exceptions.RequestException, OSError) as e:
-        raise _Transient(ShortRead(f"{url}: connection lost reading bytes {start}-{end} "
+        raise _Transient(HubShortReadError(f"{url}: connection lost reading bytes {start}-{end} "
                                    f"({type(e).__name__})", **ctx)) from None
     if len(data) != length:
-        raise _Transient(ShortRead(f"{url}: expected {length} bytes (bytes {start}-{end}), got {len(data)}", **ctx))
+        raise _Transient(HubShortReadError(f"{url}: expected {length} bytes (bytes {start}-{end}), got {len(data)}", **ctx))
     return data
 
 
@@ -838,12 +757,12 @@ def _status_error(resp: requests.Response, url: str, ctx: dict[str, Any]) -> Hub
         return HubAuthError(detail, **ctx)
     if status == 404:
         if code == "RepoNotFound":
-            return RepoNotFound(detail, **ctx)
+            return RepoNotFoundError(detail, **ctx)
         if code == "RevisionNotFound":
-            return RevisionNotFound(detail, **ctx)
-        return EntryNotFound(detail, **ctx)
+            return RevisionNotFoundError(detail, **ctx)
+        return EntryNotFoundError(detail, **ctx)
     if status == 416:
-        return RangeMismatch(f"{detail}: range not satisfiable (Content-Range "
+        return RangeMismatchError(f"{detail}: range not satisfiable (Content-Range "
                              f"{resp.headers.get('Content-Range')!r})", **ctx)
     return HubError(detail, **ctx)
 
@@ -854,7 +773,7 @@ def _read(listing: HubListing, path: str, start: int, length: int, headers: Mapp
     ctx: dict[str, Any] = {"hub": listing.hub, "repo": listing.repo, "revision": listing.revision, "path": path,
                            "endpoint": listing.endpoint}
     if entry is None:
-        raise EntryNotFound("not in the listing", **ctx)
+        raise EntryNotFoundError("not in the listing", **ctx)
     if start < 0 or length < 0:
         raise ValueError(f"start and length must be >= 0 (got {start}, {length})")
     if start + length > entry.size:
@@ -878,7 +797,7 @@ def _read(listing: HubListing, path: str, start: int, length: int, headers: Mapp
             target = e.request.url if e.request is not None else url
             if _is_connect_failure(e):
                 host = "{0}://{1}".format(*urlsplit(target)[:2])
-                last = HubUnreachable(f"cannot reach {host} ({_connection_reason(e)})", **ctx)
+                last = HubUnreachableError(f"cannot reach {host} ({_connection_reason(e)})", **ctx)
             else:
                 last = HubError(f"{target}: connection lost before an answer ({_connection_reason(e)})", **ctx)
         except requests.exceptions.Timeout:
@@ -943,11 +862,11 @@ def read_range(
         `bytes`: Exactly ``length`` bytes.
 
     Raises:
-        RangeNotSupported: The server ignored ``Range`` and ``start`` is past the skip limit.
-        RangeMismatch: The server answered another range, size or encoding.
-        ShortRead: The body stayed short after the retries.
-        EntryNotFound, RepoNotFound, RevisionNotFound, HubAuthError: 404 / 401 / 403.
-        HubUnreachable: The endpoint cannot be connected to.
+        RangeNotSupportedError: The server ignored ``Range`` and ``start`` is past the skip limit.
+        RangeMismatchError: The server answered another range, size or encoding.
+        HubShortReadError: The body stayed short after the retries.
+        EntryNotFoundError, RepoNotFoundError, RevisionNotFoundError, HubAuthError: 404 / 401 / 403.
+        HubUnreachableError: The endpoint cannot be connected to.
         HubError: 429/5xx after the retries, or another HTTP failure.
         ValueError: A negative or out-of-file range.
     """
@@ -964,7 +883,7 @@ def fetch_header(
 ) -> HeaderColumns:
     """Read and validate a remote safetensors header: 8 bytes, then exactly the header.
 
-    The length prefix is checked against :data:`k3ckpt.safetensors_header.MAX_HEADER_BYTES` and
+    The length prefix is checked against :data:`k3ckpt.env.K3CKPT_MAX_HEADER_BYTES` and
     the listed file size *before* the header is requested, so a hostile prefix cannot make us
     download or allocate more than the limit.
 
@@ -991,7 +910,7 @@ def fetch_header(
     """
     entry = listing.files.get(path)
     if entry is None:
-        raise EntryNotFound("not in the listing", hub=listing.hub, repo=listing.repo, revision=listing.revision,
+        raise EntryNotFoundError("not in the listing", hub=listing.hub, repo=listing.repo, revision=listing.revision,
                             path=path, endpoint=listing.endpoint)
     label = f"{listing.hub}:{listing.repo}@{listing.revision}/{path}"
     size = entry.size
@@ -1000,7 +919,7 @@ def fetch_header(
     headers = auth_headers(listing, token)
     policy = retry or DEFAULT_RETRY
     (n,) = struct.unpack("<Q", _read(listing, path, 0, 8, headers, timeout, policy))
-    limit = _sth.MAX_HEADER_BYTES  # read at call time: it is an overridable module setting
+    limit = K3CKPT_MAX_HEADER_BYTES.get()  # read at call time, as the local reader does
     if n > limit:
         raise SafetensorsHeaderError(label, f"header length {n} exceeds the {limit}-byte limit")
     if 8 + n > size:

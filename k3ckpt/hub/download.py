@@ -70,7 +70,8 @@ import requests
 import urllib3.exceptions
 
 from . import client as hubclient
-from ..errors import K3ckptError
+from ..env import K3CKPT_LOCK_STALE_SECONDS, K3CKPT_TEST_PAUSE_AT, K3CKPT_TEST_PAUSE_FILE
+from ..errors import DiskSpaceError, FetchLockedError
 from ..integrity.hashing import HashError, hash_file
 from .client import HubFile, HubListing, RetryPolicy
 
@@ -90,7 +91,7 @@ DEFAULT_CHUNK = 64 * 1024 * 1024
 #: Name of the lock file in the destination directory.
 LOCK_NAME = ".k3ckpt-fetch.lock"
 #: Another host's lock older than this (seconds) is considered abandoned (env overrides).
-LOCK_STALE_SECONDS = 24 * 3600.0
+LOCK_STALE_SECONDS = K3CKPT_LOCK_STALE_SECONDS.default
 #: A lock file that exists but is still empty/unparseable after this many seconds was left by a
 #: process that died between creating and writing it.
 LOCK_UNREADABLE_GRACE = 30.0
@@ -102,17 +103,7 @@ PIECE = 1 << 20
 FETCH_RETRY = RetryPolicy(attempts=8, backoff=1.0, max_backoff=60.0, max_retry_after=300.0)
 
 _JOURNAL_VERSION = 1
-_PAUSE_ENV = "K3CKPT_TEST_PAUSE_AT"
-_PAUSE_FILE_ENV = "K3CKPT_TEST_PAUSE_FILE"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-class FetchLockedError(K3ckptError):
-    """Another live fetch holds the destination's lock (the message names its host and pid)."""
-
-
-class DiskSpaceError(K3ckptError):
-    """The destination's filesystem has less free space than the download needs."""
 
 
 @dataclass
@@ -174,13 +165,13 @@ def _pause_point(name: str, n: int | None = None) -> None:
     chunk of the run was journaled; ``before_rename`` the moment a verified ``.part`` is about
     to be renamed.  Unset (production), it is one dict lookup.
     """
-    want = os.environ.get(_PAUSE_ENV)
+    want = K3CKPT_TEST_PAUSE_AT.get()
     if not want:
         return
     if want != (name if n is None else f"{name}:{n}"):
         return
-    marker = os.environ.get(_PAUSE_FILE_ENV)
-    if marker:
+    marker = K3CKPT_TEST_PAUSE_FILE.get()
+    if marker is not None:
         with open(marker, "w") as f:
             f.write(name)
     os.kill(os.getpid(), signal.SIGSTOP)
@@ -273,13 +264,6 @@ def _target(dest_real: str, rel: str) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def _stale_seconds() -> float:
-    try:
-        return float(os.environ.get("K3CKPT_LOCK_STALE_SECONDS", LOCK_STALE_SECONDS))
-    except ValueError:
-        return LOCK_STALE_SECONDS
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -308,6 +292,7 @@ class _DestLock:
         self.path = os.path.join(dest, LOCK_NAME)
         self.token = uuid.uuid4().hex
         self.held = False
+        self.stale_seconds = K3CKPT_LOCK_STALE_SECONDS.get()  # now: a bad value fails before any download
 
     def _try_create(self) -> bool:
         """Create the lock with its content already in it, or return False if it exists.
@@ -357,8 +342,8 @@ class _DestLock:
         host, pid = info.get("host"), info.get("pid")
         if host == socket.gethostname() and isinstance(pid, int):
             return None if _pid_alive(pid) else f"pid {pid} is not running"
-        if age > _stale_seconds():
-            return f"older than {_stale_seconds():.0f} s"
+        if age > self.stale_seconds:
+            return f"older than {self.stale_seconds:.0f} s"
         return None
 
     def _holder(self, info: dict[str, Any] | None) -> str:

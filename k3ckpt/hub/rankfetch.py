@@ -73,7 +73,7 @@ from . import download
 from . import client as hubclient
 from ..format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, bulk_allocation
 from ..format.config import ModelConfig, parse_config
-from ..errors import ConfigError, K3ckptError
+from ..errors import ConfigError, K3ckptError, RankFetchError
 from .fetch import record_source, select_paths
 from ..integrity.hashing import HashError, Span, hash_file
 from .client import HubFile, HubListing, RetryPolicy
@@ -112,10 +112,6 @@ STRUCTURE_ONLY_NOTE = ("no --manifest: the rewritten shards were checked for str
 
 _JOURNAL_VERSION = 1
 _READ_BACK = 1 << 20  # bytes per pread when re-hashing a resumed large tensor
-
-
-class RankFetchError(K3ckptError):
-    """The repo, its headers or the manifest do not allow a rank-aware fetch (the message says why)."""
 
 
 # ---------------------------------------------------------------------------------------------

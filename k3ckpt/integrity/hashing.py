@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
-#: Read size per call. Large enough that syscall and GIL hand-offs vanish next to hashing.
-BUFFER_BYTES = int(os.environ.get("K3CKPT_HASH_BUFFER", 16 * 1024 * 1024))
+from ..env import K3CKPT_HASH_BUFFER
+from ..errors import HashError
 
 Progress = Callable[[int], None]
 
@@ -47,10 +47,6 @@ class FileDigest:
     flagged: list[str] | None = None  # scanned spans that contain the needle byte
 
 
-class HashError(OSError):
-    """A file could not be read to the end (vanished, truncated while reading, I/O error)."""
-
-
 def hash_file(
     path: str | os.PathLike[str],
     *,
@@ -71,7 +67,9 @@ def hash_file(
         HashError: the file shrank while it was read, or reading failed.
     """
     p = os.fspath(path)
-    buf = buffer if buffer is not None else bytearray(BUFFER_BYTES)
+    # Read size per call ($K3CKPT_HASH_BUFFER): large enough that syscall and GIL hand-offs
+    # vanish next to hashing.
+    buf = buffer if buffer is not None else bytearray(K3CKPT_HASH_BUFFER.get())
     view = memoryview(buf)
     whole = hashlib.sha256()
     ordered = sorted(spans, key=lambda s: s.start)
@@ -148,6 +146,7 @@ def scan_file(path: str | os.PathLike[str], spans: Sequence[Span], needle: bytes
         HashError: the file cannot be read.
     """
     p = os.fspath(path)
+    step = K3CKPT_HASH_BUFFER.get()
     found = []
     with _reading(p) as fd:
         size = os.fstat(fd).st_size
@@ -158,7 +157,7 @@ def scan_file(path: str | os.PathLike[str], spans: Sequence[Span], needle: bytes
                 if b <= a:
                     continue
                 while a < b:
-                    n = min(b - a, BUFFER_BYTES)
+                    n = min(b - a, step)
                     chunk = os.pread(fd, n, a)
                     if len(chunk) != n:
                         raise HashError(0, f"short read at {a} ({len(chunk)} of {n} bytes; truncated?)", p)
@@ -237,6 +236,7 @@ def hash_files(
             sizes[f] = 0
     todo.sort(key=lambda f: -sizes[f])  # big files first: the last thread to finish idles least
     workers = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
+    buffer_bytes = K3CKPT_HASH_BUFFER.get()  # here, not in the threads: a bad value stops the run once
     local = threading.local()
     digests: dict[str, FileDigest] = {}
     errors: dict[str, HashError] = {}
@@ -249,7 +249,7 @@ def hash_files(
             return
         buf = getattr(local, "buf", None)
         if buf is None:
-            buf = local.buf = bytearray(BUFFER_BYTES)
+            buf = local.buf = bytearray(buffer_bytes)
         try:
             d = hash_file(root / f, rel=f, spans=(spans or {}).get(f, ()), scan=(scan or {}).get(f, ()),
                           git_sha1=bool(git_sha1 and git_sha1(f)), progress=progress, buffer=buf,

@@ -35,21 +35,13 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterable, NamedTuple
 
 from ..format.checkpoint import Checkpoint, open_checkpoint
-from ..errors import K3ckptError
+from ..errors import ManifestError, ManifestHashError
 from .hashing import Span, hash_files
 from ..utils import load_json, write_atomic
 from ..format.header import ShardHeader
 
 FORMAT = "k3ckpt-manifest"
 VERSION = 1
-
-
-class ManifestError(K3ckptError):
-    """A manifest file is unreadable, of another format or version, or unsafe."""
-
-
-class ManifestHashError(K3ckptError):
-    """Files could not be read while building a manifest."""
 
 
 class FileEntry(NamedTuple):

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import EXIT_PROBLEMS, K3ckptError
+from ..env import K3CKPT_KEY_PASSPHRASE
+from ..errors import K3ckptError, KeyFileError, SignatureError
 from ..utils import write_atomic
 
 if TYPE_CHECKING:  # cryptography is imported where it is used: the CLI's other commands start faster
@@ -47,17 +48,7 @@ RAW_KEY_BYTES = 32
 #: Keys and signatures are small; anything bigger is not one (and is not read whole).
 MAX_KEY_FILE_BYTES = 64 * 1024
 #: Environment variable holding the passphrase of an encrypted private key.
-PASSPHRASE_ENV = "K3CKPT_KEY_PASSPHRASE"
-
-
-class KeyFileError(K3ckptError):
-    """A key file is missing, unreadable, of another algorithm or not a key at all (exit 2)."""
-
-
-class SignatureError(K3ckptError):
-    """A signature does not verify, or is not an ed25519 signature at all (exit 1)."""
-
-    exit_code = EXIT_PROBLEMS
+PASSPHRASE_ENV = K3CKPT_KEY_PASSPHRASE.name
 
 
 @dataclass(frozen=True)
@@ -118,7 +109,7 @@ def load_private_key(path: str | os.PathLike[str]) -> "Ed25519PrivateKey":
     data = _read_small(path, "private key", KeyFileError)
     if len(data) == RAW_KEY_BYTES:
         return Ed25519PrivateKey.from_private_bytes(data)
-    passphrase = os.environ.get(PASSPHRASE_ENV)
+    passphrase = K3CKPT_KEY_PASSPHRASE.get()
     password = passphrase.encode() if passphrase else None
     loaders = (serialization.load_ssh_private_key if b"OPENSSH PRIVATE KEY" in data
                else serialization.load_pem_private_key)

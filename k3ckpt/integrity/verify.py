@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+from ..env import K3CKPT_CACHE_DIR
 from ..format.checkpoint import Checkpoint, iter_checkpoint_files, open_checkpoint, resolve_root
 from .hashing import FileDigest, HashError, Span, hash_files, scan_file
 from .manifest import Manifest, tensors_from_headers
@@ -114,9 +115,9 @@ class VerifyReport:
 
 def cache_dir() -> Path:
     """``$K3CKPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/k3ckpt``, else ``~/.cache/k3ckpt``."""
-    env = os.environ.get("K3CKPT_CACHE_DIR")
-    if env:
-        return Path(env)
+    env = K3CKPT_CACHE_DIR.get()
+    if env is not None:
+        return env
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "k3ckpt"
 
@@ -211,7 +212,7 @@ def verify_checkpoint(
         progress: called with byte counts as files are hashed; ``on_plan`` first with the total.
 
     Raises:
-        CheckpointNotFoundError, IndexError_: there is no checkpoint to verify (exit 2).
+        CheckpointNotFoundError, IndexFileError: there is no checkpoint to verify (exit 2).
     """
     t0 = time.perf_counter()
     root, _ = resolve_root(path)

@@ -29,8 +29,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from ..env import K3CKPT_MX_CHUNK_BYTES
 from ..format.checkpoint import numpy_dtype
-from ..errors import K3ckptError
+from ..errors import MxConvertError
 from .codec import MX_BLOCK_SIZE, ScaleMode, dequantize_mxfp4, quantize_mxfp4
 from .select import CHUNK_BYTES, MxSource, find_mx_tensors
 from ..format.roles import Kind, classify
@@ -64,10 +65,6 @@ DEQUANT_DTYPES: dict[str, tuple[str, np.dtype]] = {
 QUANTIZABLE_DTYPES = ("BF16", "F16", "F32")
 
 Progress = Callable[[int], None]
-
-
-class MxConvertError(K3ckptError):
-    """A conversion cannot run or cannot finish: bad input, no space, NaN/Inf in a weight."""
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -121,7 +118,7 @@ def dequantize_to_file(
     tensor: str | None = None,
     layer: int | None = None,
     expert: int | None = None,
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     progress: Progress | None = None,
     on_plan: Progress | None = None,
 ) -> DequantResult:
@@ -138,7 +135,8 @@ def dequantize_to_file(
         to: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
         tensor, layer, expert: the selection, as in :func:`find_mx_tensors` (all when ``None``).
         chunk_bytes: packed bytes read per step; the float output of a step is
-            ``chunk_bytes * 2 * itemsize`` (64 MiB for fp32 at the 8 MiB default).
+            ``chunk_bytes * 2 * itemsize`` (64 MiB for fp32 at the 8 MiB default)
+            [default: ``$K3CKPT_MX_CHUNK_BYTES``, else :data:`CHUNK_BYTES`].
         progress: called with the number of output bytes after each chunk is written.
         on_plan: called once with the total output data bytes, before anything is written.
 
@@ -151,6 +149,8 @@ def dequantize_to_file(
     if to not in DEQUANT_DTYPES:
         raise ValueError(f"to must be one of {', '.join(DEQUANT_DTYPES)}, got {to!r}")
     st_dtype, np_dtype = DEQUANT_DTYPES[to]
+    if chunk_bytes is None:
+        chunk_bytes = K3CKPT_MX_CHUNK_BYTES.get()
     t0 = time.perf_counter()
     out_path = Path(out)
     selected = find_mx_tensors(MxSource.open(path), tensor=tensor, layer=layer, expert=expert)
@@ -236,7 +236,7 @@ def quantize_file(
     *,
     scale_mode: ScaleMode = "floor",
     include_all: bool = False,
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     progress: Progress | None = None,
     on_plan: Progress | None = None,
 ) -> QuantizeResult:
@@ -254,7 +254,8 @@ def quantize_file(
         out: the file to write (replaced atomically if it exists).
         scale_mode: ``"floor"`` (OCP MX), ``"ceil"`` or ``"even"``; see :func:`quantize_mxfp4`.
         include_all: quantize every linear weight, not only routed experts.
-        chunk_bytes: input bytes read per step.
+        chunk_bytes: input bytes read per step [default: ``$K3CKPT_MX_CHUNK_BYTES``, else
+            :data:`CHUNK_BYTES`].
         progress: called with the number of input bytes consumed after each step.
         on_plan: called once with the total input data bytes, before anything is written.
 
@@ -268,6 +269,8 @@ def quantize_file(
     """
     if scale_mode not in ("floor", "ceil", "even"):
         raise ValueError(f"scale_mode must be 'floor', 'ceil' or 'even', got {scale_mode!r}")
+    if chunk_bytes is None:
+        chunk_bytes = K3CKPT_MX_CHUNK_BYTES.get()
     t0 = time.perf_counter()
     in_path, out_path = Path(inp), Path(out)
     header = read_header(in_path)

@@ -49,7 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import K3ckptError
+from ..env import K3CKPT_MX_INSPECT_CHUNK_BYTES
+from ..errors import MxInspectError, MxPlotUnavailableError
 from .codec import (
     E2M1_MAX,
     E2M1_VALUES,
@@ -87,7 +88,8 @@ __all__ = [
 #: Packed bytes per chunk. A chunk becomes 4x its size in float32 values plus 8x in float64 while
 #: its statistics are taken, so 1 MiB keeps a worker under ~30 MB while the per-chunk Python
 #: overhead stays negligible (a K3 expert tensor is 5-6 chunks).
-DEFAULT_CHUNK_BYTES = int(os.environ.get("K3CKPT_MX_INSPECT_CHUNK_BYTES", str(1 << 20)))
+#: ``$K3CKPT_MX_INSPECT_CHUNK_BYTES``, read at call time, overrides it.
+DEFAULT_CHUNK_BYTES = K3CKPT_MX_INSPECT_CHUNK_BYTES.default
 
 #: Selections smaller than this are inspected in-process: forking workers costs more than it saves.
 PARALLEL_MIN_BYTES = 64 << 20
@@ -117,14 +119,6 @@ CODE_LABELS = tuple(("-" if i >= 8 else "+") + f"{abs(float(v)):g}" for i, v in 
 
 # Byte -> "both nibbles are +-0" (bit 3 of each nibble is the sign, so mask it off).
 _ZERO_NIBBLES_MASK = np.uint64(0x7777777777777777)
-
-
-class MxInspectError(K3ckptError):
-    """An input cannot be inspected or measured (not float, wrong shape, nothing to do)."""
-
-
-class MxPlotUnavailableError(K3ckptError):
-    """``--plot`` was asked for and matplotlib is not installed."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,7 +467,7 @@ def _sparse_exponent_hist(scale_hist: np.ndarray) -> dict[str, int]:
 def inspect_tensor(
     t: MxTensor,
     *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     expert_slice: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> TensorInspection:
@@ -486,6 +480,8 @@ def inspect_tensor(
         expert_slice: for a gpt-oss stacked tensor, read only this expert's rows.
         progress: called with the bytes read after each chunk.
     """
+    if chunk_bytes is None:
+        chunk_bytes = K3CKPT_MX_INSPECT_CHUNK_BYTES.get()
     unit_rows = _unit_rows(t)
     if expert_slice is not None:
         n_exp = t.rows // unit_rows
@@ -566,7 +562,7 @@ def inspect_mx(
     tensor: str | None = None,
     layer: int | None = None,
     expert: int | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     jobs: int | None = None,
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
@@ -592,6 +588,8 @@ def inspect_mx(
         MxSelectionError: nothing matches the selection or a pair is malformed.
         CheckpointNotFoundError, SafetensorsHeaderError: the path is not a checkpoint / file.
     """
+    if chunk_bytes is None:  # read here, once: the workers get the number
+        chunk_bytes = K3CKPT_MX_INSPECT_CHUNK_BYTES.get()
     t0 = time.perf_counter()
     source = MxSource.open(path)
     try:

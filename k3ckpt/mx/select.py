@@ -24,16 +24,14 @@ from typing import Iterator
 import numpy as np
 
 from ..format.checkpoint import Checkpoint, open_checkpoint
-from ..errors import K3ckptError
+from ..env import K3CKPT_MX_CHUNK_BYTES
+from ..errors import MxSelectionError
 from ..format.roles import Role, classify
 from ..format.header import ShardHeader, read_header
 
-#: Default bytes of packed data per chunk (the float output of a chunk is 8x this for fp32).
-CHUNK_BYTES = int(os.environ.get("K3CKPT_MX_CHUNK_BYTES", 8 * 1024 * 1024))
-
-
-class MxSelectionError(K3ckptError):
-    """Nothing matches the selection, or a pair is malformed."""
+#: Built-in default bytes of packed data per chunk (the float output of a chunk is 8x this for
+#: fp32); ``$K3CKPT_MX_CHUNK_BYTES``, read at call time, overrides it.
+CHUNK_BYTES = K3CKPT_MX_CHUNK_BYTES.default
 
 
 @dataclass(frozen=True)
@@ -81,7 +79,9 @@ class MxTensor:
     def packed_bytes(self) -> int:
         return self.numel // 2
 
-    def rows_per_chunk(self, chunk_bytes: int = CHUNK_BYTES) -> int:
+    def rows_per_chunk(self, chunk_bytes: int | None = None) -> int:
+        if chunk_bytes is None:
+            chunk_bytes = K3CKPT_MX_CHUNK_BYTES.get()
         return max(1, chunk_bytes // max(1, self.row_elements // 2))
 
     def read_rows(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,7 +92,7 @@ class MxTensor:
         scales = _pread(self.scale_path, self.scale_offset + start * row_scales, n * row_scales)
         return packed.reshape(n, row_packed), scales.reshape(n, row_scales)
 
-    def iter_rows(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    def iter_rows(self, chunk_bytes: int | None = None) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """``(first_row, packed, scales)`` chunks covering every row, in order."""
         step = self.rows_per_chunk(chunk_bytes)
         for start in range(0, self.rows, step):

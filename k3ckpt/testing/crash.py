@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..env import K3CKPT_TEST_PAUSE_AT, K3CKPT_TEST_PAUSE_FILE
+
 __all__ = ["CrashStats", "InvariantViolation", "fetch_campaign", "reshard_campaign"]
 
 REPO = "moonshotai/Kimi-K3"
@@ -94,7 +96,7 @@ def _sha(path: Path) -> str:
 
 def _child_env(extra: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
-    for var in ("K3CKPT_TEST_PAUSE_AT", "K3CKPT_TEST_PAUSE_FILE", "HF_TOKEN"):
+    for var in (K3CKPT_TEST_PAUSE_AT.name, K3CKPT_TEST_PAUSE_FILE.name, "HF_TOKEN"):
         env.pop(var, None)
     env.update(extra)
     env.setdefault("HF_HUB_DISABLE_XET", "1")
@@ -238,7 +240,7 @@ def fetch_campaign(served: Path, work: Path, *, kills: int, seed: int, power_los
             child_env = dict(env)
             if at_point:
                 point = "before_rename" if rng.random() < 0.2 else f"after_chunk:{rng.randrange(1, max(2, nchunks // 2))}"
-                child_env.update(K3CKPT_TEST_PAUSE_AT=point, K3CKPT_TEST_PAUSE_FILE=str(marker))
+                child_env.update({K3CKPT_TEST_PAUSE_AT.name: point, K3CKPT_TEST_PAUSE_FILE.name: str(marker)})
                 ready = marker.exists
             else:
                 start = hub.total_bytes_sent()

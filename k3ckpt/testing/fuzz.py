@@ -29,7 +29,7 @@ from typing import Any
 
 from ..format.checkpoint import read_index
 from ..format.config import load_config
-from ..errors import CheckpointNotFoundError, ConfigError, IndexError_, SafetensorsHeaderError
+from ..errors import CheckpointNotFoundError, ConfigError, IndexFileError, SafetensorsHeaderError
 from ..integrity.manifest import Manifest, ManifestError
 from ..format.header import parse_header_columns, read_header_columns
 
@@ -116,7 +116,7 @@ def _index(raw: bytes) -> None:
         (Path(d) / "model.safetensors.index.json").write_bytes(raw)
         try:
             wm, _ = read_index(Path(d))
-        except (IndexError_, CheckpointNotFoundError):
+        except (IndexFileError, CheckpointNotFoundError):
             return
         for f in wm.values():  # whatever it accepted stays inside the checkpoint
             resolved = os.path.normpath(os.path.join(d, f))
