@@ -97,21 +97,15 @@ def reshard(source: str, out: str, selection: RankSelection, max_file_size: int,
       k3ckpt reshard ./Kimi-K3 -o ./k3-tp8 --tp 8 --ranks 0-3 --max-file-size 2GiB --json
       k3ckpt reshard ./Kimi-K3 -o /nvme/k3-nodes --format hf-node --ep 16 --tp 8 --world-size 16 --gpus-per-node 8 --node 1
     """
-    from ..deploy.reshard import plan_reshard, run_reshard
-    from ..utils import human_bytes
+    from ..deploy.reshard import plan_reshard, render_reshard, run_reshard
 
     plan = plan_reshard(source, selection, max_file_size=max_file_size, layout=layout)
     with ByteProgress(not as_json, "resharding") as bar:
         res = run_reshard(plan, out, jobs=jobs, force=force, progress=bar, on_plan=bar.plan)
     if as_json:
         emit_json(res.to_json())
-        return
-    rate = f" at {human_bytes(res.bytes_written / res.seconds)}/s" if res.seconds and res.bytes_written else ""
-    skipped = f", {len(res.skipped)} already complete (skipped)" if res.skipped else ""
-    t = res.topology
-    unit = "nodes" if layout == "hf-node" else "ranks"
-    click.echo(f"ok: {res.out}: ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}: "
-               f"{len(res.written)} {unit} written ({human_bytes(res.bytes_written)}{rate}){skipped}")
+    else:
+        click.echo(render_reshard(res))
 
 
 # -- unshard -----------------------------------------------------------------------------------
@@ -144,8 +138,7 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
       k3ckpt unshard /nvme/k3-ep8-tp2 -o ./Kimi-K3-again
       k3ckpt unshard /nvme/k3-ep8-tp2 -o ./Kimi-K3-again --max-shard-size 2GiB --json
     """
-    from ..utils import human_bytes
-    from ..deploy.unshard import plan_unshard, run_unshard
+    from ..deploy.unshard import plan_unshard, render_unshard, run_unshard
 
     plan = plan_unshard(layout)
     with ByteProgress(not as_json, "unsharding") as bar:
@@ -153,10 +146,8 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
                           progress=bar, on_plan=bar.plan)
     if as_json:
         emit_json(res.to_json())
-        return
-    t = plan.topology
-    click.echo(f"ok: {res.out}: {res.tensors} tensors ({human_bytes(res.total_size)}) in {len(res.shards)} shards, "
-               f"from ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}")
+    else:
+        click.echo(render_unshard(plan, res))
 
 
 # -- preflight ---------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ from ..errors import EXIT_PROBLEMS
 from ._options import CONTEXT, handle_errors, jobs_option, json_option
 from ._output import emit_json
 
+# -- inspect -----------------------------------------------------------------------------------
+
 
 @click.command(context_settings=CONTEXT)
 @click.argument("path", type=click.Path(file_okay=False, path_type=str))
@@ -101,16 +103,14 @@ def synth(dest: str, preset: str, jobs: int | None, force: bool, as_json: bool, 
       k3ckpt synth work/k3-full --preset k3-full --headers-only
       k3ckpt synth work/wide --preset k3-tiny --experts 64 --layers 8 --seed 7
     """
-    from ..utils import human_bytes
-    from ..testing.synth import spec_from_preset, synthesize
+    from ..testing.synth import render_synth, spec_from_preset, synthesize
 
     spec = spec_from_preset(preset, **overrides)
     res = synthesize(spec, dest, jobs=jobs or os.cpu_count() or 1, force=force)
     if as_json:
         emit_json(res.to_json())
     else:
-        click.echo(f"wrote {res.path}: {res.shards} shards, {res.tensors:,} tensors, "
-                   f"{human_bytes(res.total_bytes)}{' (sparse, headers only)' if spec.headers_only else ''}")
+        click.echo(render_synth(res))
 
 
 COMMANDS = [inspect, synth]

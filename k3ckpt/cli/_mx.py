@@ -159,8 +159,7 @@ def mx_dequant(path: str, tensor: str | None, layer: int | None, expert: int | N
       k3ckpt mx dequant model-00002-of-000096.safetensors -o shard2-bf16.safetensors
       k3ckpt mx dequant ./gpt-oss --tensor model.layers.0.mlp.experts.down_proj -o down.safetensors --json
     """
-    from ..mx.convert import dequantize_to_file
-    from ..utils import human_bytes
+    from ..mx.convert import dequantize_to_file, render_dequant
 
     if tensor is not None and (layer is not None or expert is not None):
         raise click.UsageError("use --tensor or --layer/--expert, not both")
@@ -172,8 +171,7 @@ def mx_dequant(path: str, tensor: str | None, layer: int | None, expert: int | N
     if as_json:
         emit_json(res.to_json())
     else:
-        click.echo(f"wrote {res.output}: {len(res.tensors):,} tensors as {to}, {human_bytes(res.bytes_out)} "
-                   f"from {human_bytes(res.bytes_in)} of MXFP4, {res.seconds:.1f} s")
+        click.echo(render_dequant(res))
 
 
 @mx.command("quantize", context_settings=CONTEXT)
@@ -203,8 +201,7 @@ def mx_quantize(input_file: str, output: str, scale_mode: str, include_all: bool
       k3ckpt mx quantize experts-bf16.safetensors -o packed.safetensors --scale-mode even --json
       k3ckpt mx quantize small-model.safetensors -o small-mxfp4.safetensors --all
     """
-    from ..mx.convert import quantize_file
-    from ..utils import human_bytes
+    from ..mx.convert import quantize_file, render_quantize
 
     with ByteProgress(not as_json, "quantizing") as bar:
         res = quantize_file(input_file, output, scale_mode=scale_mode, include_all=include_all,  # type: ignore[arg-type]
@@ -212,9 +209,7 @@ def mx_quantize(input_file: str, output: str, scale_mode: str, include_all: bool
     if as_json:
         emit_json(res.to_json())
     else:
-        click.echo(f"wrote {res.output}: {len(res.quantized):,} tensors quantized ({scale_mode}), "
-                   f"{res.copied:,} copied; {human_bytes(res.bytes_in)} -> {human_bytes(res.bytes_out)}, "
-                   f"{res.seconds:.1f} s")
+        click.echo(render_quantize(res))
 
 
 COMMANDS = [mx]

@@ -600,6 +600,18 @@ class ReshardResult:
                 "bytes_per_second": int(self.bytes_written / self.seconds) if self.seconds else None}
 
 
+def render_reshard(res: ReshardResult) -> str:
+    """What ``k3ckpt reshard`` prints: the topology and what was written, in one line."""
+    from ..utils import human_bytes
+
+    rate = f" at {human_bytes(res.bytes_written / res.seconds)}/s" if res.seconds and res.bytes_written else ""
+    skipped = f", {len(res.skipped)} already complete (skipped)" if res.skipped else ""
+    t = res.topology
+    unit = "nodes" if res.layout == "hf-node" else "ranks"
+    return (f"ok: {res.out}: ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}: "
+            f"{len(res.written)} {unit} written ({human_bytes(res.bytes_written)}{rate}){skipped}")
+
+
 def _manifest_matches(rdir: Path, rp: RankPlan | NodePlan, source: dict[str, Any]) -> bool:
     if not (rdir / READY_NAME).is_file():
         return False
