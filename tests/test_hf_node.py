@@ -57,9 +57,8 @@ def check_node(src: Path, ndir: Path, topo: Topology, node: int, gpus_per_node: 
     (2, 2, 4, "linear", 4),  # one node holding everything
 ])
 def test_k3_nodes(k3_tiny: Path, tmp_path: Path, ep: int, tp: int, ws: int | None, placement: str, gpn: int) -> None:
-    res = rs.reshard(k3_tiny, tmp_path / "o", RankSelection(ep=ep, tp=tp, world_size=ws, placement=placement,
-                                                           gpus_per_node=gpn),
-                     layout="hf-node", max_file_size=1_000_000)
+    sel = RankSelection(ep=ep, tp=tp, world_size=ws, placement=placement, gpus_per_node=gpn)
+    res = rs.reshard(k3_tiny, tmp_path / "o", sel, layout="hf-node", max_file_size=1_000_000)
     topo = Topology.make(ep=ep, tp=tp, world_size=ws, placement=placement, num_experts=16)
     nodes = -(-topo.world_size // gpn)
     assert res.written == list(range(nodes)) and res.to_json()["nodes_written"] == res.written

@@ -13,7 +13,7 @@ from k3ckpt.cli import main
 from k3ckpt.integrity.manifest import build_manifest
 from k3ckpt.deploy.plan import ACCELERATORS, WEIGHT_OVERHEAD, plan_topology
 from k3ckpt.format.roles import Kind
-from k3ckpt.format.topology import RankSelection
+from k3ckpt.format.topology import RankSelection, TopologyError
 
 
 def run(*args: str):
@@ -45,6 +45,12 @@ def test_round_robin_and_manifest_source_agree_with_the_directory(k3_tiny: Path,
     assert from_dir["ranks"] == from_manifest["ranks"]
     assert from_manifest["notes"]  # says what it could not check without a config
     assert from_dir["ranks"][1]["first_expert"] == 1 and from_dir["ranks"][1]["last_expert"] == 13
+
+
+def test_a_plan_covers_every_rank(k3_tiny: Path) -> None:
+    for sel in (RankSelection(ep=2, ranks="0"), RankSelection(ep=2, node=0, gpus_per_node=1)):
+        with pytest.raises(TopologyError, match="a plan covers every rank"):
+            plan_topology(k3_tiny, sel)
 
 
 def test_fits_against_accelerators(k3_tiny: Path) -> None:

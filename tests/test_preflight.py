@@ -216,6 +216,16 @@ def test_topology_mismatch(layout: Path, source: Path) -> None:
     assert r.fix == f"k3ckpt reshard {source} -o {layout} --ep 8 --tp 2 --ranks 0-3 --force"
     r = rows(pf.preflight(layout, RankSelection(tp=1), environ=NO_GPU))["topology"]
     assert r.status == "FAIL" and "--tp 1 (layout has 2)" in r.reason
+    r = rows(pf.preflight(layout, RankSelection(placement="round_robin"), environ=NO_GPU))["topology"]
+    assert r.status == "FAIL" and "--placement round_robin (layout has linear)" in r.reason
+    assert r.fix == f"k3ckpt reshard {source} -o {layout} --ep 4 --tp 2 --placement round_robin --force"
+
+
+def test_preflight_checks_one_rank_or_one_node(layout: Path) -> None:
+    assert pf.preflight(layout, RankSelection(ranks="1"), environ=NO_GPU).ranks == [1]
+    for ranks in ("0-1", [0, 1]):
+        with pytest.raises(pf.PreflightError, match="preflight checks one rank or one node"):
+            pf.preflight(layout, RankSelection(ranks=ranks), environ=NO_GPU)
 
 
 @pytest.mark.parametrize("edit, needle", [

@@ -77,7 +77,7 @@ def json_option(help: str = "Machine-readable output.") -> Decorator:
 
 def jobs_option(help: str, default: int | None = None) -> Decorator:
     """``--jobs N`` (at least 1); ``help`` says what runs in parallel and the default."""
-    extra = {"show_default": True} if default is not None else {}
+    extra: dict[str, Any] = {"show_default": True} if default is not None else {}
     return click.option("--jobs", type=click.IntRange(1), default=default, help=help, **extra)
 
 
@@ -126,7 +126,7 @@ def topology_options(*, show_defaults: bool = False, **helps: str) -> Decorator:
         for name, help in reversed(helps.items()):  # click lists the last-applied option first
             flag, kind = _TOPOLOGY_OPTIONS[name]
             default = _SHOWN_DEFAULTS.get(name) if show_defaults else None
-            extra = {"default": default, "show_default": True} if default is not None else {}
+            extra: dict[str, Any] = {"default": default, "show_default": True} if default is not None else {}
             wrapper = click.option(flag, name, type=kind, help=help, **extra)(wrapper)
         return wrapper
 

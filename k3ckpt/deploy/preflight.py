@@ -265,6 +265,7 @@ class _Request:
                             gpus_per_node=self.selection.gpus_per_node, env=self.env)
 
     def check_environment(self, world_size: int | None, ranks: list[int]) -> Check:
+        """:func:`check_environment` with this request's options."""
         return check_environment(self.env, world_size, ranks, rank=self.rank, node=self.selection.node,
                                  gpus_per_node=self.selection.gpus_per_node)
 
