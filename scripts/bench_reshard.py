@@ -42,10 +42,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.deploy.reshard import plan_reshard
-from k3ckpt.format.topology import ExpertSlice
+from k3ckpt.format.topology import ExpertSlice, RankSelection
 
 src, out, ep, tp = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-plan = plan_reshard(src, ep=ep, tp=tp)  # only to know which tensors and slices each rank holds
+plan = plan_reshard(src, RankSelection(ep=ep, tp=tp))  # only to know which tensors and slices each rank holds
 ckpt = plan.ckpt
 for rp in plan.ranks:
     tensors = {}
@@ -113,8 +113,9 @@ def main() -> None:
     cold = drop_caches()
 
     from k3ckpt.deploy.reshard import plan_reshard
+    from k3ckpt.format.topology import RankSelection
 
-    plan = plan_reshard(src, ep=args.ep, tp=args.tp)
+    plan = plan_reshard(src, RankSelection(ep=args.ep, tp=args.tp))
     sizes = [rp.nbytes for rp in plan.ranks]
     # the first ranks whose output is about the source's size: the same write volume as cp
     acc, k = 0, 0

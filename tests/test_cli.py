@@ -43,6 +43,38 @@ def test_every_command_has_help_with_an_example(path: tuple[str, ...]) -> None:
     assert "Example" in res.output and f"k3ckpt {' '.join(path)}" in res.output
 
 
+def _options_named(flag: str) -> list[tuple[str, click.Option]]:
+    out = []
+    for path in _command_paths(main):
+        cmd: click.Command = main
+        for name in path:
+            cmd = cmd.commands[name]  # type: ignore[attr-defined]
+        out += [(" ".join(path), p) for p in cmd.params if isinstance(p, click.Option) and flag in p.opts]
+    return out
+
+
+def test_every_json_option_comes_from_the_shared_decorator() -> None:
+    """``--json`` is declared once (cli._options.json_option): an option declared by hand is a
+    plain click.Option, so a second class, or a different name or default, shows up here."""
+    found = _options_named("--json")
+    assert len(found) >= 16, [where for where, _ in found]
+    assert {type(p) for _, p in found} != {click.Option}
+    first = found[0][1]
+    for where, p in found:
+        assert type(p) is type(first), where
+        assert (p.name, p.opts, p.secondary_opts, p.is_flag) == ("as_json", ["--json"], [], True), where
+        assert (p.default, p.flag_value, p.required) == (first.default, first.flag_value, first.required), where
+
+
+def test_topology_options_mean_the_same_everywhere() -> None:
+    """The topology options come from one table: the same type (and so the same checks) in
+    every command that takes them."""
+    for flag in ("--ep", "--tp", "--world-size", "--placement", "--ranks", "--node", "--gpus-per-node"):
+        found = _options_named(flag)
+        assert len(found) >= 2, flag
+        assert len({repr(p.type) for _, p in found}) == 1, (flag, [(w, p.type) for w, p in found])
+
+
 def test_inspect_text_and_json(k3_tiny: Path) -> None:
     res = run("inspect", str(k3_tiny))
     assert res.exit_code == 0, res.output

@@ -168,9 +168,10 @@ def test_reshard_does_not_write_through_destination_symlinks(k3_tiny: Path, tmp_
     """Symlinks planted in the output - at final names and at the temporary names earlier
     versions used (``.topology.json.tmp``, ``.config.json.tmp``) - never redirect a write."""
     from k3ckpt.deploy.reshard import plan_reshard, run_reshard
+    from k3ckpt.format.topology import RankSelection
 
     out = tmp_path / "out"
-    plan = plan_reshard(k3_tiny, ep=2)
+    plan = plan_reshard(k3_tiny, RankSelection(ep=2))
     run_reshard(plan, out)
     reference = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     victims = []

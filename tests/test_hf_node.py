@@ -15,7 +15,7 @@ from k3ckpt.deploy import reshard as rs
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
 from k3ckpt.cli import main
 from k3ckpt.testing.synth import spec_from_preset, synthesize
-from k3ckpt.format.topology import Topology
+from k3ckpt.format.topology import RankSelection, Topology
 from k3ckpt.integrity.verify import verify_checkpoint
 from test_unshard import _tensor_digests
 
@@ -57,8 +57,8 @@ def check_node(src: Path, ndir: Path, topo: Topology, node: int, gpus_per_node: 
     (2, 2, 4, "linear", 4),  # one node holding everything
 ])
 def test_k3_nodes(k3_tiny: Path, tmp_path: Path, ep: int, tp: int, ws: int | None, placement: str, gpn: int) -> None:
-    res = rs.reshard(k3_tiny, tmp_path / "o", ep=ep, tp=tp, world_size=ws, placement=placement,
-                     gpus_per_node=gpn, layout="hf-node", max_file_size=1_000_000)
+    sel = RankSelection(ep=ep, tp=tp, world_size=ws, placement=placement, gpus_per_node=gpn)
+    res = rs.reshard(k3_tiny, tmp_path / "o", sel, layout="hf-node", max_file_size=1_000_000)
     topo = Topology.make(ep=ep, tp=tp, world_size=ws, placement=placement, num_experts=16)
     nodes = -(-topo.world_size // gpn)
     assert res.written == list(range(nodes)) and res.to_json()["nodes_written"] == res.written
@@ -72,21 +72,22 @@ def test_uneven_and_one_node_at_a_time(tmp_path: Path) -> None:
     synthesize(spec_from_preset("k3-tiny", num_experts=10, num_layers=3), src)
     topo = Topology.make(ep=4, tp=1, num_experts=10)
     for node in (1, 0):  # each node writes its own share into the shared directory
-        res = rs.reshard(src, tmp_path / "o", ep=4, gpus_per_node=2, node=node, layout="hf-node")
+        res = rs.reshard(src, tmp_path / "o", RankSelection(ep=4, gpus_per_node=2, node=node), layout="hf-node")
         assert res.written == [node]
     check_node(src, tmp_path / "o" / "node-00000", topo, 0, 2)  # experts 0-5 (3 + 3)
     check_node(src, tmp_path / "o" / "node-00001", topo, 1, 2)  # experts 6-9 (2 + 2)
 
 
 def test_gptoss_stacked_experts_stay_whole(gptoss_tiny: Path, tmp_path: Path) -> None:
-    rs.reshard(gptoss_tiny, tmp_path / "o", ep=4, gpus_per_node=2, layout="hf-node")
+    rs.reshard(gptoss_tiny, tmp_path / "o", RankSelection(ep=4, gpus_per_node=2), layout="hf-node")
     topo = Topology.make(ep=4, num_experts=8)
     for n in range(2):
         check_node(gptoss_tiny, tmp_path / "o" / f"node-{n:05d}", topo, n, 2)
 
 
 def test_k2_nodes(k2_tiny: Path, tmp_path: Path) -> None:
-    rs.reshard(k2_tiny, tmp_path / "o", ep=4, gpus_per_node=2, layout="hf-node", placement="round_robin")
+    rs.reshard(k2_tiny, tmp_path / "o", RankSelection(ep=4, gpus_per_node=2, placement="round_robin"),
+               layout="hf-node")
     topo = Topology.make(ep=4, placement="round_robin", num_experts=8)
     for n in range(2):
         check_node(k2_tiny, tmp_path / "o" / f"node-{n:05d}", topo, n, 2)
@@ -95,7 +96,7 @@ def test_k2_nodes(k2_tiny: Path, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def nodes(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("nodes") / "o"
-    rs.reshard(k3_tiny, out, ep=4, gpus_per_node=2, layout="hf-node")
+    rs.reshard(k3_tiny, out, RankSelection(ep=4, gpus_per_node=2), layout="hf-node")
     return out
 
 
@@ -131,18 +132,19 @@ def test_verify_checks_exactly_the_nodes_experts(nodes: Path, tmp_path: Path) ->
 def test_resume_skips_complete_nodes_and_rewrites_broken_ones(k3_tiny: Path, nodes: Path, tmp_path: Path) -> None:
     out = tmp_path / "o"
     shutil.copytree(nodes, out)
-    res = rs.reshard(k3_tiny, out, ep=4, gpus_per_node=2, layout="hf-node")
+    res = rs.reshard(k3_tiny, out, RankSelection(ep=4, gpus_per_node=2), layout="hf-node")
     assert res.written == [] and res.skipped == [0, 1]
     victim = next((out / "node-00001").glob("model-*.safetensors"))
     with open(victim, "ab") as fh:
         fh.write(b"x")
-    res = rs.reshard(k3_tiny, out, ep=4, gpus_per_node=2, layout="hf-node")
+    res = rs.reshard(k3_tiny, out, RankSelection(ep=4, gpus_per_node=2), layout="hf-node")
     assert res.written == [1] and res.skipped == [0]
     check_node(k3_tiny, out / "node-00001", Topology.make(ep=4, num_experts=16), 1, 2)
 
 
 def test_interrupted_node_has_no_index_marker_or_ready(k3_tiny: Path, tmp_path: Path) -> None:
-    plan = rs.plan_reshard(k3_tiny, ep=4, gpus_per_node=2, layout="hf-node", max_file_size=1_000_000)
+    plan = rs.plan_reshard(k3_tiny, RankSelection(ep=4, gpus_per_node=2), layout="hf-node",
+                           max_file_size=1_000_000)
 
     last = plan.nodes[1].files[-1].name
     assert len(plan.nodes[1].files) > 1
@@ -158,7 +160,8 @@ def test_interrupted_node_has_no_index_marker_or_ready(k3_tiny: Path, tmp_path: 
     for ndir in unfinished:
             assert not (ndir / INDEX_NAME).exists() and not (ndir / "k3ckpt-node.json").exists()
             assert not list(ndir.glob("model-*.safetensors"))
-    res = rs.reshard(k3_tiny, tmp_path / "o", ep=4, gpus_per_node=2, layout="hf-node", max_file_size=1_000_000)
+    res = rs.reshard(k3_tiny, tmp_path / "o", RankSelection(ep=4, gpus_per_node=2), layout="hf-node",
+                     max_file_size=1_000_000)
     assert sorted(res.written + res.skipped) == [0, 1]
     check_node(k3_tiny, tmp_path / "o" / "node-00000", Topology.make(ep=4, num_experts=16), 0, 2)
 

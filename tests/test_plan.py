@@ -13,6 +13,7 @@ from k3ckpt.cli import main
 from k3ckpt.integrity.manifest import build_manifest
 from k3ckpt.deploy.plan import ACCELERATORS, WEIGHT_OVERHEAD, plan_topology
 from k3ckpt.format.roles import Kind
+from k3ckpt.format.topology import RankSelection, TopologyError
 
 
 def run(*args: str):
@@ -20,7 +21,7 @@ def run(*args: str):
 
 
 def test_bytes_per_rank_add_up(k3_tiny: Path) -> None:
-    rep = plan_topology(k3_tiny, ep=4, tp=2, gpus_per_node=2)
+    rep = plan_topology(k3_tiny, RankSelection(ep=4, tp=2, gpus_per_node=2))
     ckpt = open_checkpoint(k3_tiny)
     routed = sum(t.nbytes for n, t in ckpt.tensors.items() if ckpt.roles[n].kind == Kind.ROUTED_EXPERT)
     assert sum(r.routed_bytes for r in rep.ranks) == routed  # every expert on exactly one rank
@@ -39,17 +40,23 @@ def test_bytes_per_rank_add_up(k3_tiny: Path) -> None:
 def test_round_robin_and_manifest_source_agree_with_the_directory(k3_tiny: Path, tmp_path: Path) -> None:
     m = tmp_path / "m.json"
     build_manifest(k3_tiny).save(m)
-    from_dir = plan_topology(k3_tiny, ep=4, placement="round_robin").to_json()
-    from_manifest = plan_topology(m, ep=4, placement="round_robin").to_json()
+    from_dir = plan_topology(k3_tiny, RankSelection(ep=4, placement="round_robin")).to_json()
+    from_manifest = plan_topology(m, RankSelection(ep=4, placement="round_robin")).to_json()
     assert from_dir["ranks"] == from_manifest["ranks"]
     assert from_manifest["notes"]  # says what it could not check without a config
     assert from_dir["ranks"][1]["first_expert"] == 1 and from_dir["ranks"][1]["last_expert"] == 13
 
 
+def test_a_plan_covers_every_rank(k3_tiny: Path) -> None:
+    for sel in (RankSelection(ep=2, ranks="0"), RankSelection(ep=2, node=0, gpus_per_node=1)):
+        with pytest.raises(TopologyError, match="a plan covers every rank"):
+            plan_topology(k3_tiny, sel)
+
+
 def test_fits_against_accelerators(k3_tiny: Path) -> None:
-    small = plan_topology(k3_tiny, ep=2, kv_budget=10**9)
+    small = plan_topology(k3_tiny, RankSelection(ep=2), kv_budget=10**9)
     assert all(small.fits().values())
-    huge = plan_topology(k3_tiny, ep=2, kv_budget=285 * 10**9)
+    huge = plan_topology(k3_tiny, RankSelection(ep=2), kv_budget=285 * 10**9)
     assert huge.fits() == {"H100 80 GB": False, "H200 141 GB": False, "B200 192 GB": False,
                            "GB300 288 GB": True, "MI355X 288 GB": True}
 

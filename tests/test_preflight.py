@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from k3ckpt.deploy import preflight as pf
 from k3ckpt.cli import main
 from k3ckpt.deploy.reshard import reshard
+from k3ckpt.format.topology import RankSelection
 from ckpt_edit import drop_tensors, flip_byte
 
 #: No GPU tool on this PATH (the machine has none; tests add fake ones in front).
@@ -40,7 +41,7 @@ def source(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pristine(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ep 4 x tp 2 (world size 4) of k3-tiny: 16 experts, 4 per rank. Read-only."""
     out = tmp_path_factory.mktemp("layout") / "k3-ep4-tp2"
-    reshard(source, out, ep=4, tp=2)
+    reshard(source, out, RankSelection(ep=4, tp=2))
     return out
 
 
@@ -97,7 +98,7 @@ def run_fix(fix: str) -> None:
 
 def test_pass_path_node_of_a_rank_layout(layout: Path, source: Path, tmp_path: Path) -> None:
     env = b200s(tmp_path)
-    rep = pf.preflight(layout, node=1, gpus_per_node=2, ep=4, tp=2, environ=env)
+    rep = pf.preflight(layout, RankSelection(node=1, gpus_per_node=2, ep=4, tp=2), environ=env)
     assert rep.ok and rep.ranks == [2, 3] and rep.layout == "rank-layout"
     assert statuses(rep) == {
         "topology": "PASS", "environment": "PASS", "rank 2": "PASS", "rank 3": "PASS", "disk": "PASS",
@@ -129,22 +130,22 @@ def test_default_ranks_are_all_and_full_hashes_every_file(layout: Path) -> None:
 
 def test_missing_rank_directory(layout: Path, source: Path) -> None:
     shutil.rmtree(layout / "rank-00003")
-    rep = pf.preflight(layout, node=1, gpus_per_node=2, environ=NO_GPU)
+    rep = pf.preflight(layout, RankSelection(node=1, gpus_per_node=2), environ=NO_GPU)
     r = rows(rep)["rank 3"]
     assert not rep.ok and r.status == "FAIL" and r.reason == "rank-00003/ missing"
     assert r.fix == f"k3ckpt reshard {source} -o {layout} --ep 4 --tp 2 --ranks 3"
     assert statuses(rep)["rank 2"] == "PASS" and rep.fix_all is None  # one broken rank: its own fix says it
     run_fix(r.fix)
-    assert pf.preflight(layout, node=1, gpus_per_node=2, environ=NO_GPU).ok
+    assert pf.preflight(layout, RankSelection(node=1, gpus_per_node=2), environ=NO_GPU).ok
 
 
 def test_missing_ready(layout: Path) -> None:
     (layout / "rank-00000" / "READY").unlink()
-    rep = pf.preflight(layout, rank=0, environ=NO_GPU)
+    rep = pf.preflight(layout, RankSelection(ranks=[0]), environ=NO_GPU)
     r = rows(rep)["rank 0"]
     assert r.status == "FAIL" and "READY missing" in r.reason and r.fix.endswith("--ranks 0")
     run_fix(r.fix)
-    assert pf.preflight(layout, rank=0, environ=NO_GPU).ok
+    assert pf.preflight(layout, RankSelection(ranks=[0]), environ=NO_GPU).ok
 
 
 def test_truncated_file(layout: Path) -> None:
@@ -184,12 +185,12 @@ def test_corrupted_file_needs_full_and_its_fix_forces(layout: Path) -> None:
 def test_rank_manifest_of_another_rank_or_source(layout: Path) -> None:
     man = layout / "rank-00001" / "rank-manifest.json"
     shutil.copy(layout / "rank-00000" / "rank-manifest.json", man)
-    r = rows(pf.preflight(layout, rank=1, environ=NO_GPU))["rank 1"]
+    r = rows(pf.preflight(layout, RankSelection(ranks=[1]), environ=NO_GPU))["rank 1"]
     assert r.status == "FAIL" and "rank 0 (topology says 1)" in r.reason
     m = json.loads((layout / "rank-00003" / "rank-manifest.json").read_text())
     m["source_index_sha256"] = "f" * 64
     (layout / "rank-00003" / "rank-manifest.json").write_text(json.dumps(m))
-    r = rows(pf.preflight(layout, rank=3, environ=NO_GPU))["rank 3"]
+    r = rows(pf.preflight(layout, RankSelection(ranks=[3]), environ=NO_GPU))["rank 3"]
     assert r.status == "FAIL" and "another source" in r.reason
 
 
@@ -199,7 +200,7 @@ def test_rank_holding_other_experts(layout: Path) -> None:
     m = json.loads(man.read_text())
     m["tensors"] = {n.replace(".experts.3.", ".experts.7."): t for n, t in m["tensors"].items()}
     man.write_text(json.dumps(m))
-    r = rows(pf.preflight(layout, rank=0, environ=NO_GPU))["rank 0"]
+    r = rows(pf.preflight(layout, RankSelection(ranks=[0]), environ=NO_GPU))["rank 0"]
     assert r.status == "FAIL" and "lacks experts 3 and holds experts 7 of other ranks" in r.reason
 
 
@@ -207,14 +208,24 @@ def test_rank_holding_other_experts(layout: Path) -> None:
 
 
 def test_topology_mismatch(layout: Path, source: Path) -> None:
-    rep = pf.preflight(layout, ep=8, tp=2, node=0, gpus_per_node=4, environ=NO_GPU)
+    rep = pf.preflight(layout, RankSelection(ep=8, tp=2, node=0, gpus_per_node=4), environ=NO_GPU)
     r = rows(rep)["topology"]
     assert r.status == "FAIL"
     assert "requested --ep 8 (layout has 4), --world-size 8 (layout has 4)" in r.reason
     # the fix reshards this node's ranks of the requested topology
     assert r.fix == f"k3ckpt reshard {source} -o {layout} --ep 8 --tp 2 --ranks 0-3 --force"
-    r = rows(pf.preflight(layout, tp=1, environ=NO_GPU))["topology"]
+    r = rows(pf.preflight(layout, RankSelection(tp=1), environ=NO_GPU))["topology"]
     assert r.status == "FAIL" and "--tp 1 (layout has 2)" in r.reason
+    r = rows(pf.preflight(layout, RankSelection(placement="round_robin"), environ=NO_GPU))["topology"]
+    assert r.status == "FAIL" and "--placement round_robin (layout has linear)" in r.reason
+    assert r.fix == f"k3ckpt reshard {source} -o {layout} --ep 4 --tp 2 --placement round_robin --force"
+
+
+def test_preflight_checks_one_rank_or_one_node(layout: Path) -> None:
+    assert pf.preflight(layout, RankSelection(ranks="1"), environ=NO_GPU).ranks == [1]
+    for ranks in ("0-1", [0, 1]):
+        with pytest.raises(pf.PreflightError, match="preflight checks one rank or one node"):
+            pf.preflight(layout, RankSelection(ranks=ranks), environ=NO_GPU)
 
 
 @pytest.mark.parametrize("edit, needle", [
@@ -256,7 +267,7 @@ def test_unrecorded_source_path_is_a_placeholder(layout: Path) -> None:
 
 @pytest.mark.parametrize("env, kwargs, needle", [
     ({"WORLD_SIZE": "8"}, {}, "WORLD_SIZE=8 but the topology has world size 4"),
-    ({"RANK": "3"}, {"rank": 2}, "RANK=3 but --rank 2"),
+    ({"RANK": "3"}, {"ranks": [2]}, "RANK=3 but --rank 2"),
     ({"SLURM_NTASKS": "2"}, {}, "SLURM_NTASKS=2 but the topology has world size 4"),
     ({"RANK": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, {}, "LOCAL_RANK=0 but RANK=1 is local rank 1"),
     ({"SLURM_NODEID": "0"}, {"node": 1, "gpus_per_node": 2}, "SLURM_NODEID=0 but --node 1"),
@@ -266,13 +277,13 @@ def test_unrecorded_source_path_is_a_placeholder(layout: Path) -> None:
     ({"JOB_COMPLETION_INDEX": "5"}, {"gpus_per_node": 2}, None),  # node 5 of a 2-node world
 ])
 def test_environment_mismatch(pristine: Path, env: dict[str, str], kwargs: dict, needle: str | None) -> None:
-    rep = pf.preflight(pristine, environ={**NO_GPU, **env}, **kwargs)
+    rep = pf.preflight(pristine, RankSelection(**kwargs), environ={**NO_GPU, **env})
     r = rows(rep)["environment"]
     assert r.status == "FAIL" and not rep.ok, r
     if needle:
         assert needle in r.reason
     # --no-env: the same directory and options pass
-    assert pf.preflight(pristine, environ={**NO_GPU, **env}, use_env=False, **kwargs).ok
+    assert pf.preflight(pristine, RankSelection(**kwargs), environ={**NO_GPU, **env}, use_env=False).ok
 
 
 @pytest.mark.parametrize("env, kwargs, ranks, variable", [
@@ -284,7 +295,7 @@ def test_environment_mismatch(pristine: Path, env: dict[str, str], kwargs: dict,
 ])
 def test_ranks_from_the_environment(pristine: Path, env: dict[str, str], kwargs: dict, ranks: list[int],
                                     variable: str) -> None:
-    rep = pf.preflight(pristine, environ={**NO_GPU, **env}, **kwargs)
+    rep = pf.preflight(pristine, RankSelection(**kwargs), environ={**NO_GPU, **env})
     assert rep.ranks == ranks and variable in rep.selection
     assert rows(rep)["environment"].status == "PASS" and rep.ok
 
@@ -313,13 +324,13 @@ def test_host_memory_is_a_warning(layout: Path) -> None:
 
 def test_gpu_too_small_and_too_few(layout: Path, tmp_path: Path) -> None:
     env = fake_tool(tmp_path / "bin", "nvidia-smi", NVIDIA_ARGS, "Tesla T4, 15360, 0\nTesla T4, 15360, 200")
-    rep = pf.preflight(layout, node=0, gpus_per_node=2, environ=env)  # 20 GiB KV > 15 GiB
+    rep = pf.preflight(layout, RankSelection(node=0, gpus_per_node=2), environ=env)  # 20 GiB KV > 15 GiB
     r = rows(rep)["gpu"]
     assert r.status == "FAIL" and "rank 0 needs" in r.reason and "GPU 0 (Tesla T4)" in r.reason
     assert len(r.details["problems"]) == 2 and not rep.ok
     assert rows(rep)["mxfp4"].status == "WARN"
-    assert pf.preflight(layout, node=0, gpus_per_node=2, kv_budget=10**9, environ=env).ok
-    rep = pf.preflight(layout, node=0, gpus_per_node=4, environ=b200s(tmp_path / "few", n=1))
+    assert pf.preflight(layout, RankSelection(node=0, gpus_per_node=2), kv_budget=10**9, environ=env).ok
+    rep = pf.preflight(layout, RankSelection(node=0, gpus_per_node=4), environ=b200s(tmp_path / "few", n=1))
     assert rows(rep)["gpu"].status == "FAIL" and "needs device 1 but nvidia-smi shows 1" in rows(rep)["gpu"].reason
 
 
@@ -327,8 +338,9 @@ def test_gpu_visible_devices_and_hopper(layout: Path, tmp_path: Path) -> None:
     env = fake_tool(tmp_path / "bin", "nvidia-smi", NVIDIA_ARGS,
                     "NVIDIA H100 80GB HBM3, 81559, 81000\nNVIDIA H100 80GB HBM3, 81559, 0\n"
                     "NVIDIA H100 80GB HBM3, 81559, 0")
-    assert rows(pf.preflight(layout, node=0, gpus_per_node=2, environ=env))["gpu"].status == "FAIL"  # GPU 0 is busy
-    rep = pf.preflight(layout, node=0, gpus_per_node=2, environ={**env, "CUDA_VISIBLE_DEVICES": "1,2"})
+    assert rows(pf.preflight(layout, RankSelection(node=0, gpus_per_node=2), environ=env))["gpu"].status == "FAIL"  # GPU 0 is busy
+    rep = pf.preflight(layout, RankSelection(node=0, gpus_per_node=2),
+                       environ={**env, "CUDA_VISIBLE_DEVICES": "1,2"})
     assert statuses(rep)["gpu"] == "PASS" and rep.ok
     assert "weight-only" in rows(rep)["mxfp4"].reason and "W4A16" in rows(rep)["mxfp4"].reason
 
@@ -337,7 +349,7 @@ def test_rocm_smi(layout: Path, tmp_path: Path) -> None:
     card = {"Card Series": "AMD Instinct MI355X", "VRAM Total Memory (B)": str(288 * 10**9),
             "VRAM Total Used Memory (B)": "0"}
     env = fake_tool(tmp_path / "bin", "rocm-smi", ROCM_ARGS, json.dumps({"card0": card, "card1": card}))
-    rep = pf.preflight(layout, node=0, gpus_per_node=2, environ=env)
+    rep = pf.preflight(layout, RankSelection(node=0, gpus_per_node=2), environ=env)
     assert statuses(rep)["gpu"] == "PASS" and "MI355X" in rows(rep)["mxfp4"].reason
     assert "natively" in rows(rep)["mxfp4"].reason
 
@@ -392,7 +404,7 @@ def _keep_experts(ckpt: Path, keep: set[int]) -> None:
 
 
 def test_plain_checkpoint_pass(source: Path, tmp_path: Path) -> None:
-    rep = pf.preflight(source, ep=4, tp=2, node=1, gpus_per_node=2, environ=b200s(tmp_path))
+    rep = pf.preflight(source, RankSelection(ep=4, tp=2, node=1, gpus_per_node=2), environ=b200s(tmp_path))
     assert rep.layout == "checkpoint" and rep.ranks == [2, 3]
     assert {c.name: c.status for c in rep.checks if c.status != "PASS"} == {}
     assert "8 experts ranks 2-3 needs" in rows(rep)["experts"].reason
@@ -405,9 +417,9 @@ def test_plain_checkpoint_pass(source: Path, tmp_path: Path) -> None:
 def test_hf_node_copy_covers_its_node_only(source: Path, clone_checkpoint) -> None:
     node1 = clone_checkpoint(source)
     _keep_experts(node1, set(range(8, 16)))
-    rep = pf.preflight(node1, ep=4, tp=2, node=1, gpus_per_node=2, environ=NO_GPU)
+    rep = pf.preflight(node1, RankSelection(ep=4, tp=2, node=1, gpus_per_node=2), environ=NO_GPU)
     assert rows(rep)["experts"].status == "PASS" and rows(rep)["structure"].status == "PASS"
-    rep = pf.preflight(node1, ep=4, tp=2, node=0, gpus_per_node=2, environ=NO_GPU)
+    rep = pf.preflight(node1, RankSelection(ep=4, tp=2, node=0, gpus_per_node=2), environ=NO_GPU)
     r = rows(rep)["experts"]
     assert r.status == "FAIL" and "lacks 8 expert(s) that ranks 0-1 needs: 0-7" in r.reason
     # not a rank-aware fetch's directory: the fix fetches the checkpoint
@@ -415,7 +427,7 @@ def test_hf_node_copy_covers_its_node_only(source: Path, clone_checkpoint) -> No
     assert rows(pf.preflight(node1, environ=NO_GPU))["experts"].status == "FAIL"
     # a rank-aware fetch's directory: the fix fetches exactly the share of the ranks asked for
     (node1 / "k3ckpt-partial.json").write_text(json.dumps({"experts": list(range(8, 16))}))
-    r = rows(pf.preflight(node1, ep=4, tp=2, node=0, gpus_per_node=2, environ=NO_GPU))["experts"]
+    r = rows(pf.preflight(node1, RankSelection(ep=4, tp=2, node=0, gpus_per_node=2), environ=NO_GPU))["experts"]
     assert r.status == "FAIL" and r.fix == (f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {node1} "
                                             f"--ep 4 --tp 2 --world-size 4 --placement linear --ranks 0-1")
 
@@ -431,21 +443,21 @@ def test_plain_checkpoint_missing_shard(source: Path, clone_checkpoint) -> None:
 
 
 def test_plain_stacked_experts(gptoss_tiny: Path) -> None:
-    rep = pf.preflight(gptoss_tiny, ep=2, environ=NO_GPU)
+    rep = pf.preflight(gptoss_tiny, RankSelection(ep=2), environ=NO_GPU)
     assert statuses(rep)["experts"] == "PASS" and statuses(rep)["structure"] == "PASS"
     assert statuses(rep)["license"] == "PASS" and "Apache" in rows(rep)["license"].reason
 
 
 def test_plain_checkpoint_needs_topology_for_a_rank(source: Path) -> None:
     with pytest.raises(pf.PreflightError, match="need --ep/--tp"):
-        pf.preflight(source, rank=0, environ=NO_GPU)
+        pf.preflight(source, RankSelection(ranks=[0]), environ=NO_GPU)
 
 
 # -- read speed -------------------------------------------------------------------------------
 
 
 def test_io_test_reads_the_node_files(layout: Path) -> None:
-    rep = pf.preflight(layout, node=1, gpus_per_node=2, io_test=60, environ=NO_GPU)
+    rep = pf.preflight(layout, RankSelection(node=1, gpus_per_node=2), io_test=60, environ=NO_GPU)
     node_bytes = sum(p.stat().st_size for r in (2, 3) for p in (layout / f"rank-{r:05d}").glob("*.safetensors"))
     rs = rep.read_speed
     assert rs is not None and rs.files == 2 and rs.readers == 2
@@ -466,7 +478,7 @@ def test_io_test_without_o_direct(layout: Path, monkeypatch: pytest.MonkeyPatch)
         return real_open(path, flags, *a)
 
     monkeypatch.setattr(os, "open", no_direct)
-    rep = pf.preflight(layout, rank=0, io_test=60, environ=NO_GPU)
+    rep = pf.preflight(layout, RankSelection(ranks=[0]), io_test=60, environ=NO_GPU)
     rs = rep.read_speed
     assert rs is not None and not rs.direct and rs.bytes_read == rep.node_bytes
     r = rows(rep)["read speed"]
@@ -478,7 +490,7 @@ def test_io_test_read_error_is_a_fail(layout: Path, monkeypatch: pytest.MonkeyPa
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "preadv", eio)  # a failing disk cannot be made on demand
-    r = rows(pf.preflight(layout, rank=0, io_test=5, environ=NO_GPU))["read speed"]
+    r = rows(pf.preflight(layout, RankSelection(ranks=[0]), io_test=5, environ=NO_GPU))["read speed"]
     assert r.status == "FAIL" and "Input/output error" in r.reason
 
 

@@ -30,6 +30,7 @@ from k3ckpt.hub.client import HubFile
 from k3ckpt.integrity.manifest import build_manifest
 from k3ckpt.hub.rankfetch import PARTIAL_NAME, plan_rank_fetch, plan_shard, run_rank_fetch
 from k3ckpt.deploy.reshard import reshard
+from k3ckpt.format.topology import RankSelection
 from k3ckpt.format.roles import Kind, classify
 from k3ckpt.format.header import read_header
 from k3ckpt.integrity.verify import verify_checkpoint
@@ -56,7 +57,7 @@ def sha(p: Path) -> str:
 def node0_names(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     """What node 0 holds, by an independent route: the union of a full reshard's rank manifests."""
     out = tmp_path_factory.mktemp("full-node0")
-    reshard(k3_tiny, out, ep=8, tp=2, node=0, gpus_per_node=4)
+    reshard(k3_tiny, out, RankSelection(ep=8, tp=2, node=0, gpus_per_node=4))
     names: set[str] = set()
     for m in out.glob("rank-*/rank-manifest.json"):
         names.update(json.loads(m.read_text())["tensors"])
@@ -259,8 +260,8 @@ def test_manifest_verifies_every_tensor_and_refetches_a_corrupt_range_once(
 
 
 def _plan(h: Any, dest: Path, manifest: Path | None = None) -> Any:
-    return plan_rank_fetch("hf", REPO, dest, endpoint=h.url, token="", ep=8, tp=2, node=0, gpus_per_node=4,
-                           manifest=manifest, chunk_size=CHUNK)
+    return plan_rank_fetch("hf", REPO, dest, RankSelection(ep=8, tp=2, node=0, gpus_per_node=4), endpoint=h.url,
+                           token="", manifest=manifest, chunk_size=CHUNK)
 
 
 def test_persistent_corruption_fails_the_shard_naming_the_tensor(served_hub: Any, tensor_manifest: Path,
@@ -431,9 +432,10 @@ def test_verify_requires_the_markers_experts(served_hub: Any, tmp_path: Path, mo
 
 _CHILD = """
 import sys
+from k3ckpt.format.topology import RankSelection
 from k3ckpt.hub.rankfetch import plan_rank_fetch, run_rank_fetch
 url, repo, dest, chunk = sys.argv[1:5]
-plan = plan_rank_fetch("hf", repo, dest, endpoint=url, token="", ep=8, tp=2, node=0, gpus_per_node=4,
+plan = plan_rank_fetch("hf", repo, dest, RankSelection(ep=8, tp=2, node=0, gpus_per_node=4), endpoint=url, token="",
                        chunk_size=int(chunk))
 sys.exit(0 if run_rank_fetch(plan, workers=3, token="").ok else 1)
 """
@@ -471,8 +473,8 @@ def test_sigkill_then_resume(point: str, served_hub: Any, node0_names: set[str],
         done = [p for p in parts if json.loads(Path(f"{p}.journal").read_text())["done"]]
         assert done  # a complete .part waits for its rename: not under its final name
 
-    plan = plan_rank_fetch("hf", REPO, dest, endpoint=h.url, token="", ep=8, tp=2, node=0, gpus_per_node=4,
-                           chunk_size=CHUNK)
+    plan = plan_rank_fetch("hf", REPO, dest, RankSelection(ep=8, tp=2, node=0, gpus_per_node=4), endpoint=h.url,
+                           token="", chunk_size=CHUNK)
     res = run_rank_fetch(plan, workers=3, token="")
     assert res.ok, res.failed
     partial = sum(sp.tensor_bytes for sp in plan.shards if not sp.whole)
@@ -519,15 +521,16 @@ def test_other_families_reshard_identically(family: str, verification: str, requ
     src: Path = request.getfixturevalue(family)
     with LoopbackHub({REPO: src}, cache_dir=tmp_path / "hub-cache") as h:
         dest = tmp_path / "d"
-        plan = plan_rank_fetch("hf", REPO, dest, endpoint=h.url, token="", ep=4, ranks="0-1", chunk_size=CHUNK)
+        plan = plan_rank_fetch("hf", REPO, dest, RankSelection(ep=4, ranks="0-1"), endpoint=h.url, token="",
+                               chunk_size=CHUNK)
         res = run_rank_fetch(plan, workers=2, token="")
         assert res.ok, res.failed
         assert res.verification == plan.verification == verification
         assert (plan.bytes_total < plan.source_bytes) and (any(not s.whole for s in plan.shards) == (family == "k2_tiny"))
     assert verify_checkpoint(dest).ok
     a, b = tmp_path / "a", tmp_path / "b"
-    reshard(dest, a, ep=4, ranks="0-1")
-    reshard(src, b, ep=4, ranks="0-1")
+    reshard(dest, a, RankSelection(ep=4, ranks="0-1"))
+    reshard(src, b, RankSelection(ep=4, ranks="0-1"))
     for rank in (0, 1):
         files = sorted((b / f"rank-{rank:05d}").glob("*.safetensors"))
         assert files

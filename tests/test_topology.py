@@ -17,6 +17,7 @@ from k3ckpt.errors import EXIT_CANNOT_RUN, K3ckptError
 from k3ckpt.format.roles import Kind, Role, classify
 from k3ckpt.format.topology import (
     ExpertSlice,
+    RankSelection,
     Split,
     SplitError,
     Topology,
@@ -380,6 +381,35 @@ def test_ranks_of_node() -> None:
         ranks_of_node(0, 0, 8)
     topo = Topology.make(ep=16, tp=8, num_experts=896)
     assert [r.node for r in topo.ranks(gpus_per_node=8)] == [0] * 8 + [1] * 8
+
+
+def test_rank_selection_defaults_and_resolution() -> None:
+    sel = RankSelection()
+    assert not sel.names_topology
+    topo = sel.topology(16)
+    assert (topo.ep, topo.tp, topo.world_size, topo.placement) == (1, 1, 1, "linear")
+    assert sel.select(topo) == [0]
+    sel = RankSelection(ep=4, tp=2, placement="round_robin", ranks=[3, 1])
+    assert sel.names_topology and sel.ranks == (3, 1) and hash(sel) == hash(RankSelection(ep=4, tp=2,
+                                                                                            placement="round_robin",
+                                                                                            ranks=(3, 1)))
+    topo = sel.topology(16)
+    assert (topo.world_size, topo.placement) == (4, "round_robin") and sel.select(topo) == [1, 3]
+    assert RankSelection(ep=8, node=1, gpus_per_node=4).select(RankSelection(ep=8).topology(16)) == [4, 5, 6, 7]
+    assert RankSelection(world_size=2).names_topology
+
+
+@pytest.mark.parametrize(("sel", "message"), [
+    (RankSelection(ep=0), "--ep 0 must be at least 1"),
+    (RankSelection(ep=3, tp=2), "--tp 2 does not divide world size 3"),
+    (RankSelection(placement="random"), "unknown expert placement 'random'"),
+    (RankSelection(ranks="0-1", node=0, gpus_per_node=2), "give --ranks or --node, not both"),
+    (RankSelection(node=0), "--node needs --gpus-per-node"),
+    (RankSelection(ranks=[]), "no ranks selected"),
+])
+def test_rank_selection_errors(sel: RankSelection, message: str) -> None:
+    with pytest.raises(TopologyError, match=message):
+        sel.select(sel.topology(16))
 
 
 # -- launcher environments ----------------------------------------------------------------------

@@ -16,7 +16,7 @@ from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..format.config import ModelConfig
 from ..format.roles import classify
 from ..format.header import TensorInfo
-from ..format.topology import Topology, TopologyError, check_heads, index_of, tensors_for_ranks
+from ..format.topology import RankSelection, TopologyError, check_heads, index_of, num_experts_of, tensors_for_ranks
 
 #: Rule of thumb for what a rank needs beyond its weights (activations, CUDA graphs, buffers).
 WEIGHT_OVERHEAD = 1.15
@@ -93,20 +93,20 @@ def _from_manifest(path: Path) -> tuple[dict[str, TensorInfo], int]:
 
 def plan_topology(
     source: str | os.PathLike[str] | Checkpoint,
+    selection: RankSelection = RankSelection(),
     *,
-    ep: int = 1,
-    tp: int = 1,
-    world_size: int | None = None,
-    placement: str = "linear",
-    gpus_per_node: int | None = None,
     kv_budget: int = DEFAULT_KV_BUDGET,
     jobs: int | None = None,
 ) -> PlanReport:
-    """Plan ``ep`` x ``tp`` over a checkpoint directory or a manifest file.
+    """Plan ``selection``'s ep x tp over a checkpoint directory or a manifest file: every rank,
+    grouped into nodes of ``selection.gpus_per_node``.
 
     Raises:
-        TopologyError / SplitError: the topology is impossible, with the precise reason.
+        TopologyError / SplitError: the topology is impossible, with the precise reason, or
+            ``selection`` names ranks or a node (a plan covers every rank).
     """
+    if selection.ranks is not None or selection.node is not None:
+        raise TopologyError("a plan covers every rank: give no ranks or node")
     notes: list[str] = []
     cfg: ModelConfig | None = None
     if isinstance(source, Checkpoint):
@@ -126,14 +126,10 @@ def plan_topology(
         idx = index_of((tensors, {n: classify(n) for n in tensors}))
         label = str(source)
         notes.append("planned from a manifest: expert count inferred from tensor names")
-    found_experts = idx.max_expert + 1 if idx.max_expert >= 0 else 0
-    num_experts = (cfg.num_experts if cfg and cfg.num_experts else 0) or found_experts or 1
-    if found_experts > num_experts:
-        raise TopologyError(f"the checkpoint has expert {found_experts - 1} but config.json says {num_experts} experts")
-    topo = Topology.make(ep=ep, tp=tp, world_size=world_size, placement=placement, num_experts=num_experts)
+    topo = selection.topology(num_experts_of(idx, cfg.num_experts if cfg else None))
     check_heads(cfg, topo.tp, notes) if ckpt is not None else notes.append(
         "no config.json in a manifest: attention-head divisibility by --tp was not checked")
-    per_rank = tensors_for_ranks(idx, topo, gpus_per_node=gpus_per_node)
+    per_rank = tensors_for_ranks(idx, topo, gpus_per_node=selection.gpus_per_node)
     ranks = []
     for r, rt in sorted(per_rank.items()):
         info = rt.rank
@@ -145,7 +141,8 @@ def plan_topology(
         ))
     if not tensors:
         raise TopologyError(f"{label}: no tensors to plan")
-    topo_json = {**topo.to_json(), "moe_tp": topo.moe_tp, "dp": topo.dp, "gpus_per_node": gpus_per_node}
+    topo_json = {**topo.to_json(), "moe_tp": topo.moe_tp, "dp": topo.dp,
+                 "gpus_per_node": selection.gpus_per_node}
     return PlanReport(label, topo_json, ranks, kv_budget, total, notes)
 
 

@@ -47,7 +47,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,7 @@ from ..format.inspect import MISSING_EXPERTS
 from ..utils import format_ranges, human_bytes
 from ..format.topology import (
     RankEnv,
+    RankSelection,
     Topology,
     TopologyError,
     is_mxfp4,
@@ -174,13 +175,8 @@ class PreflightReport:
 
 def preflight(
     path: str | os.PathLike[str],
+    selection: RankSelection = RankSelection(),
     *,
-    rank: int | None = None,
-    node: int | None = None,
-    gpus_per_node: int | None = None,
-    ep: int | None = None,
-    tp: int | None = None,
-    world_size: int | None = None,
     full: bool = False,
     io_test: float | None = None,
     kv_budget: int = DEFAULT_KV_BUDGET,
@@ -192,9 +188,9 @@ def preflight(
     """Check that the directory ``path`` is ready for this node to load.
 
     Args:
-        rank / node + gpus_per_node: this node's ranks (default: from the launcher's
-            environment, else every rank).
-        ep / tp / world_size: the topology the launcher will use; compared with
+        selection: this node's ranks - one rank (``ranks=[R]``) or ``node`` + ``gpus_per_node``
+            (default: from the launcher's environment, else every rank) - and the topology the
+            launcher will use (``ep`` / ``tp`` / ``world_size`` / ``placement``): compared with
             ``topology.json``, or (plain checkpoint) the one whose experts must be present.
         full: compare sha256 of every rank file instead of sizes.
         io_test: seconds to spend measuring the read speed of this node's weight files.
@@ -213,11 +209,12 @@ def preflight(
         raise PreflightError(f"{root}: no such directory")
     root = root.resolve()
     env = os.environ if environ is None else environ
-    if rank is not None and node is not None:
+    rank = _one_rank(selection.ranks)
+    if rank is not None and selection.node is not None:
         raise PreflightError("give --rank or --node, not both")
-    if node is not None and gpus_per_node is None:
+    if selection.node is not None and selection.gpus_per_node is None:
         raise PreflightError("--node needs --gpus-per-node")
-    ask = _Request(rank, node, gpus_per_node, ep, tp, world_size, full, kv_budget, min_free_disk, jobs,
+    ask = _Request(rank, selection, full, kv_budget, min_free_disk, jobs,
                    rank_from_env(env) if use_env else RankEnv(), env)
     if (root / TOPOLOGY_NAME).exists() or any(root.glob("rank-[0-9]*")):
         report = _RankLayout(root, ask).run()
@@ -229,14 +226,22 @@ def preflight(
     return report
 
 
+def _one_rank(ranks: str | Sequence[int] | None) -> int | None:
+    """The one rank a selection names (preflight checks one rank or one node), if any."""
+    if ranks is None:
+        return None
+    if isinstance(ranks, str):
+        if ranks.strip().isdigit():
+            return int(ranks)
+    elif len(ranks) == 1:
+        return ranks[0]
+    raise PreflightError(f"preflight checks one rank or one node, not ranks {ranks!r}")
+
+
 @dataclass
 class _Request:
-    rank: int | None
-    node: int | None
-    gpus_per_node: int | None
-    ep: int | None
-    tp: int | None
-    world_size: int | None
+    rank: int | None  # the selection's one rank
+    selection: RankSelection
     full: bool
     kv_budget: int
     min_free_disk: int
@@ -245,8 +250,19 @@ class _Request:
     environ: Mapping[str, str]
 
     @property
-    def wants_topology(self) -> bool:
-        return self.ep is not None or self.tp is not None or self.world_size is not None
+    def per_node(self) -> int | None:
+        """Ranks per node: ``--gpus-per-node``, else the launcher's."""
+        return self.selection.gpus_per_node or self.env.local_world_size
+
+    def select(self, world_size: int) -> tuple[list[int], str]:
+        """This node's ranks of a world of ``world_size`` and how they were chosen."""
+        return select_ranks(world_size, rank=self.rank, node=self.selection.node,
+                            gpus_per_node=self.selection.gpus_per_node, env=self.env)
+
+    def check_environment(self, world_size: int | None, ranks: list[int]) -> Check:
+        """:func:`check_environment` with this request's options."""
+        return check_environment(self.env, world_size, ranks, rank=self.rank, node=self.selection.node,
+                                 gpus_per_node=self.selection.gpus_per_node)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,16 +392,13 @@ class _RankLayout:
         ask = self.ask
         self._topology()
         if self.topo is None:  # nothing says which ranks exist: what can be checked still is
-            self.checks.append(check_environment(ask.env, ask.world_size, [], rank=ask.rank, node=ask.node,
-                                                 gpus_per_node=ask.gpus_per_node))
+            self.checks.append(ask.check_environment(ask.selection.world_size, []))
             self.checks += _provenance_files(self.root, None, None)
             return PreflightReport(str(self.root), "rank-layout", None, [], "none: no usable topology.json",
                                    self.checks)
         topo = self.topo
-        ranks, how = select_ranks(topo.world_size, rank=ask.rank, node=ask.node,
-                                  gpus_per_node=ask.gpus_per_node, env=ask.env)
-        self.checks.append(check_environment(ask.env, topo.world_size, ranks, rank=ask.rank, node=ask.node,
-                                             gpus_per_node=ask.gpus_per_node))
+        ranks, how = ask.select(topo.world_size)
+        self.checks.append(ask.check_environment(topo.world_size, ranks))
         states = [self._rank_state(r) for r in ranks]
         if ask.full:
             self._compare_digests(states)
@@ -429,11 +442,12 @@ class _RankLayout:
             return
         self.topo = topo
         desc = _describe(topo)
-        want = {"--ep": self.ask.ep, "--tp": self.ask.tp, "--world-size": self.ask.world_size}
-        have = {"--ep": topo.ep, "--tp": topo.tp, "--world-size": topo.world_size}
-        if self.ask.ep is not None or self.ask.tp is not None:
+        sel = self.ask.selection
+        want = {"--ep": sel.ep, "--tp": sel.tp, "--world-size": sel.world_size, "--placement": sel.placement}
+        have = {"--ep": topo.ep, "--tp": topo.tp, "--world-size": topo.world_size, "--placement": topo.placement}
+        if sel.ep is not None or sel.tp is not None:
             # a world size left out means the default max(ep, tp), as every command reads it
-            want["--world-size"] = self.ask.world_size or max(self.ask.ep or topo.ep, self.ask.tp or topo.tp)
+            want["--world-size"] = sel.world_size or max(sel.ep or topo.ep, sel.tp or topo.tp)
         diff = [f"{k} {v} (layout has {have[k]})" for k, v in want.items() if v is not None and v != have[k]]
         if diff:
             self.checks.append(Check("topology", FAIL, f"{TOPOLOGY_NAME} is {desc}; requested " + ", ".join(diff),
@@ -446,10 +460,10 @@ class _RankLayout:
         """Reshard this node's ranks for the requested topology, replacing the layout."""
         ask = self.ask
         try:
-            want = Topology.make(ask.ep or topo.ep, ask.tp or topo.tp, ask.world_size, topo.placement,
+            sel = ask.selection
+            want = Topology.make(sel.ep or topo.ep, sel.tp or topo.tp, sel.world_size, sel.placement or topo.placement,
                                  num_experts=topo.num_experts)
-            ranks, _ = select_ranks(want.world_size, rank=ask.rank, node=ask.node,
-                                    gpus_per_node=ask.gpus_per_node, env=ask.env)
+            ranks, _ = ask.select(want.world_size)
         except TopologyError:
             return None
         return self._fix(want, ranks, force=True)
@@ -577,8 +591,7 @@ class _RankLayout:
         ]
 
     def _device_slots(self, states: list[_RankState]) -> dict[int, int]:
-        return device_slots([s.rank for s in states], self.ask.gpus_per_node or self.ask.env.local_world_size,
-                            self.ask.env)
+        return device_slots([s.rank for s in states], self.ask.per_node, self.ask.env)
 
     def _any_rank_bytes(self) -> int | None:
         """Weight bytes of any complete rank in the directory (another node's, say)."""
@@ -674,14 +687,12 @@ class _PlainCheckpoint:
             raise PreflightError(f"{self.root}: neither a rank layout (no {TOPOLOGY_NAME}) nor a checkpoint ({e})") from None
         topo = self._topology(ckpt)
         if topo is None:
-            if ask.rank is not None or ask.node is not None:
+            if ask.rank is not None or ask.selection.node is not None:
                 raise PreflightError("--rank/--node need --ep/--tp for a plain checkpoint (it has no topology.json)")
             ranks, how = [], "none: no --ep/--tp, every expert is needed"
         else:
-            ranks, how = select_ranks(topo.world_size, rank=ask.rank, node=ask.node,
-                                      gpus_per_node=ask.gpus_per_node, env=ask.env)
-        self.checks.append(check_environment(ask.env, topo.world_size if topo else None, ranks, rank=ask.rank,
-                                             node=ask.node, gpus_per_node=ask.gpus_per_node))
+            ranks, how = ask.select(topo.world_size)
+        self.checks.append(ask.check_environment(topo.world_size if topo else None, ranks))
         self.checks.append(self._structure(ckpt))
         self.checks.append(self._coverage(ckpt, topo, ranks))
         need = self._rank_bytes(ckpt, topo, ranks)
@@ -689,7 +700,7 @@ class _PlainCheckpoint:
         mx, fp8 = _checkpoint_quant_counts(ckpt)
         self.checks.append(disk_check(self.root, ask.min_free_disk, 0, ask.environ))
         self.checks.append(memory_check(largest_file, max(len(ranks), 1), ask.environ))
-        slots = device_slots(ranks, ask.gpus_per_node or ask.env.local_world_size, ask.env)
+        slots = device_slots(ranks, ask.per_node, ask.env)
         self.checks += gpu_checks(need, slots, ask.kv_budget, ask.environ, mxfp4=mx > 0)
         self.checks.append(quant_check(ckpt.config, mx, fp8))
         self.checks += _provenance_files(self.root, {"repo": ckpt.source.repo, "revision": ckpt.source.revision},
@@ -701,12 +712,12 @@ class _PlainCheckpoint:
 
     def _topology(self, ckpt: Checkpoint) -> Topology | None:
         ask = self.ask
-        if not ask.wants_topology:
+        if not ask.selection.names_topology:
             return None
         cfg = ckpt.config
         found = max((e for _, e in ckpt.stats.expert_parts), default=-1) + 1
         num_experts = (cfg.num_experts if cfg and cfg.num_experts else 0) or found or 1
-        return Topology.make(ep=ask.ep or 1, tp=ask.tp or 1, world_size=ask.world_size, num_experts=num_experts)
+        return ask.selection.topology(num_experts)
 
     def _structure(self, ckpt: Checkpoint) -> Check:
         from ..integrity.verify import scale_spans, scan_files, structure_issues

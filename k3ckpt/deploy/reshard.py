@@ -110,15 +110,13 @@ from ..format.layout import (
 from ..format.topology import (
     ExpertSlice,
     InventoryIndex,
+    RankSelection,
     Split,
     Topology,
     TopologyError,
-    check_heads,
     index_of,
-    num_experts_of,
     num_nodes,
     ranks_of_node,
-    select_ranks,
     tensors_for_ranks,
 )
 
@@ -353,14 +351,8 @@ def _source_json(ckpt: Checkpoint) -> dict[str, Any]:
 
 def plan_reshard(
     source: str | os.PathLike[str] | Checkpoint,
+    selection: RankSelection = RankSelection(),
     *,
-    ep: int = 1,
-    tp: int = 1,
-    world_size: int | None = None,
-    placement: str = "linear",
-    ranks: str | list[int] | None = None,
-    node: int | None = None,
-    gpus_per_node: int | None = None,
     max_file_size: int = DEFAULT_MAX_FILE_SIZE,
     align: int = ALIGN,
     layout: str = "rank",
@@ -368,9 +360,10 @@ def plan_reshard(
     """Decide every output file of the selected ranks (no data is read).
 
     Args:
-        layout: ``rank`` (the rank-layout contract) or ``hf-node``: per node (``node``, or every
-            node of ``gpus_per_node`` GPUs) a local-dir checkpoint holding every non-expert
-            tensor whole plus the routed experts of the node's ranks, whole.
+        selection: The topology and the ranks to write (default: every rank of ep 1 x tp 1).
+        layout: ``rank`` (the rank-layout contract) or ``hf-node``: per node (``selection.node``,
+            or every node of ``selection.gpus_per_node`` GPUs) a local-dir checkpoint holding
+            every non-expert tensor whole plus the routed experts of the node's ranks, whole.
 
     Raises:
         TopologyError / SplitError: impossible topology or rank selection, uneven split.
@@ -384,11 +377,8 @@ def plan_reshard(
     if align < 8 or align & (align - 1):
         raise ReshardError(f"alignment {align} must be a power of two >= 8")
     idx = index_of(ckpt)
-    cfg = ckpt.config
-    num_experts = num_experts_of(idx, cfg.num_experts if cfg else None)
-    topo = Topology.make(ep=ep, tp=tp, world_size=world_size, placement=placement, num_experts=num_experts)
-    if cfg is not None:
-        check_heads(cfg, topo.tp, [])
+    topo = selection.topology_for(idx, ckpt.config)
+    ranks, node, gpus_per_node = selection.ranks, selection.node, selection.gpus_per_node
     if node is not None and ranks is not None:
         raise TopologyError("give --ranks or --node, not both")
     # a partial source's marker describes the source, not the output (the output has its own)
@@ -405,7 +395,7 @@ def plan_reshard(
         nodes = [node] if node is not None else list(range(num_nodes(gpus_per_node, topo.world_size)))
         node_plans = [_node_plan(ckpt, idx, topo, n, gpus_per_node, max_file_size, align) for n in nodes]
         return ReshardPlan(ckpt, topo, [], _source_json(ckpt), gpus_per_node, extra, node_plans, layout)
-    selected = select_ranks(topo, ranks=ranks, node=node, gpus_per_node=gpus_per_node)
+    selected = selection.select(topo)
     per_rank = tensors_for_ranks(idx, topo, selected, gpus_per_node=gpus_per_node)
     _require_experts(ckpt.root, idx, [(f"rank {r}", rt.rank.experts) for r, rt in sorted(per_rank.items())])
     plans = []
@@ -606,6 +596,18 @@ class ReshardResult:
                 "bytes_per_second": int(self.bytes_written / self.seconds) if self.seconds else None}
 
 
+def render_reshard(res: ReshardResult) -> str:
+    """What ``k3ckpt reshard`` prints: the topology and what was written, in one line."""
+    from ..utils import human_bytes
+
+    rate = f" at {human_bytes(res.bytes_written / res.seconds)}/s" if res.seconds and res.bytes_written else ""
+    skipped = f", {len(res.skipped)} already complete (skipped)" if res.skipped else ""
+    t = res.topology
+    unit = "nodes" if res.layout == "hf-node" else "ranks"
+    return (f"ok: {res.out}: ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}: "
+            f"{len(res.written)} {unit} written ({human_bytes(res.bytes_written)}{rate}){skipped}")
+
+
 def _manifest_matches(rdir: Path, rp: RankPlan | NodePlan, source: dict[str, Any]) -> bool:
     if not (rdir / READY_NAME).is_file():
         return False
@@ -800,14 +802,8 @@ def _finish_rank(rdir: Path, rp: RankPlan | NodePlan, results: list[dict[str, An
 def reshard(
     source: str | os.PathLike[str] | Checkpoint,
     out: str | os.PathLike[str],
+    selection: RankSelection = RankSelection(),
     *,
-    ep: int = 1,
-    tp: int = 1,
-    world_size: int | None = None,
-    placement: str = "linear",
-    ranks: str | list[int] | None = None,
-    node: int | None = None,
-    gpus_per_node: int | None = None,
     max_file_size: int = DEFAULT_MAX_FILE_SIZE,
     jobs: int | None = None,
     force: bool = False,
@@ -818,7 +814,5 @@ def reshard(
     on_plan: Callable[[int], None] | None = None,
 ) -> ReshardResult:
     """Plan and write: :func:`plan_reshard` then :func:`run_reshard`."""
-    plan = plan_reshard(source, ep=ep, tp=tp, world_size=world_size, placement=placement, ranks=ranks,
-                        node=node, gpus_per_node=gpus_per_node, max_file_size=max_file_size, align=align,
-                        layout=layout)
+    plan = plan_reshard(source, selection, max_file_size=max_file_size, align=align, layout=layout)
     return run_reshard(plan, out, jobs=jobs, force=force, mode=mode, progress=progress, on_plan=on_plan)

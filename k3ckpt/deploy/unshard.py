@@ -521,6 +521,15 @@ class UnshardResult:
                 "files_copied": self.files_copied}
 
 
+def render_unshard(plan: UnshardPlan, res: UnshardResult) -> str:
+    """What ``k3ckpt unshard`` prints: what was written, from which topology, in one line."""
+    from ..utils import human_bytes
+
+    t = plan.topology
+    return (f"ok: {res.out}: {res.tensors} tensors ({human_bytes(res.total_size)}) in {len(res.shards)} shards, "
+            f"from ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}")
+
+
 def _prepare_out(out: Path, layout: Path, force: bool) -> None:
     if is_within(out, layout):
         raise UnshardError(f"{out}: the output must not be inside the rank layout {layout}")

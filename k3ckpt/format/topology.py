@@ -31,7 +31,7 @@ import math
 import operator
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import repeat
@@ -277,7 +277,8 @@ def parse_ranks(spec: str, world_size: int) -> list[int]:
 
 
 def select_ranks(
-    topo: Topology, *, ranks: str | list[int] | None = None, node: int | None = None, gpus_per_node: int | None = None,
+    topo: Topology, *, ranks: str | Sequence[int] | None = None, node: int | None = None,
+    gpus_per_node: int | None = None,
 ) -> list[int]:
     """The ranks a command works on: ``--ranks`` (``"0-3,8"`` or a list), ``--node N`` with
     ``--gpus-per-node G``, or every rank when neither is given. Sorted, without duplicates.
@@ -331,6 +332,72 @@ def ranks_of_node(node: int, gpus_per_node: int, world_size: int) -> list[int]:
             f"has node{'s 0..' + str(nodes - 1) if nodes > 1 else ' 0'}"
         )
     return list(range(node * gpus_per_node, min((node + 1) * gpus_per_node, world_size)))
+
+
+@dataclass(frozen=True)
+class RankSelection:
+    """Which topology, and which of its ranks, an operation works on: the ``--ep``, ``--tp``,
+    ``--world-size``, ``--placement``, ``--ranks``, ``--node`` and ``--gpus-per-node`` options as
+    the user gave them, before they meet a checkpoint.
+
+    ``None`` means "not given": it resolves to ep 1, tp 1, world size ``max(ep, tp)``, linear
+    placement and every rank, as every command has always read them. Keeping "not given" apart
+    from the default lets ``preflight`` tell a requested topology from the one it finds on disk,
+    and ``fetch`` tell a rank-aware request from a whole one.
+
+    Attributes:
+        ep, tp, world_size, placement: The topology (``rank-layout.md``).
+        ranks: ``"0-3,8"`` or a sequence of global ranks (kept as a tuple); exclusive with ``node``.
+        node: The ranks of node ``node`` (needs ``gpus_per_node``).
+        gpus_per_node: Ranks per node: groups ranks into nodes.
+
+    Example::
+
+        plan = plan_reshard("./Kimi-K3", RankSelection(ep=8, tp=2, node=0, gpus_per_node=4))
+    """
+
+    ep: int | None = None
+    tp: int | None = None
+    world_size: int | None = None
+    placement: str | None = None
+    ranks: str | Sequence[int] | None = None
+    node: int | None = None
+    gpus_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        # a list would make the value unhashable and mutable behind the frozen dataclass
+        if self.ranks is not None and not isinstance(self.ranks, str):
+            object.__setattr__(self, "ranks", tuple(self.ranks))
+
+    @property
+    def names_topology(self) -> bool:
+        """Whether ``ep``, ``tp`` or ``world_size`` was given."""
+        return self.ep is not None or self.tp is not None or self.world_size is not None
+
+    def topology(self, num_experts: int) -> Topology:
+        """The :class:`Topology` over ``num_experts`` routed experts, defaults filled in.
+
+        Raises:
+            TopologyError: an impossible topology, with a one-line reason.
+        """
+        return Topology.make(1 if self.ep is None else self.ep, 1 if self.tp is None else self.tp,
+                             self.world_size, self.placement or "linear", num_experts=num_experts)
+
+    def topology_for(self, idx: InventoryIndex, cfg: ModelConfig | None) -> Topology:
+        """The topology over an inventory's routed experts (:func:`num_experts_of`), its ``tp``
+        checked against the config's attention heads (:func:`check_heads`).
+
+        Raises:
+            TopologyError: an impossible topology, or experts beyond the config's count.
+        """
+        topo = self.topology(num_experts_of(idx, cfg.num_experts if cfg else None))
+        if cfg is not None:
+            check_heads(cfg, topo.tp, [])
+        return topo
+
+    def select(self, topo: Topology) -> list[int]:
+        """The selected ranks of ``topo``: see :func:`select_ranks`."""
+        return select_ranks(topo, ranks=self.ranks, node=self.node, gpus_per_node=self.gpus_per_node)
 
 
 # ---------------------------------------------------------------------------------------------

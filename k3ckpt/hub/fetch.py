@@ -106,6 +106,45 @@ def run_fetch(
     return result
 
 
+def render_fetch_plan(plan: FetchPlan) -> str:
+    """What a dry run prints: each file's size (and whether it is present), then the total."""
+    from ..utils import human_bytes
+
+    present = set(plan.present())
+    lines = []
+    for p in plan.paths:
+        note = "  (present, will be verified)" if p in present else ""
+        lines.append(f"{human_bytes(plan.listing.files[p].size):>10}  {p}{note}")
+    lines.append(f"would fetch {len(plan.paths)} files, {human_bytes(plan.bytes_total)} from "
+                 f"{plan.listing.hub}:{plan.listing.repo}@{plan.listing.revision} into {plan.dest}")
+    return "\n".join(lines)
+
+
+def render_fetch(plan: FetchPlan, result: Any, *, verbose: bool = False) -> str:
+    """The summary of a fetch (``result`` from :func:`run_fetch`); ``verbose`` names every file
+    first. The result's ``notes`` are not part of it: the CLI prints them on stderr."""
+    from ..utils import human_bytes
+
+    lines = []
+    if verbose:
+        lines += [f"fetched  {p}" for p in result.fetched]
+        lines += [f"verified {p} (already present)" for p in result.skipped]
+    rate = (f" at {human_bytes(result.bytes_downloaded / result.seconds)}/s"
+            if result.seconds and result.bytes_downloaded else "")
+    lines.append(f"{'ok' if result.ok else 'FAILED'}: {plan.listing.hub}:{plan.listing.repo}@{plan.listing.revision} "
+                 f"-> {plan.dest}: {len(result.fetched)} fetched ({human_bytes(result.bytes_downloaded)}{rate}), "
+                 f"{len(result.skipped)} already present and verified, {len(result.failed)} failed")
+    lines += [f"  could not fetch {p}: {why}" for p, why in sorted(result.failed.items())]
+    return "\n".join(lines)
+
+
+def fetch_json(plan: FetchPlan, result: Any) -> dict[str, Any]:
+    """``fetch --json``'s document: the result with the hub, repo and resolved revision."""
+    d: dict[str, Any] = result.to_json()
+    d.update(hub=plan.listing.hub, repo=plan.listing.repo, revision=plan.listing.revision)
+    return d
+
+
 def _forget_partial(plan: FetchPlan) -> None:
     """A whole fetch into a former rank-aware fetch's directory makes it whole again: its marker
     (which tells ``verify`` and ``inspect`` to require only some experts) must go first, so that

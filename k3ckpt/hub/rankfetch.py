@@ -77,11 +77,11 @@ from ..errors import ConfigError, K3ckptError, RankFetchError
 from .fetch import record_source, select_paths
 from ..integrity.hashing import HashError, Span, hash_file
 from .client import HubFile, HubListing, RetryPolicy
-from ..utils import write_atomic
+from ..utils import format_ranges, human_bytes, write_atomic
 from ..integrity.manifest import Manifest, tensors_from_headers
 from ..format.layout import PARTIAL_MARKER
 from ..format.header import ShardHeader, TensorInfo, TensorSpec, build_header, parse_header_bytes
-from ..format.topology import Topology, build_index, check_heads, fp8_block_of, num_experts_of, select_ranks, tensors_for_ranks
+from ..format.topology import RankSelection, Topology, build_index, fp8_block_of, tensors_for_ranks
 
 __all__ = [
     "PARTIAL_NAME",
@@ -91,6 +91,9 @@ __all__ = [
     "ShardPlan",
     "plan_rank_fetch",
     "plan_shard",
+    "rank_fetch_json",
+    "render_rank_fetch",
+    "render_rank_fetch_plan",
     "run_rank_fetch",
     "select_tensors",
 ]
@@ -470,14 +473,7 @@ def _show(v: Any) -> str:
 def select_tensors(
     tensors: dict[str, TensorInfo],
     cfg: ModelConfig | None,
-    *,
-    ep: int = 1,
-    tp: int = 1,
-    world_size: int | None = None,
-    placement: str = "linear",
-    ranks: str | list[int] | None = None,
-    node: int | None = None,
-    gpus_per_node: int | None = None,
+    selection: RankSelection = RankSelection(),
 ) -> tuple[Topology, list[int], set[str], set[int]]:
     """``(topology, ranks, tensor names, routed experts)`` the selected ranks hold, from an
     inventory and its config (the expert count comes from the config when it has one).
@@ -486,12 +482,9 @@ def select_tensors(
         TopologyError, SplitError: An impossible topology or rank selection.
     """
     idx = build_index(tensors, fp8_block=fp8_block_of(cfg))
-    topo = Topology.make(ep=ep, tp=tp, world_size=world_size, placement=placement,
-                         num_experts=num_experts_of(idx, cfg.num_experts if cfg else None))
-    if cfg is not None:
-        check_heads(cfg, topo.tp, [])
-    selected = select_ranks(topo, ranks=ranks, node=node, gpus_per_node=gpus_per_node)
-    per_rank = tensors_for_ranks(idx, topo, selected, gpus_per_node=gpus_per_node)
+    topo = selection.topology_for(idx, cfg)
+    selected = selection.select(topo)
+    per_rank = tensors_for_ranks(idx, topo, selected, gpus_per_node=selection.gpus_per_node)
     wanted: set[str] = set()
     for rt in per_rank.values():
         wanted.update(rt.tensors)
@@ -502,17 +495,11 @@ def plan_rank_fetch(
     hub: str,
     repo: str,
     dest: str | os.PathLike[str],
+    selection: RankSelection = RankSelection(),
     *,
     revision: str | None = None,
     endpoint: str | None = None,
     token: str | None = None,
-    ep: int = 1,
-    tp: int = 1,
-    world_size: int | None = None,
-    placement: str = "linear",
-    ranks: str | list[int] | None = None,
-    node: int | None = None,
-    gpus_per_node: int | None = None,
     manifest: Manifest | str | os.PathLike[str] | None = None,
     include: tuple[str, ...] = (),
     exclude: tuple[str, ...] = (),
@@ -529,10 +516,8 @@ def plan_rank_fetch(
         repo (`str`): Repository id.
         dest (`str` or `os.PathLike`): Destination directory.
         revision (`str`, *optional*): Branch, tag or commit; the plan pins the resolved commit.
+        selection (`RankSelection`): The topology and the ranks to fetch for.
         endpoint (`str`, *optional*), token (`str`, *optional*): As :func:`k3ckpt.hubclient.list_repo`.
-        ep, tp, world_size, placement: The topology (``rank-layout.md``).
-        ranks (`str` or `list[int]`, *optional*): ``"0-3,8"`` or a list; with ``node``, exclusive.
-        node (`int`, *optional*), gpus_per_node (`int`, *optional*): The ranks of one node.
         manifest (`Manifest` or path, *optional*): A tensor-hash manifest to verify against.
         include, exclude (`tuple[str, ...]`): Globs filtering the non-weight files.
         chunk_size (`int`): Largest ranged GET, in bytes.
@@ -565,9 +550,7 @@ def plan_rank_fetch(
     # ~10^6 fresh acyclic tuples at the full K3 scale: without pausing the cyclic GC this
     # takes 2-3x longer (see checkpoint.bulk_allocation)
     with bulk_allocation():
-        topo, selected, wanted, experts = select_tensors(tensors, cfg, ep=ep, tp=tp, world_size=world_size,
-                                                         placement=placement, ranks=ranks, node=node,
-                                                         gpus_per_node=gpus_per_node)
+        topo, selected, wanted, experts = select_tensors(tensors, cfg, selection)
         if manifest is not None:
             _check_manifest(manifest, label or "(given)", headers, wanted, listing)
         shards = [sp for h in headers if (sp := plan_shard(h, listing.files[h.file], wanted, chunk_size)) is not None]
@@ -577,7 +560,8 @@ def plan_rank_fetch(
     if manifest is not None:
         _check_manifest_files(manifest, label or "(given)", listing, files + [sp.path for sp in shards if sp.whole])
     return RankFetchPlan(
-        listing=listing, dest=Path(dest), topology=topo, ranks=selected, node=node, gpus_per_node=gpus_per_node,
+        listing=listing, dest=Path(dest), topology=topo, ranks=selected, node=selection.node,
+        gpus_per_node=selection.gpus_per_node,
         chunk_size=chunk_size, shards=shards, files=files, excluded=excluded,
         experts=sorted(experts),
         header_bytes=sum(h.data_start for h in headers),
@@ -1119,3 +1103,64 @@ def run_rank_fetch(
     result.skipped.sort()
     result.seconds = time.monotonic() - t0
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering (``k3ckpt fetch`` with --ranks or --node)
+
+
+def _selection_text(plan: RankFetchPlan) -> str:
+    t = plan.topology
+    return (f"rank{'s' if len(plan.ranks) > 1 else ''} {format_ranges(plan.ranks)} of ep {t.ep} x tp {t.tp} "
+            f"(world size {t.world_size}, {t.placement} placement)")
+
+
+def _source_text(plan: RankFetchPlan) -> str:
+    return f"{plan.listing.hub}:{plan.listing.repo}@{plan.listing.revision}"
+
+
+def render_rank_fetch_plan(plan: RankFetchPlan) -> str:
+    """What a dry run prints: per shard the bytes to fetch and how, the other files, the total."""
+    lines = []
+    for sp in plan.shards:
+        how = ("whole" if sp.whole else
+               f"{len(sp.names)} of {sp.source_tensors} tensors, {len(sp.pieces)} request{'s' if len(sp.pieces) != 1 else ''}")
+        lines.append(f"{human_bytes(sp.download_bytes):>10} of {human_bytes(sp.source.size):>10}  {sp.path}  ({how})")
+    for f in plan.files:
+        lines.append(f"{human_bytes(plan.listing.files[f].size):>10}{'':14}  {f}")
+    share = plan.bytes_total / plan.source_bytes if plan.source_bytes else 1.0
+    lines.append(f"would fetch {human_bytes(plan.bytes_total)} of {human_bytes(plan.source_bytes)} ({share:.1%}) "
+                 f"from {_source_text(plan)} into {plan.dest} for {_selection_text(plan)}: {plan.tensors:,} tensors "
+                 f"in {len(plan.shards)} shards ({sum(not s.whole for s in plan.shards)} rewritten) and "
+                 f"{len(plan.files)} other files; headers read: {human_bytes(plan.header_bytes)}")
+    if plan.verification == VERIFIED_STRUCTURE:
+        lines.append(f"note: {STRUCTURE_ONLY_NOTE}")
+    return "\n".join(lines)
+
+
+def render_rank_fetch(plan: RankFetchPlan, res: RankFetchResult, *, verbose: bool = False) -> str:
+    """The summary of a rank-aware fetch; ``verbose`` names every file first."""
+    lines = []
+    if verbose:
+        lines += [f"wrote    {p} (selected tensors)" for p in res.written]
+        lines += [f"fetched  {p}" for p in res.fetched]
+        lines += [f"verified {p} (already present)" for p in res.skipped + res.files_skipped]
+    rate = f" at {human_bytes(res.bytes_downloaded / res.seconds)}/s" if res.seconds and res.bytes_downloaded else ""
+    checked = f", {res.tensors_verified:,} tensors verified against the manifest" if plan.manifest is not None else ""
+    lines.append(f"{'ok' if res.ok else 'FAILED'}: {_source_text(plan)} -> {plan.dest}: {_selection_text(plan)}: "
+                 f"{len(res.written)} shards rewritten, {len(res.fetched)} files fetched "
+                 f"({human_bytes(res.bytes_downloaded)}{rate}; the selection is {human_bytes(plan.bytes_total)} of "
+                 f"{human_bytes(plan.source_bytes)}), {len(res.skipped) + len(res.files_skipped)} already present"
+                 f"{checked}, {len(res.failed)} failed")
+    lines += [f"  could not fetch {p}: {why}" for p, why in sorted(res.failed.items())]
+    if res.verification == VERIFIED_STRUCTURE:
+        lines.append(f"note: {STRUCTURE_ONLY_NOTE}")
+    return "\n".join(lines)
+
+
+def rank_fetch_json(plan: RankFetchPlan, res: RankFetchResult) -> dict[str, Any]:
+    """``fetch --json``'s document: the result with the source, the ranks and the topology."""
+    d = res.to_json()
+    d.update(hub=plan.listing.hub, repo=plan.listing.repo, revision=plan.listing.revision, ranks=plan.ranks,
+             topology=plan.topology.to_json(), source_bytes=plan.source_bytes)
+    return d

@@ -540,3 +540,28 @@ def _tensor_hash_issues(f: str, d: FileDigest, manifest: Manifest) -> list[Issue
 def summarize_counts(report: VerifyReport) -> str:
     counts = Counter(i.kind for i in report.problems)
     return ", ".join(f"{n} {k}" for k, n in counts.items())
+
+
+def render_verify(rep: VerifyReport) -> str:
+    """What ``k3ckpt verify`` prints: one summary line, then the issues grouped by kind (at most
+    200 a kind; ``--json`` lists all)."""
+    from ..utils import human_bytes
+
+    rate = f" at {human_bytes(rep.bytes_hashed / rep.seconds)}/s" if rep.bytes_hashed and rep.seconds else ""
+    head = (f"{'ok' if rep.ok else 'FAILED'}: {rep.root} ({rep.mode}; reference: {rep.reference}): "
+            f"{rep.files} files, {rep.files_hashed} hashed ({human_bytes(rep.bytes_hashed)}{rate})")
+    if rep.files_trusted:
+        head += f", {len(rep.files_trusted)} trusted from the stat cache"
+    if rep.files_size_only:
+        head += f", {len(rep.files_size_only)} checked by size only (no cached digest)"
+    if rep.structure_cached:
+        head += ", structure unchanged since the last check"
+    head += f", {rep.seconds:.1f} s"
+    lines = [head]
+    for kind, items in rep.grouped().items():
+        label = "warning" if items[0].is_warning else "problem"
+        lines.append(f"[{kind}] {len(items)} {label}{'s' if len(items) != 1 else ''}")
+        lines += [f"  {i}" for i in items[:200]]
+        if len(items) > 200:
+            lines.append(f"  ... and {len(items) - 200} more (--json lists all)")
+    return "\n".join(lines)

@@ -52,6 +52,8 @@ __all__ = [
     "dequantize_to_file",
     "is_quantizable",
     "quantize_file",
+    "render_dequant",
+    "render_quantize",
 ]
 
 #: ``--to`` choice -> (safetensors dtype, numpy dtype) of the dequantized output.
@@ -105,6 +107,24 @@ class QuantizeResult:
                 "tensors_quantized": len(self.quantized), "tensors_copied": self.copied,
                 "quantized": list(self.quantized), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
                 "seconds": round(self.seconds, 3)}
+
+
+def render_dequant(res: DequantResult) -> str:
+    """What ``k3ckpt mx dequant`` prints: what was written, in one line."""
+    from ..utils import human_bytes
+
+    to = next(k for k, (dtype, _) in DEQUANT_DTYPES.items() if dtype == res.dtype)  # the --to that made it
+    return (f"wrote {res.output}: {len(res.tensors):,} tensors as {to}, {human_bytes(res.bytes_out)} "
+            f"from {human_bytes(res.bytes_in)} of MXFP4, {res.seconds:.1f} s")
+
+
+def render_quantize(res: QuantizeResult) -> str:
+    """What ``k3ckpt mx quantize`` prints: what was quantized and copied, in one line."""
+    from ..utils import human_bytes
+
+    return (f"wrote {res.output}: {len(res.quantized):,} tensors quantized ({res.scale_mode}), "
+            f"{res.copied:,} copied; {human_bytes(res.bytes_in)} -> {human_bytes(res.bytes_out)}, "
+            f"{res.seconds:.1f} s")
 
 
 # -- dequantize --------------------------------------------------------------------------------

@@ -635,6 +635,14 @@ class SynthResult:
                 "total_bytes": self.total_bytes, "spec": asdict(self.spec)}
 
 
+def render_synth(res: SynthResult) -> str:
+    """What ``k3ckpt synth`` prints: what was written, in one line."""
+    from ..utils import human_bytes
+
+    return (f"wrote {res.path}: {res.shards} shards, {res.tensors:,} tensors, "
+            f"{human_bytes(res.total_bytes)}{' (sparse, headers only)' if res.spec.headers_only else ''}")
+
+
 def synthesize(spec: SynthSpec, dest: str | os.PathLike[str], *, jobs: int = 1, force: bool = False) -> SynthResult:
     """Write the checkpoint described by ``spec`` into ``dest``.
 

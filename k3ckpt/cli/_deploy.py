@@ -1,0 +1,207 @@
+"""``k3ckpt plan``, ``reshard``, ``unshard`` and ``preflight``: from a checkpoint to the files each
+rank of a TP/EP topology loads, and the check that a node can load them."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..errors import EXIT_PROBLEMS
+from ..format.topology import RankSelection
+from ._options import CONTEXT, handle_errors, jobs_option, json_option, size_option, topology_options
+from ._output import ByteProgress, emit_json
+
+# help texts plan and reshard share
+_EP = "Expert-parallel degree."
+_TP = "Tensor-parallel degree of dense weights."
+_WORLD_SIZE = "Ranks in all [default: max(ep, tp)]."
+_PLACEMENT = "Expert placement: vLLM's linear rule or round robin."
+_GPUS_PER_NODE = "Group ranks into nodes of this many GPUs."
+_KV_BUDGET = "KV cache (and other runtime) memory to reserve per GPU."
+
+# -- plan --------------------------------------------------------------------------------------
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("source", type=click.Path(exists=True, path_type=str))
+@topology_options(show_defaults=True, ep=_EP, tp=_TP, world_size=_WORLD_SIZE, placement=_PLACEMENT,
+                  gpus_per_node=_GPUS_PER_NODE)
+@size_option("--kv-budget", default="20GiB", help=_KV_BUDGET)
+@json_option()
+@handle_errors
+def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool) -> None:
+    """What each rank of a TP/EP topology holds, and which accelerators fit it.
+
+    SOURCE is a local checkpoint or a manifest (so a deployment can be planned before anything
+    is downloaded: `k3ckpt manifest pull` makes one from hub metadata). Prints each rank's
+    ep/tp/moe_tp rank and node, its experts, its bytes split into routed experts / TP-split
+    dense / replicated, the largest rank, and the per-GPU need (weights x 1.15 + KV budget)
+    against H100, H200, B200, GB300 and MI355X. Impossible topologies are refused with the
+    precise reason (exit 2).
+
+    \b
+    Examples:
+      k3ckpt plan ./Kimi-K3 --ep 8 --tp 2
+      k3ckpt plan kimi-k3.manifest.json --ep 16 --tp 8 --world-size 16 --gpus-per-node 8
+      k3ckpt plan ./Kimi-K3 --tp 8 --kv-budget 40GiB --json
+    """
+    from ..deploy.plan import plan_topology, render_plan
+
+    rep = plan_topology(source, selection, kv_budget=kv_budget)
+    if as_json:
+        emit_json(rep.to_json())
+    else:
+        click.echo(render_plan(rep))
+
+
+# -- reshard -----------------------------------------------------------------------------------
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("source", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="Output directory (the rank layout).")
+@topology_options(show_defaults=True, ep=_EP, tp=_TP, world_size=_WORLD_SIZE, placement=_PLACEMENT,
+                  ranks="Only these ranks, e.g. 0-3,8.", node="Only the ranks of this node (needs --gpus-per-node).",
+                  gpus_per_node=_GPUS_PER_NODE)
+@size_option("--max-file-size", default="5GiB", help="Split each rank's weights into parts of at most this size.")
+@jobs_option("Output files written in parallel [default: 2 per CPU, at most 16].")
+@click.option("--format", "layout", type=click.Choice(["rank", "hf-node"]), default="rank", show_default=True,
+              help="rank: the per-rank layout; hf-node: per node a local-dir checkpoint with every dense "
+                   "tensor whole and only the node's experts (needs --gpus-per-node).")
+@click.option("--force", is_flag=True, help="Rewrite completed ranks too, and overwrite another topology in OUT.")
+@json_option("Machine-readable summary.")
+@handle_errors
+def reshard(source: str, out: str, selection: RankSelection, max_file_size: int, jobs: int | None, layout: str,
+            force: bool, as_json: bool) -> None:
+    """Write a checkpoint as one directory of safetensors files per rank of a TP/EP topology.
+
+    The layout is the rank-layout contract: OUT/topology.json, the source's non-weight files,
+    and OUT/rank-NNNNN/ with model-rank-R-part-K.safetensors, rank-manifest.json (per-tensor and
+    per-file sha256, computed while writing) and READY, written last. Tensors keep their source
+    names and dtypes; split tensors are sliced by the TP rules. Streaming, bounded memory;
+    contiguous byte runs are copied kernel-side. A rank whose READY exists and whose manifest
+    matches is skipped on a re-run (--force redoes it); any other rank is rewritten from scratch.
+
+    --format hf-node is for engines that read original checkpoints and filter experts
+    themselves (vLLM --enable-ep-weight-filter, SGLang): OUT/node-NNNNN/ is a local-dir
+    checkpoint (model-0000K-of-0000N.safetensors, model.safetensors.index.json, config and
+    tokenizer) with every non-expert tensor whole plus the routed experts of the node's ranks,
+    and k3ckpt-node.json naming them (k3ckpt verify checks exactly those), then READY.
+
+    \b
+    Examples:
+      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-ep8-tp2 --ep 8 --tp 2
+      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-ep16 --ep 16 --tp 8 --world-size 16 --node 1 --gpus-per-node 8
+      k3ckpt reshard ./Kimi-K3 -o ./k3-tp8 --tp 8 --ranks 0-3 --max-file-size 2GiB --json
+      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-nodes --format hf-node --ep 16 --tp 8 --world-size 16 --gpus-per-node 8 --node 1
+    """
+    from ..deploy.reshard import plan_reshard, render_reshard, run_reshard
+
+    plan = plan_reshard(source, selection, max_file_size=max_file_size, layout=layout)
+    with ByteProgress(not as_json, "resharding") as bar:
+        res = run_reshard(plan, out, jobs=jobs, force=force, progress=bar, on_plan=bar.plan)
+    if as_json:
+        emit_json(res.to_json())
+    else:
+        click.echo(render_reshard(res))
+
+
+# -- unshard -----------------------------------------------------------------------------------
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("layout", metavar="OUT", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("-o", "--output", "dest", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="Directory for the reassembled checkpoint.")
+@size_option("--max-shard-size", default="5GiB",
+             help="Tensor bytes per output shard (a larger tensor gets a shard of its own).")
+@jobs_option("Shards written in parallel [default: min(CPUs, 8)].")
+@click.option("--force", is_flag=True, help="Replace a checkpoint already in the output directory.")
+@json_option("Machine-readable summary.")
+@handle_errors
+def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force: bool, as_json: bool) -> None:
+    """Reassemble a standard checkpoint from a complete per-rank layout (the inverse of reshard).
+
+    OUT is a directory written by `k3ckpt reshard`. Every rank must be complete (READY); the
+    manifests must agree with topology.json and the file headers, and every tensor's parts must
+    tile it - anything else is refused with a one-line error naming the rank, file or tensor.
+    Split tensors are concatenated along their dim; each slice read is hashed while copied and
+    must match its manifest sha256. The output is a local-dir checkpoint
+    (model-0000K-of-0000N.safetensors, model.safetensors.index.json written last, and the
+    layout's config, tokenizer and other non-weight files) whose tensors are byte-identical to
+    the source's.
+
+    \b
+    Examples:
+      k3ckpt unshard /nvme/k3-ep8-tp2 -o ./Kimi-K3-again
+      k3ckpt unshard /nvme/k3-ep8-tp2 -o ./Kimi-K3-again --max-shard-size 2GiB --json
+    """
+    from ..deploy.unshard import plan_unshard, render_unshard, run_unshard
+
+    plan = plan_unshard(layout)
+    with ByteProgress(not as_json, "unsharding") as bar:
+        res = run_unshard(plan, dest, max_shard_size=max_shard_size, jobs=jobs, force=force,
+                          progress=bar, on_plan=bar.plan)
+    if as_json:
+        emit_json(res.to_json())
+    else:
+        click.echo(render_unshard(plan, res))
+
+
+# -- preflight ---------------------------------------------------------------------------------
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("directory", type=click.Path(path_type=str))
+@topology_options(rank="Check this global rank only.", node="Check the ranks of this node (needs --gpus-per-node).",
+                  gpus_per_node="Ranks per node.", ep="Expert-parallel degree the launcher uses.",
+                  tp="Tensor-parallel degree the launcher uses.",
+                  world_size="World size the launcher uses [default: max(ep, tp)].")
+@click.option("--full", is_flag=True, help="Compare every rank file's sha256 (in parallel), not just sizes.")
+@click.option("--io-test", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="Measure read speed (O_DIRECT where possible) for up to this long.")
+@size_option("--kv-budget", default="20GiB", help=_KV_BUDGET)
+@size_option("--min-free-disk", default="1GiB", help="Free space the disk holding DIRECTORY must keep.")
+@click.option("--no-env", is_flag=True, help="Ignore the launcher's variables (RANK, SLURM_*, ...).")
+@jobs_option("Files hashed in parallel with --full [default: CPU count].")
+@json_option("Machine-readable report.")
+@handle_errors
+def preflight(directory: str, selection: RankSelection, full: bool, io_test: float | None, kv_budget: int,
+              min_free_disk: int, no_env: bool, jobs: int | None, as_json: bool) -> None:
+    """Check, in seconds, that this node can load DIRECTORY before the engine boots.
+
+    DIRECTORY is a per-rank layout written by `k3ckpt reshard` or a plain checkpoint (a full
+    download, or an hf-node copy holding only this node's experts). Checks, each PASS / WARN /
+    FAIL with a reason and, for a FAIL, the command that fixes it:
+    topology.json against --ep/--tp/--world-size and the launcher's variables (RANK,
+    WORLD_SIZE, LOCAL_RANK, SLURM_*, torchrun's, JOB_COMPLETION_INDEX); each of this node's
+    ranks READY with every file of its manifest at its size (--full: its sha256) - or, for a
+    plain checkpoint, its structure and the experts this node's ranks need; free disk, host
+    RAM and GPU memory (nvidia-smi / rocm-smi) against weights x 1.15 + --kv-budget; MXFP4
+    support; LICENSE kind, quantization format and source revision; with --io-test, read
+    speed and the predicted load time. This node's ranks: --rank, --node, else the launcher's
+    variables, else all. Exits 0 when nothing FAILs, 1 when something does, 2 when it cannot
+    run. Test hooks: K3CKPT_PREFLIGHT_FREE_BYTES and K3CKPT_PREFLIGHT_MEM_BYTES replace the
+    measured free disk and available memory.
+
+    \b
+    Examples:
+      k3ckpt preflight /nvme/k3-ep8-tp2 --node 0 --gpus-per-node 8
+      k3ckpt preflight /nvme/k3-ep8-tp2 --rank 3 --ep 8 --tp 2 --full --json
+      k3ckpt preflight /nvme/Kimi-K3 --ep 8 --tp 8 --node 1 --gpus-per-node 8 --io-test 10
+    """
+    from ..deploy.preflight import preflight as run_preflight, render_preflight
+
+    rep = run_preflight(directory, selection, full=full, io_test=io_test, kv_budget=kv_budget,
+                        min_free_disk=min_free_disk, use_env=not no_env, jobs=jobs)
+    if as_json:
+        emit_json(rep.to_json())
+    else:
+        click.echo(render_preflight(rep))
+    if not rep.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
+COMMANDS = [plan, reshard, unshard, preflight]

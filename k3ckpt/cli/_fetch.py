@@ -1,0 +1,128 @@
+"""``k3ckpt fetch``: download a checkpoint, whole or only what some ranks need."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..errors import EXIT_PROBLEMS
+from ..format.topology import RankSelection
+from ._options import CONTEXT, handle_errors, json_option, size_option, topology_options
+from ._output import ByteProgress, emit_json
+
+
+@click.command(context_settings=CONTEXT)
+@click.option("--source", "hub", required=True, type=click.Choice(["hf", "modelscope"]), help="Which hub.")
+@click.option("--repo", required=True, help="Repository id, e.g. moonshotai/Kimi-K3.")
+@click.option("--revision", help="Branch, tag or commit [default: main]; the download is pinned to the resolved commit.")
+@click.option("--dest", required=True, type=click.Path(file_okay=False, path_type=str), help="Local directory.")
+@click.option("--include", multiple=True, help="Only files matching this glob (repeatable).")
+@click.option("--exclude", multiple=True, help="Skip files matching this glob (repeatable).")
+@click.option("--workers", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="Concurrent requests (files and chunks of large files).")
+@size_option("--chunk-size", default="64MiB", help="Large files are fetched in chunks of this size, in parallel.")
+@click.option("--endpoint", help="Hub endpoint [default: HF_ENDPOINT / MODELSCOPE_ENDPOINT, else the public hub].")
+@topology_options(ep="Rank-aware: expert-parallel degree.",
+                  tp="Rank-aware: tensor-parallel degree of dense weights.",
+                  world_size="Rank-aware: ranks in all [default: max(ep, tp)].",
+                  placement="Rank-aware: expert placement [default: linear].",
+                  ranks="Rank-aware: fetch only what these ranks need, e.g. 0-3,8.",
+                  node="Rank-aware: fetch only what this node's ranks need.",
+                  gpus_per_node="Rank-aware: ranks per node (for --node).")
+@click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False, path_type=str),
+              help="Rank-aware: verify every fetched tensor against this tensor-hash manifest.")
+@click.option("--dry-run", is_flag=True, help="List what would be downloaded and how many bytes; download nothing.")
+@json_option("Machine-readable summary.")
+@click.option("-v", "--verbose", is_flag=True, help="Name every file as it completes.")
+@handle_errors
+def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[str, ...], exclude: tuple[str, ...],
+          workers: int, chunk_size: int, endpoint: str | None, selection: RankSelection, manifest_path: str | None,
+          dry_run: bool, as_json: bool, verbose: bool) -> None:
+    """Download a checkpoint from Hugging Face or ModelScope: resumable, parallel, verified.
+
+    Metadata comes through the real client (HF_ENDPOINT, HF_TOKEN or a saved login,
+    MODELSCOPE_ENDPOINT / MODELSCOPE_DOMAIN and the ModelScope token are honoured); bytes come
+    through k3ckpt's own ranged downloader: several files at once, large files in parallel
+    chunks written in place, a journal of finished chunks so an interrupted run resumes where
+    it stopped, every file's sha256 checked before it is renamed into place. Files already
+    present and verified are skipped. Exits 1 and lists every file it could not fetch.
+
+    Rank-aware (--ranks or --node with --ep/--tp): reads every shard's header, then downloads
+    only the tensors those ranks need (whole tensors; the saving is the routed experts other
+    ranks own), each shard rewritten with just those tensors under its own name, plus a
+    matching index, the non-weight files and k3ckpt-partial.json (what was selected, written
+    last). reshard and verify accept the result. The hub's sha256 covers whole files, so
+    rewritten shards are verified tensor by tensor against --manifest (from `k3ckpt manifest
+    build --tensor-hashes`); without it only structure and sizes are checked, and it says so.
+
+    \b
+    Examples:
+      k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest /nvme/Kimi-K3
+      k3ckpt fetch --source modelscope --repo moonshotai/Kimi-K3 --dest /nvme/Kimi-K3 --workers 16
+      k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest ./k3 --include '*.json' --include 'tokenizer*'
+      k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest ./k3 --dry-run
+      k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest /nvme/k3-node0 --ep 8 --tp 2 --node 0 --gpus-per-node 4
+      k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest ./k3-r0 --ep 8 --ranks 0 --manifest kimi-k3.json
+    """
+    from ..hub.fetch import fetch_json, plan_fetch, render_fetch, render_fetch_plan, run_fetch
+
+    sel = selection
+    if sel.names_topology or sel.ranks is not None or sel.node is not None:
+        if sel.ranks is None and sel.node is None:
+            raise click.UsageError("rank-aware fetch needs --ranks or --node (all ranks need the whole checkpoint: "
+                                   "drop --ep/--tp/--world-size for a full fetch)")
+        _fetch_ranks(hub, repo, revision, dest, include, exclude, workers, chunk_size, endpoint, sel, manifest_path,
+                     dry_run, as_json, verbose)
+        return
+    for flag, given in (("--placement", sel.placement), ("--gpus-per-node", sel.gpus_per_node),
+                        ("--manifest", manifest_path)):
+        if given is not None:
+            raise click.UsageError(f"{flag} is for a rank-aware fetch: add --ranks or --node with --ep/--tp")
+
+    plan = plan_fetch(hub, repo, dest, revision=revision, include=include, exclude=exclude, endpoint=endpoint)
+    if dry_run:
+        if as_json:
+            emit_json(plan.to_json())
+        else:
+            click.echo(render_fetch_plan(plan))
+        return
+    with ByteProgress(not as_json, "fetching") as bar:
+        res = run_fetch(plan, workers=workers, chunk_size=chunk_size, progress=bar, on_plan=bar.plan)
+    if as_json:
+        emit_json(fetch_json(plan, res))
+    else:
+        click.echo(render_fetch(plan, res, verbose=verbose))
+        for note in res.notes:  # about the run, not the files: on stderr, like the progress bar
+            click.echo(f"  note: {note}", err=True)
+    if not res.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
+def _fetch_ranks(hub: str, repo: str, revision: str | None, dest: str, include: tuple[str, ...],
+                 exclude: tuple[str, ...], workers: int, chunk_size: int, endpoint: str | None,
+                 selection: RankSelection, manifest_path: str | None, dry_run: bool, as_json: bool,
+                 verbose: bool) -> None:
+    """``k3ckpt fetch`` with a rank selection: see :mod:`k3ckpt.hub.rankfetch`."""
+    from ..hub.rankfetch import (plan_rank_fetch, rank_fetch_json, render_rank_fetch, render_rank_fetch_plan,
+                                 run_rank_fetch)
+
+    plan = plan_rank_fetch(hub, repo, dest, selection, revision=revision, endpoint=endpoint, manifest=manifest_path,
+                           include=include, exclude=exclude, chunk_size=chunk_size, jobs=workers)
+    if dry_run:
+        if as_json:
+            emit_json(plan.to_json())
+        else:
+            click.echo(render_rank_fetch_plan(plan))
+        return
+    with ByteProgress(not as_json, "fetching") as bar:
+        res = run_rank_fetch(plan, workers=workers, progress=bar, on_plan=bar.plan)
+    if as_json:
+        emit_json(rank_fetch_json(plan, res))
+    else:
+        click.echo(render_rank_fetch(plan, res, verbose=verbose))
+    if not res.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
+COMMANDS = [fetch]

@@ -1,0 +1,133 @@
+"""What several commands share: click settings, the error handler, and option declarations
+(``--json``, ``--jobs``, sizes, the topology selection) written once, so that the same option
+means and checks the same thing everywhere."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+import click
+
+from ..errors import EXIT_CANNOT_RUN, K3ckptError
+from ..format.topology import PLACEMENTS, RankSelection
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn library errors into one line on stderr and the right exit code; ``--debug`` re-raises."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        debug = bool(click.get_current_context().find_root().params.get("debug"))
+        try:
+            return fn(*args, **kwargs)
+        except K3ckptError as e:
+            if debug:
+                raise
+            click.echo(f"k3ckpt: error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("k3ckpt: interrupted", err=True)
+            sys.exit(130)
+        except OSError as e:
+            if debug:
+                raise
+            where = f"{e.filename}: " if e.filename else ""
+            click.echo(f"k3ckpt: error: {where}{e.strerror or e}", err=True)
+            sys.exit(EXIT_CANNOT_RUN)
+
+    return wrapper
+
+
+class ByteSize(click.ParamType):
+    """Sizes like ``64MiB``, ``5GiB``, ``20GB`` or plain bytes."""
+
+    name = "size"
+    _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
+              "T": 1000**4, "TB": 1000**4, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            return value
+        import re
+
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
+        unit = m.group(2).upper() if m else None
+        if not m or unit not in self._UNITS:
+            self.fail(f"{value!r} is not a size (examples: 64MiB, 5GiB, 20GB, 1048576)", param, ctx)
+        n = int(float(m.group(1)) * self._UNITS[unit])
+        if n <= 0:
+            self.fail(f"{value!r} must be positive", param, ctx)
+        return n
+
+
+class JsonOption(click.Option):
+    """The class of every ``--json`` option: a test checks that no command declares its own."""
+
+
+def json_option(help: str = "Machine-readable output.") -> Decorator:
+    """``--json`` (parameter ``as_json``): print the result as JSON instead of text."""
+    return click.option("--json", "as_json", is_flag=True, help=help, cls=JsonOption)
+
+
+def jobs_option(help: str, default: int | None = None) -> Decorator:
+    """``--jobs N`` (at least 1); ``help`` says what runs in parallel and the default."""
+    extra: dict[str, Any] = {"show_default": True} if default is not None else {}
+    return click.option("--jobs", type=click.IntRange(1), default=default, help=help, **extra)
+
+
+def size_option(*decls: str, default: str, help: str) -> Decorator:
+    """A size option (:class:`ByteSize`: ``64MiB``, ``5GiB``, ``20GB`` or bytes), default shown."""
+    return click.option(*decls, type=ByteSize(), default=default, show_default=True, help=help)
+
+
+# parameter -> (option, type); the parameter names are RankSelection's fields, plus preflight's
+# single --rank (a selection of one rank)
+_TOPOLOGY_OPTIONS: dict[str, tuple[str, click.ParamType]] = {
+    "ep": ("--ep", click.IntRange(1)),
+    "tp": ("--tp", click.IntRange(1)),
+    "world_size": ("--world-size", click.IntRange(1)),
+    "placement": ("--placement", click.Choice(list(PLACEMENTS))),
+    "ranks": ("--ranks", click.STRING),
+    "rank": ("--rank", click.IntRange(0)),
+    "node": ("--node", click.IntRange(0)),
+    "gpus_per_node": ("--gpus-per-node", click.IntRange(1)),
+}
+# what plan and reshard show as defaults (the others leave "not given" apart from the default)
+_SHOWN_DEFAULTS: dict[str, Any] = {"ep": 1, "tp": 1, "placement": "linear"}
+
+
+def topology_options(*, show_defaults: bool = False, **helps: str) -> Decorator:
+    """The topology selection options, in the order given, each with its help text: any of
+    ``ep, tp, world_size, placement, ranks, rank, node, gpus_per_node``. The command receives
+    one ``selection`` (:class:`RankSelection`) instead of them; ``--rank R`` selects ``[R]``.
+
+    ``show_defaults``: ``--ep``/``--tp`` default to 1 and ``--placement`` to linear, shown in the
+    help (plan, reshard); otherwise an option not given stays ``None`` ("not given").
+    """
+    unknown = set(helps) - set(_TOPOLOGY_OPTIONS)
+    if unknown:
+        raise TypeError(f"no topology option {sorted(unknown)}")
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            given = {name: kwargs.pop(name) for name in helps}
+            rank = given.pop("rank", None)
+            if rank is not None:
+                given["ranks"] = (rank,)
+            return fn(*args, selection=RankSelection(**given), **kwargs)
+
+        for name, help in reversed(helps.items()):  # click lists the last-applied option first
+            flag, kind = _TOPOLOGY_OPTIONS[name]
+            default = _SHOWN_DEFAULTS.get(name) if show_defaults else None
+            extra: dict[str, Any] = {"default": default, "show_default": True} if default is not None else {}
+            wrapper = click.option(flag, name, type=kind, help=help, **extra)(wrapper)
+        return wrapper
+
+    return decorate
