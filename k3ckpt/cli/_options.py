@@ -12,6 +12,7 @@ import click
 
 from ..errors import EXIT_CANNOT_RUN, K3ckptError
 from ..format.topology import PLACEMENTS, RankSelection
+from ..utils import parse_size
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -45,22 +46,17 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class ByteSize(click.ParamType):
-    """Sizes like ``64MiB``, ``5GiB``, ``20GB`` or plain bytes."""
+    """Sizes like ``64MiB``, ``5GiB``, ``20GB`` or plain bytes (read by :func:`k3ckpt.utils.parse_size`)."""
 
     name = "size"
-    _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
-              "T": 1000**4, "TB": 1000**4, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
 
     def convert(self, value: Any, param: Any, ctx: Any) -> int:
         if isinstance(value, int):
             return value
-        import re
-
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
-        unit = m.group(2).upper() if m else None
-        if not m or unit not in self._UNITS:
+        try:
+            n = parse_size(str(value))
+        except ValueError:
             self.fail(f"{value!r} is not a size (examples: 64MiB, 5GiB, 20GB, 1048576)", param, ctx)
-        n = int(float(m.group(1)) * self._UNITS[unit])
         if n <= 0:
             self.fail(f"{value!r} must be positive", param, ctx)
         return n
