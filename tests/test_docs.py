@@ -42,6 +42,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: Where pages are recorded; the docs' output shows paths under it.
 RECORD_ROOT = Path("/tmp/docs-work")
 README_LIMIT = 12 * 1024
+#: Pages being written elsewhere (issue #12: the API and environment pages), linked before they
+#: land. A missing one is not an error; delete its entry once it is in the repository.
+PENDING = {"docs/api.md", "docs/env.md"}
 
 NO_TEST = re.compile(r"^\s*<!--\s*no-test:\s*(.*?)\s*-->\s*$")
 SERVE = re.compile(r"<!--\s*docs-test:\s*serve\s+(\S+)\s+as\s+(\S+)\s*-->")
@@ -299,6 +302,8 @@ def test_relative_links_resolve() -> None:
             if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
                 continue
             dest = (path.parent / target.split("#", 1)[0]).resolve()
+            if dest.is_relative_to(ROOT) and str(dest.relative_to(ROOT)) in PENDING and not dest.exists():
+                continue
             if not dest.is_relative_to(ROOT) or not dest.exists():
                 bad.append(f"{_page_id(path)}: ({target})")
     assert not bad, "links to nothing in the repository:\n" + "\n".join(bad)
