@@ -56,6 +56,8 @@ _MASKS = [
     (re.compile(r"\d[\d,.]*\s?[KMGT]?i?B/s"), "<rate>"),
     (re.compile(r"(?<![\w.])\d+(\.\d+)?\s?s\b"), "<secs>"),
     (re.compile(r"ed25519:[0-9a-f]{16}"), "ed25519:<key>"),
+    # preflight's tally: WARN/PASS move with the machine's GPUs (FAIL counts stay checked)
+    (re.compile(r"\b\d+ (WARN|PASS)\b"), r"<n> \1"),
 ]
 #: Preflight rows whose numbers belong to the machine, not to the checkpoint.
 _MACHINE_ROW = re.compile(r"^(PASS|WARN|FAIL)(\s+)(disk|host memory|gpu|mxfp4|read speed)\b.*$")
@@ -193,24 +195,41 @@ class Result:
         return out
 
 
-def run_page(page: Page, scratch: Path, cwd: Path) -> Iterator[Result]:
-    """Run a page's testable blocks in ``cwd`` (made empty); ``scratch`` holds caches and the hub."""
+class Hubs:
+    """Loopback hubs serving synthetic checkpoints, started on first use and shared."""
+
+    def __init__(self, scratch: Path) -> None:
+        self.scratch = scratch
+        self._hubs: dict[tuple[str, str], object] = {}
+
+    def env(self, preset: str, repo: str) -> dict[str, str]:
+        from k3ckpt.testing.hub import LoopbackHub
+
+        if (preset, repo) not in self._hubs:
+            src = self.scratch / f"hub-{preset}"
+            if not (src / "config.json").exists():
+                subprocess.run(["k3ckpt", "synth", str(src), "--preset", preset, "--force"], check=True,
+                               env=_env(self.scratch, {}), stdout=subprocess.DEVNULL)
+            self._hubs[(preset, repo)] = LoopbackHub({repo: src}, cache_dir=self.scratch / "hub-cache").start()
+        return self._hubs[(preset, repo)].env_vars()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        for hub in self._hubs.values():
+            hub.stop()  # type: ignore[attr-defined]
+        self._hubs.clear()
+
+
+def run_page(page: Page, scratch: Path, cwd: Path, hubs: Hubs | None = None) -> Iterator[Result]:
+    """Run a page's testable blocks in ``cwd`` (made empty); ``scratch`` holds caches (and the
+    hub's checkpoint when no shared ``hubs`` are given)."""
     shutil.rmtree(cwd, ignore_errors=True)
     cwd.mkdir(parents=True)
     scratch.mkdir(parents=True, exist_ok=True)
-    hub = None
-    extra: dict[str, str] = {}
+    own = hubs is None and page.serve is not None
+    if own:
+        hubs = Hubs(scratch)
     try:
-        if page.serve:
-            from k3ckpt.testing.hub import LoopbackHub
-
-            preset, repo = page.serve
-            src = scratch / f"hub-{preset}"
-            if not (src / "config.json").exists():
-                subprocess.run(["k3ckpt", "synth", str(src), "--preset", preset, "--force"], check=True,
-                               env=_env(scratch, {}), stdout=subprocess.DEVNULL)
-            hub = LoopbackHub({repo: src}, cache_dir=scratch / "hub-cache").start()
-            extra = hub.env_vars()
+        extra = hubs.env(*page.serve) if hubs is not None and page.serve else {}
         env = _env(scratch, extra)
         for block in page.blocks:
             if block.skip is not None:
@@ -220,8 +239,8 @@ def run_page(page: Page, scratch: Path, cwd: Path) -> Iterator[Result]:
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
                 yield Result(block, cmd, proc.returncode, proc.stdout.splitlines())
     finally:
-        if hub is not None:
-            hub.stop()
+        if own and hubs is not None:
+            hubs.close()
 
 
 # -- the tests ---------------------------------------------------------------------------------
@@ -231,19 +250,26 @@ def _page_id(p: Path) -> str:
     return str(p.relative_to(ROOT))
 
 
+@pytest.fixture(scope="module")
+def hubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hubs]:
+    h = Hubs(tmp_path_factory.mktemp("hubs"))
+    yield h
+    h.close()
+
+
 @pytest.mark.parametrize("path", PAGES, ids=_page_id)
-def test_examples_run(path: Path, tmp_path: Path) -> None:
+def test_examples_run(path: Path, tmp_path: Path, hubs: Hubs) -> None:
     page = parse(path)
     cwd = tmp_path / "page"
     problems: list[str] = []
-    for res in run_page(page, tmp_path / "scratch", cwd):
+    for res in run_page(page, tmp_path / "scratch", cwd, hubs):
         problems += res.problems(cwd)
     assert not problems, f"{_page_id(path)}:\n" + "\n".join(problems)
 
 
 def test_every_page_has_something_to_run() -> None:
     for path in PAGES:
-        if path.name in ("index.md", "env.md", "api.md", "layout.md"):
+        if path.name in ("index.md", "env.md", "api.md"):
             continue
         page = parse(path)
         assert any(b.skip is None and b.commands for b in page.blocks), f"{_page_id(path)}: no tested example"
