@@ -321,19 +321,37 @@ def test_readme_fits_on_a_page() -> None:
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
+def _anchors(md: Path) -> set[str]:
+    """GitHub's heading anchors of a Markdown file."""
+    text = re.sub(r"```.*?```", "", md.read_text(encoding="utf-8"), flags=re.DOTALL)
+    out: set[str] = set()
+    for heading in re.findall(r"^#+\s+(.*?)\s*$", text, flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        n, base = 0, slug
+        while slug in out:
+            n += 1
+            slug = f"{base}-{n}"
+        out.add(slug)
+    return out
+
+
 def test_relative_links_resolve() -> None:
+    """Every relative link of README.md and docs/ names a file of the repository (and a heading of
+    it, when the link has a #fragment into Markdown)."""
     bad = []
     for path in PAGES:
-        text = path.read_text(encoding="utf-8")
-        text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+        text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.DOTALL)
         for target in LINK.findall(text):
-            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):
                 continue
-            dest = (path.parent / target.split("#", 1)[0]).resolve()
+            file, _, fragment = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
             if dest.is_relative_to(ROOT) and str(dest.relative_to(ROOT)) in PENDING and not dest.exists():
                 continue
             if not dest.is_relative_to(ROOT) or not dest.exists():
-                bad.append(f"{_page_id(path)}: ({target})")
+                bad.append(f"{_page_id(path)}: ({target}): no such file")
+            elif fragment and dest.suffix == ".md" and fragment not in _anchors(dest):
+                bad.append(f"{_page_id(path)}: ({target}): no such heading")
     assert not bad, "links to nothing in the repository:\n" + "\n".join(bad)
 
 
