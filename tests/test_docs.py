@@ -8,7 +8,7 @@ what it printed (stdout and stderr, in order). The conventions:
   open (``$ k3ckpt synth Kimi-K3`` first) and later blocks use what earlier ones made.
 - ``<!-- no-test: REASON -->`` on the line before a block (blank lines allowed between) skips
   it, with that reason: a real hub, a GPU, an engine, K3-scale data.
-- ``<!-- docs-test: serve PRESET as OWNER/NAME -->`` anywhere in a page: before its blocks run,
+- ``<!-- docs-test: serve PRESET as OWNER/NAME -->`` on a line of a page: before its blocks run,
   ``k3ckpt synth PRESET`` is served on a loopback hub (:mod:`k3ckpt.testing.hub`) as that repo,
   with ``HF_ENDPOINT`` / ``MODELSCOPE_ENDPOINT`` pointing at it - what the page's output was
   recorded against. The synthetic checkpoint lives outside the page's directory.
@@ -49,7 +49,7 @@ README_LIMIT = 12 * 1024
 PENDING = {"docs/api.md", "docs/env.md"}
 
 NO_TEST = re.compile(r"^\s*<!--\s*no-test:\s*(.*?)\s*-->\s*$")
-SERVE = re.compile(r"<!--\s*docs-test:\s*serve\s+(\S+)\s+as\s+(\S+)\s*-->")
+SERVE = re.compile(r"^\s*<!--\s*docs-test:\s*serve\s+(\S+)\s+as\s+(\S+)\s*-->\s*$", re.MULTILINE)
 FENCE = re.compile(r"^```(\S*)\s*$")
 
 _MASKS = [
