@@ -31,7 +31,9 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -203,15 +205,18 @@ class Hubs:
     def __init__(self, scratch: Path) -> None:
         self.scratch = scratch
         self._hubs: dict[tuple[str, str], LoopbackHub] = {}
+        self._lock = threading.Lock()
 
     def env(self, preset: str, repo: str) -> dict[str, str]:
-        if (preset, repo) not in self._hubs:
-            src = self.scratch / f"hub-{preset}"
-            if not (src / "config.json").exists():
-                subprocess.run(["k3ckpt", "synth", str(src), "--preset", preset, "--force"], check=True,
-                               env=_env(self.scratch, {}), stdout=subprocess.DEVNULL)
-            self._hubs[(preset, repo)] = LoopbackHub({repo: src}, cache_dir=self.scratch / "hub-cache").start()
-        return self._hubs[(preset, repo)].env_vars()
+        with self._lock:
+            if (preset, repo) not in self._hubs:
+                src = self.scratch / f"hub-{preset}"
+                if not (src / "config.json").exists():
+                    subprocess.run(["k3ckpt", "synth", str(src), "--preset", preset, "--force"], check=True,
+                                   env=_env(self.scratch, {}), stdout=subprocess.DEVNULL)
+                hub = LoopbackHub({repo: src}, cache_dir=self.scratch / "hub-cache")
+                self._hubs[(preset, repo)] = hub.start()
+            return self._hubs[(preset, repo)].env_vars()
 
     def close(self) -> None:
         for hub in self._hubs.values():
@@ -258,13 +263,27 @@ def hubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hubs]:
     h.close()
 
 
-@pytest.mark.parametrize("path", PAGES, ids=_page_id)
-def test_examples_run(path: Path, tmp_path: Path, hubs: Hubs) -> None:
-    page = parse(path)
-    cwd = tmp_path / "page"
+def _page_problems(path: Path, root: Path, hubs: Hubs) -> list[str]:
+    cwd = root / "page"
     problems: list[str] = []
-    for res in run_page(page, tmp_path / "scratch", cwd, hubs):
+    for res in run_page(parse(path), root / "scratch", cwd, hubs):
         problems += res.problems(cwd)
+    return problems
+
+
+@pytest.fixture(scope="module")
+def page_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+              hubs: Hubs) -> Iterator[dict[Path, Future[list[str]]]]:
+    """The selected pages run side by side (each in its own directory): half the wall time."""
+    selected = [item.callspec.params["path"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_examples_run" and hasattr(item, "callspec")]
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
+        yield {p: pool.submit(_page_problems, p, tmp_path_factory.mktemp(p.stem), hubs) for p in selected}
+
+
+@pytest.mark.parametrize("path", PAGES, ids=_page_id)
+def test_examples_run(path: Path, page_runs: dict[Path, Future[list[str]]]) -> None:
+    problems = page_runs[path].result()
     assert not problems, f"{_page_id(path)}:\n" + "\n".join(problems)
 
 
