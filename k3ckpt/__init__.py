@@ -68,7 +68,43 @@ _LAZY: dict[str, str] = {
     "synthesize": "k3ckpt.testing.synth",
 }
 
-__all__ = ["__version__", *sorted(_LAZY)]
+__all__ = [
+    "__version__",
+    "Checkpoint",
+    "K3ckptError",
+    "Manifest",
+    "build_manifest",
+    "dequantize_mxfp4",
+    "dequantize_to_file",
+    "diff_manifests",
+    "generate_key",
+    "inspect_checkpoint",
+    "inspect_mx",
+    "list_repo",
+    "load_signed_manifest",
+    "open_checkpoint",
+    "plan_fetch",
+    "plan_rank_fetch",
+    "plan_reshard",
+    "plan_topology",
+    "plan_unshard",
+    "preflight",
+    "pull_manifest",
+    "quantization_error",
+    "quantize_file",
+    "quantize_mxfp4",
+    "render_preflight",
+    "reshard",
+    "run_fetch",
+    "run_rank_fetch",
+    "run_reshard",
+    "run_unshard",
+    "sign_file",
+    "spec_from_preset",
+    "synthesize",
+    "unshard",
+    "verify_checkpoint",
+]
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
     from .deploy.plan import plan_topology

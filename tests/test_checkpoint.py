@@ -27,8 +27,8 @@ from k3ckpt.errors import (
 )
 from k3ckpt.format.roles import Kind
 from k3ckpt.format.header import TensorSpec, build_header, read_header
+from helpers import REPO
 
-REPO = "moonshotai/Kimi-K3"
 BF16_NAME = "language_model.model.embed_tokens.weight"
 F32_NAME = "language_model.model.layers.0.self_attn.A_log"
 U8_NAME = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_packed"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from ckpt_edit import tree_digests
+from helpers import REPO
 
-REPO = "moonshotai/Kimi-K3"
 SHARD = "model-00001-of-000008.safetensors"  # 1.6 MB, the largest k3-tiny shard
 
 
