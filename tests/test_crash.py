@@ -13,6 +13,7 @@ import pytest
 from k3ckpt.testing.crash import InvariantViolation, scan_fetch, scan_reshard, fetch_campaign, reshard_campaign
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [11, 12])
 def test_fetch_survives_sigkill_and_power_loss(k3_tiny: Path, tmp_path: Path, seed: int) -> None:
     stats = fetch_campaign(k3_tiny, tmp_path, kills=4, seed=seed, power_loss=0.5)
@@ -22,6 +23,7 @@ def test_fetch_survives_sigkill_and_power_loss(k3_tiny: Path, tmp_path: Path, se
     assert stats.bytes_verified == total * (1 + stats.power_loss_faults)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [21, 22])
 def test_reshard_survives_sigkill_and_power_loss(k3_tiny: Path, tmp_path: Path, seed: int) -> None:
     stats = reshard_campaign(k3_tiny, tmp_path, kills=4, seed=seed, power_loss=0.5)

@@ -51,6 +51,7 @@ def test_seed_is_accepted(target: str) -> None:
     TARGETS[target](header_bytes_from_file(seed) if target == "header_file" else seed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @FUZZ
 @given(data=st.data())
@@ -58,6 +59,7 @@ def test_fuzz_mutated_documents(target: str, data: st.DataObject) -> None:
     TARGETS[target](data.draw(mutated(target)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @FUZZ
 @given(raw=st.binary(max_size=512))

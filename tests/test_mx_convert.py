@@ -422,6 +422,7 @@ def _measure(*args: str) -> dict:
     return json.loads(p.stderr.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux)")
 def test_dequant_of_a_whole_layer_runs_in_bounded_memory(tmp_path: Path) -> None:
     """A whole MoE layer to fp32, > 1 GB of output, from a child process whose peak RSS stays far

@@ -435,6 +435,7 @@ sys.exit(0 if run_rank_fetch(plan, workers=3, token="").ok else 1)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["after_piece:5", "before_shard_rename"])
 def test_sigkill_then_resume(point: str, served_hub: Any, node0_names: set[str], tmp_path: Path) -> None:
     h, served = served_hub

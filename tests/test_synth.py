@@ -111,6 +111,7 @@ def test_headers_only_is_sparse_and_reads_as_zeros(tmp_path: Path) -> None:
     assert not ckpt.read_tensor(name).any()
 
 
+@pytest.mark.slow
 def test_full_inventory_headers_only(tmp_path: Path) -> None:
     """The real K3 inventory at true scale: 93 layers, 896 experts, 96 shards, ~497k tensors."""
     out = synthesize(PRESETS["k3-full"], tmp_path / "full", jobs=2).path

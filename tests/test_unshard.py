@@ -314,6 +314,7 @@ _KILLER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_reshard_killed_at_random_points_resumes(k3_tiny: Path, tmp_path: Path) -> None:
     """SIGKILL after a random number of copy steps; whatever is left, ranks with READY are
     intact (files match their manifest's sizes and digests) and are skipped by the re-run,
