@@ -8,7 +8,8 @@ Names load on first use, so ``import k3ckpt`` stays cheap. Example, on a synthet
     import k3ckpt
 
     k3ckpt.synthesize(k3ckpt.spec_from_preset("k3-tiny"), "k3-tiny")
-    print(k3ckpt.open_checkpoint("k3-tiny").total_bytes)
+    ckpt = k3ckpt.open_checkpoint("k3-tiny")
+    print(ckpt.total_bytes, k3ckpt.inspect_checkpoint(ckpt).params_total)
     manifest = k3ckpt.build_manifest("k3-tiny", tensor_hashes=True)
     manifest.save("k3-tiny.manifest.json")
     assert k3ckpt.verify_checkpoint("k3-tiny", manifest=manifest).ok

@@ -105,17 +105,33 @@ def test_every_exported_name_is_documented(package: str) -> None:
     assert not undocumented, f"docs/api.md does not mention {package}: {undocumented}"
 
 
-def test_importing_k3ckpt_is_light() -> None:
-    """``import k3ckpt`` (and the CLI's module) loads no hub client, numpy or subpackage."""
-    code = ("import json, sys, k3ckpt, k3ckpt.cli; "
-            "print(json.dumps(sorted(m for m in sys.modules)))")
+HEAVY = {"huggingface_hub", "modelscope_hub", "modelscope", "numpy", "ml_dtypes", "cryptography", "httpx", "requests",
+         "tqdm", "matplotlib", "safetensors"}
+
+
+def _modules_after(code: str) -> set[str]:
+    code += "; import json, sys; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}).stdout
-    loaded = set(json.loads(out))
-    heavy = {"huggingface_hub", "modelscope_hub", "modelscope", "numpy", "ml_dtypes", "cryptography", "httpx",
-             "requests", "tqdm", "matplotlib"}
-    assert not heavy & loaded, sorted(heavy & loaded)
-    assert not {m for m in loaded if m.startswith("k3ckpt.")} - {"k3ckpt.cli", "k3ckpt.errors"}
+    return set(json.loads(out))
+
+
+def test_importing_k3ckpt_is_light() -> None:
+    """``import k3ckpt`` loads none of its subpackages and no third-party library."""
+    loaded = _modules_after("import k3ckpt")
+    assert not HEAVY & loaded, sorted(HEAVY & loaded)
+    assert not {m for m in loaded if m.startswith("k3ckpt.")}, sorted(m for m in loaded if m.startswith("k3ckpt."))
+
+
+def test_the_cli_starts_without_the_heavy_libraries() -> None:
+    """``k3ckpt --help`` pays for click, not for the hub clients or numpy."""
+    loaded = _modules_after("import k3ckpt.cli")
+    assert not HEAVY & loaded, sorted(HEAVY & loaded)
+
+
+def test_first_use_loads_only_what_is_needed() -> None:
+    loaded = _modules_after("import k3ckpt; k3ckpt.open_checkpoint")
+    assert "k3ckpt.format.checkpoint" in loaded and not {"numpy", "huggingface_hub"} & loaded
 
 
 def test_py_typed_is_shipped() -> None:
@@ -126,6 +142,18 @@ def test_py_typed_is_shipped() -> None:
 # ----------------------------------------------------------------------------------------------
 # the examples of docs/api.md run
 # ----------------------------------------------------------------------------------------------
+
+
+def test_the_module_docstring_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = k3ckpt.__doc__ or ""
+    lines = []
+    for line in doc[doc.index("::\n") + 3:].splitlines():
+        if line.strip() and not line.startswith("    "):
+            break
+        lines.append(line[4:])
+    assert 8 <= len([line for line in lines if line.strip()]) <= 12
+    monkeypatch.chdir(tmp_path)
+    exec(compile("\n".join(lines), "k3ckpt.__doc__", "exec"), {})
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
