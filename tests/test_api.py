@@ -186,6 +186,8 @@ def test_the_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
             except Exception as e:
                 raise AssertionError(f"the example at docs/api.md:{line} failed: {e!r}") from e
     finally:
+        from k3ckpt.testing import LoopbackHub
+
         for value in namespace.values():
-            if type(value).__name__ == "LoopbackHub" and getattr(value, "running", False):
+            if isinstance(value, LoopbackHub) and value.running:
                 value.stop()

@@ -48,10 +48,10 @@ def module_name(path: Path, root: Path = ROOT) -> str:
     return ".".join(parts)
 
 
-def package_of(module: str) -> str:
+def package_of(module: str, root: Path = ROOT) -> str:
     """``k3ckpt.hub.client`` -> ``hub``; ``k3ckpt.errors`` and ``k3ckpt`` -> ``""``."""
     parts = module.split(".")
-    if len(parts) >= 2 and (PKG_DIR / parts[1]).is_dir():
+    if len(parts) >= 2 and (root / "k3ckpt" / parts[1]).is_dir():
         return parts[1]
     return ""
 
@@ -91,7 +91,7 @@ class Checker(ast.NodeVisitor):
         self.module = module
         self.is_pkg = is_pkg
         self.root = root
-        self.package = OUTSIDE if module is None else package_of(module)
+        self.package = OUTSIDE if module is None else package_of(module, root)
         self.aliases: dict[str, str] = {}  # local name -> k3ckpt module it is bound to
         self.found = Imports()
         self.type_checking = 0
@@ -103,7 +103,7 @@ class Checker(ast.NodeVisitor):
 
     def foreign(self, target_module: str) -> bool:
         """Is ``target_module`` across a package boundary from this file?"""
-        return self.package == OUTSIDE or package_of(target_module) != self.package
+        return self.package == OUTSIDE or package_of(target_module, self.root) != self.package
 
     def check_module(self, node: ast.AST, target: str) -> None:
         """This file uses the k3ckpt module ``target``."""
@@ -111,7 +111,7 @@ class Checker(ast.NodeVisitor):
             return
         self.found.targets.append((target, getattr(node, "lineno", 0)))
         if self.foreign(target) and private_module_part(target):
-            self.offence(node, f"imports private module {target} of package {package_of(target)!r}")
+            self.offence(node, f"imports private module {target} of package {package_of(target, self.root)!r}")
 
     def check_name(self, node: ast.AST, target: str, name: str) -> None:
         """This file uses ``target.name`` where ``name`` is not a module."""
@@ -263,19 +263,43 @@ def test_tests_and_scripts_use_only_public_names() -> None:
     assert not offences, "tests/scripts using private k3ckpt names:\n" + report(offences)
 
 
-def _package_edges() -> dict[tuple[str, str], list[str]]:
+def package_edges(root: Path = ROOT) -> dict[tuple[str, str], list[str]]:
     """(importer package, imported package) -> where, for every import between two packages."""
     edges: dict[tuple[str, str], list[str]] = {}
-    for p in package_files():
-        module = module_name(p)
+    for p in sorted((root / "k3ckpt").rglob("*.py")):
+        module = module_name(p, root)
         if module in FACADES:
             continue
-        found = check_file(p, inside=True)
-        for target, line in found.targets:
-            a, b = package_of(module), package_of(target)
+        for target, line in check_file(p, inside=True, root=root).targets:
+            a, b = package_of(module, root), package_of(target, root)
             if a != b:
-                edges.setdefault((a, b), []).append(f"{p.relative_to(ROOT)}:{line} ({target})")
+                edges.setdefault((a, b), []).append(f"{p.relative_to(root)}:{line} ({target})")
     return edges
+
+
+def upward_imports(edges: dict[tuple[str, str], list[str]]) -> list[str]:
+    return [f"{a or 'k3ckpt'} -> {b or 'k3ckpt'}: {w}" for (a, b), where in sorted(edges.items())
+            if RANK[b] > RANK[a] for w in where]
+
+
+def package_cycles(edges: dict[tuple[str, str], list[str]]) -> list[str]:
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+    cycles: set[tuple[str, ...]] = set()
+
+    def walk(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                cycle = path[path.index(nxt):]
+                i = cycle.index(min(cycle))
+                cycles.add(tuple(cycle[i:] + cycle[:i]))
+            else:
+                walk(nxt, path + [nxt])
+
+    for start in sorted(graph):
+        walk(start, [start])
+    return [" -> ".join(p or "k3ckpt" for p in (*c, c[0])) for c in sorted(cycles)]
 
 
 def test_every_package_has_a_place_in_the_order() -> None:
@@ -284,27 +308,13 @@ def test_every_package_has_a_place_in_the_order() -> None:
 
 
 def test_no_upward_imports() -> None:
-    upward = [f"{a or 'k3ckpt'} -> {b or 'k3ckpt'}: {w}" for (a, b), where in sorted(_package_edges().items())
-              if RANK[b] > RANK[a] for w in where]
+    upward = upward_imports(package_edges())
     assert not upward, "imports against the dependency order:\n" + "\n".join(upward)
 
 
 def test_no_import_cycles_between_packages() -> None:
-    graph: dict[str, set[str]] = {}
-    for a, b in _package_edges():
-        graph.setdefault(a, set()).add(b)
-    cycles: list[list[str]] = []
-
-    def walk(node: str, path: list[str]) -> None:
-        for nxt in sorted(graph.get(node, ())):
-            if nxt in path:
-                cycles.append(path[path.index(nxt):] + [nxt])
-            elif len(path) < len(RANK):
-                walk(nxt, path + [nxt])
-
-    for start in sorted(graph):
-        walk(start, [start])
-    assert not cycles, "package import cycles: " + "; ".join(" -> ".join(p or "k3ckpt" for p in c) for c in cycles)
+    cycles = package_cycles(package_edges())
+    assert not cycles, "package import cycles: " + "; ".join(cycles)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,12 +327,7 @@ def _offences_in(tmp_path: Path, files: dict[str, str], check: str, *, inside: b
         p = tmp_path / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
-    global PKG_DIR
-    saved, PKG_DIR = PKG_DIR, tmp_path / "k3ckpt"
-    try:
-        return [o.what for o in check_file(tmp_path / check, inside=inside, root=tmp_path).offences]
-    finally:
-        PKG_DIR = saved
+    return [o.what for o in check_file(tmp_path / check, inside=inside, root=tmp_path).offences]
 
 
 FAKE = {
@@ -345,7 +350,8 @@ FAKE = {
     ("from .. import hub\nhub.client._retry()\n", "uses private name k3ckpt.hub.client._retry"),
     ("from ..hub import client\nsetattr(client, '_retry', None)\n", "uses private name k3ckpt.hub.client._retry"),
     ("x = 'k3ckpt.hub.client._retry'\n", "names private k3ckpt.hub.client._retry in a string"),
-    ("from .. import list_repo\n", "imports 'list_repo' from the top-level k3ckpt namespace (import it from its module)"),
+    ("from .. import list_repo\n",
+     "imports 'list_repo' from the top-level k3ckpt namespace (import it from its module)"),
 ])
 def test_the_checker_finds_offences(tmp_path: Path, source: str, expected: str) -> None:
     found = _offences_in(tmp_path, {**FAKE, "k3ckpt/deploy/run.py": source}, "k3ckpt/deploy/run.py")
@@ -373,3 +379,14 @@ def test_outside_the_package_nothing_private_is_shared(tmp_path: Path) -> None:
               "    monkeypatch.setattr('k3ckpt.hub.client._retry', None)\n")
     found = _offences_in(tmp_path, {**FAKE, "tests/test_x.py": source}, "tests/test_x.py", inside=False)
     assert found == ["uses private name k3ckpt.hub.client._retry", "names private k3ckpt.hub.client._retry in a string"]
+
+
+def test_the_checker_finds_upward_imports_and_cycles(tmp_path: Path) -> None:
+    files = {**FAKE, "k3ckpt/format/__init__.py": "", "k3ckpt/format/header.py": "from ..hub.client import list_repo\n",
+             "k3ckpt/hub/fetch.py": "from ..format.header import x\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    edges = package_edges(tmp_path)
+    assert upward_imports(edges) == ["format -> hub: k3ckpt/format/header.py:1 (k3ckpt.hub.client)"]
+    assert package_cycles(edges) == ["format -> hub -> format"]
