@@ -7,6 +7,7 @@ name is a decision, and this test is where it is made visible.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import os
@@ -84,6 +85,21 @@ def test_top_level_names_are_the_same_objects_as_in_their_packages() -> None:
         obj = getattr(k3ckpt, name)
         home = importlib.import_module(obj.__module__)
         assert getattr(home, name) is obj, name
+
+
+def test_the_type_checking_imports_match_the_lazy_names() -> None:
+    """Type checkers see ``k3ckpt/__init__.py``'s ``if TYPE_CHECKING:`` imports; at run time the
+    names load lazily. Both must give the same objects from the same modules."""
+    tree = ast.parse((ROOT / "k3ckpt" / "__init__.py").read_text(encoding="utf-8"))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    seen = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.level == 1, ast.dump(node)
+        for alias in node.names:
+            seen[alias.asname or alias.name] = f"k3ckpt.{node.module}"
+    assert sorted(seen) == sorted(set(k3ckpt.__all__) - {"__version__"})
+    for name, module in seen.items():
+        assert getattr(importlib.import_module(module), name) is getattr(k3ckpt, name), name
 
 
 def test_dir_lists_the_public_api() -> None:
