@@ -119,6 +119,24 @@ def isolated_hub_clients(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     monkeypatch.setattr(msc, "_default_config", None)
 
 
+@pytest.fixture(scope="module")
+def hash_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A loopback hub's hash cache, shared by one test module's hubs (each file hashed once)."""
+    return tmp_path_factory.mktemp("hub-hash-cache")
+
+
+@pytest.fixture(scope="module")
+def module_hub(served: Path, hash_cache: Path) -> Iterator[Any]:
+    """One loopback hub per test module, serving that module's ``served`` directory (the module
+    defines the ``served`` fixture) as ``helpers.REPO``. Tests use it through ``hub``."""
+    from k3ckpt.testing.hub import LoopbackHub
+
+    from helpers import REPO
+
+    with LoopbackHub({REPO: served}, cache_dir=hash_cache) as h:
+        yield h
+
+
 @pytest.fixture
 def hub(module_hub: Any) -> Iterator[Any]:
     """A test module's shared loopback hub (the module defines ``module_hub``) with no armed

@@ -27,8 +27,8 @@ from k3ckpt.errors import (
 )
 from k3ckpt.format.roles import Kind
 from k3ckpt.format.header import TensorSpec, build_header, read_header
+from helpers import REPO
 
-REPO = "moonshotai/Kimi-K3"
 BF16_NAME = "language_model.model.embed_tokens.weight"
 F32_NAME = "language_model.model.layers.0.self_attn.A_log"
 U8_NAME = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_packed"
@@ -88,7 +88,7 @@ def open_in_process(path: Path, monkeypatch: pytest.MonkeyPatch) -> Checkpoint:
     return ck
 
 
-_REAL_HEADER_JOB = ckmod._header_columns_job
+_REAL_HEADER_JOB = ckmod.header_columns_job
 
 
 def _worker_pids(monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -99,13 +99,13 @@ def _worker_pids(monkeypatch: pytest.MonkeyPatch) -> Path:
     marks = Path(tempfile.mkdtemp(prefix="k3ckpt-header-jobs-"))
     real_job = _REAL_HEADER_JOB
 
-    def _header_columns_job(args):
+    def header_columns_job(args):
         (marks / f"{os.getpid()}-{os.path.basename(args[1])}").touch()
         return real_job(args)
 
-    _header_columns_job.__module__ = real_job.__module__
-    _header_columns_job.__qualname__ = real_job.__qualname__
-    monkeypatch.setattr(ckmod, "_header_columns_job", _header_columns_job)
+    header_columns_job.__module__ = real_job.__module__
+    header_columns_job.__qualname__ = real_job.__qualname__
+    monkeypatch.setattr(ckmod, "header_columns_job", header_columns_job)
     return marks
 
 

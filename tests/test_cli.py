@@ -11,14 +11,10 @@ from pathlib import Path
 
 import click
 import pytest
-from click.testing import CliRunner
 
 from k3ckpt import __version__
 from k3ckpt.cli import main
-
-
-def run(*args: str) -> "CliRunner.invoke":
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+from helpers import assert_one_line_error, run
 
 
 def test_version_and_module_entry_point() -> None:
@@ -86,21 +82,12 @@ def test_inspect_text_and_json(k3_tiny: Path) -> None:
     assert data["findings"] == [] and data["family"] == "kimi_k3"
 
 
-def _assert_one_line_error(res, code: int, *needles: str) -> None:
-    assert res.exit_code == code, res.output
-    lines = [line for line in res.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("k3ckpt: error: "), res.output
-    assert "Traceback" not in res.output
-    for n in needles:
-        assert n in lines[0]
-
-
 def test_missing_directory_exits_2(tmp_path: Path) -> None:
-    _assert_one_line_error(run("inspect", str(tmp_path / "nope")), 2, "nope", "no such directory")
+    assert_one_line_error(run("inspect", str(tmp_path / "nope")), 2, "nope", "no such directory")
 
 
 def test_not_a_checkpoint_exits_2(tmp_path: Path) -> None:
-    _assert_one_line_error(run("inspect", str(tmp_path)), 2, "no model.safetensors.index.json and no model.safetensors")
+    assert_one_line_error(run("inspect", str(tmp_path)), 2, "no model.safetensors.index.json and no model.safetensors")
 
 
 def test_malformed_header_exits_2_naming_the_shard(k3_tiny: Path, tmp_path: Path) -> None:
@@ -111,7 +98,7 @@ def test_malformed_header_exits_2_naming_the_shard(k3_tiny: Path, tmp_path: Path
     (n,) = struct.unpack("<Q", data[:8])
     data[8 + n // 2] = 0xFF  # not UTF-8 inside the JSON
     shard.write_bytes(bytes(data))
-    _assert_one_line_error(run("inspect", str(root)), 2, "model-00003-of-000008.safetensors", "not valid UTF-8")
+    assert_one_line_error(run("inspect", str(root)), 2, "model-00003-of-000008.safetensors", "not valid UTF-8")
 
 
 def test_truncated_shard_exits_2(k3_tiny: Path, tmp_path: Path) -> None:
@@ -120,7 +107,7 @@ def test_truncated_shard_exits_2(k3_tiny: Path, tmp_path: Path) -> None:
     shard = root / "model-00002-of-000008.safetensors"
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size - 100)
-    _assert_one_line_error(run("inspect", str(root)), 2, "model-00002-of-000008.safetensors", "data buffer")
+    assert_one_line_error(run("inspect", str(root)), 2, "model-00002-of-000008.safetensors", "data buffer")
 
 
 def test_contradicting_config_exits_1(k3_tiny: Path, tmp_path: Path) -> None:
@@ -148,9 +135,9 @@ def test_synth_cli_json_and_refusals(tmp_path: Path) -> None:
     data = json.loads(res.output)
     assert data["tensors"] > 0 and Path(data["path"]).is_dir()
     again = run("synth", str(tmp_path / "s"), "--preset", "k3-tiny")
-    _assert_one_line_error(again, 2, "not empty")
+    assert_one_line_error(again, 2, "not empty")
     bad = run("synth", str(tmp_path / "t"), "--moe-intermediate", "40")
-    _assert_one_line_error(bad, 2, "multiple of the MXFP4 block size")
+    assert_one_line_error(bad, 2, "multiple of the MXFP4 block size")
 
 
 def test_console_script_subprocess(k3_tiny: Path) -> None:

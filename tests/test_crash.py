@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from k3ckpt.testing.crash import InvariantViolation, _scan_fetch, _scan_reshard, fetch_campaign, reshard_campaign
+from k3ckpt.testing.crash import InvariantViolation, scan_fetch, scan_reshard, fetch_campaign, reshard_campaign
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [11, 12])
 def test_fetch_survives_sigkill_and_power_loss(k3_tiny: Path, tmp_path: Path, seed: int) -> None:
     stats = fetch_campaign(k3_tiny, tmp_path, kills=4, seed=seed, power_loss=0.5)
@@ -22,6 +23,7 @@ def test_fetch_survives_sigkill_and_power_loss(k3_tiny: Path, tmp_path: Path, se
     assert stats.bytes_verified == total * (1 + stats.power_loss_faults)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [21, 22])
 def test_reshard_survives_sigkill_and_power_loss(k3_tiny: Path, tmp_path: Path, seed: int) -> None:
     stats = reshard_campaign(k3_tiny, tmp_path, kills=4, seed=seed, power_loss=0.5)
@@ -40,15 +42,15 @@ def test_the_scans_catch_what_they_look_for(k3_tiny: Path, tmp_path: Path) -> No
     with open(shard, "r+b") as f:
         f.truncate(100)
     with pytest.raises(InvariantViolation, match="final name"):
-        _scan_fetch(dest, k3_tiny, CrashStats("fetch", 0))
+        scan_fetch(dest, k3_tiny, CrashStats("fetch", 0))
     shard.unlink()
     part = Path(f"{shard}.part")
     part.write_bytes(bytes((k3_tiny / shard.name).stat().st_size))
     Path(f"{part}.journal").write_text('{"chunk_size": 65536, "done": [0]}')
     with pytest.raises(InvariantViolation, match="journaled as done"):
-        _scan_fetch(dest, k3_tiny, CrashStats("fetch", 0))
+        scan_fetch(dest, k3_tiny, CrashStats("fetch", 0))
     out = tmp_path / "out"
     (out / "rank-00000").mkdir(parents=True)
     (out / "rank-00000" / "model-rank-0-part-0.safetensors").write_bytes(b"partial")
     with pytest.raises(InvariantViolation, match="final name"):
-        _scan_reshard(out, {"rank-00000/model-rank-0-part-0.safetensors": "0" * 64}, CrashStats("reshard", 0))
+        scan_reshard(out, {"rank-00000/model-rank-0-part-0.safetensors": "0" * 64}, CrashStats("reshard", 0))

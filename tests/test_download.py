@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 from collections import namedtuple
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,8 @@ from k3ckpt.hub import download
 from k3ckpt.hub.download import DiskSpaceError, FetchLockedError, FetchResult, fetch_files
 from k3ckpt.hub.client import HubFile, HubListing, RetryPolicy, list_repo
 from k3ckpt.testing.hub import LoopbackHub
+from helpers import REPO
 
-REPO = "moonshotai/Kimi-K3"
 HUBS = ("hf", "modelscope")
 BIG = "model-00001-of-000008.safetensors"  # 1.6 MB: 26 chunks of 64 KiB
 NESTED = "tokenizer/vocab.txt"
@@ -54,12 +53,6 @@ def served(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     (dest / NESTED).write_text("hello\nworld\n")
     (dest / EMPTY).write_bytes(b"")
     return dest
-
-
-@pytest.fixture(scope="module")
-def module_hub(served: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackHub]:
-    with LoopbackHub({REPO: served}, cache_dir=tmp_path_factory.mktemp("hub-cache")) as h:
-        yield h
 
 
 @pytest.fixture(params=HUBS)

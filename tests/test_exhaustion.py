@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 from ckpt_edit import tree_digests
+from helpers import REPO
 
-REPO = "moonshotai/Kimi-K3"
+pytestmark = pytest.mark.slow  # resource-exhaustion campaigns: subprocesses under rlimits and a tiny tmpfs
 SHARD = "model-00001-of-000008.safetensors"  # 1.6 MB, the largest k3-tiny shard
 
 

@@ -12,17 +12,12 @@ from click.testing import CliRunner
 from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.cli import main
 from k3ckpt.hub.fetch import select_paths
-
-REPO = "moonshotai/Kimi-K3"
+from helpers import REPO, run
 
 
 @pytest.fixture()
 def hub(served_hub):
     return served_hub
-
-
-def run(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
 def test_select_paths_globs() -> None:

@@ -12,17 +12,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3ckpt.format.checkpoint import open_checkpoint, read_index
-from k3ckpt.cli import main
 from k3ckpt.format.config import load_config
 from k3ckpt.errors import ConfigError, IndexFileError
 from k3ckpt.integrity.manifest import Manifest, ManifestError, build_manifest
 from k3ckpt.testing.fuzz import SEEDS, TARGETS, encode, header_bytes_from_file, mutate_json, paths_of
 from k3ckpt.integrity.verify import verify_checkpoint
+from helpers import run
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                 derandomize=True)
@@ -33,10 +32,6 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=12,
 )
-
-
-def run(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
 @st.composite
@@ -56,6 +51,7 @@ def test_seed_is_accepted(target: str) -> None:
     TARGETS[target](header_bytes_from_file(seed) if target == "header_file" else seed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @FUZZ
 @given(data=st.data())
@@ -63,6 +59,7 @@ def test_fuzz_mutated_documents(target: str, data: st.DataObject) -> None:
     TARGETS[target](data.draw(mutated(target)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @FUZZ
 @given(raw=st.binary(max_size=512))

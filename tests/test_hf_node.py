@@ -17,7 +17,7 @@ from k3ckpt.cli import main
 from k3ckpt.testing.synth import spec_from_preset, synthesize
 from k3ckpt.format.topology import RankSelection, Topology
 from k3ckpt.integrity.verify import verify_checkpoint
-from test_unshard import _tensor_digests
+from helpers import tensor_digests
 
 
 def check_node(src: Path, ndir: Path, topo: Topology, node: int, gpus_per_node: int) -> None:
@@ -28,8 +28,8 @@ def check_node(src: Path, ndir: Path, topo: Topology, node: int, gpus_per_node: 
     want = {n for n, role in ckpt.roles.items() if role.expert is None or role.expert in experts}
     got = open_checkpoint(ndir)
     assert not got.problems and set(got.tensors) == want
-    digests = _tensor_digests(src)
-    assert _tensor_digests(ndir) == {n: digests[n] for n in want}
+    digests = tensor_digests(src)
+    assert tensor_digests(ndir) == {n: digests[n] for n in want}
     index = json.loads((ndir / INDEX_NAME).read_text())
     assert set(index["weight_map"]) == want
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in got.tensors.values())

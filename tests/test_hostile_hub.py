@@ -9,31 +9,23 @@ k3ckpt's own downloader and range reader.
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from k3ckpt.cli import main
 from k3ckpt.hub.download import fetch_files
 from k3ckpt.errors import K3ckptError
 from k3ckpt.hub.client import RetryPolicy, list_repo
 from k3ckpt.hub.pull import pull_manifest
 from k3ckpt.testing.hub import LoopbackHub
+from helpers import REPO, run
 
-REPO = "moonshotai/Kimi-K3"
 HUBS = ("hf", "modelscope")
 SHARD = "model-00001-of-000008.safetensors"  # 1.6 MB
 CHUNK = 256 * 1024
 
 pytestmark = pytest.mark.usefixtures("isolated_hub_clients")
-
-
-def run(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
 def fast_retry() -> RetryPolicy:

@@ -26,8 +26,8 @@ import requests
 from safetensors.numpy import save_file
 
 from k3ckpt.testing.hub import Fault, LoopbackHub, RepoSpec, main
+from helpers import REPO
 
-REPO = "moonshotai/Kimi-K3"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HF_CLI = Path(sys.executable).with_name("hf")
 
@@ -82,11 +82,6 @@ def _tree_bytes(root: Path, names: Iterator[str] | list[str]) -> dict[str, bytes
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _write_checkpoint(tmp_path_factory.mktemp("ckpt") / "Kimi-K3")
-
-
-@pytest.fixture(scope="module")
-def hash_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("hashcache")
 
 
 @pytest.fixture

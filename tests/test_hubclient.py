@@ -51,8 +51,8 @@ from k3ckpt.hub.client import (
 )
 from k3ckpt.format.header import read_header
 from k3ckpt.testing.hub import LoopbackHub
+from helpers import REPO
 
-REPO = "moonshotai/Kimi-K3"
 HUBS = ("hf", "modelscope")
 BIG = "model-00001-of-000008.safetensors"  # 1.6 MB: offsets past the 1 MiB skip limit exist
 NESTED = "tokenizer/vocab list.txt"  # a directory and a space (URL quoting on both hubs)
@@ -76,17 +76,6 @@ def served(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory, write_raw: A
     (dest / "empty.txt").write_bytes(b"")
     write_raw(dest / OVERRUN, {}, b"\0" * 40, length=1000)
     return dest
-
-
-@pytest.fixture(scope="module")
-def hash_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("hub-hash-cache")
-
-
-@pytest.fixture(scope="module")
-def module_hub(served: Path, hash_cache: Path) -> Iterator[LoopbackHub]:
-    with LoopbackHub({REPO: served}, cache_dir=hash_cache) as h:
-        yield h
 
 
 @pytest.fixture

@@ -14,10 +14,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from k3ckpt.format.checkpoint import iter_checkpoint_files, open_checkpoint
-from k3ckpt.cli import main
 from k3ckpt.integrity.manifest import (
     FORMAT,
     VERSION,
@@ -31,6 +29,7 @@ from k3ckpt.integrity.manifest import (
 from k3ckpt.integrity.verify import verify_checkpoint
 
 from ckpt_edit import edit_index, flip_byte, rewrite_shard
+from helpers import run, shard_of
 
 INDEX = "model.safetensors.index.json"
 LAYER1_EXPERT3 = "language_model.model.layers.1.block_sparse_moe.experts.3."
@@ -41,16 +40,8 @@ LAYER2_NORM = "language_model.model.layers.2.input_layernorm.weight"
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def run(*args: str, env: dict[str, str] | None = None):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False, env=env)
-
-
 def sha256_file(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-def shard_of(root: Path, tensor: str) -> str:
-    return open_checkpoint(root).tensors[tensor].file
 
 
 # -- build --------------------------------------------------------------------------------------

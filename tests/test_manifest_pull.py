@@ -11,8 +11,7 @@ from click.testing import CliRunner
 from k3ckpt.cli import main
 from k3ckpt.hub.pull import pull_manifest
 from k3ckpt.integrity.manifest import Manifest, build_manifest, diff_manifests
-
-REPO = "moonshotai/Kimi-K3"
+from helpers import REPO
 
 
 @pytest.fixture()

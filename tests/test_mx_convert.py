@@ -16,12 +16,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from click.testing import CliRunner
 from safetensors import safe_open
 
 from k3ckpt.mx import convert as mx_convert
 from k3ckpt.format.checkpoint import numpy_dtype, open_checkpoint
-from k3ckpt.cli import main
 from k3ckpt.mx.convert import (
     MxConvertError,
     dequantize_to_file,
@@ -32,22 +30,11 @@ from k3ckpt.mx.codec import dequantize_mxfp4, dequantize_mxfp4_gptoss, quantize_
 from k3ckpt.mx.select import MxSelectionError, MxSource, find_mx_tensors
 from k3ckpt.format.header import DTYPE_BITS, TensorSpec, build_header, read_header
 from k3ckpt.testing.synth import spec_from_preset, synthesize
+from helpers import assert_one_line_error, run
 
 NP_TO_ST = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
             np.dtype(np.uint8): "U8", np.dtype(np.int64): "I64"}
 EXP = "language_model.model.layers.1.block_sparse_moe."
-
-
-def run(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
-def _assert_one_line_error(res, code: int, *needles: str) -> None:
-    assert res.exit_code == code, res.output
-    lines = [line for line in res.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("k3ckpt: error: "), res.output
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 def read_all(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
@@ -170,10 +157,10 @@ def test_dequant_cli_json_text_and_usage(k3_tiny: Path, tmp_path: Path) -> None:
     assert res.exit_code == 0 and res.output.startswith(f"wrote {out}: 1 tensors as bf16")
     assert read_header(out).tensors[EXP + "experts.0.w2.weight"].dtype == "BF16"
 
-    _assert_one_line_error(run("mx", "dequant", str(k3_tiny), "--layer", "0", "-o", str(out)), 2,
+    assert_one_line_error(run("mx", "dequant", str(k3_tiny), "--layer", "0", "-o", str(out)), 2,
                            "no MXFP4 tensor matches --layer 0")
-    _assert_one_line_error(run("mx", "dequant", str(tmp_path / "nope"), "-o", str(out)), 2, "nope")
-    _assert_one_line_error(run("mx", "dequant", str(k3_tiny), "--layer", "1", "-o", str(tmp_path / "no" / "x")), 2,
+    assert_one_line_error(run("mx", "dequant", str(tmp_path / "nope"), "-o", str(out)), 2, "nope")
+    assert_one_line_error(run("mx", "dequant", str(k3_tiny), "--layer", "1", "-o", str(tmp_path / "no" / "x")), 2,
                            "no such directory")
     assert run("mx", "dequant", str(k3_tiny), "--expert", "1", "-o", str(out)).exit_code == 2  # needs --layer
     assert run("mx", "dequant", str(k3_tiny), "--tensor", "x", "--layer", "1", "-o", str(out)).exit_code == 2
@@ -184,7 +171,7 @@ def test_dequant_refuses_to_replace_its_input(k3_tiny: Path, tmp_path: Path) -> 
     ck = open_checkpoint(k3_tiny)
     shutil.copy(k3_tiny / ck.tensors[EXP + "experts.0.w1.weight_packed"].file, shard)
     before = shard.read_bytes()
-    _assert_one_line_error(run("mx", "dequant", str(shard), "-o", str(shard)), 2, "is an input of this conversion")
+    assert_one_line_error(run("mx", "dequant", str(shard), "-o", str(shard)), 2, "is an input of this conversion")
     assert shard.read_bytes() == before and listing(tmp_path) == {"shard.safetensors"}
 
 
@@ -305,7 +292,7 @@ def test_quantize_refuses_nan_naming_the_tensor(bad: float, tmp_path: Path) -> N
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     res = run("mx", "quantize", str(inp), "-o", str(out_dir / "q.safetensors"))
-    _assert_one_line_error(res, 2, f"tensor '{EXP}experts.0.w3.weight'", "NaN/Inf", "[5, 7]")
+    assert_one_line_error(res, 2, f"tensor '{EXP}experts.0.w3.weight'", "NaN/Inf", "[5, 7]")
     assert listing(out_dir) == set()  # no output, no temporary file
     with pytest.raises(MxConvertError, match="first at \\[5, 7\\]"):
         quantize_file(inp, out_dir / "q.safetensors", chunk_bytes=1)  # found in its own row chunk
@@ -343,21 +330,21 @@ def test_quantize_cli_text_json_and_errors(tmp_path: Path) -> None:
     data = json.loads(res.stdout)
     assert data["tensors_quantized"] == 9 and data["include_all"] is True
     assert data["bytes_in"] == inp.stat().st_size and data["bytes_out"] == out.stat().st_size < data["bytes_in"]
-    _assert_one_line_error(run("mx", "quantize", str(tmp_path / "missing.safetensors"), "-o", str(out)), 2,
+    assert_one_line_error(run("mx", "quantize", str(tmp_path / "missing.safetensors"), "-o", str(out)), 2,
                            "missing.safetensors", "file not found")
-    _assert_one_line_error(run("mx", "quantize", str(inp), "-o", str(inp)), 2, "is an input of this conversion")
+    assert_one_line_error(run("mx", "quantize", str(inp), "-o", str(inp)), 2, "is an input of this conversion")
     # An output name that would collide with a tensor already in the file.
     clash = write_st(tmp_path / "clash.safetensors", {
         EXP + "experts.0.w1.weight": src[EXP + "experts.0.w1.weight"],
         EXP + "experts.0.w1.weight_scale": np.zeros((64, 3), np.uint8)})
-    _assert_one_line_error(run("mx", "quantize", str(clash), "-o", str(out)), 2, "already has")
+    assert_one_line_error(run("mx", "quantize", str(clash), "-o", str(out)), 2, "already has")
 
 
 # -- atomic output, disk space -------------------------------------------------------------------
 
 
 def _fail_on_call(monkeypatch: pytest.MonkeyPatch, n: int, exc: BaseException) -> None:
-    real = mx_convert._pwrite_all
+    real = mx_convert.pwrite_all
     calls = iter(range(1, 1_000_000))
 
     def flaky(fd: int, data, offset: int) -> None:
@@ -365,7 +352,7 @@ def _fail_on_call(monkeypatch: pytest.MonkeyPatch, n: int, exc: BaseException) -
             raise exc
         real(fd, data, offset)
 
-    monkeypatch.setattr(mx_convert, "_pwrite_all", flaky)
+    monkeypatch.setattr(mx_convert, "pwrite_all", flaky)
 
 
 @pytest.mark.parametrize("exc", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()],
@@ -390,7 +377,7 @@ def test_failure_mid_write_leaves_no_partial_file(what: str, exc: BaseException,
 def test_failure_through_the_cli_is_one_line(k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fail_on_call(monkeypatch, 3, OSError(errno.ENOSPC, "No space left on device"))
     res = run("mx", "dequant", str(k3_tiny), "--layer", "1", "-o", str(tmp_path / "x.safetensors"))
-    _assert_one_line_error(res, 2, "No space left on device")
+    assert_one_line_error(res, 2, "No space left on device")
     assert listing(tmp_path) == set()
 
 
@@ -404,7 +391,7 @@ def test_disk_space_is_checked_first(what: str, k3_tiny: Path, tmp_path: Path, m
     args = (["mx", "dequant", str(k3_tiny), "--layer", "1", "--to", "fp32"] if what == "dequant"
             else ["mx", "quantize", str(inp)])
     res = run(*args, "-o", str(out_dir / "x.safetensors"))
-    _assert_one_line_error(res, 2, "not enough disk space", "1,000 bytes", str(out_dir))
+    assert_one_line_error(res, 2, "not enough disk space", "1,000 bytes", str(out_dir))
     assert listing(out_dir) == set()
 
 
@@ -435,6 +422,7 @@ def _measure(*args: str) -> dict:
     return json.loads(p.stderr.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux)")
 def test_dequant_of_a_whole_layer_runs_in_bounded_memory(tmp_path: Path) -> None:
     """A whole MoE layer to fp32, > 1 GB of output, from a child process whose peak RSS stays far

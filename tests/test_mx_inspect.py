@@ -10,11 +10,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from click.testing import CliRunner
 from safetensors.numpy import save_file
 
 from k3ckpt.format.checkpoint import open_checkpoint
-from k3ckpt.cli import main
 from k3ckpt.mx.inspect import (
     CODE_LABELS,
     OUTLIER_Z,
@@ -30,12 +28,9 @@ from k3ckpt.mx.codec import (
     quantize_mxfp4,
 )
 from k3ckpt.mx.select import MxSelectionError, MxSource, MxTensor, find_mx_tensors
+from helpers import run
 
 K3 = "language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}"
-
-
-def run(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
 def _one_line_error(res, code: int, *needles: str) -> None:

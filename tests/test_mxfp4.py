@@ -88,7 +88,7 @@ def test_e8m0_matches_ml_dtypes_and_uses_it() -> None:
     reference = codes.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
     ours = M.decode_e8m0(codes)
     assert np.array_equal(ours, reference, equal_nan=True)
-    assert M._E8M0_SOURCE == "ml_dtypes"
+    assert M.E8M0_SOURCE == "ml_dtypes"
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,7 +248,7 @@ def test_dequantize_any_leading_shape_and_gptoss_layout() -> None:
 
 def test_dequantize_handles_chunking_and_non_contiguous_input() -> None:
     rng = np.random.default_rng(3)
-    rows = M._CHUNK_ELEMENTS // 64 + 7  # forces several internal chunks for in = 64
+    rows = M.CHUNK_ELEMENTS // 64 + 7  # forces several internal chunks for in = 64
     packed = rng.integers(0, 256, (rows, 32), dtype=np.uint8)
     scales = rng.integers(120, 130, (rows, 2), dtype=np.uint8)
     out = M.dequantize_mxfp4(packed, scales)
@@ -463,7 +463,7 @@ def test_quantize_shapes_and_leading_axes() -> None:
 
 def test_quantize_chunked_equals_per_row() -> None:
     rng = np.random.default_rng(6)
-    rows = M._CHUNK_ELEMENTS // 64 + 3
+    rows = M.CHUNK_ELEMENTS // 64 + 3
     x = (rng.standard_normal((rows, 64)) * np.exp2(rng.integers(-20, 20, (rows, 1)))).astype(np.float32)
     packed, scales = M.quantize_mxfp4(x)
     for row in (0, rows // 2, rows - 1):
@@ -530,7 +530,7 @@ FP8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_fp8_spec_matches_ml_dtypes(fmt: str) -> None:
-    spec = M._FP8_SPECS[fmt]
+    spec = M.FP8_SPECS[fmt]
     info = ml_dtypes.finfo(FP8[fmt])
     assert spec.max_finite == float(info.max)
     assert spec.mbits == info.nmant
@@ -558,8 +558,8 @@ def test_mxfp8_grid_values_round_trip_exactly(fmt: str, exponent: int) -> None:
     raw = rng.integers(0, 256, (2, 64)).astype(np.uint8)
     grid = raw.view(FP8[fmt]).astype(np.float32)
     grid[~np.isfinite(grid)] = 0.0
-    grid[:, 0] = M._FP8_SPECS[fmt].max_finite  # pins floor's exponent to 0
-    grid[:, 32] = -M._FP8_SPECS[fmt].max_finite
+    grid[:, 0] = M.FP8_SPECS[fmt].max_finite  # pins floor's exponent to 0
+    grid[:, 32] = -M.FP8_SPECS[fmt].max_finite
     x = np.ldexp(grid.astype(np.float64), exponent)
     data, scales = M.quantize_mxfp8(x, fmt)
     assert np.all(scales == exponent + 127)
@@ -568,7 +568,7 @@ def test_mxfp8_grid_values_round_trip_exactly(fmt: str, exponent: int) -> None:
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_mxfp8_saturates_and_handles_zero_blocks(fmt: str) -> None:
-    spec = M._FP8_SPECS[fmt]
+    spec = M.FP8_SPECS[fmt]
     x = np.zeros((2, 32), dtype=np.float32)
     x[0, 0] = np.float32(2.0 ** (spec.emax + 1)) * 0.999  # rounds above max_finite after scaling
     x[0, 1] = -x[0, 0]
@@ -586,7 +586,7 @@ def test_mxfp8_saturates_and_handles_zero_blocks(fmt: str) -> None:
 @given(x=st.one_of(_finite_float32_rows(), _scaled_grid_rows()), mode=st.sampled_from(["floor", "ceil", "even"]))
 def test_mxfp8_matches_ml_dtypes_rounding(fmt: str, x: np.ndarray, mode: str) -> None:
     data, scales = M.quantize_mxfp8(x, fmt, mode)
-    spec = M._FP8_SPECS[fmt]
+    spec = M.FP8_SPECS[fmt]
     scaled = np.ldexp(x, -np.repeat(_block_exponents(scales), 32, axis=-1).astype(np.int32))
     # ml_dtypes rounds float32 -> fp8 correctly (nearest-even) but overflows instead of saturating
     expected = np.clip(scaled, -spec.max_finite, spec.max_finite).astype(FP8[fmt]).view(np.uint8)

@@ -135,10 +135,10 @@ def test_every_scale_and_byte_matches_reference(dtype: np.dtype) -> None:
 def test_fast_path_equals_exact_float_path_bit_for_bit(dtype: np.dtype) -> None:
     # All 256 scale bytes x all 256 packed bytes, NaN payloads included: the table path must
     # return exactly the bits of float32 product + one cast (ml_dtypes' round-to-nearest-even
-    # for bfloat16), the definition in `_dequantize_mxfp4_float`.
+    # for bfloat16), the definition in `dequantize_mxfp4_float`.
     packed, scales = _all_pairs()
     fast = M.dequantize_mxfp4(packed, scales, dtype)
-    exact = M._dequantize_mxfp4_float(packed, scales, dtype)
+    exact = M.dequantize_mxfp4_float(packed, scales, dtype)
     assert fast.dtype == exact.dtype == dtype
     assert np.array_equal(_bits(fast), _bits(exact))
     # and that definition spelled out once more, per element
@@ -152,7 +152,7 @@ def test_fast_path_equals_exact_float_path_bit_for_bit(dtype: np.dtype) -> None:
 
 def test_fast_path_tables_are_read_only_and_cover_every_index() -> None:
     for dtype in FAST_DTYPES:
-        table = M._decode_table(dtype)
+        table = M.decode_table(dtype)
         assert table.shape == (65536,) and not table.flags.writeable
         assert table.dtype.itemsize == 2 * dtype.itemsize
 
@@ -161,7 +161,7 @@ def test_fast_path_tables_are_read_only_and_cover_every_index() -> None:
 def test_random_tensors_match_reference(dtype: np.dtype) -> None:
     rng = np.random.default_rng(11)
     # realistic scales, a K3-shaped slice spanning several internal chunks, and 3-d leading axes
-    blocks_per_chunk = M._TABLE_CHUNK_BYTES // 16
+    blocks_per_chunk = M.TABLE_CHUNK_BYTES // 16
     cases = [
         (rng.integers(0, 256, (40, 1792), dtype=np.uint8), rng.integers(110, 131, (40, 112), dtype=np.uint8)),
         (rng.integers(0, 256, (3, 5, 48), dtype=np.uint8), rng.integers(0, 256, (3, 5, 3), dtype=np.uint8)),

@@ -6,18 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from k3ckpt.format.checkpoint import open_checkpoint
-from k3ckpt.cli import main
 from k3ckpt.integrity.manifest import build_manifest
 from k3ckpt.deploy.plan import ACCELERATORS, WEIGHT_OVERHEAD, plan_topology
 from k3ckpt.format.roles import Kind
 from k3ckpt.format.topology import RankSelection, TopologyError
 
-
-def run(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+from helpers import run
 
 
 def test_bytes_per_rank_add_up(k3_tiny: Path) -> None:

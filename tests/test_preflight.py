@@ -11,13 +11,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from k3ckpt.deploy import preflight as pf
-from k3ckpt.cli import main
 from k3ckpt.deploy.reshard import reshard
 from k3ckpt.format.topology import RankSelection
 from ckpt_edit import drop_tensors, flip_byte
+from helpers import run as run_cli
 
 #: No GPU tool on this PATH (the machine has none; tests add fake ones in front).
 NO_GPU = {"PATH": "/usr/bin:/bin"}
@@ -79,10 +78,6 @@ def rows(rep: pf.PreflightReport) -> dict[str, pf.Check]:
 
 def statuses(rep: pf.PreflightReport) -> dict[str, str]:
     return {c.name: c.status for c in rep.checks}
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None):
-    return CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
 
 
 def run_fix(fix: str) -> None:

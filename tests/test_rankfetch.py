@@ -34,14 +34,10 @@ from k3ckpt.format.topology import RankSelection
 from k3ckpt.format.roles import Kind, classify
 from k3ckpt.format.header import read_header
 from k3ckpt.integrity.verify import verify_checkpoint
+from helpers import REPO, run
 
-REPO = "moonshotai/Kimi-K3"
 NODE0 = ("--ep", "8", "--tp", "2", "--node", "0", "--gpus-per-node", "4")
 CHUNK = 16 * 1024  # small enough that the shards need several requests, and big tensors several pieces
-
-
-def run(*args: str) -> Any:
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
 def fetch(h: Any, dest: Path, *extra: str, source: str = "hf") -> Any:
@@ -441,6 +437,7 @@ sys.exit(0 if run_rank_fetch(plan, workers=3, token="").ok else 1)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["after_piece:5", "before_shard_rename"])
 def test_sigkill_then_resume(point: str, served_hub: Any, node0_names: set[str], tmp_path: Path) -> None:
     h, served = served_hub

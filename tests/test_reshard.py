@@ -279,6 +279,7 @@ def test_cli(k3_tiny: Path, tmp_path: Path) -> None:
         assert len(lines) == 1 and lines[0].startswith("k3ckpt: error:") and needle in lines[0], r.output
 
 
+@pytest.mark.slow
 def test_peak_rss_bounded(tmp_path: Path) -> None:
     """A moderately large synthetic (k3-small shapes, 3 layers): resharding stays far below 512 MiB."""
     src = tmp_path / "src"

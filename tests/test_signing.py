@@ -11,11 +11,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from k3ckpt.cli import main
 from k3ckpt.integrity.manifest import Manifest, build_manifest
 from k3ckpt.integrity.signing import (
     KeyFileError,
@@ -26,13 +24,10 @@ from k3ckpt.integrity.signing import (
     load_signed_manifest,
     sign_file,
 )
+from helpers import run
 
 OPENSSL = shutil.which("openssl")
 needs_openssl = pytest.mark.skipif(OPENSSL is None, reason="no openssl CLI on this machine")
-
-
-def run(*args: str, env: dict[str, str] | None = None):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False, env=env)
 
 
 def one_line_error(res, code: int, *needles: str) -> str:

@@ -16,7 +16,7 @@ from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.errors import SynthError
 from k3ckpt.mx.codec import dequantize_mxfp4, quantize_mxfp4
 from k3ckpt.format.roles import Kind
-from k3ckpt.testing.synth import PRESETS, _rng, assign_shards, spec_from_preset, synthesize
+from k3ckpt.testing.synth import PRESETS, tensor_rng, assign_shards, spec_from_preset, synthesize
 
 
 def _digests(root: Path) -> dict[str, str]:
@@ -79,7 +79,7 @@ def test_experts_are_ocp_quantized_random_weights(k3_tiny: Path) -> None:
     spec = PRESETS["k3-tiny"]
     prefix = "language_model.model.layers.2.block_sparse_moe.experts.5.w2"
     out, inn = spec.expert_width, spec.moe_intermediate_size
-    w = _rng(spec.seed, prefix).standard_normal((out, inn), dtype=np.float32) * np.float32(1 / math.sqrt(inn))
+    w = tensor_rng(spec.seed, prefix).standard_normal((out, inn), dtype=np.float32) * np.float32(1 / math.sqrt(inn))
     packed, scales = quantize_mxfp4(w)
     assert np.array_equal(ckpt.read_tensor(prefix + ".weight_packed"), packed)
     assert np.array_equal(ckpt.read_tensor(prefix + ".weight_scale"), scales)
@@ -111,6 +111,7 @@ def test_headers_only_is_sparse_and_reads_as_zeros(tmp_path: Path) -> None:
     assert not ckpt.read_tensor(name).any()
 
 
+@pytest.mark.slow
 def test_full_inventory_headers_only(tmp_path: Path) -> None:
     """The real K3 inventory at true scale: 93 layers, 896 experts, 96 shards, ~497k tensors."""
     out = synthesize(PRESETS["k3-full"], tmp_path / "full", jobs=2).path
@@ -136,9 +137,9 @@ def test_options_scale_the_shape(tmp_path: Path) -> None:
 
 
 def test_assign_shards_never_leaves_a_shard_empty() -> None:
-    from k3ckpt.testing.synth import _Planner
+    from k3ckpt.testing.synth import Planner
 
-    units = _Planner(spec_from_preset("k3-tiny", headers_only=True)).units()
+    units = Planner(spec_from_preset("k3-tiny", headers_only=True)).units()
     for n in (1, 2, 5, 17, len(units)):
         shards = assign_shards(units, n)
         assert len(shards) == n and all(shards)

@@ -26,25 +26,14 @@ from k3ckpt.testing.synth import spec_from_preset, synthesize
 from k3ckpt.format.topology import RankSelection
 from k3ckpt.deploy.unshard import UnshardError, natural_key, plan_unshard, unshard
 from test_reshard import check_layout
-
-
-def _tensor_digests(root: Path) -> dict[str, str]:
-    """sha256 of every tensor's bytes, read through the headers."""
-    ckpt = open_checkpoint(root)
-    out = {}
-    for name, info in ckpt.tensors.items():
-        hdr = ckpt.shards[info.file]
-        with open(hdr.path, "rb") as fh:
-            fh.seek(hdr.data_start + info.begin)
-            out[name] = hashlib.sha256(fh.read(info.nbytes)).hexdigest()
-    return out
+from helpers import tensor_digests
 
 
 def assert_round_trip(src: Path, back: Path) -> None:
     """``back`` is a valid local-dir checkpoint whose tensors equal ``src``'s byte for byte."""
     a, b = open_checkpoint(src), open_checkpoint(back)
     assert {n: (t.dtype, t.shape) for n, t in b.tensors.items()} == {n: (t.dtype, t.shape) for n, t in a.tensors.items()}
-    assert _tensor_digests(back) == _tensor_digests(src)
+    assert tensor_digests(back) == tensor_digests(src)
     index = json.loads((back / INDEX_NAME).read_text())
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in b.tensors.values())
     files = sorted(set(index["weight_map"].values()))
@@ -328,6 +317,7 @@ _KILLER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_reshard_killed_at_random_points_resumes(k3_tiny: Path, tmp_path: Path) -> None:
     """SIGKILL after a random number of copy steps; whatever is left, ranks with READY are
     intact (files match their manifest's sizes and digests) and are skipped by the re-run,

@@ -15,18 +15,16 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-from click.testing import CliRunner
 
 from k3ckpt.format.checkpoint import open_checkpoint
-from k3ckpt.cli import main
 from k3ckpt.integrity.manifest import Manifest, build_manifest
 from k3ckpt.format.header import read_header
 from k3ckpt.integrity.verify import KINDS, Issue, VerifyReport, verify_checkpoint
 
 from ckpt_edit import edit_index, rewrite_shard, set_byte as patch, shard_tensors
+from helpers import REPO, run, shard_of
 
 INDEX = "model.safetensors.index.json"
 L1E3 = "language_model.model.layers.1.block_sparse_moe.experts.3."
@@ -45,17 +43,9 @@ hub_needed = pytest.mark.skipif(
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def run(*args: str, env: dict[str, str] | None = None):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False, env=env)
-
-
 def verify(path: Path, tmp_path: Path, **kw) -> VerifyReport:
     kw.setdefault("cache_directory", tmp_path / "cache")
     return verify_checkpoint(path, **kw)
-
-
-def shard_of(root: Path, tensor: str) -> str:
-    return open_checkpoint(root).tensors[tensor].file
 
 
 def tensor_range(root: Path, tensor: str) -> tuple[str, int, int]:
@@ -479,13 +469,8 @@ def hub_env(monkeypatch, tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def served(k3_tiny: Path, tmp_path: Path, hub_env) -> Iterator[tuple[object, str]]:
-    from k3ckpt.testing.hub import LoopbackHub
-
-    clean = tmp_path / "served"
-    shutil.copytree(k3_tiny, clean)
-    with LoopbackHub({"moonshotai/Kimi-K3": clean}, cache_dir=tmp_path / "hub-cache") as hub:
-        yield hub, "moonshotai/Kimi-K3"
+def served(hub_env, served_hub) -> tuple[object, str]:
+    return served_hub[0], REPO
 
 
 @hub_needed

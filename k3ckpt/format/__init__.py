@@ -1,0 +1,37 @@
+"""What a checkpoint *is*, read from its files: the safetensors header reader and writer,
+``config.json``, tensor roles, the checkpoint model, the TP/EP topology math, the inspect report
+and the names of the rank/node layouts.
+
+Everything here reads headers and JSON only (no tensor data) and imports nothing above it:
+``integrity``, ``hub``, ``mx`` and ``deploy`` build on it.
+"""
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .config import ModelConfig, load_config
+from .header import ShardHeader, TensorInfo, TensorSpec, build_header, read_header, tensor_nbytes
+from .inspect import InspectReport, inspect_checkpoint
+from .layout import read_node_marker
+from .roles import Kind, Role, classify
+from .topology import RankTensors, Topology, tensors_for_ranks
+
+__all__ = [
+    "Checkpoint",
+    "InspectReport",
+    "Kind",
+    "ModelConfig",
+    "RankTensors",
+    "Role",
+    "ShardHeader",
+    "TensorInfo",
+    "TensorSpec",
+    "Topology",
+    "build_header",
+    "classify",
+    "inspect_checkpoint",
+    "load_config",
+    "open_checkpoint",
+    "read_header",
+    "read_node_marker",
+    "tensor_nbytes",
+    "tensors_for_ranks",
+]

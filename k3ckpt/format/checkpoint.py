@@ -445,7 +445,7 @@ class HeaderReader:
             if (root / INDEX_NAME).is_file():
                 self._index = self._pool.submit(_index_digests_job, str(root), tolerant)
             for f in seen:
-                self._futures[f] = self._pool.submit(_header_columns_job, (str(root / f), f))
+                self._futures[f] = self._pool.submit(header_columns_job, (str(root / f), f))
 
     def index_digests(self, unsafe: list[str] | None = None) -> dict[str, tuple[int, int]] | None:
         """``{shard: names_digest}`` of the index, parsed by a worker; ``None`` when the index is
@@ -497,7 +497,7 @@ class HeaderReader:
             self._pool = None
 
 
-def _header_columns_job(args: tuple[str, str]) -> tuple[HeaderColumns, InventoryStats, tuple[int, int]]:
+def header_columns_job(args: tuple[str, str]) -> tuple[HeaderColumns, InventoryStats, tuple[int, int]]:
     """Parse one header, classify its tensors and count their signatures: the CPU-bound part of
     opening a checkpoint, shared out to the workers."""
     path, file = args

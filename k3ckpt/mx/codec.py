@@ -73,7 +73,7 @@ _EXP_MAX = 254 - E8M0_BIAS
 
 # Rows of this many elements are processed per internal step: large enough that the Python loop
 # is negligible, small enough that the temporaries of one step stay in cache.
-_CHUNK_ELEMENTS = 1 << 18
+CHUNK_ELEMENTS = 1 << 18
 
 E2M1_VALUES: np.ndarray = np.array(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -108,8 +108,8 @@ def _build_e8m0_table() -> tuple[np.ndarray, str]:
     return reference, "ldexp"
 
 
-# _E8M0_SOURCE records which construction won ("ml_dtypes" or "ldexp"), for tests and debugging.
-_E8M0_TABLE, _E8M0_SOURCE = _build_e8m0_table()
+# E8M0_SOURCE records which construction won ("ml_dtypes" or "ldexp"), for tests and debugging.
+_E8M0_TABLE, E8M0_SOURCE = _build_e8m0_table()
 _E8M0_TABLE.setflags(write=False)
 
 # Byte -> (value of low nibble, value of high nibble) as one 8-byte word, so dequantizing is a
@@ -125,7 +125,7 @@ _BYTE_TO_CODE_PAIR_U16 = (
 # Fast MXFP4 decoding: one table entry per (scale byte, packed byte) pair, i.e. 65,536 entries at
 # index `scale << 8 | byte`, each holding the two decoded elements as raw output bits (a uint32
 # for two bf16/fp16 values, a uint64 for two float32). Each entry is computed once by the exact
-# float path (`_decode_pairs_float`, the same arithmetic `_dequantize_mxfp4_float` applies to
+# float path (`_decode_pairs_float`, the same arithmetic `dequantize_mxfp4_float` applies to
 # every element), so a table gather returns bit for bit what that path returns, for all 256 scale
 # bytes - NaN (255), the 2**-127 subnormal scale (0) and overflow (>= 253) included - without any
 # range analysis. Decoding is then an index build plus one gather per packed byte. Tables are
@@ -141,7 +141,7 @@ _DECODE_TABLES: dict[np.dtype, np.ndarray] = {}
 # Packed bytes (16 per 32-element block) per step of the table path: the step's intp index buffer
 # (8 bytes per packed byte, 512 KiB) and output slice (256 KiB as bf16) stay in L2, and the six
 # numpy calls of a step are amortized over 131,072 elements. Measured flat from 2**15 to 2**18.
-_TABLE_CHUNK_BYTES = 1 << 16
+TABLE_CHUNK_BYTES = 1 << 16
 _REPEAT_BYTE_8 = np.uint64(0x0101010101010101)
 
 
@@ -154,13 +154,13 @@ class _Fp8Spec:
     max_finite: float
 
 
-_FP8_SPECS: dict[str, _Fp8Spec] = {
+FP8_SPECS: dict[str, _Fp8Spec] = {
     "e4m3": _Fp8Spec(ml_dtypes.float8_e4m3fn, emax=8, mbits=3, emin=-6, max_finite=448.0),
     "e5m2": _Fp8Spec(ml_dtypes.float8_e5m2, emax=15, mbits=2, emin=-14, max_finite=57344.0),
 }
 
 _FP8_TABLES: dict[str, np.ndarray] = {
-    name: np.arange(256, dtype=np.uint8).view(spec.dtype).astype(np.float32) for name, spec in _FP8_SPECS.items()
+    name: np.arange(256, dtype=np.uint8).view(spec.dtype).astype(np.float32) for name, spec in FP8_SPECS.items()
 }
 for _table in _FP8_TABLES.values():
     _table.setflags(write=False)
@@ -264,7 +264,7 @@ def _check_scale_mode(scale_mode: str) -> None:
 
 def _fp8_spec(fmt: str) -> _Fp8Spec:
     try:
-        return _FP8_SPECS[fmt]
+        return FP8_SPECS[fmt]
     except KeyError:
         raise ValueError(f"fmt must be 'e4m3' or 'e5m2', got {fmt!r}") from None
 
@@ -490,7 +490,7 @@ def _decode_pairs_float(byte_values: np.ndarray, scale_values: np.ndarray, out_d
         return values.astype(out_dtype, copy=False)
 
 
-def _decode_table(out_dtype: np.dtype) -> np.ndarray:
+def decode_table(out_dtype: np.dtype) -> np.ndarray:
     """The 65,536-entry `(scale << 8 | byte)` table of decoded pairs for `out_dtype` (see above)."""
     table = _DECODE_TABLES.get(out_dtype)
     if table is None:
@@ -511,7 +511,7 @@ def _check_mxfp4_args(packed: np.ndarray, scales: np.ndarray, dtype: npt.DTypeLi
     return out_dtype, _check_block_scales(packed, scales, 2, "packed")
 
 
-def _dequantize_mxfp4_float(packed: np.ndarray, scales: np.ndarray, dtype: npt.DTypeLike = np.float32) -> np.ndarray:
+def dequantize_mxfp4_float(packed: np.ndarray, scales: np.ndarray, dtype: npt.DTypeLike = np.float32) -> np.ndarray:
     """
     The exact float path of [`dequantize_mxfp4`]: the definition the fast path must equal bit for bit.
 
@@ -539,7 +539,7 @@ def _dequantize_mxfp4_float(packed: np.ndarray, scales: np.ndarray, dtype: npt.D
         return out.reshape(lead + (width,))
     flat_packed = packed.reshape(rows, groups * 16)
     flat_scales = scales.reshape(rows, groups)
-    step = max(1, _CHUNK_ELEMENTS // width)
+    step = max(1, CHUNK_ELEMENTS // width)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         byte_values = flat_packed[start:stop].reshape(stop - start, groups, 16)
@@ -557,7 +557,7 @@ def dequantize_mxfp4(
     Decode MXFP4 (packed E2M1 codes + E8M0 block scales) to floats, exactly.
 
     Each element is `E2M1 value * 2**(s - 127)`, computed exactly in float32 and rounded once to
-    `dtype` (see `_dequantize_mxfp4_float` for the argument). For bfloat16, float32 and float64
+    `dtype` (see `dequantize_mxfp4_float` for the argument). For bfloat16, float32 and float64
     every finite result is exact; float16 rounds to nearest-even where its narrower range demands.
     Scale byte 255 makes its whole block NaN. Scale bytes >= 253 can produce values beyond the
     float32 range; those come out as +-inf without a warning.
@@ -588,8 +588,8 @@ def dequantize_mxfp4(
     scales = np.asarray(scales)
     out_dtype, groups = _check_mxfp4_args(packed, scales, dtype)
     if out_dtype not in _TABLE_WORDS:
-        return _dequantize_mxfp4_float(packed, scales, out_dtype)
-    table = _decode_table(out_dtype)
+        return dequantize_mxfp4_float(packed, scales, out_dtype)
+    table = decode_table(out_dtype)
 
     lead = packed.shape[:-1]
     width = groups * MX_BLOCK_SIZE
@@ -601,7 +601,7 @@ def dequantize_mxfp4(
     block_bytes = packed.reshape(n_blocks, 16)
     block_scales = scales.reshape(n_blocks)
     out_words = out.view(table.dtype).reshape(n_blocks, 16)
-    step = max(1, _TABLE_CHUNK_BYTES // 16)
+    step = max(1, TABLE_CHUNK_BYTES // 16)
     rows = min(step, n_blocks)
     # The table index `scale << 8 | byte` is assembled bytewise in a zeroed intp buffer: byte 0 of
     # each index (its least significant byte) is the packed byte, byte 1 the block's scale, the
@@ -692,7 +692,7 @@ def _scaled_blocks(
     blocks = work.reshape(n_blocks, MX_BLOCK_SIZE)
 
     def chunks() -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
-        step = max(1, _CHUNK_ELEMENTS // MX_BLOCK_SIZE)
+        step = max(1, CHUNK_ELEMENTS // MX_BLOCK_SIZE)
         for start in range(0, n_blocks, step):
             stop = min(n_blocks, start + step)
             chunk = blocks[start:stop]

@@ -139,7 +139,7 @@ def _run_until_killed(args: list[str], env: dict[str, str], ready: Any, at_point
 # ----------------------------------------------------------------------------------------------
 
 
-def _scan_fetch(dest: Path, served: Path, stats: CrashStats) -> None:
+def scan_fetch(dest: Path, served: Path, stats: CrashStats) -> None:
     """Final names hold exact source files; journaled chunks hold exact source bytes."""
     stats.scans += 1
     for p in dest.rglob("*"):
@@ -247,7 +247,7 @@ def fetch_campaign(served: Path, work: Path, *, kills: int, seed: int, power_los
                 threshold = start + rng.randrange(1, max(2, total))
                 ready = lambda threshold=threshold: hub.total_bytes_sent() >= threshold  # noqa: E731
             killed = _run_until_killed(args, child_env, ready, at_point, stats)
-            _after_kill(killed, args, env, dest, stats, scan=lambda: _scan_fetch(dest, served, stats),
+            _after_kill(killed, args, env, dest, stats, scan=lambda: scan_fetch(dest, served, stats),
                         damage=lambda: rng.random() < power_loss and _damage_fetch(dest, rng, stats), reference=served)
         _complete(args, env, dest, stats)
     _compare_trees(dest, served, stats)
@@ -314,7 +314,7 @@ def _allocated(root: Path) -> int:
     return n
 
 
-def _scan_reshard(out: Path, ref: dict[str, str], stats: CrashStats) -> None:
+def scan_reshard(out: Path, ref: dict[str, str], stats: CrashStats) -> None:
     """Every final-named file is the reference's; a rank with READY is complete."""
     stats.scans += 1
     for p in out.rglob("*"):
@@ -379,7 +379,7 @@ def reshard_campaign(source: Path, work: Path, *, kills: int, seed: int, power_l
             threshold = rng.randrange(1, max(2, total))
             ready = lambda threshold=threshold: out.exists() and _allocated(out) >= threshold  # noqa: E731
         killed = _run_until_killed(args, env, ready, at_point, stats)
-        _after_kill(killed, args, env, out, stats, scan=lambda: _scan_reshard(out, ref, stats),
+        _after_kill(killed, args, env, out, stats, scan=lambda: scan_reshard(out, ref, stats),
                     damage=lambda: rng.random() < power_loss and _damage_reshard(out, rng, stats), reference=ref)
     _complete(args, env, out, stats)
     _compare_trees(out, ref, stats)

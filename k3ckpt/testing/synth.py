@@ -137,11 +137,11 @@ class Unit:
         return sum(t.spec.nbytes for t in self.tensors)
 
 
-def _rng(seed: int, name: str) -> np.random.Generator:
+def tensor_rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-class _Planner:
+class Planner:
     """Builds the ordered units of a checkpoint; each tensor gets a lazy data maker."""
 
     def __init__(self, spec: SynthSpec) -> None:
@@ -154,7 +154,7 @@ class _Planner:
         seed = self.spec.seed
 
         def make() -> np.ndarray:
-            rng = _rng(seed, name)
+            rng = tensor_rng(seed, name)
             if kind == "norm":
                 x = 1.0 + 0.01 * rng.standard_normal(ts.shape, dtype=np.float32)
             elif kind == "alog":
@@ -441,7 +441,7 @@ class _LazyQuantized:
         from ..mx.codec import quantize_mxfp4
 
         if self._pair is None:
-            w = _rng(self.seed, self.name).standard_normal(self.shape, dtype=np.float32)
+            w = tensor_rng(self.seed, self.name).standard_normal(self.shape, dtype=np.float32)
             w *= np.float32(1.0 / math.sqrt(self.shape[-1]))
             self._pair = quantize_mxfp4(w)
         out = self._pair[i]
@@ -460,7 +460,7 @@ class _LazyFP8:
     def get(self, i: int) -> np.ndarray:
         if self._pair is None:
             out, inn = self.shape
-            w = _rng(self.seed, self.name).standard_normal(self.shape, dtype=np.float32) / np.float32(math.sqrt(inn))
+            w = tensor_rng(self.seed, self.name).standard_normal(self.shape, dtype=np.float32) / np.float32(math.sqrt(inn))
             bo, bi = -(-out // 128), -(-inn // 128)
             padded = np.zeros((bo * 128, bi * 128), np.float32)
             padded[:out, :inn] = w
@@ -547,7 +547,7 @@ def make_config(spec: SynthSpec) -> dict:
             "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                     "weight_block_size": [128, 128]},
         }
-    full = _Planner(s).k3_full_attn_layers()
+    full = Planner(s).k3_full_attn_layers()
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
@@ -661,7 +661,7 @@ def synthesize(spec: SynthSpec, dest: str | os.PathLike[str], *, jobs: int = 1, 
         raise SynthError(f"{out}: directory is not empty (use --force to overwrite)")
     out.mkdir(parents=True, exist_ok=True)
 
-    units = _Planner(spec).units()
+    units = Planner(spec).units()
     shards = assign_shards(units, spec.num_shards)
     n = len(shards)
     names = [shard_name(spec.family, i, n) for i in range(n)]
@@ -684,7 +684,7 @@ def synthesize(spec: SynthSpec, dest: str | os.PathLike[str], *, jobs: int = 1, 
 
 def _write_shard_job(args: tuple[SynthSpec, str, int]) -> None:
     spec, path, i = args
-    shards = assign_shards(_Planner(spec).units(), spec.num_shards)
+    shards = assign_shards(Planner(spec).units(), spec.num_shards)
     _write_shard(Path(path), shards[i])
 
 

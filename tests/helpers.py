@@ -1,0 +1,51 @@
+"""Helpers shared by the test modules (fixtures live in ``conftest.py``; helpers that break a
+checkpoint in precise ways in ``ckpt_edit.py``).
+
+Import them as ``from helpers import run`` (pytest puts ``tests/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from click.testing import CliRunner, Result
+
+from k3ckpt.cli import main
+from k3ckpt.format import open_checkpoint
+
+REPO = "moonshotai/Kimi-K3"
+"""The repo name the loopback hub serves the synthetic checkpoints under."""
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> Result:
+    """Run ``k3ckpt ARGS...`` in-process; an unexpected exception propagates (with its traceback)."""
+    return CliRunner().invoke(main, list(args), catch_exceptions=False, env=env)
+
+
+def assert_one_line_error(res: Result, code: int, *needles: str) -> None:
+    """The command failed with exit ``code`` and said so in one ``k3ckpt: error: ...`` line
+    (no traceback) that contains every one of ``needles``."""
+    assert res.exit_code == code, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("k3ckpt: error: "), res.output
+    assert "Traceback" not in res.output
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def shard_of(root: Path, tensor: str) -> str:
+    """The shard file (relative name) holding ``tensor`` in the checkpoint at ``root``."""
+    return open_checkpoint(root).tensors[tensor].file
+
+
+def tensor_digests(root: Path) -> dict[str, str]:
+    """sha256 of every tensor's bytes, read through the headers."""
+    ckpt = open_checkpoint(root)
+    out = {}
+    for name, info in ckpt.tensors.items():
+        hdr = ckpt.shards[info.file]
+        with open(hdr.path, "rb") as fh:
+            fh.seek(hdr.data_start + info.begin)
+            out[name] = hashlib.sha256(fh.read(info.nbytes)).hexdigest()
+    return out
