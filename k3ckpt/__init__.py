@@ -13,8 +13,8 @@ Names load on first use, so ``import k3ckpt`` stays cheap. Example, on a synthet
     manifest = k3ckpt.build_manifest("k3-tiny", tensor_hashes=True)
     manifest.save("k3-tiny.manifest.json")
     assert k3ckpt.verify_checkpoint("k3-tiny", manifest=manifest).ok
-    k3ckpt.reshard("k3-tiny", "ranks", ep=8, tp=2)
-    print(k3ckpt.preflight("ranks", rank=0, use_env=False).ok)
+    k3ckpt.reshard("k3-tiny", "ranks", k3ckpt.RankSelection(ep=8, tp=2))
+    print(k3ckpt.preflight("ranks", k3ckpt.RankSelection(ranks=[0]), use_env=False).ok)
 
 Every failure a user can act on is a :class:`K3ckptError` (see :mod:`k3ckpt.errors`).
 """
@@ -32,6 +32,7 @@ _LAZY: dict[str, str] = {
     "Checkpoint": "k3ckpt.format.checkpoint",
     "open_checkpoint": "k3ckpt.format.checkpoint",
     "inspect_checkpoint": "k3ckpt.format.inspect",
+    "RankSelection": "k3ckpt.format.topology",
     # manifests and verification
     "Manifest": "k3ckpt.integrity.manifest",
     "build_manifest": "k3ckpt.integrity.manifest",
@@ -74,6 +75,7 @@ __all__ = [
     "Checkpoint",
     "K3ckptError",
     "Manifest",
+    "RankSelection",
     "build_manifest",
     "dequantize_mxfp4",
     "dequantize_to_file",
@@ -115,6 +117,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
     from .errors import K3ckptError
     from .format.checkpoint import Checkpoint, open_checkpoint
     from .format.inspect import inspect_checkpoint
+    from .format.topology import RankSelection
     from .hub.client import list_repo
     from .hub.fetch import plan_fetch, run_fetch
     from .hub.pull import pull_manifest

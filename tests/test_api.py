@@ -29,6 +29,7 @@ TOP_LEVEL = [
     "Checkpoint",
     "K3ckptError",
     "Manifest",
+    "RankSelection",
     "__version__",
     "build_manifest",
     "dequantize_mxfp4",

@@ -46,9 +46,6 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: Where pages are recorded; the docs' output shows paths under it.
 RECORD_ROOT = Path("/tmp/docs-work")
 README_LIMIT = 12 * 1024
-#: Pages being written elsewhere (issue #12: the API and environment pages), linked before they
-#: land. A missing one is not an error; delete its entry once it is in the repository.
-PENDING = {"docs/api.md"}
 
 NO_TEST = re.compile(r"^\s*<!--\s*no-test:\s*(.*?)\s*-->\s*$")
 SERVE = re.compile(r"^\s*<!--\s*docs-test:\s*serve\s+(\S+)\s+as\s+(\S+)\s*-->\s*$", re.MULTILINE)
@@ -365,8 +362,6 @@ def test_relative_links_resolve() -> None:
                 continue
             file, _, fragment = target.partition("#")
             dest = (path.parent / file).resolve() if file else path
-            if dest.is_relative_to(ROOT) and str(dest.relative_to(ROOT)) in PENDING and not dest.exists():
-                continue
             if not dest.is_relative_to(ROOT) or not dest.exists():
                 bad.append(f"{_page_id(path)}: ({target}): no such file")
             elif fragment and dest.suffix == ".md" and fragment not in _anchors(dest):

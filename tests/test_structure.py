@@ -6,14 +6,16 @@
   Inside one package, private modules and names are shared freely.
 - The tests and ``scripts/*.py`` are outside every package: they use public names only, and
   patch none by string (``monkeypatch.setattr("k3ckpt.x._y", ...)``, ``setattr(mod, "_y", ...)``).
-- Data flows downward: ``errors``/``env``/``utils`` <- ``format`` <- ``integrity`` <- ``hub`` <-
-  ``mx`` <- ``deploy`` <- ``testing`` <- ``cli``. No package imports from one to its right, and
+- Data flows downward: ``errors`` <- ``utils`` <- ``env`` <- ``format`` <- ``integrity`` <-
+  ``hub`` <- ``mx`` <- ``deploy`` <- ``testing`` <- ``cli``. No package imports from one to its right, and
   the packages' import graph has no cycle.
 - No module inside the package imports the lazy top-level ``k3ckpt`` namespace (except
   ``__version__``): that is the facade for users, and importing it from inside invites cycles.
 
-"Package" means a direct subpackage of ``k3ckpt`` (``k3ckpt.hub``, ``k3ckpt.utils``, ...); the
-top-level modules (``k3ckpt/errors.py``, ``k3ckpt/env.py``, ...) form the top package ``""``.
+"Package" means a direct subpackage of ``k3ckpt`` (``k3ckpt.hub``, ``k3ckpt.utils``, ...) or a
+top-level module (``k3ckpt.errors``, ``k3ckpt.env``): each is a unit of its own, so ``utils``
+may raise ``errors``' classes while ``env`` parses with ``utils``. The facade ``k3ckpt`` (and
+``python -m k3ckpt``) is the top package ``""``.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG_DIR = ROOT / "k3ckpt"
 
-# Lower rank = lower layer; a package may import from its own rank or below. Rank 0 holds the
-# top-level modules ("") and utils.
-RANK: dict[str, int] = {"": 0, "utils": 0, "format": 1, "integrity": 2, "hub": 3, "mx": 4, "deploy": 5,
-                        "testing": 6, "cli": 7}
+# Lower rank = lower layer; a package may import from its own rank or below. The facade ("")
+# is imported from only for ``__version__``.
+RANK: dict[str, int] = {"": 0, "errors": 0, "utils": 1, "env": 2, "format": 3, "integrity": 4, "hub": 5, "mx": 6,
+                        "deploy": 7, "testing": 8, "cli": 9}
 # The entry points above everything: the lazy facade (its eager imports are under TYPE_CHECKING)
 # and ``python -m k3ckpt``.
 FACADES = {"k3ckpt", "k3ckpt.__main__"}
@@ -49,9 +51,10 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 
 def package_of(module: str, root: Path = ROOT) -> str:
-    """``k3ckpt.hub.client`` -> ``hub``; ``k3ckpt.errors`` and ``k3ckpt`` -> ``""``."""
+    """``k3ckpt.hub.client`` -> ``hub``; ``k3ckpt.errors`` -> ``errors``; ``k3ckpt`` and
+    ``k3ckpt.__main__`` -> ``""``."""
     parts = module.split(".")
-    if len(parts) >= 2 and (root / "k3ckpt" / parts[1]).is_dir():
+    if len(parts) >= 2 and parts[1] != "__main__":
         return parts[1]
     return ""
 

@@ -12,13 +12,14 @@ from .header import ShardHeader, TensorInfo, TensorSpec, build_header, read_head
 from .inspect import InspectReport, inspect_checkpoint
 from .layout import read_node_marker
 from .roles import Kind, Role, classify
-from .topology import RankTensors, Topology, tensors_for_ranks
+from .topology import RankSelection, RankTensors, Topology, tensors_for_ranks
 
 __all__ = [
     "Checkpoint",
     "InspectReport",
     "Kind",
     "ModelConfig",
+    "RankSelection",
     "RankTensors",
     "Role",
     "ShardHeader",
