@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from k3ckpt.hub import download
+from k3ckpt.hub import _transfer, download
 from k3ckpt.hub.download import DiskSpaceError, FetchLockedError, FetchResult, fetch_files
 from k3ckpt.hub.client import HubFile, HubListing, RetryPolicy, list_repo
 from k3ckpt.testing.hub import LoopbackHub
@@ -231,7 +231,7 @@ def test_sequential_fallback_journals_chunks_and_resumes(hub: LoopbackHub, listi
                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole-file GET dies mid-body: the chunks it completed are journaled with their exact
     bytes (nothing shifted), and the retry completes the file."""
-    monkeypatch.setattr(download, "PIECE", 16 * 1024)  # a reset loses the piece being read
+    monkeypatch.setattr(_transfer, "PIECE", 16 * 1024)  # a reset loses the piece being read
     hub.inject("ignore_range", BIG, times=None)
     size = listing.files[BIG].size
     # Two hits: the first ranged GET (answered with the whole file, abandoned unread), then the
