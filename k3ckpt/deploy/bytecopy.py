@@ -9,21 +9,20 @@ Strided runs are gathered, and split parts interleaved, through bounded buffers.
 few :data:`CHUNK`-sized buffers per worker, whatever the size of the data.
 
 Output files are written under temporary names (:func:`tmp_name`), fsync'd and renamed; a
-directory is fsync'd after renames (:func:`fsync_dir`).
+directory is fsync'd after renames (:func:`k3ckpt.utils.fsync_dir`).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import K3ckptError
-from ..utils import fsync_dir, write_atomic
+from ..utils import atomic_output
 
 #: Bytes per copy / hash step (and the size of each worker's buffers).
 CHUNK = 8 * 1024 * 1024
@@ -205,6 +204,9 @@ class Copier:
 
 
 def tmp_name(final: Path) -> Path:
+    """The temporary name of an output file written in place and renamed only once all files of
+    its rank (or shard set) are complete, so not :func:`k3ckpt.utils.temp_name`'s unique one:
+    fixed, so that a re-run truncates what a killed run left instead of adding one more file."""
     return final.with_name(f".{final.name}.tmp")
 
 
@@ -245,25 +247,10 @@ def copy_files(src: Path, rels: list[str], out: Path) -> None:
 
 def copy_file(src: Path, dst: Path) -> None:
     """Copy ``src`` to ``dst`` in bounded chunks (kernel-side where possible; never the whole
-    file in memory), through a unique temporary name created exclusively and never through a
-    symlink, fsync'd and renamed; the directory is fsync'd after the rename."""
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    with open(src, "rb") as fin:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        try:
-            try:
-                _copy_fd(fin.fileno(), fd)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, dst)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-    try:
-        fsync_dir(dst.parent)
-    except OSError:
-        pass  # directories cannot be opened here (some network filesystems): the data is synced
+    file in memory), through :func:`k3ckpt.utils.atomic_output`: ``dst`` never holds a partial
+    copy, and nothing planted at the temporary name redirects the write."""
+    with open(src, "rb") as fin, atomic_output(dst) as fd:
+        _copy_fd(fin.fileno(), fd)
 
 
 def _copy_fd(src: int, dst: int) -> None:

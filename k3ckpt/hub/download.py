@@ -592,7 +592,8 @@ class _Run:
                 self.result.fetched.append(entry.path)
 
     def run(self) -> None:
-        _transfer.run_workers(self.worker, self.workers, "k3ckpt-fetch", self.cond, lambda: self.pending > 0, self.cancel)
+        _transfer.run_workers(self.worker, self.workers, "k3ckpt-fetch", self.cond, lambda: self.pending > 0,
+                              self.cancel)
 
 
 def _local_failure(e: OSError, path: str) -> str:
