@@ -19,6 +19,7 @@ import json
 import os
 import re
 import socket
+import stat
 import time
 import uuid
 from typing import Any
@@ -113,6 +114,52 @@ def create_part(path: str, size: int, head: bytes = b"") -> int:
         os.close(fd)
         raise
     return fd
+
+
+def open_part(part: str, final: str, dest_real: str, rel: str, size: int, head: bytes = b"", *,
+              resume: bool) -> int:
+    """The descriptor of ``final``'s ``.part``: when resuming, the one on disk (never through a
+    symlink); else a new one (:func:`create_part`), after removing whatever was there (an old
+    ``.part`` without a valid journal is untrusted; a symlink is not ours).
+
+    Raises:
+        ValueError: ``final``'s directory, created now, resolves outside ``dest_real``.
+    """
+    if resume:
+        return os.open(part, os.O_RDWR | NOFOLLOW)
+    unlink(part)
+    parent = os.path.dirname(final)
+    os.makedirs(parent, exist_ok=True)
+    # Checked again now that the directories exist: a symlink planted since the plan was
+    # made must not redirect the write outside the destination.
+    if not is_within(parent, dest_real):
+        raise ValueError(f"refusing to write {rel!r}: its directory resolves to "
+                         f"{os.path.realpath(parent)!r}, outside {dest_real!r}")
+    return create_part(part, size, head)
+
+
+def resumable(journal: str, part: str, size: int, expect: dict[str, Any], count: int) -> set[int]:
+    """The indices the ``journal`` of an earlier run says are on disk, if it and its ``.part``
+    belong to this very content: the journal has ``expect``'s values, the ``.part`` is a regular
+    file (not a symlink) of ``size`` bytes, every index is below ``count``. Otherwise an empty
+    set, and the journal is removed: a stale or foreign journal must not vouch for any byte.
+    """
+    try:
+        with open(journal, "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError):
+        doc = None
+    try:
+        st = os.lstat(part)
+        part_ok = stat.S_ISREG(st.st_mode) and st.st_size == size
+    except OSError:
+        part_ok = False
+    if isinstance(doc, dict) and part_ok and all(doc.get(k) == v for k, v in expect.items()):
+        done = doc.get("done")
+        if isinstance(done, list) and all(type(i) is int and 0 <= i < count for i in done):
+            return set(done)
+    unlink(journal)
+    return set()
 
 
 # ----------------------------------------------------------------------------------------------

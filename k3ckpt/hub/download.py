@@ -65,7 +65,7 @@ from . import client as hubclient
 from ._dest import LOCK_NAME
 from ..errors import K3ckptError
 from ..integrity.hashing import HashError, hash_file
-from ..utils import fsync_dir, human_bytes, is_within, write_atomic
+from ..utils import fsync_dir, human_bytes, write_atomic
 from .client import HubFile, HubListing, RetryPolicy
 
 __all__ = [
@@ -259,24 +259,7 @@ class _Job:
     def load_resume(self) -> None:
         """Adopt a ``.part`` + journal left by an earlier run if they belong to this content;
         otherwise forget them (a stale or foreign journal must not vouch for any byte)."""
-        doc: Any = None
-        try:
-            with open(self.journal, "rb") as f:
-                doc = json.loads(f.read())
-        except (OSError, ValueError):
-            doc = None
-        try:
-            st = os.lstat(self.part)
-            part_ok = os.path.isfile(self.part) and not os.path.islink(self.part) and st.st_size == self.entry.size
-        except FileNotFoundError:
-            part_ok = False
-        if isinstance(doc, dict) and part_ok and all(doc.get(k) == v for k, v in self.journal_doc().items()):
-            done = doc.get("done")
-            if isinstance(done, list) and all(type(i) is int and 0 <= i < self.nchunks for i in done):
-                self.done = set(done)
-                return
-        self.done = set()
-        _dest.unlink(self.journal)
+        self.done = _dest.resumable(self.journal, self.part, self.entry.size, self.journal_doc(), self.nchunks)
 
     def resumable_bytes(self) -> int:
         """Bytes already allocated for this file by a ``.part`` we will reuse."""
@@ -286,20 +269,13 @@ class _Job:
         """Open (resume) or create and preallocate the ``.part``; called under ``self.lock``."""
         if self.fd is not None:
             return
-        if self.done:
-            self.fd = os.open(self.part, os.O_RDWR | _dest.NOFOLLOW)
-            return
-        # Fresh start: an old .part without a valid journal is untrusted; a symlink is not ours.
-        _dest.unlink(self.part)
-        parent = os.path.dirname(self.final)
-        os.makedirs(parent, exist_ok=True)
-        # Checked again now that the directories exist: a symlink planted since the plan was
-        # made must not redirect the write outside the destination.
-        if not is_within(parent, self.dest_real):
-            raise _transfer.Fatal(f"refusing to write {self.entry.path!r}: its directory resolves to "
-                         f"{os.path.realpath(parent)!r}, outside {self.dest_real!r}")
-        self.fd = _dest.create_part(self.part, self.entry.size)
-        self.write_journal()
+        try:
+            self.fd = _dest.open_part(self.part, self.final, self.dest_real, self.entry.path, self.entry.size,
+                                      resume=bool(self.done))
+        except ValueError as e:  # its directory resolves outside the destination
+            raise _transfer.Fatal(str(e)) from None
+        if not self.done:
+            self.write_journal()
 
     def write_journal(self) -> None:
         doc = self.journal_doc()

@@ -77,7 +77,7 @@ from ..errors import ConfigError, K3ckptError
 from .fetch import record_source, select_paths
 from ..integrity.hashing import HashError, Span, hash_file
 from .client import HubFile, HubListing, RetryPolicy
-from ..utils import fsync_dir, human_bytes, is_within, write_atomic
+from ..utils import fsync_dir, human_bytes, write_atomic
 from ..integrity.manifest import Manifest, tensors_from_headers
 from ..format.layout import PARTIAL_MARKER
 from ..format.header import ShardHeader, TensorInfo, TensorSpec, build_header, parse_header_bytes
@@ -697,40 +697,22 @@ class _ShardJob:
 
     def load_resume(self) -> None:
         """Adopt a ``.part`` + journal of this exact selection; otherwise forget them."""
-        try:
-            with open(self.journal, "rb") as f:
-                doc = json.loads(f.read())
-        except (OSError, ValueError):
-            doc = None
-        try:
-            part_ok = (os.path.isfile(self.part) and not os.path.islink(self.part)
-                       and os.path.getsize(self.part) == self.plan.size)
-        except OSError:
-            part_ok = False
-        if (isinstance(doc, dict) and part_ok and doc.get("version") == _JOURNAL_VERSION
-                and doc.get("fingerprint") == self.fingerprint and isinstance(doc.get("done"), list)
-                and all(type(i) is int and 0 <= i < len(self.plan.pieces) for i in doc["done"])):
-            self.done = set(doc["done"])
-            return
-        self.done = set()
-        _dest.unlink(self.journal)
+        self.done = _dest.resumable(self.journal, self.part, self.plan.size,
+                                    {"version": _JOURNAL_VERSION, "fingerprint": self.fingerprint},
+                                    len(self.plan.pieces))
 
     def todo_bytes(self) -> int:
         return sum(p.length for i, p in enumerate(self.plan.pieces) if i not in self.done)
 
     def open(self) -> None:
         """Resume the ``.part``, or create it: preallocate, write the new header, sync, journal."""
-        if self.done:
-            self.fd = os.open(self.part, os.O_RDWR | _dest.NOFOLLOW)
-            return
-        _dest.unlink(self.part)
-        parent = os.path.dirname(self.final)
-        os.makedirs(parent, exist_ok=True)
-        if not is_within(parent, self.dest_real):
-            raise _PieceFailed(f"refusing to write {self.plan.path!r}: its directory resolves to "
-                               f"{os.path.realpath(parent)!r}, outside {self.dest_real!r}")
-        self.fd = _dest.create_part(self.part, self.plan.size, self.plan.prefix)
-        self.write_journal()
+        try:
+            self.fd = _dest.open_part(self.part, self.final, self.dest_real, self.plan.path, self.plan.size,
+                                      self.plan.prefix, resume=bool(self.done))
+        except ValueError as e:  # its directory resolves outside the destination
+            raise _PieceFailed(str(e)) from None
+        if not self.done:
+            self.write_journal()
 
     def write_journal(self) -> None:
         doc = {"version": _JOURNAL_VERSION, "path": self.plan.path, "fingerprint": self.fingerprint,
