@@ -357,7 +357,7 @@ def test_quantize_cli_text_json_and_errors(tmp_path: Path) -> None:
 
 
 def _fail_on_call(monkeypatch: pytest.MonkeyPatch, n: int, exc: BaseException) -> None:
-    real = mx_convert._pwrite_all
+    real = mx_convert.pwrite_all
     calls = iter(range(1, 1_000_000))
 
     def flaky(fd: int, data, offset: int) -> None:
@@ -365,7 +365,7 @@ def _fail_on_call(monkeypatch: pytest.MonkeyPatch, n: int, exc: BaseException) -
             raise exc
         real(fd, data, offset)
 
-    monkeypatch.setattr(mx_convert, "_pwrite_all", flaky)
+    monkeypatch.setattr(mx_convert, "pwrite_all", flaky)
 
 
 @pytest.mark.parametrize("exc", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()],

@@ -17,6 +17,7 @@ from k3ckpt.utils import (
     fsync_dir,
     human_bytes,
     is_within,
+    pwrite_all,
     temp_name,
     write_atomic,
 )
@@ -120,6 +121,22 @@ def test_atomic_output_reserves_size_for_pwrite(tmp_path: Path) -> None:
     with atomic_output(final, size=10) as fd:
         os.pwrite(fd, b"end", 7)
     assert final.read_bytes() == b"\0" * 7 + b"end"
+
+
+def test_pwrite_all_finishes_short_writes_at_the_right_offsets(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    real_pwrite = os.pwrite
+    calls = []
+
+    def short_pwrite(fd: int, data: memoryview, offset: int) -> int:  # as a signal or a pipe may
+        calls.append(offset)
+        return real_pwrite(fd, data[:3], offset)
+
+    monkeypatch.setattr(os, "pwrite", short_pwrite)
+    with atomic_output(tmp_path / "f", size=12) as fd:
+        pwrite_all(fd, b"0123456789", 2)
+    assert (tmp_path / "f").read_bytes() == b"\0\0" + b"0123456789"
+    assert calls == [2, 5, 8, 11]
 
 
 # ----------------------------------------------------------------------------------------------

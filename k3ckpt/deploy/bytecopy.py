@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import K3ckptError
-from ..utils import atomic_output
+from ..utils import atomic_output, pwrite_all
 
 #: Bytes per copy / hash step (and the size of each worker's buffers).
 CHUNK = 8 * 1024 * 1024
@@ -114,13 +114,6 @@ class Copier:
             got += k
         return v
 
-    @staticmethod
-    def _pwrite(fd: int, data: memoryview, off: int) -> None:
-        while data:
-            k = os.pwrite(fd, data, off)
-            data = data[k:]
-            off += k
-
     def contiguous(self, src: int, dst: int, so: int, do: int, n: int, sinks: Callable[[memoryview], None]) -> None:
         """Copy ``n`` bytes and feed them, in order, to ``sinks``."""
         end = so + n
@@ -135,7 +128,7 @@ class Copier:
                 sinks(self._pread(dst, k, do))  # hot output pages, not a second source read
             else:
                 data = self._pread(src, k, so)
-                self._pwrite(dst, data, do)
+                pwrite_all(dst, data, do)
                 sinks(data)
             start_writeback(dst, do, k)
             n -= k
@@ -164,7 +157,7 @@ class Copier:
             out = gview[: k * run.length].reshape(k, run.length)
             np.copyto(out, full)
             mv = memoryview(self.gbuf)[: k * run.length]
-            self._pwrite(dst, mv, do)
+            pwrite_all(dst, mv, do)
             sinks(mv)
             start_writeback(dst, do, k * run.length)
             do += k * run.length
@@ -199,7 +192,7 @@ class Copier:
                 data = self._pread(fd, n * length, off + first * length)
                 sinks[p](data)
                 out[:, p, :] = np.frombuffer(data, dtype=np.uint8).reshape(n, length)
-            self._pwrite(dst, memoryview(self.gbuf)[: n * width], do + first * width)
+            pwrite_all(dst, memoryview(self.gbuf)[: n * width], do + first * width)
             start_writeback(dst, do + first * width, n * width)
 
 
@@ -269,5 +262,5 @@ def _copy_fd(src: int, dst: int) -> None:
         data = os.pread(src, CHUNK, off)
         if not data:
             return
-        Copier._pwrite(dst, memoryview(data), off)
+        pwrite_all(dst, memoryview(data), off)
         off += len(data)

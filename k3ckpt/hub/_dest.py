@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any
 
-from ..utils import is_within
+from ..utils import is_within, pwrite_all
 
 #: Name of the lock file in the destination directory.
 LOCK_NAME = ".k3ckpt-fetch.lock"
@@ -108,7 +108,7 @@ def create_part(path: str, size: int, head: bytes = b"") -> int:
             except (AttributeError, OSError):
                 os.ftruncate(fd, size)  # filesystems without fallocate: sparse
         if head:
-            os.pwrite(fd, head, 0)
+            pwrite_all(fd, head, 0)
         os.fsync(fd)
     except BaseException:
         os.close(fd)

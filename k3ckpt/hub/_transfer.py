@@ -23,6 +23,7 @@ import requests
 import urllib3.exceptions
 
 from . import _http
+from ..utils import pwrite_all
 from .client import HubError, HubFile, HubListing, RetryPolicy, file_url
 
 #: Size of the pieces a body is read and ``pwrite``-n in: a chunk is never held in memory whole.
@@ -147,11 +148,8 @@ def copy_body(resp: Any, fd: int, start: int, dest_offset: int, length: int, can
             if not data:
                 break
             count(len(data))
-            view = memoryview(data)
-            while view:
-                n = os.pwrite(fd, view, offset)
-                view = view[n:]
-                offset += n
+            pwrite_all(fd, data, offset)
+            offset += len(data)
             if sink is not None:
                 sink(memoryview(data))
             received += len(data)

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..format.checkpoint import numpy_dtype
 from ..errors import K3ckptError
-from ..utils import atomic_output
+from ..utils import atomic_output, pwrite_all
 from .codec import MX_BLOCK_SIZE, ScaleMode, dequantize_mxfp4, quantize_mxfp4
 from .select import CHUNK_BYTES, MxSource, find_mx_tensors
 from ..format.roles import Kind, classify
@@ -171,12 +171,12 @@ def dequantize_to_file(
 
     bytes_in = 0
     with atomic_output(out_path, mode=_NEW_FILE_MODE, size=size) as fd:
-        _pwrite_all(fd, prefix, 0)
+        pwrite_all(fd, prefix, 0)
         for m, (begin, end) in zip(selected, offsets):
             pos = len(prefix) + begin
             for _, packed, scales in m.iter_rows(chunk_bytes):
                 values = dequantize_mxfp4(packed, scales, dtype=np_dtype)
-                _pwrite_all(fd, values.reshape(-1).view(np.uint8), pos)
+                pwrite_all(fd, values.reshape(-1).view(np.uint8), pos)
                 pos += values.nbytes
                 bytes_in += packed.nbytes + scales.nbytes
                 if progress is not None:
@@ -300,7 +300,7 @@ def quantize_file(
     where = {p.spec.name: len(prefix) + begin for p, (begin, _) in zip(plan, offsets)}
 
     with open(in_path, "rb", buffering=0) as src, atomic_output(out_path, mode=_NEW_FILE_MODE, size=size) as fd:
-        _pwrite_all(fd, prefix, 0)
+        pwrite_all(fd, prefix, 0)
         for p in plan:
             if p.role == "copy":
                 _copy_range(src.fileno(), header.data_start + p.source.begin, fd, where[p.spec.name],
@@ -335,8 +335,8 @@ def _quantize_tensor(src: int, data_start: int, info: TensorInfo, dst: int, pack
                 f"{in_path}: tensor {info.name!r} holds NaN/Inf ({int(bad.sum())} in rows {first}-{first + n - 1}, "
                 f"first at [{first + r}, {c}] = {x[r, c]}); MXFP4 cannot encode it, nothing written"
             ) from None
-        _pwrite_all(dst, packed.reshape(-1), packed_at + first * (cols // 2))
-        _pwrite_all(dst, scales.reshape(-1), scale_at + first * (cols // MX_BLOCK_SIZE))
+        pwrite_all(dst, packed.reshape(-1), packed_at + first * (cols // 2))
+        pwrite_all(dst, scales.reshape(-1), scale_at + first * (cols // MX_BLOCK_SIZE))
         if progress is not None:
             progress(len(raw))
 
@@ -346,7 +346,7 @@ def _copy_range(src: int, src_at: int, dst: int, dst_at: int, nbytes: int, chunk
     step = max(1, chunk_bytes)
     for off in range(0, nbytes, step):
         n = min(step, nbytes - off)
-        _pwrite_all(dst, _pread_exact(src, n, src_at + off, None), dst_at + off)
+        pwrite_all(dst, _pread_exact(src, n, src_at + off, None), dst_at + off)
         if progress is not None:
             progress(n)
 
@@ -364,13 +364,6 @@ def _pread_exact(fd: int, n: int, offset: int, path: Path | None) -> bytes:
         parts.append(b)
         got += len(b)
     return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def _pwrite_all(fd: int, data: bytes | np.ndarray, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _refuse_overwriting_inputs(out: Path, inputs: Iterable[Path]) -> None:

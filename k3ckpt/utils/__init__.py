@@ -2,8 +2,8 @@
 files, and how sizes and sets are written for people."""
 
 from ._format import format_ranges, human_bytes, human_count
-from ._fs import atomic_output, fsync_dir, is_within, temp_name, write_atomic
+from ._fs import atomic_output, fsync_dir, is_within, pwrite_all, temp_name, write_atomic
 from ._jsonfile import load_json
 
 __all__ = ["atomic_output", "format_ranges", "fsync_dir", "human_bytes", "human_count", "is_within", "load_json",
-           "temp_name", "write_atomic"]
+           "pwrite_all", "temp_name", "write_atomic"]

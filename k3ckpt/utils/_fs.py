@@ -1,5 +1,5 @@
-"""Filesystem primitives shared by every command that writes: atomic files, durable renames and
-path containment. Each exists once; every package uses these."""
+"""Filesystem primitives shared by every command that writes: atomic files, durable renames,
+whole writes and path containment. Each exists once; every package uses these."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # A symlink planted at a temporary name must fail the open, not redirect the write.
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -108,9 +109,17 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644
     ``mode`` and ``reuse_temp`` are :func:`atomic_output`'s.
     """
     with atomic_output(path, mode=mode, reuse_temp=reuse_temp) as fd:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        pwrite_all(fd, data, 0)
+
+
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """Write all of ``data`` (anything with the buffer protocol: bytes, a memoryview, a
+    C-contiguous numpy array) at ``offset``: ``os.pwrite`` may write less than it is given."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
 
 
 def is_within(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:
