@@ -195,6 +195,20 @@ def _read_lock(path: str) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else None
 
 
+def _create_synced(path: str, data: bytes) -> None:
+    """Create ``path`` exclusively (never through a symlink) holding ``data``, fsync-ed.
+
+    Raises:
+        FileExistsError: ``path`` exists.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
+    try:
+        pwrite_all(fd, data, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class DestLock:
     """``dest/.k3ckpt-fetch.lock``: exclusive-create lock with stale-lock detection (see module doc)."""
 
@@ -214,12 +228,7 @@ class DestLock:
         info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                            "token": self.token}).encode()
         tmp = f"{self.path}.{self.token}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
-        try:
-            os.write(fd, info)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _create_synced(tmp, info)
         try:
             os.link(tmp, self.path)
             return True
@@ -230,14 +239,9 @@ class DestLock:
         finally:
             unlink(tmp)
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
+            _create_synced(self.path, info)
         except FileExistsError:
             return False
-        try:
-            os.write(fd, info)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
         return True
 
     def _stale_reason(self, info: dict[str, Any] | None) -> str | None:
