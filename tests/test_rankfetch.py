@@ -360,7 +360,7 @@ def test_dry_run_lists_bytes_and_fetches_only_headers(served_hub: Any, node0_nam
     want = expected_bytes(served, node0_names)
     selection = sum(want.values()) - sum(read_header(p).data_start for p in served.glob("*.safetensors")) \
         - (served / INDEX_NAME).stat().st_size - (served / "config.json").stat().st_size
-    assert any(line.startswith(f"would fetch ") and "ranks 0-3 of ep 8 x tp 2" in line for line in lines)
+    assert any(line.startswith("would fetch ") and "ranks 0-3 of ep 8 x tp 2" in line for line in lines)
     assert sum("model-0000" in line for line in lines) == 8 and "(whole)" in res.output
     assert lines[-1].startswith("note: no --manifest")
     assert not dest.exists()

@@ -9,21 +9,20 @@ Strided runs are gathered, and split parts interleaved, through bounded buffers.
 few :data:`CHUNK`-sized buffers per worker, whatever the size of the data.
 
 Output files are written under temporary names (:func:`tmp_name`), fsync'd and renamed; a
-directory is fsync'd after renames (:func:`fsync_dir`).
+directory is fsync'd after renames (:func:`k3ckpt.utils.fsync_dir`).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceShortReadError
-from ..utils import fsync_dir, write_atomic
+from ..utils import atomic_output, pwrite_all
 
 #: Bytes per copy / hash step (and the size of each worker's buffers).
 CHUNK = 8 * 1024 * 1024
@@ -111,13 +110,6 @@ class Copier:
             got += k
         return v
 
-    @staticmethod
-    def _pwrite(fd: int, data: memoryview, off: int) -> None:
-        while data:
-            k = os.pwrite(fd, data, off)
-            data = data[k:]
-            off += k
-
     def contiguous(self, src: int, dst: int, so: int, do: int, n: int, sinks: Callable[[memoryview], None]) -> None:
         """Copy ``n`` bytes and feed them, in order, to ``sinks``."""
         end = so + n
@@ -132,7 +124,7 @@ class Copier:
                 sinks(self._pread(dst, k, do))  # hot output pages, not a second source read
             else:
                 data = self._pread(src, k, so)
-                self._pwrite(dst, data, do)
+                pwrite_all(dst, data, do)
                 sinks(data)
             start_writeback(dst, do, k)
             n -= k
@@ -161,7 +153,7 @@ class Copier:
             out = gview[: k * run.length].reshape(k, run.length)
             np.copyto(out, full)
             mv = memoryview(self.gbuf)[: k * run.length]
-            self._pwrite(dst, mv, do)
+            pwrite_all(dst, mv, do)
             sinks(mv)
             start_writeback(dst, do, k * run.length)
             do += k * run.length
@@ -196,11 +188,14 @@ class Copier:
                 data = self._pread(fd, n * length, off + first * length)
                 sinks[p](data)
                 out[:, p, :] = np.frombuffer(data, dtype=np.uint8).reshape(n, length)
-            self._pwrite(dst, memoryview(self.gbuf)[: n * width], do + first * width)
+            pwrite_all(dst, memoryview(self.gbuf)[: n * width], do + first * width)
             start_writeback(dst, do + first * width, n * width)
 
 
 def tmp_name(final: Path) -> Path:
+    """The temporary name of an output file written in place and renamed only once all files of
+    its rank (or shard set) are complete, so not :func:`k3ckpt.utils.temp_name`'s unique one:
+    fixed, so that a re-run truncates what a killed run left instead of adding one more file."""
     return final.with_name(f".{final.name}.tmp")
 
 
@@ -241,25 +236,10 @@ def copy_files(src: Path, rels: list[str], out: Path) -> None:
 
 def copy_file(src: Path, dst: Path) -> None:
     """Copy ``src`` to ``dst`` in bounded chunks (kernel-side where possible; never the whole
-    file in memory), through a unique temporary name created exclusively and never through a
-    symlink, fsync'd and renamed; the directory is fsync'd after the rename."""
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    with open(src, "rb") as fin:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        try:
-            try:
-                _copy_fd(fin.fileno(), fd)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, dst)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-    try:
-        fsync_dir(dst.parent)
-    except OSError:
-        pass  # directories cannot be opened here (some network filesystems): the data is synced
+    file in memory), through :func:`k3ckpt.utils.atomic_output`: ``dst`` never holds a partial
+    copy, and nothing planted at the temporary name redirects the write."""
+    with open(src, "rb") as fin, atomic_output(dst) as fd:
+        _copy_fd(fin.fileno(), fd)
 
 
 def _copy_fd(src: int, dst: int) -> None:
@@ -278,5 +258,5 @@ def _copy_fd(src: int, dst: int) -> None:
         data = os.pread(src, CHUNK, off)
         if not data:
             return
-        Copier._pwrite(dst, memoryview(data), off)
+        pwrite_all(dst, memoryview(data), off)
         off += len(data)

@@ -88,7 +88,6 @@ from .bytecopy import Copier, FdCache, Run, copy_files, tmp_name
 from ..utils import fsync_dir, is_within, write_atomic
 from ..format.checkpoint import INDEX_NAME, Checkpoint, is_working_file, open_checkpoint
 from ..errors import ReshardError
-from ..utils import load_json
 from ..format.header import DTYPE_BITS, TensorSpec, build_header
 from ..format.layout import (
     FORMAT,
@@ -105,7 +104,6 @@ from ..format.layout import (
     node_dir_name,
     part_name,
     rank_dir_name,
-    read_node_marker,
 )
 from ..format.topology import (
     ExpertSlice,

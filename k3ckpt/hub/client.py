@@ -45,22 +45,20 @@ Client quirks this module works around (huggingface_hub 2.4, modelscope 1.40 / m
 
 from __future__ import annotations
 
-import email.utils
-import http.cookiejar
 import os
 import re
 import struct
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote_plus, urljoin, urlsplit
+from urllib.parse import quote_plus, urlsplit
 
 import requests
 import urllib3.exceptions
 
 from .. import __version__
+from . import _dest, _http
 from ..env import K3CKPT_MAX_HEADER_BYTES
 from ..errors import (
     EntryNotFoundError,
@@ -120,13 +118,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 # What a ModelScope revision that is not a branch/tag name must look like to be tried as a commit
 # id (git accepts abbreviations from 7 hex digits).
 _COMMITISH = re.compile(r"[0-9a-fA-F]{7,64}")
-_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)\s*-\s*(\d+)\s*/\s*(\d+|\*)\s*$", re.IGNORECASE)
-_DRIVE = re.compile(r"^[A-Za-z]:")
-_REDIRECTS = frozenset({301, 302, 303, 307, 308})
-_MAX_REDIRECTS = 10
 _READ_CHUNK = 1 << 20
-# 501 (Not Implemented) and 505 (HTTP Version Not Supported) will not change on a retry.
-_NOT_RETRYABLE_5XX = frozenset({501, 505})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,9 +126,6 @@ _NOT_RETRYABLE_5XX = frozenset({501, 505})
 # ----------------------------------------------------------------------------------------------
 
 
-def _one_line(text: str) -> str:
-    """Collapse whitespace (client messages span several lines; ours are one line for the CLI)."""
-    return " ".join(str(text).split())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,26 +337,6 @@ def auth_headers(listing_or_hub: HubListing | str, token: str | None = None) -> 
 # ----------------------------------------------------------------------------------------------
 
 
-def _unsafe_reason(path: Any) -> str | None:
-    """Why a hub-supplied path must not be joined to a local directory, or None if it is fine."""
-    if not isinstance(path, str) or not path:
-        return "empty or non-string path"
-    if "\x00" in path:
-        return "contains NUL"
-    if "\\" in path:
-        return "contains a backslash"
-    if path.startswith("/"):
-        return "is absolute"
-    if _DRIVE.match(path):
-        return "starts with a drive letter"
-    parts = path.split("/")
-    if ".." in parts:
-        return "contains '..'"
-    if "" in parts or "." in parts:
-        return "has an empty or '.' component"
-    return None
-
-
 def _hex_or_none(value: Any, pattern: re.Pattern[str], what: str, ctx: dict[str, Any], path: str) -> str | None:
     if value is None or value == "":
         return None
@@ -380,7 +349,7 @@ def _hex_or_none(value: Any, pattern: re.Pattern[str], what: str, ctx: dict[str,
 def _add_file(files: dict[str, HubFile], ctx: dict[str, Any], path: Any, size: Any, sha256: Any,
               git_sha1: Any) -> None:
     """Validate one listing entry and add it to ``files``."""
-    reason = _unsafe_reason(path)
+    reason = _dest.unsafe_reason(path)
     if reason is not None:
         raise UnsafePathError(f"refusing the path {path!r} from the listing: it {reason}", **ctx)
     if path in files:
@@ -393,33 +362,6 @@ def _add_file(files: dict[str, HubFile], ctx: dict[str, Any], path: Any, size: A
                               "(a broken upload?)", path=path, **ctx)
     files[path] = HubFile(path=path, size=size, sha256=sha, git_sha1=_hex_or_none(git_sha1, _HEX40, "git blob id",
                                                                                  ctx, path))
-
-
-def _connection_reason(exc: BaseException) -> str:
-    """The useful part of a connection error ("[Errno 111] Connection refused"), not the repr chain."""
-    text = str(exc)
-    m = re.search(r"\[Errno -?\d+\][^\"')(]*", text)
-    if m:
-        return m.group(0).strip(" :,")
-    return _one_line(text)[:200] or type(exc).__name__
-
-
-def _is_connect_failure(exc: BaseException) -> bool:
-    """Whether the connection was never established (refused, DNS, no route, connect timeout),
-    as opposed to dropped after the request went out.  Walks the wrapping chain that requests,
-    urllib3 and modelscope_hub build around the socket error."""
-    seen: set[int] = set()
-    todo: list[Any] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen or not isinstance(e, BaseException):
-            continue
-        seen.add(id(e))
-        if isinstance(e, (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError,
-                          ConnectionRefusedError, requests.exceptions.ConnectTimeout)):
-            return True
-        todo.extend([e.__cause__, e.__context__, getattr(e, "reason", None), *e.args])
-    return False
 
 
 def _list_hf(repo: str, revision: str | None, endpoint: str, token: str | None) -> HubListing:
@@ -448,7 +390,7 @@ def _list_hf(repo: str, revision: str | None, endpoint: str, token: str | None) 
         raise RevisionNotFoundError("revision not found", **ctx) from None
     except hf_errors.HfHubHTTPError as e:
         status = e.response.status_code if e.response is not None else None
-        detail = e.server_message or _one_line(str(e)).split(" for url")[0]
+        detail = e.server_message or _http.one_line(str(e)).split(" for url")[0]
         if status in (401, 403):
             raise HubAuthError(f"HTTP {status}: access denied ({detail})", **ctx) from None
         raise HubError(f"HTTP {status} from {endpoint}: {detail}", **ctx) from None
@@ -457,11 +399,11 @@ def _list_hf(repo: str, revision: str | None, endpoint: str, token: str | None) 
     except hf_errors.HFValidationError as e:
         raise HubError(f"invalid repo id or revision ({e})", **ctx) from None
     except httpx.ConnectError as e:
-        raise HubUnreachableError(f"cannot reach {endpoint} ({_connection_reason(e)})", **ctx) from None
+        raise HubUnreachableError(f"cannot reach {endpoint} ({_http.connection_reason(e)})", **ctx) from None
     except httpx.TimeoutException as e:
         raise HubError(f"timed out talking to {endpoint} ({type(e).__name__})", **ctx) from None
     except httpx.TransportError as e:
-        raise HubError(f"network error talking to {endpoint} ({_one_line(str(e)) or type(e).__name__})",
+        raise HubError(f"network error talking to {endpoint} ({_http.one_line(str(e)) or type(e).__name__})",
                        **ctx) from None
     except ValueError as e:  # a body that is not the JSON model_info expects
         raise HubListingError(f"unexpected model_info answer from {endpoint} ({e})", **ctx) from None
@@ -490,7 +432,7 @@ def _ms_error(exc: BaseException, ctx: dict[str, Any], not_found: type[HubError]
     from modelscope_hub import errors as ms_errors
 
     endpoint = ctx["endpoint"]
-    detail = _one_line(getattr(exc, "message", None) or str(exc))
+    detail = _http.one_line(getattr(exc, "message", None) or str(exc))
     if isinstance(exc, ms_errors.NotExistError):
         return not_found(f"{what}: not found ({detail})", **ctx)
     if isinstance(exc, (ms_errors.AuthenticationError, ms_errors.PermissionDeniedError)):
@@ -498,8 +440,8 @@ def _ms_error(exc: BaseException, ctx: dict[str, Any], not_found: type[HubError]
     if isinstance(exc, ms_errors.RequestTimeoutError):
         return HubError(f"{what}: timed out talking to {endpoint}", **ctx)
     if isinstance(exc, ms_errors.NetworkError):
-        if _is_connect_failure(exc):
-            return HubUnreachableError(f"cannot reach {endpoint} ({_connection_reason(exc)})", **ctx)
+        if _http.is_connect_failure(exc):
+            return HubUnreachableError(f"cannot reach {endpoint} ({_http.connection_reason(exc)})", **ctx)
         return HubError(f"{what}: network error talking to {endpoint} ({detail[:200]})", **ctx)
     if isinstance(exc, ms_errors.APIError):
         return HubError(f"{what}: HTTP {getattr(exc, 'status_code', '?')} from {endpoint} ({detail[:200]})", **ctx)
@@ -602,68 +544,6 @@ def list_repo(
 # ----------------------------------------------------------------------------------------------
 
 
-def _no_auth(request: requests.PreparedRequest) -> requests.PreparedRequest:
-    """A no-op ``requests`` auth: its presence stops ``requests`` from applying ``~/.netrc``
-    credentials, which would overwrite the hub token we put in ``Authorization``."""
-    return request
-
-
-_local = threading.local()
-
-
-def _session() -> requests.Session:
-    """A per-thread session (connection reuse across the many small reads of a header pass)."""
-    session = getattr(_local, "session", None)
-    if session is None:
-        session = requests.Session()
-        session.auth = _no_auth
-        # Never keep cookies a server sets: credentials are exactly the headers we send.
-        session.cookies.set_policy(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
-        _local.session = session
-    return session
-
-
-def _origin(url: str) -> tuple[str, str, int | None]:
-    parts = urlsplit(url)
-    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
-    return parts.scheme.lower(), (parts.hostname or "").lower(), port
-
-
-def _get(session: requests.Session, url: str, headers: dict[str, str], timeout: float,
-         ctx: dict[str, Any]) -> tuple[requests.Response, str]:
-    """GET with redirects followed by hand, so credentials never leave the original origin."""
-    hdrs = requests.structures.CaseInsensitiveDict(headers)
-    origin = _origin(url)
-    for _ in range(_MAX_REDIRECTS + 1):
-        resp = session.get(url, headers=hdrs, timeout=timeout, stream=True, allow_redirects=False)
-        location = resp.headers.get("Location")
-        if resp.status_code not in _REDIRECTS or not location:
-            return resp, url
-        resp.close()
-        url = urljoin(url, location)
-        if _origin(url) != origin:
-            # A CDN on another host must not see the hub token (requests would strip
-            # Authorization too, but not a Cookie header set by hand).
-            hdrs.pop("Authorization", None)
-            hdrs.pop("Cookie", None)
-    raise HubError(f"more than {_MAX_REDIRECTS} redirects, last to {url}", **ctx)
-
-
-def _retry_after(resp: requests.Response) -> float | None:
-    value = resp.headers.get("Retry-After")
-    if not value:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
 class _Transient(Exception):
     """A failure worth another try; carries the typed error to raise if tries run out."""
 
@@ -699,11 +579,10 @@ def _body(resp: requests.Response, url: str, start: int, end: int, size: int | N
     if encoding != "identity":
         raise RangeMismatchError(f"{url}: server applied Content-Encoding {encoding!r} to a byte-range request", **ctx)
     content_range = resp.headers.get("Content-Range")
-    content_length = resp.headers.get("Content-Length")
-    announced = int(content_length) if content_length and content_length.strip().isdigit() else None
+    announced = _http.content_length(resp)
     skip = 0
     if content_range is not None:
-        m = _CONTENT_RANGE.match(content_range)
+        m = _http.CONTENT_RANGE.match(content_range)
         if not m:
             raise RangeMismatchError(f"{url}: unparseable Content-Range {content_range!r} "
                                 f"(asked for bytes {start}-{end})", **ctx)
@@ -724,7 +603,7 @@ def _body(resp: requests.Response, url: str, start: int, end: int, size: int | N
             raise RangeNotSupportedError(f"{url}: server ignored Range (HTTP 200, whole body) and byte {start} is "
                                     f"past the {RANGE_SKIP_LIMIT}-byte skip limit", **ctx)
         if announced is not None and size is not None and announced != size:
-            what = "HTML page" if _is_html(resp) else "body"
+            what = "HTML page" if _http.is_html(resp) else "body"
             raise RangeMismatchError(f"{url}: server ignored Range and sent a {announced}-byte {what} for a "
                                 f"{size}-byte file", **ctx)
         skip = start
@@ -740,31 +619,6 @@ def _body(resp: requests.Response, url: str, start: int, end: int, size: int | N
     if len(data) != length:
         raise _Transient(HubShortReadError(f"{url}: expected {length} bytes (bytes {start}-{end}), got {len(data)}", **ctx))
     return data
-
-
-def _is_html(resp: requests.Response) -> bool:
-    """Whether a response is a web page (an error page of a proxy, portal or CDN): named as such
-    in errors, since "a 312-byte body for a 17 GB file" leaves the operator guessing."""
-    return (resp.headers.get("Content-Type") or "").split(";")[0].strip().lower() in ("text/html", "application/xhtml+xml")
-
-
-def _status_error(resp: requests.Response, url: str, ctx: dict[str, Any]) -> HubError:
-    status = resp.status_code
-    code = resp.headers.get("X-Error-Code", "")
-    message = _one_line(resp.headers.get("X-Error-Message", ""))[:200]
-    detail = f"{url}: HTTP {status}" + (f" ({message})" if message else "")
-    if status in (401, 403):
-        return HubAuthError(detail, **ctx)
-    if status == 404:
-        if code == "RepoNotFound":
-            return RepoNotFoundError(detail, **ctx)
-        if code == "RevisionNotFound":
-            return RevisionNotFoundError(detail, **ctx)
-        return EntryNotFoundError(detail, **ctx)
-    if status == 416:
-        return RangeMismatchError(f"{detail}: range not satisfiable (Content-Range "
-                             f"{resp.headers.get('Content-Range')!r})", **ctx)
-    return HubError(detail, **ctx)
 
 
 def _read(listing: HubListing, path: str, start: int, length: int, headers: Mapping[str, str], timeout: float,
@@ -787,31 +641,31 @@ def _read(listing: HubListing, path: str, start: int, length: int, headers: Mapp
     hdrs["Range"] = f"bytes={start}-{end}"
     # Ranges address the stored bytes; a compressed representation would shift every offset.
     hdrs["Accept-Encoding"] = "identity"
-    session = _session()
+    session = _http.session()
     last: HubError | None = None
     for attempt in range(1, retry.attempts + 1):
         retry_after: float | None = None
         try:
-            resp, final_url = _get(session, url, hdrs, timeout, ctx)
+            resp, final_url = _http.get(session, url, hdrs, timeout, ctx)
         except requests.exceptions.ConnectionError as e:
             target = e.request.url if e.request is not None else url
-            if _is_connect_failure(e):
+            if _http.is_connect_failure(e):
                 host = "{0}://{1}".format(*urlsplit(target)[:2])
-                last = HubUnreachableError(f"cannot reach {host} ({_connection_reason(e)})", **ctx)
+                last = HubUnreachableError(f"cannot reach {host} ({_http.connection_reason(e)})", **ctx)
             else:
-                last = HubError(f"{target}: connection lost before an answer ({_connection_reason(e)})", **ctx)
+                last = HubError(f"{target}: connection lost before an answer ({_http.connection_reason(e)})", **ctx)
         except requests.exceptions.Timeout:
             last = HubError(f"{url}: timed out after {timeout} s", **ctx)
         except requests.exceptions.RequestException as e:  # a bad URL and the like: no retry helps
-            raise HubError(f"{url}: {type(e).__name__}: {_one_line(str(e))[:200]}", **ctx) from None
+            raise HubError(f"{url}: {type(e).__name__}: {_http.one_line(str(e))[:200]}", **ctx) from None
         else:
             with resp:
                 status = resp.status_code
-                if status == 429 or (status >= 500 and status not in _NOT_RETRYABLE_5XX):
-                    retry_after = _retry_after(resp)
+                if _http.retryable_status(status):
+                    retry_after = _http.retry_after(resp)
                     last = HubError(f"{final_url}: HTTP {status} after {attempt} attempt(s)", **ctx)
                 elif status not in (200, 206):
-                    raise _status_error(resp, final_url, ctx)
+                    raise _http.status_error(resp, final_url, ctx)
                 else:
                     try:
                         return _body(resp, final_url, start, end, entry.size, ctx)

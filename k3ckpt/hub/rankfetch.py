@@ -30,7 +30,7 @@ How bytes move. Tensors adjacent in the source (an expert's six tensors; a rank'
 experts) are coalesced into one Range request of at most ``chunk_size`` bytes, so requests are
 parallel and a crash loses little; a tensor larger than a chunk gets a sequence of requests.
 Each response streams into a preallocated ``<shard>.part`` at the tensor's *new* offset
-(:func:`k3ckpt.download._stream_range`, with the downloader's response checks and retry rules).
+(the package's streaming code, shared with the downloader: its response checks and retry rules).
 Requests are grouped into *tasks*, the unit of hashing: one request of whole tensors, or the
 requests of one large tensor, fetched in order by one worker.
 
@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import download
+from . import _dest, _http, _transfer, download
 from . import client as hubclient
 from ..format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, bulk_allocation
 from ..format.config import ModelConfig, parse_config
@@ -77,7 +77,7 @@ from ..errors import ConfigError, K3ckptError, RankFetchError
 from .fetch import record_source, select_paths
 from ..integrity.hashing import HashError, Span, hash_file
 from .client import HubFile, HubListing, RetryPolicy
-from ..utils import format_ranges, human_bytes, write_atomic
+from ..utils import format_ranges, fsync_dir, human_bytes, write_atomic
 from ..integrity.manifest import Manifest, tensors_from_headers
 from ..format.layout import PARTIAL_MARKER
 from ..format.header import ShardHeader, TensorInfo, TensorSpec, build_header, parse_header_bytes
@@ -460,7 +460,7 @@ def _check_against_manifest(plan: RankFetchPlan, dest_real: str, paths: list[str
             failed[path] = f"cannot hash it to compare with the manifest: {e}"
             continue
         if got != want:
-            download._unlink(final)
+            _dest.unlink(final)
             failed[path] = (f"sha256 {got} differs from the manifest's {want} (the hub's git blob id matched: "
                             "the hub serves other content than the manifest vouches for); removed")
     return failed
@@ -677,45 +677,27 @@ class _ShardJob:
 
     def load_resume(self) -> None:
         """Adopt a ``.part`` + journal of this exact selection; otherwise forget them."""
-        try:
-            with open(self.journal, "rb") as f:
-                doc = json.loads(f.read())
-        except (OSError, ValueError):
-            doc = None
-        try:
-            part_ok = (os.path.isfile(self.part) and not os.path.islink(self.part)
-                       and os.path.getsize(self.part) == self.plan.size)
-        except OSError:
-            part_ok = False
-        if (isinstance(doc, dict) and part_ok and doc.get("version") == _JOURNAL_VERSION
-                and doc.get("fingerprint") == self.fingerprint and isinstance(doc.get("done"), list)
-                and all(type(i) is int and 0 <= i < len(self.plan.pieces) for i in doc["done"])):
-            self.done = set(doc["done"])
-            return
-        self.done = set()
-        download._unlink(self.journal)
+        self.done = _dest.resumable(self.journal, self.part, self.plan.size,
+                                    {"version": _JOURNAL_VERSION, "fingerprint": self.fingerprint},
+                                    len(self.plan.pieces))
 
     def todo_bytes(self) -> int:
         return sum(p.length for i, p in enumerate(self.plan.pieces) if i not in self.done)
 
     def open(self) -> None:
         """Resume the ``.part``, or create it: preallocate, write the new header, sync, journal."""
-        if self.done:
-            self.fd = os.open(self.part, os.O_RDWR | download._NOFOLLOW)
-            return
-        download._unlink(self.part)
-        parent = os.path.dirname(self.final)
-        os.makedirs(parent, exist_ok=True)
-        if not download._within(self.dest_real, os.path.realpath(parent)):
-            raise _PieceFailed(f"refusing to write {self.plan.path!r}: its directory resolves to "
-                               f"{os.path.realpath(parent)!r}, outside {self.dest_real!r}")
-        self.fd = download._create_part(self.part, self.plan.size, self.plan.prefix)
-        self.write_journal()
+        try:
+            self.fd = _dest.open_part(self.part, self.final, self.dest_real, self.plan.path, self.plan.size,
+                                      self.plan.prefix, resume=bool(self.done))
+        except ValueError as e:  # its directory resolves outside the destination
+            raise _PieceFailed(str(e)) from None
+        if not self.done:
+            self.write_journal()
 
     def write_journal(self) -> None:
         doc = {"version": _JOURNAL_VERSION, "path": self.plan.path, "fingerprint": self.fingerprint,
                "size": self.plan.size, "done": sorted(self.done)}
-        download._write_atomic(self.journal, json.dumps(doc).encode())
+        write_atomic(self.journal, json.dumps(doc).encode(), reuse_temp=True)  # as the downloader's journal
 
     def close(self) -> None:
         if self.fd is not None:
@@ -846,7 +828,7 @@ class _Run:
         with self.count_lock:
             self.pieces_journaled += 1
             n = self.pieces_journaled
-        download._pause_point("after_piece", n)  # test hook: the n-th piece of the run journaled
+        _transfer.pause_point("after_piece", n)  # test hook: the n-th piece of the run journaled
 
     @staticmethod
     def _rehash(job: _ShardJob, piece: Piece, hasher: _TensorHasher) -> None:
@@ -864,22 +846,22 @@ class _Run:
         where = f"bytes {piece.src}+{piece.length}"
         while True:
             if self.cancel.is_set():
-                raise download._Cancelled()
+                raise _transfer.Cancelled()
             snap = hasher.snapshot() if hasher is not None else None
             try:
-                download._stream_range(self.plan.listing, job.plan.source, piece.src, piece.length, job.fd,  # type: ignore[arg-type]
+                _transfer.stream_range(self.plan.listing, job.plan.source, piece.src, piece.length, job.fd,  # type: ignore[arg-type]
                                        piece.dst, self.headers, download.TIMEOUT, self.cancel, self.count,
                                        sink=hasher.feed if hasher is not None else None)
                 return
-            except download._Fatal as e:
+            except _transfer.Fatal as e:
                 raise _PieceFailed(f"{e} ({where})") from None
-            except download._Retryable as e:
+            except _transfer.Retryable as e:
                 failures += 1
                 if hasher is not None and snap is not None:
                     hasher.restore(snap)  # what the failed response fed is void
                 if failures >= self.retry.attempts:
                     raise _PieceFailed(f"{e}; gave up after {failures} attempts ({where})") from None
-                download._back_off(self.retry, failures, e.retry_after)
+                _transfer.back_off(self.retry, failures, e.retry_after)
 
     # -- finishing a shard -----------------------------------------------------------------------
 
@@ -894,12 +876,12 @@ class _Run:
         if head != sp.prefix:
             raise _PieceFailed(f"{job.part}: the header on disk is not the one written")
         parse_header_bytes(head[8:], file=sp.path, path=job.part, file_size=sp.size)  # valid safetensors
-        download._pause_point("before_shard_rename")  # test hook
+        _transfer.pause_point("before_shard_rename")  # test hook
         with job.lock:
             job.close()
             os.replace(job.part, job.final)
-            download._fsync_dir(os.path.dirname(job.final))
-            download._unlink(job.journal)
+            fsync_dir(os.path.dirname(job.final))
+            _dest.unlink(job.journal)
         self.record_written(sp)
         with self.cond:
             self.result.written.append(sp.path)
@@ -928,7 +910,7 @@ class _Run:
             self.cond.notify_all()
 
     def worker(self) -> None:
-        while (item := download._next_task(self.cond, self.queue, lambda: self.pending > 0, self.cancel)) is not None:
+        while (item := _transfer.next_task(self.cond, self.queue, lambda: self.pending > 0, self.cancel)) is not None:
             job, task = item
             try:
                 self.run_task(job, task)
@@ -937,21 +919,21 @@ class _Run:
                     last = job.remaining == 0 and job.failed is None
                 if last:
                     self.finish(job)
-            except download._Cancelled:
+            except _transfer.Cancelled:
                 pass
             except _PieceFailed as e:
                 self.fail(job, str(e))
             except K3ckptError as e:
                 self.fail(job, str(e))
             except Exception as e:  # noqa: BLE001 - never lose a worker silently: fail the shard, keep going
-                self.fail(job, f"{type(e).__name__}: {hubclient._one_line(str(e))[:300]}")
+                self.fail(job, f"{type(e).__name__}: {_http.one_line(str(e))[:300]}")
             finally:
                 with self.cond:
                     self.pending -= 1
                     self.cond.notify_all()
 
     def run(self, workers: int) -> None:
-        download._run_workers(self.worker, workers, "k3ckpt-rankfetch", self.cond, lambda: self.pending > 0,
+        _transfer.run_workers(self.worker, workers, "k3ckpt-rankfetch", self.cond, lambda: self.pending > 0,
                               self.cancel)
 
 
@@ -1016,7 +998,7 @@ def run_rank_fetch(
     result = RankFetchResult(dest=plan.dest, verification=plan.verification, bytes_total=plan.bytes_total)
     os.makedirs(plan.dest, exist_ok=True)
     dest_real = os.path.realpath(plan.dest)
-    lock = download._DestLock(dest_real)
+    lock = _dest.DestLock(dest_real)
     lock.acquire()
     try:
         if os.path.isfile(os.path.join(dest_real, INDEX_NAME)) and not os.path.lexists(os.path.join(dest_real, PARTIAL_NAME)):
@@ -1026,13 +1008,13 @@ def run_rank_fetch(
                                  f"{PARTIAL_NAME}); its shards would be replaced by subsets: fetch into another --dest")
         # Until this run succeeds the destination must not look like a complete checkpoint.
         for name in (PARTIAL_NAME, INDEX_NAME):
-            download._unlink(os.path.join(dest_real, name))
+            _dest.unlink(os.path.join(dest_real, name))
         targets: list[tuple[ShardPlan, str]] = []
         for sp in plan.shards:
             if sp.whole:
                 continue
             try:
-                targets.append((sp, download._target(dest_real, sp.path)))
+                targets.append((sp, _dest.target(dest_real, sp.path)))
             except ValueError as e:
                 result.failed[sp.path] = str(e)
         record = _load_shard_record(dest_real)
@@ -1044,7 +1026,7 @@ def run_rank_fetch(
         for (sp, final), done in zip(targets, complete):
             if done:
                 result.skipped.append(sp.path)
-                download._unlink(final + ".part.journal")
+                _dest.unlink(final + ".part.journal")
                 continue
             job = _ShardJob(sp, final, dest_real)
             job.load_resume()
@@ -1061,8 +1043,8 @@ def run_rank_fetch(
             if needed > free:
                 raise download.DiskSpaceError(
                     f"{dest_real}: not enough free space for {len(jobs)} rewritten shard(s) and {len(absent)} "
-                    f"file(s): need {needed} bytes ({download._human(needed)}), only {free} bytes "
-                    f"({download._human(free)}) free")
+                    f"file(s): need {needed} bytes ({human_bytes(needed)}), only {free} bytes "
+                    f"({human_bytes(free)}) free")
 
         report = (lambda n: on_plan(n + partial_todo)) if on_plan is not None else None
         if whole:
@@ -1090,9 +1072,8 @@ def run_rank_fetch(
             if job.plan.path not in result.written and job.plan.path not in result.failed:
                 result.failed[job.plan.path] = "not completed"
         if result.ok:
-            download._write_atomic(os.path.join(dest_real, INDEX_NAME), _index_json(plan))
-            download._write_atomic(os.path.join(dest_real, PARTIAL_NAME), _marker_json(plan))
-            download._fsync_dir(dest_real)
+            write_atomic(os.path.join(dest_real, INDEX_NAME), _index_json(plan))
+            write_atomic(os.path.join(dest_real, PARTIAL_NAME), _marker_json(plan))
             try:
                 record_source(dest_real, plan.listing)
             except OSError:

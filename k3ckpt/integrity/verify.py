@@ -33,6 +33,7 @@ from ..env import K3CKPT_CACHE_DIR
 from ..format.checkpoint import Checkpoint, iter_checkpoint_files, open_checkpoint, resolve_root
 from .hashing import FileDigest, HashError, Span, hash_files, scan_file
 from .manifest import Manifest, tensors_from_headers
+from ..utils import write_atomic
 
 #: Order in which kinds are reported (most fundamental first).
 KINDS = (
@@ -157,9 +158,8 @@ class StatCache:
     def save(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"root": self.root, "files": self.files, "structure": self.structure}))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps({"root": self.root, "files": self.files,
+                                                "structure": self.structure}).encode())
         except OSError:
             pass  # a cache that cannot be written only costs speed next time
 

@@ -18,11 +18,10 @@ any failure (including Ctrl-C) removes the temporary file. Free disk space is ch
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import numpy as np
 from ..env import K3CKPT_MX_CHUNK_BYTES
 from ..format.checkpoint import numpy_dtype
 from ..errors import MxConvertError
+from ..utils import atomic_output, pwrite_all
 from .codec import MX_BLOCK_SIZE, ScaleMode, dequantize_mxfp4, quantize_mxfp4
 from .select import CHUNK_BYTES, MxSource, find_mx_tensors
 from ..format.roles import Kind, classify
@@ -67,6 +67,9 @@ DEQUANT_DTYPES: dict[str, tuple[str, np.dtype]] = {
 QUANTIZABLE_DTYPES = ("BF16", "F16", "F32")
 
 Progress = Callable[[int], None]
+
+# The output's permission bits: the umask decides, as for any file the user creates.
+_NEW_FILE_MODE = 0o666
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -187,7 +190,7 @@ def dequantize_to_file(
         on_plan(data_len)
 
     bytes_in = 0
-    with _atomic_output(out_path, size) as fd:
+    with atomic_output(out_path, mode=_NEW_FILE_MODE, size=size) as fd:
         pwrite_all(fd, prefix, 0)
         for m, (begin, end) in zip(selected, offsets):
             pos = len(prefix) + begin
@@ -319,7 +322,7 @@ def quantize_file(
         on_plan(header.data_len)
     where = {p.spec.name: len(prefix) + begin for p, (begin, _) in zip(plan, offsets)}
 
-    with open(in_path, "rb", buffering=0) as src, _atomic_output(out_path, size) as fd:
+    with open(in_path, "rb", buffering=0) as src, atomic_output(out_path, mode=_NEW_FILE_MODE, size=size) as fd:
         pwrite_all(fd, prefix, 0)
         for p in plan:
             if p.role == "copy":
@@ -386,13 +389,6 @@ def _pread_exact(fd: int, n: int, offset: int, path: Path | None) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def pwrite_all(fd: int, data: bytes | np.ndarray, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
 def _refuse_overwriting_inputs(out: Path, inputs: Iterable[Path]) -> None:
     """Renaming over a file still being read would replace a checkpoint shard with a conversion."""
     if out.is_dir():
@@ -415,51 +411,3 @@ def _check_free_space(out: Path, needed: int) -> None:
 
         raise MxConvertError(f"{out}: not enough disk space: needs {human_bytes(needed)} ({needed:,} bytes), "
                              f"{human_bytes(free)} ({free:,} bytes) free in {parent}")
-
-
-def _temp_name(out: Path) -> Path:
-    # Hidden, next to the destination (os.replace must not cross filesystems), and unique.
-    return out.with_name(f".{out.name}.{secrets.token_hex(4)}.k3ckpt-tmp")
-
-
-@contextmanager
-def _atomic_output(out: Path, size: int) -> Iterator[int]:
-    """A file descriptor of a ``size``-byte temporary file that becomes ``out`` on success.
-
-    On success: fsync the data, rename over ``out``, fsync the directory (so the rename itself
-    survives a crash). On any exception, KeyboardInterrupt included: remove the temporary file.
-    """
-    while True:
-        tmp = _temp_name(out)
-        try:
-            # 0o666 so the umask decides, as for any file the user creates.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-            break
-        except FileExistsError:
-            continue
-    try:
-        try:
-            os.ftruncate(fd, size)
-            yield fd
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, out)
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(out.absolute().parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return  # not supported here (e.g. some network filesystems): the data is already synced
-    try:
-        with suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-

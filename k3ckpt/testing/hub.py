@@ -184,6 +184,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
+from ..utils import write_atomic
+
 __all__ = [
     "DEFAULT_EXCLUDE",
     "FAULT_KINDS",
@@ -447,14 +449,7 @@ class _HashCache:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"version": _HASH_CACHE_VERSION, "root": str(served.resolve()), "files": self.entries}
-        fd, tmp = tempfile.mkstemp(prefix=".hashes-", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(payload, f, sort_keys=True)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(self.path, json.dumps(payload, sort_keys=True).encode())
         self.dirty = False
 
 

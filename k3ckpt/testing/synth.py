@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import SynthError
 from ..format.header import TensorSpec, build_header
+from ..utils import atomic_output, write_atomic
 
 Maker = Callable[[], np.ndarray]
 
@@ -675,10 +676,10 @@ def synthesize(spec: SynthSpec, dest: str | os.PathLike[str], *, jobs: int = 1, 
     weight_map = {t.spec.name: nm for nm, su in zip(names, shards) for u in su for t in u.tensors}
     total = sum(t.spec.nbytes for u in units for t in u.tensors)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_atomic(out / "model.safetensors.index.json", json.dumps(index, indent=2).encode() + b"\n")
-    _write_atomic(out / "config.json", json.dumps(make_config(spec), indent=2).encode() + b"\n")
+    write_atomic(out / "model.safetensors.index.json", json.dumps(index, indent=2).encode() + b"\n")
+    write_atomic(out / "config.json", json.dumps(make_config(spec), indent=2).encode() + b"\n")
     for fn, text in _side_files(spec).items():
-        _write_atomic(out / fn, text.encode())
+        write_atomic(out / fn, text.encode())
     return SynthResult(out, n, len(weight_map), sum((out / nm).stat().st_size for nm in names), spec)
 
 
@@ -691,8 +692,8 @@ def _write_shard_job(args: tuple[SynthSpec, str, int]) -> None:
 def _write_shard(path: Path, units: list[Unit]) -> None:
     tensors = [t for u in units for t in u.tensors]
     prefix, offsets = build_header([t.spec for t in tensors], {"format": "pt"})
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    # the file object flushes on leaving; then atomic_output syncs and renames
+    with atomic_output(path) as fd, open(fd, "wb", closefd=False) as f:
         f.write(prefix)
         data_len = offsets[-1][1] if offsets else 0
         if tensors and tensors[0].make is None:
@@ -704,15 +705,6 @@ def _write_shard(path: Path, units: list[Unit]) -> None:
                 if buf.size != t.spec.nbytes:
                     raise SynthError(f"{t.spec.name}: generated {buf.size} bytes, header says {t.spec.nbytes}")
                 f.write(buf.data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def spec_from_preset(preset: str, **overrides: object) -> SynthSpec:

@@ -2,10 +2,9 @@
 files, and how sizes and sets are written for people."""
 
 from ._format import format_ranges, human_bytes, human_count
-from ._fs import fsync_dir, is_within
-from ._jsonfile import load_json, write_atomic
+from ._fs import atomic_output, fsync_dir, is_within, pwrite_all, temp_name, write_atomic
+from ._jsonfile import load_json
 from ._parse import parse_size
 
-__all__ = [
-    "format_ranges", "fsync_dir", "human_bytes", "human_count", "is_within", "load_json", "parse_size", "write_atomic",
-]
+__all__ = ["atomic_output", "format_ranges", "fsync_dir", "human_bytes", "human_count", "is_within", "load_json",
+           "parse_size", "pwrite_all", "temp_name", "write_atomic"]

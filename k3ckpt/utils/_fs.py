@@ -1,20 +1,132 @@
-"""Filesystem primitives shared by every command that writes."""
+"""Filesystem primitives shared by every command that writes: atomic files, durable renames,
+whole writes and path containment. Each exists once; every package uses these."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import secrets
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+# A symlink planted at a temporary name must fail the open, not redirect the write.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# What a filesystem answers when it cannot fsync a directory at all (some FUSE, network and
+# virtual filesystems): a limitation of the filesystem, not a failed write.
+_CANNOT_SYNC_DIR = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+# What opening a directory we may write to but not read (mode -wx) answers.
+_CANNOT_OPEN_DIR = frozenset({errno.EACCES, errno.EPERM})
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make the creates, renames and removals done in the directory ``path`` durable.
+
+    A directory that cannot be synced here is not an error: the filesystem refuses the call
+    (``EINVAL``/``ENOTSUP``), or the directory may be written to but not opened for reading
+    (``EACCES``/``EPERM``). The files' own data is synced by then, and the rename is as durable
+    as that filesystem makes it. Every other failure raises (``EIO``, a missing path, a
+    non-directory): the caller was about to report as written what might not survive a power
+    loss.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as e:
+        if e.errno in _CANNOT_OPEN_DIR:
+            return
+        raise
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _CANNOT_SYNC_DIR:
+            raise
     finally:
         os.close(fd)
 
 
-def is_within(path: Path, root: Path) -> bool:
-    """True when ``path`` is ``root`` or lies inside it (both resolved; neither need exist)."""
+def temp_name(path: str | os.PathLike[str]) -> Path:
+    """A fresh name for a temporary file that will become ``path``: ``.<name>.<pid>.<random>.tmp``.
+
+    In ``path``'s directory, so that ``os.replace`` never crosses filesystems; hidden and ending
+    in ``.tmp``, so that the checkpoint walks skip it as a working file.
+    """
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike[str], *, mode: int = 0o644, size: int = 0,
+                  reuse_temp: bool = False) -> Iterator[int]:
+    """A descriptor of a new temporary file that replaces ``path`` when the block ends.
+
+    The temporary file is created exclusively and never through a symlink (``O_CREAT | O_EXCL |
+    O_NOFOLLOW``), so nothing planted at its name can redirect the write. When the block ends
+    without an error, the file is fsync-ed, renamed over ``path`` and the directory fsync-ed
+    (:func:`fsync_dir`), so the new content survives a power loss. On any exception,
+    ``KeyboardInterrupt`` included, the temporary file is removed and ``path`` is untouched:
+    ``path`` never holds a partial file.
+
+    Args:
+        path: The final name.
+        mode: Permission bits of the new file (the umask applies).
+        size: Bytes to reserve up front (``ftruncate``), for writers that ``pwrite`` at offsets.
+        reuse_temp: Use the fixed name ``<path>.tmp`` (a leftover is removed first) instead of
+            :func:`temp_name`. For a file that one writer holding a lock rewrites many times (a
+            download journal, after every chunk): a kill then leaves at most that one file
+            instead of one per kill. Never without such a lock: two writers would remove each
+            other's temporary file.
+    """
+    path = Path(path)
+    if reuse_temp:
+        tmp = path.with_name(path.name + ".tmp")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a killed write's; unlinking a planted symlink removes only the link
+    else:
+        tmp = temp_name(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, mode)
+    try:
+        try:
+            if size:
+                os.ftruncate(fd, size)
+            yield fd
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.absolute().parent)
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644, reuse_temp: bool = False) -> None:
+    """Write ``data`` to ``path`` so that ``path`` never holds a partial file: through
+    :func:`atomic_output` (exclusive temporary file, fsync, rename, directory fsync).
+
+    ``mode`` and ``reuse_temp`` are :func:`atomic_output`'s.
+    """
+    with atomic_output(path, mode=mode, reuse_temp=reuse_temp) as fd:
+        pwrite_all(fd, data, 0)
+
+
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """Write all of ``data`` (anything with the buffer protocol: bytes, a memoryview, a
+    C-contiguous numpy array) at ``offset``: ``os.pwrite`` may write less than it is given."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def is_within(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is ``root`` or lies inside it, comparing resolved paths (``..`` and
+    symlinks followed as far as they exist; neither path need exist).
+
+    Never a string-prefix test: ``/a/bc`` is not inside ``/a/b``.
+    """
     p, r = Path(path).resolve(), Path(root).resolve()
     return p == r or r in p.parents

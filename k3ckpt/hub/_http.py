@@ -1,0 +1,176 @@
+"""Talking HTTP to a hub: the one place the client's ranged reads and the downloader's streams
+share.
+
+A per-thread ``requests`` session that never applies ``~/.netrc`` and never keeps cookies; a GET
+that follows redirects by hand so that credentials never leave the original origin; which
+statuses are worth a retry and how long ``Retry-After`` asks to wait; how an HTTP error status
+maps to a typed :class:`~k3ckpt.hub.client.HubError`; and the small readings of a response or a
+connection failure that go into one-line messages.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import http.cookiejar
+import re
+import threading
+import time
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+import requests
+import urllib3.exceptions
+
+from ..errors import (
+    EntryNotFoundError,
+    HubAuthError,
+    HubError,
+    RangeMismatchError,
+    RepoNotFoundError,
+    RevisionNotFoundError,
+)
+
+#: ``Content-Range: bytes <first>-<last>/<total or *>``.
+CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)\s*-\s*(\d+)\s*/\s*(\d+|\*)\s*$", re.IGNORECASE)
+
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_MAX_REDIRECTS = 10
+# 501 (Not Implemented) and 505 (HTTP Version Not Supported) will not change on a retry.
+_NOT_RETRYABLE_5XX = frozenset({501, 505})
+
+
+def one_line(text: str) -> str:
+    """Collapse whitespace (client messages span several lines; ours are one line for the CLI)."""
+    return " ".join(str(text).split())
+
+
+def connection_reason(exc: BaseException) -> str:
+    """The useful part of a connection error ("[Errno 111] Connection refused"), not the repr chain."""
+    text = str(exc)
+    m = re.search(r"\[Errno -?\d+\][^\"')(]*", text)
+    if m:
+        return m.group(0).strip(" :,")
+    return one_line(text)[:200] or type(exc).__name__
+
+
+def is_connect_failure(exc: BaseException) -> bool:
+    """Whether the connection was never established (refused, DNS, no route, connect timeout),
+    as opposed to dropped after the request went out.  Walks the wrapping chain that requests,
+    urllib3 and modelscope_hub build around the socket error."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen or not isinstance(e, BaseException):
+            continue
+        seen.add(id(e))
+        if isinstance(e, (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError,
+                          ConnectionRefusedError, requests.exceptions.ConnectTimeout)):
+            return True
+        todo.extend([e.__cause__, e.__context__, getattr(e, "reason", None), *e.args])
+    return False
+
+
+def _no_auth(request: requests.PreparedRequest) -> requests.PreparedRequest:
+    """A no-op ``requests`` auth: its presence stops ``requests`` from applying ``~/.netrc``
+    credentials, which would overwrite the hub token we put in ``Authorization``."""
+    return request
+
+
+_local = threading.local()
+
+
+def session() -> requests.Session:
+    """A per-thread session (connection reuse across the many small reads of a header pass)."""
+    session = getattr(_local, "session", None)
+    if session is None:
+        session = requests.Session()
+        session.auth = _no_auth
+        # Never keep cookies a server sets: credentials are exactly the headers we send.
+        session.cookies.set_policy(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
+        _local.session = session
+    return session
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    return parts.scheme.lower(), (parts.hostname or "").lower(), port
+
+
+def get(session: requests.Session, url: str, headers: dict[str, str], timeout: float,
+        ctx: dict[str, Any]) -> tuple[requests.Response, str]:
+    """GET with redirects followed by hand, so credentials never leave the original origin.
+
+    Returns ``(response, final URL)``; the body is streamed. Raises ``HubError`` (with ``ctx``)
+    after too many redirects, and what ``requests`` raises for the connection.
+    """
+    hdrs = requests.structures.CaseInsensitiveDict(headers)
+    origin = _origin(url)
+    for _ in range(_MAX_REDIRECTS + 1):
+        resp = session.get(url, headers=hdrs, timeout=timeout, stream=True, allow_redirects=False)
+        location = resp.headers.get("Location")
+        if resp.status_code not in _REDIRECTS or not location:
+            return resp, url
+        resp.close()
+        url = urljoin(url, location)
+        if _origin(url) != origin:
+            # A CDN on another host must not see the hub token (requests would strip
+            # Authorization too, but not a Cookie header set by hand).
+            hdrs.pop("Authorization", None)
+            hdrs.pop("Cookie", None)
+    raise HubError(f"more than {_MAX_REDIRECTS} redirects, last to {url}", **ctx)
+
+
+def retryable_status(status: int) -> bool:
+    """Whether an HTTP status is worth another try: 429 and 5xx (but 501 and 505)."""
+    return status == 429 or (status >= 500 and status not in _NOT_RETRYABLE_5XX)
+
+
+def retry_after(resp: requests.Response) -> float | None:
+    """The delay a ``Retry-After`` header asks for (seconds or an HTTP date), or None."""
+    value = resp.headers.get("Retry-After")
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def content_length(resp: requests.Response) -> int | None:
+    """The announced ``Content-Length``, or None when there is none (chunked) or it is not a number."""
+    cl = resp.headers.get("Content-Length")
+    return int(cl) if cl and cl.strip().isdigit() else None
+
+
+def is_html(resp: requests.Response) -> bool:
+    """Whether a response is a web page (an error page of a proxy, portal or CDN): named as such
+    in errors, since "a 312-byte body for a 17 GB file" leaves the operator guessing."""
+    return (resp.headers.get("Content-Type") or "").split(";")[0].strip().lower() in ("text/html", "application/xhtml+xml")
+
+
+def status_error(resp: requests.Response, url: str, ctx: dict[str, Any]) -> HubError:
+    """The typed error for a final (not retried) non-2xx answer: 401/403, 404 by the hub's
+    ``X-Error-Code``, 416, else a plain :class:`~k3ckpt.hub.client.HubError`."""
+    status = resp.status_code
+    code = resp.headers.get("X-Error-Code", "")
+    message = one_line(resp.headers.get("X-Error-Message", ""))[:200]
+    detail = f"{url}: HTTP {status}" + (f" ({message})" if message else "")
+    if status in (401, 403):
+        return HubAuthError(detail, **ctx)
+    if status == 404:
+        if code == "RepoNotFound":
+            return RepoNotFoundError(detail, **ctx)
+        if code == "RevisionNotFound":
+            return RevisionNotFoundError(detail, **ctx)
+        return EntryNotFoundError(detail, **ctx)
+    if status == 416:
+        return RangeMismatchError(f"{detail}: range not satisfiable (Content-Range "
+                                  f"{resp.headers.get('Content-Range')!r})", **ctx)
+    return HubError(detail, **ctx)

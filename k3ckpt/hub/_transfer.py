@@ -1,0 +1,266 @@
+"""Moving a hub file's bytes into a local file: the machinery the downloader
+(:mod:`k3ckpt.hub.download`) and the rank-aware fetch (:mod:`k3ckpt.hub.rankfetch`) share.
+
+A ranged GET streamed in :data:`PIECE`-sized pieces straight into a file descriptor at any
+offset (never a whole chunk in memory), with the downloader's response checks; the signals a
+worker acts on (:class:`Retryable`, :class:`Fatal`, :class:`Cancelled`, :class:`RangeIgnored`);
+jittered back-off between retries; a pool of worker threads fed from one queue; and the test
+hook that freezes a run at a named moment.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import requests
+import urllib3.exceptions
+
+from . import _http
+from ..env import K3CKPT_TEST_PAUSE_AT, K3CKPT_TEST_PAUSE_FILE
+from ..utils import pwrite_all
+from .client import HubError, HubFile, HubListing, RetryPolicy, file_url
+
+#: Size of the pieces a body is read and ``pwrite``-n in: a chunk is never held in memory whole.
+PIECE = 1 << 20
+
+
+
+# ----------------------------------------------------------------------------------------------
+# What a worker acts on
+# ----------------------------------------------------------------------------------------------
+
+
+class Retryable(Exception):
+    """A request failed in a way worth another try; ``retry_after`` is the server's wish, if any."""
+
+    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
+
+
+class Fatal(Exception):
+    """A request failed in a way no retry changes: the file (or shard) fails with this reason."""
+
+
+class Cancelled(Exception):
+    """The run was cancelled (Ctrl-C): stop between pieces, record nothing more."""
+
+
+class RangeIgnored(Fatal):
+    """The server answered a ranged GET with the whole file (HTTP 200, no ``Content-Range``).
+    Fatal for that range; the downloader falls back to one sequential GET of the file."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Test hook
+# ----------------------------------------------------------------------------------------------
+
+
+def pause_point(name: str, n: int | None = None) -> None:
+    """Freeze the whole process at a named point when ``K3CKPT_TEST_PAUSE_AT`` names it.
+
+    Crash tests SIGKILL a fetch at exact moments (between chunks, just before a rename).  The
+    hook writes ``K3CKPT_TEST_PAUSE_FILE`` (so the test knows the point was reached) and sends
+    itself SIGSTOP, freezing every thread at once.  ``after_chunk:N`` names the moment the N-th
+    chunk of the run was journaled; ``before_rename`` the moment a verified ``.part`` is about
+    to be renamed.  Unset (production), it is one dict lookup.
+    """
+    want = K3CKPT_TEST_PAUSE_AT.get()
+    if not want:
+        return
+    if want != (name if n is None else f"{name}:{n}"):
+        return
+    marker = K3CKPT_TEST_PAUSE_FILE.get()
+    if marker is not None:
+        with open(marker, "w") as f:
+            f.write(name)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    # The group stop can land a moment after kill() returns; this thread must not take another
+    # step past its pause point in that moment (the test SIGKILLs the process from here on).
+    while True:
+        time.sleep(60)
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming a range
+# ----------------------------------------------------------------------------------------------
+
+
+def request(listing: HubListing, entry: HubFile, headers: dict[str, str], timeout: float,
+            byte_range: tuple[int, int] | None) -> tuple[Any, dict[str, Any]]:
+    """Send the GET (ranged or not) and check the status; returns ``(response, context)``."""
+    ctx: dict[str, Any] = {"hub": listing.hub, "repo": listing.repo, "revision": listing.revision,
+                           "path": entry.path, "endpoint": listing.endpoint}
+    url = file_url(listing, entry.path)
+    hdrs = dict(headers)
+    if byte_range is not None:
+        hdrs["Range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
+    hdrs["Accept-Encoding"] = "identity"  # a compressed representation would shift every offset
+    session = _http.session()
+    try:
+        resp, final_url = _http.get(session, url, hdrs, timeout, ctx)
+    except requests.exceptions.Timeout:
+        raise Retryable(f"timed out after {timeout} s") from None
+    except requests.exceptions.ConnectionError as e:
+        raise Retryable(f"connection failed ({_http.connection_reason(e)})") from None
+    except requests.exceptions.RequestException as e:
+        raise Fatal(f"{type(e).__name__}: {_http.one_line(str(e))[:200]}") from None
+    except HubError as e:  # too many redirects
+        raise Fatal(e.problem) from None
+    status = resp.status_code
+    try:
+        if _http.retryable_status(status):
+            raise Retryable(f"HTTP {status}", _http.retry_after(resp))
+        if status not in (200, 206):
+            raise Fatal(_http.status_error(resp, final_url, ctx).problem)
+        encoding = (resp.headers.get("Content-Encoding") or "identity").strip().lower()
+        if encoding != "identity":
+            raise Fatal(f"server applied Content-Encoding {encoding!r} to a file download")
+    except BaseException:
+        resp.close()
+        raise
+    return resp, ctx
+
+
+def copy_body(resp: Any, fd: int, start: int, dest_offset: int, length: int, cancel: threading.Event,
+              count: Callable[[int], None], sink: Callable[[memoryview], None] | None = None,
+              on_offset: Callable[[int], None] | None = None, piece: int = PIECE) -> int:
+    """Write up to ``length`` body bytes (bytes ``start``... of the file) to ``fd`` at
+    ``dest_offset``, reading ``piece`` bytes at a time; returns how many arrived. ``sink`` sees
+    every written piece in order (to hash while streaming); ``on_offset`` is told the offset
+    reached after each piece (the sequential fallback journals with it)."""
+    raw = resp.raw
+    received = 0
+    offset = dest_offset
+    try:
+        while received < length:
+            if cancel.is_set():
+                raise Cancelled()
+            data = raw.read(min(length - received, piece), decode_content=False)
+            if not data:
+                break
+            count(len(data))
+            pwrite_all(fd, data, offset)
+            offset += len(data)
+            if sink is not None:
+                sink(memoryview(data))
+            received += len(data)
+            if on_offset is not None:
+                on_offset(offset)
+    except (TimeoutError, urllib3.exceptions.HTTPError, requests.exceptions.RequestException, ConnectionError) as e:
+        got = "an empty body" if received == 0 else f"{received} of {length} bytes"
+        raise Retryable(f"connection lost after {got} (bytes {start}-{start + length - 1}; {type(e).__name__})") from None
+    return received
+
+
+def stream_range(listing: HubListing, entry: HubFile, start: int, length: int, fd: int, dest_offset: int,
+                 headers: dict[str, str], timeout: float, cancel: threading.Event, count: Callable[[int], None],
+                 sink: Callable[[memoryview], None] | None = None) -> None:
+    """One ranged GET of bytes ``[start, start + length)`` of ``entry``, written to ``fd`` at
+    ``dest_offset`` (the rank-aware fetch writes a tensor at another offset than the source's);
+    ``sink`` sees every written piece in order. Raises Retryable/Fatal/Cancelled (after one of
+    them, what ``sink`` saw is void), or RangeIgnored.
+
+    The response checks mirror :func:`~k3ckpt.hub.client.read_range`'s: a body is only written when its
+    ``Content-Range`` is exactly the requested range, or when there is none and the range asked
+    for is the whole file (a 200 then carries exactly it); any other 200 without
+    ``Content-Range`` is :class:`RangeIgnored`, and nothing of its body is read.
+    """
+    end = start + length - 1
+    resp, _ = request(listing, entry, headers, timeout, (start, end))
+    with resp:
+        content_range = resp.headers.get("Content-Range")
+        announced = _http.content_length(resp)
+        if content_range is not None:
+            m = _http.CONTENT_RANGE.match(content_range)
+            if not m:
+                raise Fatal(f"unparseable Content-Range {content_range!r} (asked for bytes {start}-{end})")
+            got, total = (int(m.group(1)), int(m.group(2))), m.group(3)
+            if got != (start, end):
+                raise Fatal(f"asked for bytes {start}-{end}, server answered {content_range!r}")
+            if total != "*" and int(total) != entry.size:
+                raise Fatal(f"Content-Range {content_range!r} says the file is {total} bytes, "
+                            f"the listing says {entry.size}")
+            if announced is not None and announced != length:
+                raise Retryable(f"Content-Range {content_range!r} with Content-Length {announced}")
+        elif resp.status_code == 206:
+            raise Fatal(f"HTTP 206 without Content-Range (asked for bytes {start}-{end})")
+        else:
+            # 200 without Content-Range: the server ignored Range and sends the file from byte 0.
+            if announced is not None and announced != entry.size:
+                what = "an empty body" if announced == 0 else f"a {announced}-byte body"
+                if _http.is_html(resp):  # a proxy's or portal's error page, not the file
+                    what = f"a {announced}-byte HTML page"
+                raise Retryable(f"server sent {what} (HTTP 200) for a {entry.size}-byte file")
+            if start != 0 or length != entry.size:
+                raise RangeIgnored(f"the server ignores Range (HTTP 200 with the whole file for bytes {start}-{end})")
+        received = copy_body(resp, fd, start, dest_offset, length, cancel, count, sink)
+        extra = b""
+        if received == length and announced is None:
+            try:
+                extra = resp.raw.read(1, decode_content=False)  # chunked: no more than asked for
+            except (urllib3.exceptions.HTTPError, ConnectionError):
+                extra = b""
+        if extra:
+            raise Retryable(f"body is longer than the {length} bytes of bytes {start}-{end}")
+        if received != length:
+            got = "an empty body" if received == 0 else f"{received} bytes"
+            raise Retryable(f"got {got} for bytes {start}-{end} ({length} bytes)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Retries and workers
+# ----------------------------------------------------------------------------------------------
+
+
+def back_off(policy: RetryPolicy, failures: int, retry_after: float | None) -> None:
+    """Sleep before retry number ``failures`` (``Retry-After`` as given, else the backoff)."""
+    delay = policy.delay(failures, retry_after)
+    if retry_after is None:
+        # Equal jitter: workers that failed together must not retry in lockstep.
+        delay = delay / 2 + random.uniform(0, delay / 2)
+    policy.sleep(delay)
+
+
+def next_task(cond: threading.Condition, queue: collections.deque[Any], busy: Callable[[], bool],
+              cancel: threading.Event) -> Any | None:
+    """A worker's next task: waits (under ``cond``) while the queue is empty but tasks are still
+    running (a running task may queue more); None when cancelled or when nothing is left."""
+    with cond:
+        while not queue and busy() and not cancel.is_set():
+            cond.wait()
+        if cancel.is_set() or not queue:
+            return None
+        return queue.popleft()
+
+
+def run_workers(worker: Callable[[], None], workers: int, name: str, cond: threading.Condition,
+                busy: Callable[[], bool], cancel: threading.Event) -> None:
+    """Run ``workers`` daemon threads of ``worker`` until ``busy()`` (read under ``cond``) is false."""
+    threads = [threading.Thread(target=worker, name=f"{name}-{i}", daemon=True) for i in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        with cond:
+            while busy():
+                cond.wait(0.5)
+    except BaseException:
+        # Ctrl-C: stop the workers between pieces; the journal is consistent at any moment.
+        # A worker blocked in a read is not waited for beyond a moment (it is a daemon
+        # thread, and once cancelled it records nothing more in any journal).
+        cancel.set()
+        with cond:
+            cond.notify_all()
+        deadline = time.monotonic() + 2.0
+        for t in threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        raise
+    for t in threads:
+        t.join()
