@@ -38,9 +38,14 @@ def _package_exceptions() -> dict[str, type[BaseException]]:
     return found
 
 
+def _is_private(cls: type) -> bool:
+    """A private class, or any class of a private module (``k3ckpt.hub._transfer.Cancelled``: a
+    worker's control signal, never raised to a caller)."""
+    return any(part.startswith("_") and not part.startswith("__") for part in (*cls.__module__.split("."), cls.__name__))
+
+
 def _user_visible() -> dict[str, type[BaseException]]:
-    return {k: c for k, c in _package_exceptions().items()
-            if not c.__name__.startswith("_") and k not in NOT_USER_VISIBLE}
+    return {k: c for k, c in _package_exceptions().items() if not _is_private(c) and k not in NOT_USER_VISIBLE}
 
 
 def test_every_user_visible_exception_lives_in_errors_and_derives_from_the_base() -> None:
