@@ -411,7 +411,8 @@ def test_disk_space_checked_before_any_byte(hub: LoopbackHub, hf_listing: HubLis
 # ----------------------------------------------------------------------------------------------
 
 _CHILD = """
-import sys, threading
+import faulthandler, signal, sys, threading
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks when it hangs
 from k3ckpt.hub.download import fetch_files
 from k3ckpt.hub.client import list_repo
 which, url, repo, dest, chunk, workers = sys.argv[1:7]
@@ -515,7 +516,14 @@ def test_ctrl_c_stops_promptly_releases_lock_and_resumes(hub: LoopbackHub, hf_li
     _wait(lambda: fault.hits == 1 and hub.bytes_sent(BIG) >= CHUNK // 2, proc, "the stalled body")
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=15)
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # every thread's stack, to say where it hangs
+        time.sleep(1)
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError("the fetch did not stop within 15 s of SIGINT:\n" + err.decode(errors="replace")[-6000:]) from None
     assert time.monotonic() - t0 < 8  # does not wait out the 20 s stall nor the read timeout
     assert proc.returncode != 0 and b"KeyboardInterrupt" in err
     assert not (dest / download.LOCK_NAME).exists()  # released on the way out
