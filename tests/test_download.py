@@ -413,6 +413,9 @@ def test_disk_space_checked_before_any_byte(hub: LoopbackHub, hf_listing: HubLis
 _CHILD = """
 import faulthandler, signal, sys, threading
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks when it hangs
+# A run started from a background job of a non-interactive shell inherits SIGINT ignored, and
+# Python then installs no KeyboardInterrupt handler: this test is about Ctrl-C, so take it back.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from k3ckpt.hub.download import fetch_files
 from k3ckpt.hub.client import list_repo
 which, url, repo, dest, chunk, workers = sys.argv[1:7]
