@@ -62,7 +62,7 @@ _LAZY: dict[str, str] = {
     "quantize_mxfp4": "k3ckpt.mx.codec",
     "dequantize_mxfp4": "k3ckpt.mx.codec",
     "inspect_mx": "k3ckpt.mx.inspect",
-    "quantization_error": "k3ckpt.mx.inspect",
+    "quantization_error": "k3ckpt.mx.error",
     "quantize_file": "k3ckpt.mx.convert",
     "dequantize_to_file": "k3ckpt.mx.convert",
     # synthetic checkpoints
@@ -127,7 +127,8 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
     from .integrity.verify import verify_checkpoint
     from .mx.codec import dequantize_mxfp4, quantize_mxfp4
     from .mx.convert import dequantize_to_file, quantize_file
-    from .mx.inspect import inspect_mx, quantization_error
+    from .mx.error import quantization_error
+    from .mx.inspect import inspect_mx
     from .testing.synth import spec_from_preset, synthesize
 
 

@@ -13,14 +13,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from k3ckpt.format.checkpoint import open_checkpoint
-from k3ckpt.mx.inspect import (
-    CODE_LABELS,
-    OUTLIER_Z,
-    MxPlotUnavailableError,
-    inspect_mx,
-    quantization_error,
-    render_inspect,
-)
+from k3ckpt.errors import MxPlotUnavailableError
+from k3ckpt.mx.error import quantization_error
+from k3ckpt.mx.inspect import CODE_LABELS, OUTLIER_Z, inspect_mx
+from k3ckpt.mx.render import render_inspect
 from k3ckpt.mx.codec import (
     E2M1_VALUES,
     dequantize_mxfp4,
@@ -304,7 +300,7 @@ def test_plot_without_matplotlib_is_a_one_line_error(k3_tiny: Path, tmp_path: Pa
     _one_line_error(res, 2, "matplotlib", "pip install 'k3ckpt[plot]'")
     assert not out.exists()
     with pytest.raises(MxPlotUnavailableError):
-        from k3ckpt.mx.inspect import require_matplotlib
+        from k3ckpt.mx.render import require_matplotlib
 
         require_matplotlib()
 

@@ -70,7 +70,8 @@ def mx_inspect(path: str, tensor: str | None, layer: int | None, expert: int | N
       k3ckpt mx inspect ./gpt-oss-20b --layer 3 --plot layer3.png
       k3ckpt mx inspect ./Kimi-K3 --layer 1 --json | jq '.flags'
     """
-    from ..mx.inspect import inspect_mx, plot_inspect, render_inspect, require_matplotlib
+    from ..mx.inspect import inspect_mx
+    from ..mx.render import plot_inspect, render_inspect, require_matplotlib
 
     if tensor is not None and (layer is not None or expert is not None):
         raise click.UsageError("use --tensor, or --layer/--expert, not both")
@@ -118,7 +119,8 @@ def mx_error(path: str, scale_mode: str, tensor: str | None, include_all: bool, 
       k3ckpt mx error finetuned.safetensors --tensor model.layers.1.mlp.experts.0.gate_proj.weight
       k3ckpt mx error finetuned.safetensors --all --json | jq .totals
     """
-    from ..mx.inspect import quantization_error, render_error
+    from ..mx.error import quantization_error
+    from ..mx.render import render_error
 
     rep = quantization_error(path, scale_mode=scale_mode, tensor=tensor, include_all=include_all)
     if as_json:

@@ -7,7 +7,9 @@ Importing this package imports numpy.
 
 from .codec import dequantize_mxfp4, quantize_mxfp4
 from .convert import DequantResult, QuantizeResult, dequantize_to_file, quantize_file
-from .inspect import MxInspectReport, QuantErrorReport, inspect_mx, quantization_error, render_error, render_inspect
+from .error import QuantErrorReport, quantization_error
+from .inspect import MxInspectReport, inspect_mx
+from .render import render_error, render_inspect
 
 __all__ = [
     "DequantResult",

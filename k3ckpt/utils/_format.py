@@ -1,4 +1,4 @@
-"""How sizes, counts and integer sets are written for people to read."""
+"""How sizes, counts, fractions and integer sets are written for people to read."""
 
 from __future__ import annotations
 
@@ -31,3 +31,10 @@ def format_ranges(nums: list[int]) -> str:
         if x is not None:
             start = prev = x
     return ",".join(out)
+
+
+def format_percent(frac: float) -> str:
+    """``0.0123`` -> ``"1.23%"``; tiny fractions keep two significant digits (``"1.0e-05%"``)."""
+    if frac == 0:
+        return "0%"
+    return f"{frac * 100:.2f}%" if frac >= 1e-4 else f"{frac * 100:.1e}%"

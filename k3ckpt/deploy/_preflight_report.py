@@ -1,0 +1,164 @@
+"""Preflight's report: the rows (:class:`Check`), what the read test and the GPU query found, the
+report itself, and its text table."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..format.checkpoint import Checkpoint
+from ..format.topology import (
+    Topology,
+)
+from ..utils import format_ranges
+
+PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
+
+@dataclass
+class Check:
+    """One row of the report."""
+
+    name: str
+    status: str  # PASS / WARN / FAIL
+    reason: str
+    fix: str | None = None  # the command that fixes a FAIL (or a WARN, when there is one)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "reason": self.reason, "fix": self.fix,
+                "details": self.details}
+
+
+@dataclass
+class ReadSpeed:
+    """What ``--io-test`` measured."""
+
+    bytes_read: int
+    seconds: float
+    readers: int
+    direct: bool  # O_DIRECT throughout; False: buffered reads after POSIX_FADV_DONTNEED
+    files: int
+    note: str = ""
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.bytes_read / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bytes_read": self.bytes_read, "seconds": round(self.seconds, 3), "readers": self.readers,
+                "direct": self.direct, "files": self.files, "note": self.note,
+                "bytes_per_second": int(self.bytes_per_second)}
+
+
+@dataclass
+class GpuDevice:
+    index: int  # as the tool numbers it
+    name: str
+    total: int  # bytes
+    used: int
+
+    @property
+    def free(self) -> int:
+        return max(self.total - self.used, 0)
+
+
+@dataclass
+class PreflightReport:
+    path: str
+    layout: str  # "rank-layout" or "checkpoint"
+    topology: dict[str, Any] | None
+    ranks: list[int]
+    selection: str  # how the ranks were chosen
+    checks: list[Check] = field(default_factory=list)
+    read_speed: ReadSpeed | None = None
+    #: What this node loads: the weight files to read for ``--io-test`` and their bytes.
+    load_files: list[Path] = field(default_factory=list, repr=False)
+    node_bytes: int = 0
+    fix_all: str | None = None  # one command for every broken rank, when several are
+
+
+    @property
+    def ok(self) -> bool:
+        """Nothing FAILs (WARNs allowed)."""
+        return not any(c.status == FAIL for c in self.checks)
+
+    def counts(self) -> dict[str, int]:
+        return {s: sum(c.status == s for c in self.checks) for s in (FAIL, WARN, PASS)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "layout": self.layout, "topology": self.topology, "ranks": self.ranks,
+                "selection": self.selection, "ok": self.ok, "counts": self.counts(),
+                "checks": [c.to_json() for c in self.checks], "fix_all": self.fix_all,
+                "read_speed": self.read_speed.to_json() if self.read_speed else None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Fix commands
+
+
+def describe_topology(topo: Topology) -> str:
+    return (f"ep {topo.ep} x tp {topo.tp}, world size {topo.world_size} (moe_tp {topo.moe_tp}), "
+            f"{topo.num_experts} experts {topo.placement}")
+
+
+def reshard_command(src: str | None, out: Path, topo: Topology | None, ranks: list[int], *, force: bool) -> str:
+    """The ``k3ckpt reshard`` invocation that (re)writes ``ranks`` of ``topo`` into ``out``.
+    ``SRC`` stands for the source checkpoint when its path is unknown."""
+    args = ["k3ckpt", "reshard", src or "SRC", "-o", str(out)]
+    if topo is None:
+        args += ["--ep", "E", "--tp", "T"]
+    else:
+        args += ["--ep", str(topo.ep), "--tp", str(topo.tp)]
+        if topo.world_size != max(topo.ep, topo.tp):
+            args += ["--world-size", str(topo.world_size)]
+        if topo.placement != "linear":
+            args += ["--placement", topo.placement]
+        if ranks and len(ranks) < topo.world_size:
+            args += ["--ranks", format_ranges(ranks)]
+    if force:
+        args.append("--force")
+    placeholders = {"SRC", "E", "T"}
+    return " ".join(a if a in placeholders else shlex.quote(a) for a in args)
+
+
+def fetch_command(ckpt: Checkpoint, dest: Path, files: list[str], topo: Topology | None = None,
+                  ranks: list[int] | None = None) -> str:
+    """The ``k3ckpt fetch`` that restores ``files`` (every file when empty) of ``ckpt`` into
+    ``dest`` - with ``topo`` and ``ranks``, the rank-aware fetch of just those ranks' tensors;
+    ``REPO`` stands for the repository when the layout does not say."""
+    args = ["k3ckpt", "fetch", "--source", ckpt.source.hub or "hf", "--repo", ckpt.source.repo or "REPO"]
+    if ckpt.source.revision:
+        args += ["--revision", ckpt.source.revision]
+    args += ["--dest", str(dest)]
+    if topo is not None and ranks:
+        args += ["--ep", str(topo.ep), "--tp", str(topo.tp), "--world-size", str(topo.world_size),
+                 "--placement", topo.placement, "--ranks", format_ranges(ranks)]
+    for f in files:
+        args += ["--include", f]
+    return " ".join(a if a == "REPO" else shlex.quote(a) for a in args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Text output
+
+
+def render_preflight(rep: PreflightReport) -> str:
+    """The table: one row per check, and under each FAIL (or WARN with one) its fix."""
+    t = rep.topology
+    what = "rank layout" if rep.layout == "rank-layout" else "checkpoint"
+    topo = (f", ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}" if t else "")
+    ranks = f"ranks {format_ranges(rep.ranks)} ({rep.selection})" if rep.ranks else rep.selection
+    lines = [f"preflight  {rep.path}", f"layout     {what}{topo}; {ranks}", ""]
+    width = max((len(c.name) for c in rep.checks), default=8)
+    for c in rep.checks:
+        lines.append(f"{c.status:<4}  {c.name:<{width}}  {c.reason}")
+        if c.fix and c.status != PASS:
+            lines.append(f"{'':<4}  {'':<{width}}  fix: {c.fix}")
+    n = rep.counts()
+    if rep.fix_all:
+        lines += ["", f"fix all    {rep.fix_all}"]
+    lines += ["", f"result     {n[FAIL]} FAIL, {n[WARN]} WARN, {n[PASS]} PASS: "
+                  + ("ready to load" if rep.ok else "not ready")]
+    return "\n".join(lines)
