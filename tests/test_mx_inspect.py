@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from helpers import run
 from k3ckpt.format.checkpoint import open_checkpoint
+from k3ckpt.mx.codec import (
+    E2M1_VALUES,
+    dequantize_mxfp4,
+    dequantize_mxfp4_gptoss,
+    quantize_mxfp4,
+)
 from k3ckpt.mx.inspect import (
     CODE_LABELS,
     OUTLIER_Z,
@@ -21,14 +28,7 @@ from k3ckpt.mx.inspect import (
     quantization_error,
     render_inspect,
 )
-from k3ckpt.mx.codec import (
-    E2M1_VALUES,
-    dequantize_mxfp4,
-    dequantize_mxfp4_gptoss,
-    quantize_mxfp4,
-)
 from k3ckpt.mx.select import MxSelectionError, MxSource, MxTensor, find_mx_tensors
-from helpers import run
 
 K3 = "language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}"
 
@@ -237,7 +237,8 @@ def test_exponent_shift_flags_exactly_that_tensor(k3_tiny: Path, clone_checkpoin
     # The text report details the flagged tensor with its charts.
     text = run("mx", "inspect", str(root), "--layer", "3").output
     assert max(len(line) for line in text.splitlines()[1:]) <= 100
-    assert "11.w2" in text and "E2M1 codes" in text and f"{base}.weight\n  format   mxfp4, compressed-tensors layout; layer 3, expert 11, down" in text
+    assert "11.w2" in text and "E2M1 codes" in text
+    assert f"{base}.weight\n  format   mxfp4, compressed-tensors layout; layer 3, expert 11, down" in text
 
 
 def test_exponent_outlier_in_a_gptoss_stack_names_the_expert(gptoss_tiny: Path, clone_checkpoint) -> None:

@@ -42,7 +42,7 @@ class ByteProgress:
         if self._bar is not None:
             self._bar.close()
 
-    def __enter__(self) -> "ByteProgress":
+    def __enter__(self) -> ByteProgress:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..format.config import ModelConfig
-from ..format.roles import classify
 from ..format.header import TensorInfo
+from ..format.roles import classify
 from ..format.topology import RankSelection, TopologyError, check_heads, index_of, num_experts_of, tensors_for_ranks
 
 #: Rule of thumb for what a rank needs beyond its weights (activations, CUDA graphs, buffers).

@@ -52,17 +52,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..format.checkpoint import Checkpoint, open_checkpoint
-from ..format.config import ModelConfig, load_config
 from ..env import K3CKPT_PREFLIGHT_FREE_BYTES, K3CKPT_PREFLIGHT_MEM_BYTES
 from ..errors import CheckpointNotFoundError, ConfigError, PreflightError
-from ..integrity.hashing import hash_files
-from ..utils import load_json
-from .plan import DEFAULT_KV_BUDGET, WEIGHT_OVERHEAD
+from ..format.checkpoint import Checkpoint, open_checkpoint
+from ..format.config import ModelConfig, load_config
+from ..format.inspect import MISSING_EXPERTS
 from ..format.layout import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, rank_dir_name
 from ..format.roles import Kind, classify
-from ..format.inspect import MISSING_EXPERTS
-from ..utils import format_ranges, human_bytes
 from ..format.topology import (
     RankEnv,
     RankSelection,
@@ -73,6 +69,9 @@ from ..format.topology import (
     ranks_of_node,
     tensors_for_ranks,
 )
+from ..integrity.hashing import hash_files
+from ..utils import format_ranges, human_bytes, load_json
+from .plan import DEFAULT_KV_BUDGET, WEIGHT_OVERHEAD
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 #: Test hook: free disk bytes to use instead of what ``statvfs`` says.

@@ -84,10 +84,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .bytecopy import Copier, FdCache, Run, copy_files, tmp_name
-from ..utils import fsync_dir, is_within, write_atomic
-from ..format.checkpoint import INDEX_NAME, Checkpoint, is_working_file, open_checkpoint
 from ..errors import ReshardError
+from ..format.checkpoint import INDEX_NAME, Checkpoint, is_working_file, open_checkpoint
 from ..format.header import DTYPE_BITS, TensorSpec, build_header
 from ..format.layout import (
     FORMAT,
@@ -117,6 +115,8 @@ from ..format.topology import (
     ranks_of_node,
     tensors_for_ranks,
 )
+from ..utils import fsync_dir, is_within, write_atomic
+from .bytecopy import Copier, FdCache, Run, copy_files, tmp_name
 
 #: Alignment of each output file's data buffer.
 ALIGN = 4096

@@ -49,15 +49,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .bytecopy import Copier, FdCache, copy_files, tmp_name
-from ..utils import fsync_dir, is_within, write_atomic
-from ..format.checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
 from ..errors import UnshardError
-from ..utils import load_json
+from ..format.checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
+from ..format.header import DTYPE_BITS, TensorSpec, build_header, read_header
 from ..format.layout import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, hf_shard_name, rank_dir_name
 from ..format.roles import classify
-from ..format.header import DTYPE_BITS, TensorSpec, build_header, read_header
 from ..format.topology import Topology, TopologyError
+from ..utils import fsync_dir, is_within, load_json, write_atomic
+from .bytecopy import Copier, FdCache, copy_files, tmp_name
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 #: Shard names of the Hugging Face convention.

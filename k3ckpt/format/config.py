@@ -15,7 +15,6 @@ from typing import Any
 from ..errors import ConfigError
 from ..utils import load_json
 
-
 #: More layers than any model has; a bigger count is a hostile or broken config, and would
 #: otherwise size per-layer lists (10**12 layers: an allocation that never ends).
 MAX_LAYERS = 100_000

@@ -18,10 +18,11 @@ import math
 import operator
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain, repeat
-from typing import Any, BinaryIO, Iterable, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 from ..env import K3CKPT_MAX_HEADER_BYTES
 from ..errors import SafetensorsHeaderError

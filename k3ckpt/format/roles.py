@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import NamedTuple
 from functools import lru_cache, partial
+from typing import NamedTuple
 
 from .header import TensorInfo
 
@@ -115,7 +115,8 @@ RULES: tuple[Rule, ...] = (
     Rule(_LAYER + r"self_attn\.(?P<proj>q_a_proj|kv_a_proj_with_mqa|f_a_proj|q_conv1d|k_conv1d|v_conv1d)\." + _PART + "$",
          Kind.ATTENTION, _P, ("layer",)),
     Rule(_LAYER + r"self_attn\.(?P<proj>A_log|dt_bias|sinks)$", Kind.ATTENTION, _P, ("layer",)),
-    Rule(_LAYER + r"(?P<proj>input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm)\.(?P<part>weight|bias)$",
+    Rule(_LAYER + r"(?P<proj>input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm)"
+         r"\.(?P<part>weight|bias)$",
          Kind.NORM, _P, ("layer",)),
     # K3 attention residuals: [hidden] norms and [1, hidden] projections.
     Rule(_LAYER + r"(?P<proj>self_attention_res_norm|self_attention_res_proj|mlp_res_norm|mlp_res_proj)(?:\.(?P<part>weight))?$",
@@ -135,7 +136,8 @@ RULES: tuple[Rule, ...] = (
 _COMPILED = tuple(re.compile(r.pattern) for r in RULES)
 # A number between dots (or at the end) is an index: a layer, an expert, a vision block.
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)", re.ASCII)
-_PROJ_ALIASES = {"gate_up_proj": "gate_up", "w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_PROJ_ALIASES = {"gate_up_proj": "gate_up", "w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
+                 "down_proj": "down"}
 
 UNKNOWN_ROLE = Role(Kind.UNKNOWN, TP.REPLICATED)
 

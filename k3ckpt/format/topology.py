@@ -37,10 +37,10 @@ from functools import lru_cache
 from itertools import repeat
 from typing import TYPE_CHECKING
 
-from .checkpoint import bulk_allocation
 from ..errors import SplitError, TopologyError
-from .roles import TP, Kind, Role, classify
+from .checkpoint import bulk_allocation
 from .header import TensorInfo
+from .roles import TP, Kind, Role, classify
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint

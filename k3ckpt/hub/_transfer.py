@@ -22,9 +22,9 @@ from typing import Any
 import requests
 import urllib3.exceptions
 
-from . import _http
 from ..env import K3CKPT_TEST_PAUSE_AT, K3CKPT_TEST_PAUSE_FILE
 from ..utils import pwrite_all
+from . import _http
 from .client import HubError, HubFile, HubListing, RetryPolicy, file_url
 
 #: Size of the pieces a body is read and ``pwrite``-n in: a chunk is never held in memory whole.

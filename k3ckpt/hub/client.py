@@ -58,7 +58,6 @@ import requests
 import urllib3.exceptions
 
 from .. import __version__
-from . import _dest, _http
 from ..env import K3CKPT_MAX_HEADER_BYTES
 from ..errors import (
     EntryNotFoundError,
@@ -75,6 +74,7 @@ from ..errors import (
     UnsafePathError,
 )
 from ..format.header import HeaderColumns, parse_header_columns
+from . import _dest, _http
 
 __all__ = [
     "DEFAULT_RETRY",
@@ -650,7 +650,7 @@ def _read(listing: HubListing, path: str, start: int, length: int, headers: Mapp
         except requests.exceptions.ConnectionError as e:
             target = e.request.url if e.request is not None else url
             if _http.is_connect_failure(e):
-                host = "{0}://{1}".format(*urlsplit(target)[:2])
+                host = "{}://{}".format(*urlsplit(target)[:2])
                 last = HubUnreachableError(f"cannot reach {host} ({_http.connection_reason(e)})", **ctx)
             else:
                 last = HubError(f"{target}: connection lost before an answer ({_http.connection_reason(e)})", **ctx)

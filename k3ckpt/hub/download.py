@@ -60,12 +60,12 @@ from typing import Any
 
 import urllib3.exceptions
 
-from . import _dest, _http, _transfer
-from . import client as hubclient
-from ._dest import LOCK_NAME
 from ..errors import DiskSpaceError, FetchLockedError
 from ..integrity.hashing import HashError, hash_file
 from ..utils import fsync_dir, human_bytes, write_atomic
+from . import _dest, _http, _transfer
+from . import client as hubclient
+from ._dest import LOCK_NAME
 from .client import HubFile, HubListing, RetryPolicy
 
 __all__ = [
@@ -179,7 +179,7 @@ class _StreamDigest:
             pos += n
         self.hashed += length
 
-    def advance(self, job: "_Job", *, wait: bool = False) -> None:
+    def advance(self, job: _Job, *, wait: bool = False) -> None:
         """Hash the chunks from the cursor on that are done; with ``wait``, wait for the thread
         already hashing this file instead of leaving the work to it."""
         while self.busy.acquire(blocking=wait):

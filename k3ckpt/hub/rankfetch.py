@@ -69,19 +69,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _dest, _http, _transfer, download
-from . import client as hubclient
+from ..errors import ConfigError, K3ckptError, RankFetchError
 from ..format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, bulk_allocation
 from ..format.config import ModelConfig, parse_config
-from ..errors import ConfigError, K3ckptError, RankFetchError
-from .fetch import record_source, select_paths
-from ..integrity.hashing import HashError, Span, hash_file
-from .client import HubFile, HubListing, RetryPolicy
-from ..utils import format_ranges, fsync_dir, human_bytes, write_atomic
-from ..integrity.manifest import Manifest, tensors_from_headers
-from ..format.layout import PARTIAL_MARKER
 from ..format.header import ShardHeader, TensorInfo, TensorSpec, build_header, parse_header_bytes
+from ..format.layout import PARTIAL_MARKER
 from ..format.topology import RankSelection, Topology, build_index, fp8_block_of, tensors_for_ranks
+from ..integrity.hashing import HashError, Span, hash_file
+from ..integrity.manifest import Manifest, tensors_from_headers
+from ..utils import format_ranges, fsync_dir, human_bytes, write_atomic
+from . import _dest, _http, _transfer, download
+from . import client as hubclient
+from .client import HubFile, HubListing, RetryPolicy
+from .fetch import record_source, select_paths
 
 __all__ = [
     "PARTIAL_NAME",

@@ -16,11 +16,11 @@ import errno
 import hashlib
 import os
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
 
 from ..env import K3CKPT_HASH_BUFFER
 from ..errors import HashError

@@ -51,6 +51,8 @@ import numpy as np
 
 from ..env import K3CKPT_MX_INSPECT_CHUNK_BYTES
 from ..errors import MxInspectError, MxPlotUnavailableError
+from ..format.header import ShardHeader, TensorInfo, read_header
+from ..format.roles import Kind, classify
 from .codec import (
     E2M1_MAX,
     E2M1_VALUES,
@@ -64,8 +66,6 @@ from .codec import (
     scale_exponent_histogram,
 )
 from .select import MxSelectionError, MxSource, MxTensor, find_mx_tensors
-from ..format.roles import Kind, classify
-from ..format.header import ShardHeader, TensorInfo, read_header
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

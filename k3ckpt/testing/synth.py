@@ -18,10 +18,10 @@ import json
 import math
 import os
 import zlib
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator
 
 import ml_dtypes
 import numpy as np
