@@ -43,11 +43,11 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import UnshardError
 from ..format.checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
@@ -96,11 +96,11 @@ class _Gathered:
     holders: int = 0  # bit mask of the ranks holding (part of) it
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _int_field(d: dict, key: str, where: str, what: str, minimum: int = 0) -> int:
+def _int_field(d: Mapping[str, Any], key: str, where: str, what: str, minimum: int = 0) -> int:
     """``d[key]``, which must be an int >= ``minimum``; else a one-line error naming ``what``."""
     v = d.get(key)
     if not _is_int(v) or v < minimum:

@@ -300,7 +300,7 @@ def read_index(root: Path, unsafe: list[str] | None = None) -> tuple[dict[str, s
                 unsafe.append(f)
                 files[f] = None
         if any(f != norm for f, norm in files.items()):  # e.g. "./model-1.safetensors", or unsafe
-            wm = {n: files[f] for n, f in wm.items() if files[f] is not None}  # type: ignore[misc]
+            wm = {n: files[f] for n, f in wm.items() if files[f] is not None}
         return wm, INDEX_NAME
     if (root / SINGLE_NAME).is_file():
         return {}, SINGLE_NAME

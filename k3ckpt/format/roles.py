@@ -182,15 +182,15 @@ def classify(name: str) -> Role:
     """The :class:`Role` of tensor ``name``; :data:`UNKNOWN_ROLE` when no rule matches."""
     head, sep, rest = name.partition(".experts.")
     if sep:
-        expert, dot, tail = rest.partition(".")
-        if dot and expert.isascii() and expert.isdigit():
+        expert_digits, dot, tail = rest.partition(".")
+        if dot and expert_digits.isascii() and expert_digits.isdigit():
             key = (head, tail)
             try:
                 t = _expert_templates[key]
             except KeyError:
                 t = _expert_templates[key] = _expert_template(head, tail)
             if t is not None:
-                return _new_role((t[0], t[1], t[2], int(expert), t[3], t[4]))
+                return _new_role((t[0], t[1], t[2], int(expert_digits), t[3], t[4]))
     numbers = _NUMBER.findall(name)
     template = _NUMBER.sub("#", name) if numbers else name
     hit = _classify_template(template)
