@@ -348,8 +348,11 @@ def verify_checkpoint(
                 report.bytes_hashed += d.size
                 exp = expected.get(f)
                 tensor_issues = _tensor_hash_issues(f, d, manifest) if d.spans and manifest is not None else []
-                if f in size_bad:  # tensors wholly beyond the end of a short file: its size issue says it
-                    tensor_issues = [i for i in tensor_issues if manifest.tensors[i.tensor].offsets[0] < d.size]
+                # Tensors wholly beyond the end of a short file: its size issue says it. (tensor_issues
+                # come from the manifest and name their tensor; the checks only narrow the types.)
+                if f in size_bad and manifest is not None:
+                    tensor_issues = [i for i in tensor_issues
+                                     if i.tensor is not None and manifest.tensors[i.tensor].offsets[0] < d.size]
                 if exp is not None and not _digest_matches(d, exp) and f not in size_bad:
                     issue = _content_issue(f, exp, {"sha256": d.sha256, "git_sha1": d.git_sha1})
                     if d.spans and not tensor_issues:  # every tensor matched: the header or padding changed

@@ -518,16 +518,16 @@ def inspect_tensor(
         zeros += int(np.count_nonzero(values == 0))
         if progress is not None:
             progress(packed.nbytes + scales.nbytes)
-    unit_hist = unit_hist.reshape(n_units, 256)
+    unit_hists = unit_hist.reshape(n_units, 256)  # one row per unit
     units_out = []
-    for i, h in enumerate(unit_hist):
+    for i, h in enumerate(unit_hists):
         present = np.flatnonzero(h[:E8M0_NAN])
         expert = (i if t.layout == "gpt-oss" and expert_slice is None
                   else expert_slice if expert_slice is not None else t.role.expert)
         units_out.append(UnitExponents(expert, _hist_exponent_mean(h),
                                        int(present[-1]) - E8M0_BIAS if present.size else None))
     numel = (last - first) * t.row_elements
-    scale_hist = unit_hist.sum(axis=0)
+    scale_hist = unit_hists.sum(axis=0)
     present = np.flatnonzero(scale_hist[:E8M0_NAN])
     lo, hi = (int(present[0]), int(present[-1]) + 1) if present.size else (0, 0)
     return TensorInspection(
@@ -592,6 +592,7 @@ def inspect_mx(
         chunk_bytes = K3CKPT_MX_INSPECT_CHUNK_BYTES.get()
     t0 = time.perf_counter()
     source = MxSource.open(path)
+    picked: list[tuple[MxTensor, int | None]]  # (tensor, expert slice of a stacked tensor or None)
     try:
         picked = [(t, None) for t in find_mx_tensors(source, tensor=tensor, layer=layer, expert=expert)]
     except MxSelectionError:
@@ -946,7 +947,7 @@ def plot_inspect(rep: MxInspectReport, out: str | os.PathLike[str]) -> Path:
     grouped by projection with flagged ones marked.
     """
     figure_cls = require_matplotlib()
-    members = [(r, u) for r in rep.tensors for u in r.units if u.mean is not None]
+    members = [(r, u.mean) for r in rep.tensors for u in r.units if u.mean is not None]
     panels = 3 if len(members) > 1 else 2
     fig = figure_cls(figsize=(10, 3.2 * panels))
     axes = fig.subplots(panels, 1)
@@ -974,9 +975,9 @@ def plot_inspect(rep: MxInspectReport, out: str | os.PathLike[str]) -> Path:
     if panels == 3:
         ax = axes[2]
         by_group: dict[str, list[tuple[int, float, bool]]] = {}
-        for i, (r, u) in enumerate(members):
+        for i, (r, mean) in enumerate(members):
             label = f"{r.tensor.role.proj or '?'}"
-            by_group.setdefault(label, []).append((i, float(u.mean), any(f.kind == "exp-outlier" for f in r.flags)))
+            by_group.setdefault(label, []).append((i, float(mean), any(f.kind == "exp-outlier" for f in r.flags)))
         for label, pts in sorted(by_group.items()):
             ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=8, label=label)
         bad = [(p[0], p[1]) for pts in by_group.values() for p in pts if p[2]]
