@@ -198,7 +198,7 @@ def _tensor_plan(name: str, info: Any, data_start: int, placement: Any) -> OutTe
                     runs.append(r)
         out_shape = placement.shape(shape)
         split_json: dict | None = placement.to_json()
-        key = (name, "experts", placement.experts, inner)
+        key: tuple[Any, ...] = (name, "experts", placement.experts, inner)
     else:
         runs = _split_runs(base, shape, info.dtype, placement, name)
         out_shape = placement.shape(shape) if placement is not None else shape
@@ -404,9 +404,14 @@ def plan_reshard(
             info = ckpt.tensors[name]
             outs.append(_tensor_plan(name, info, ckpt.shards[info.file].data_start, p))
         outs.sort(key=lambda t: (t.src_file, t.src_start, t.name))
-        info = rt.rank
-        plans.append(RankPlan(r, info.ep_rank, info.tp_rank, info.moe_tp_rank,
-                              _pack_files(r, outs, max_file_size, align, lambda k, _n, r=r: part_name(r, k))))
+        rank_info = rt.rank
+
+        # a def, not a lambda: mypy cannot type a lambda with a default argument as Callable[[int, int], str]
+        def name_of(k: int, _n: int, r: int = r) -> str:
+            return part_name(r, k)
+
+        plans.append(RankPlan(r, rank_info.ep_rank, rank_info.tp_rank, rank_info.moe_tp_rank,
+                              _pack_files(r, outs, max_file_size, align, name_of)))
     return ReshardPlan(ckpt, topo, plans, _source_json(ckpt), gpus_per_node, extra)
 
 
