@@ -182,8 +182,8 @@ def stream_range(listing: HubListing, entry: HubFile, start: int, length: int, f
             m = _http.CONTENT_RANGE.match(content_range)
             if not m:
                 raise Fatal(f"unparseable Content-Range {content_range!r} (asked for bytes {start}-{end})")
-            got, total = (int(m.group(1)), int(m.group(2))), m.group(3)
-            if got != (start, end):
+            got_range, total = (int(m.group(1)), int(m.group(2))), m.group(3)
+            if got_range != (start, end):
                 raise Fatal(f"asked for bytes {start}-{end}, server answered {content_range!r}")
             if total != "*" and int(total) != entry.size:
                 raise Fatal(f"Content-Range {content_range!r} says the file is {total} bytes, "

@@ -263,7 +263,9 @@ def resolve_endpoint(hub: str, endpoint: str | None = None) -> str:
 
     # HubConfig implements the precedence and the scheme rules (MODELSCOPE_DOMAIN without a
     # scheme gets https://, with a FutureWarning); token="" keeps it from reading saved cookies.
-    return HubConfig(endpoint=endpoint or None, token="").endpoint
+    resolved = HubConfig(endpoint=endpoint or None, token="").endpoint
+    assert resolved is not None  # typed Optional for its "not given" default; __post_init__ always sets a str
+    return resolved
 
 
 def file_url(listing: HubListing, path: str) -> str:
@@ -648,7 +650,9 @@ def _read(listing: HubListing, path: str, start: int, length: int, headers: Mapp
         try:
             resp, final_url = _http.get(session, url, hdrs, timeout, ctx)
         except requests.exceptions.ConnectionError as e:
-            target = e.request.url if e.request is not None else url
+            # requests raises with the PreparedRequest, whose url is a str; the url asked for otherwise.
+            sent = e.request.url if e.request is not None else None
+            target = sent if isinstance(sent, str) else url
             if _http.is_connect_failure(e):
                 host = "{}://{}".format(*urlsplit(target)[:2])
                 last = HubUnreachableError(f"cannot reach {host} ({_http.connection_reason(e)})", **ctx)

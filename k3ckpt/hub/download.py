@@ -187,8 +187,8 @@ class _StreamDigest:
                 while True:
                     with job.lock:
                         i, fd = self.next, job.fd
-                        ready = i < job.nchunks and i in job.done and fd is not None
-                    if not ready:
+                        ready = i < job.nchunks and i in job.done
+                    if not ready or fd is None:
                         break
                     start, length = job.chunk(i)
                     self._hash_range(fd, start, length)

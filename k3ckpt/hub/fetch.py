@@ -54,7 +54,8 @@ class FetchPlan:
 def select_paths(files: list[str], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """``(selected, excluded)``: files matching any ``include`` glob (all when none is given) and
     no ``exclude`` glob. Globs match the whole posix path (``*.safetensors``, ``tokenizer*``)."""
-    selected, dropped = [], []
+    selected: list[str] = []
+    dropped: list[str] = []
     for f in sorted(files):
         inc = not include or any(fnmatch.fnmatchcase(f, g) for g in include)
         exc = any(fnmatch.fnmatchcase(f, g) for g in exclude)
