@@ -122,7 +122,8 @@ def plan_topology(
         total = ckpt.total_bytes
         label = str(ckpt.root)
     else:
-        tensors, total = _from_manifest(Path(source))  # type: ignore[arg-type]
+        assert not isinstance(source, Checkpoint)  # a Checkpoint source always sets ckpt
+        tensors, total = _from_manifest(Path(source))
         idx = index_of((tensors, {n: classify(n) for n in tensors}))
         label = str(source)
         notes.append("planned from a manifest: expert count inferred from tensor names")

@@ -539,7 +539,9 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
                 copier.contiguous(src, dst, t.runs[0].offset, t_do, end - t.runs[0].offset, sinks)
                 for g, h in zip(group, hashers):
                     if h is None:
-                        digests[g.name] = cache.get(g.key)  # type: ignore[assignment]
+                        known = cache.get(g.key)
+                        assert known is not None  # no hasher: the cache had its digest, and entries stay
+                        digests[g.name] = known
                     else:
                         digests[g.name] = h.hexdigest()
                         cache.put(g.key, digests[g.name])
@@ -564,9 +566,12 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
                 else:
                     copier.strided(src, dst, run, do, sink)
                 do += run.nbytes
-            digests[t.name] = cached if cached else th.hexdigest()  # type: ignore[union-attr]
             if th is not None:
+                digests[t.name] = th.hexdigest()
                 cache.put(t.key, digests[t.name])
+            else:
+                assert cached  # th is None only for a cached digest
+                digests[t.name] = cached
             i += 1
         if fail_before is not None:
             fail_before(f.name)

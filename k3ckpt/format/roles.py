@@ -150,7 +150,11 @@ def _classify_template(template: str) -> tuple[str, str, tuple[str, ...], str | 
             continue
         groups = m.groupdict()
         proj = groups.get("proj") or rule.proj
-        tp = rule.tp[proj] if isinstance(rule.tp, dict) else rule.tp  # type: ignore[index]
+        if isinstance(rule.tp, dict):
+            assert proj is not None  # a rule with a TP per projection captures the projection
+            tp = rule.tp[proj]
+        else:
+            tp = rule.tp
         part = groups.get("part") or "weight"
         if tp == TP.ROW and part == "bias":
             tp = TP.REPLICATED  # a row-parallel layer adds its bias once, after the all-reduce

@@ -59,6 +59,7 @@ from .codec import (
     E8M0_BIAS,
     E8M0_NAN,
     MX_BLOCK_SIZE,
+    ScaleMode,
     decode_e8m0,
     dequantize_mxfp4,
     e2m1_code_histogram,
@@ -697,8 +698,9 @@ def _flag_outliers(results: list[TensorInspection]) -> list[ExponentGroup]:
         spread_mean = max(_MAD_TO_SIGMA * g.mad_mean, MEAN_EXP_FLOOR)
         spread_max = max(_MAD_TO_SIGMA * g.mad_max, MAX_EXP_FLOOR)
         for r, u in valid:
-            u.z_mean = (u.mean - g.median_mean) / spread_mean  # type: ignore[operator]
-            u.z_max = (u.max - g.median_max) / spread_max  # type: ignore[operator]
+            assert u.mean is not None and u.max is not None  # valid keeps only units with both
+            u.z_mean = (u.mean - g.median_mean) / spread_mean
+            u.z_max = (u.max - g.median_max) / spread_max
             if abs(u.z_mean) <= OUTLIER_Z and abs(u.z_max) <= OUTLIER_Z:
                 continue
             who = f"expert {u.expert}: " if r.tensor.layout == "gpt-oss" and r.expert_slice is None else ""
@@ -1104,7 +1106,7 @@ def _eligibility(info: TensorInfo) -> str | None:
 def quantization_error(
     path: str | os.PathLike[str],
     *,
-    scale_mode: str = "floor",
+    scale_mode: ScaleMode = "floor",
     tensor: str | None = None,
     include_all: bool = False,
     chunk_bytes: int = ERROR_CHUNK_BYTES,
@@ -1160,7 +1162,7 @@ def quantization_error(
     return QuantErrorReport(str(path), scale_mode, rows, skipped, time.perf_counter() - t0)
 
 
-def _measure(header: ShardHeader, info: TensorInfo, scale_mode: str, chunk_bytes: int) -> ErrorRow:
+def _measure(header: ShardHeader, info: TensorInfo, scale_mode: ScaleMode, chunk_bytes: int) -> ErrorRow:
     from ..format.checkpoint import numpy_dtype
 
     dtype = numpy_dtype(info.dtype)
@@ -1191,7 +1193,7 @@ def _measure(header: ShardHeader, info: TensorInfo, scale_mode: str, chunk_bytes
                 blocks[bad] = 0.0
                 x = blocks.reshape(n, width)
                 values -= int(np.count_nonzero(bad)) * MX_BLOCK_SIZE
-            packed, scales = quantize_mxfp4(x, scale_mode=scale_mode)  # type: ignore[arg-type]
+            packed, scales = quantize_mxfp4(x, scale_mode=scale_mode)
             q = dequantize_mxfp4(packed, scales, dtype=np.float64)
             x64 = x.astype(np.float64).ravel()
             err = q.ravel() - x64
