@@ -374,7 +374,7 @@ def _list_hf(repo: str, revision: str | None, endpoint: str, token: str | None) 
     try:
         import httpx2 as httpx  # what huggingface_hub 2.x is built on
     except ImportError:  # pragma: no cover - huggingface_hub 1.x uses httpx
-        import httpx  # type: ignore[no-redef]
+        import httpx  # type: ignore[no-redef]  # one name for whichever of the two is installed
 
     rev = revision or hf_constants.DEFAULT_REVISION  # "main", as hf_hub_download/snapshot_download
     ctx: dict[str, Any] = {"hub": "hf", "repo": repo, "revision": rev, "endpoint": endpoint}
