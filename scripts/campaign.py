@@ -34,9 +34,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from k3ckpt.testing import (
+    crash,
+    fuzz,  # noqa: E402
+)
 from k3ckpt.testing.synth import spec_from_preset, synthesize  # noqa: E402
-from k3ckpt.testing import fuzz  # noqa: E402
-from k3ckpt.testing import crash
 
 #: Kills per seed: each seed is one campaign (one hub or topology, one final run).
 KILLS_PER_SEED = 5

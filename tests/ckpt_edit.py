@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from k3ckpt.format.checkpoint import INDEX_NAME
 from k3ckpt.format.header import TensorSpec, build_header, read_header

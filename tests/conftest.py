@@ -11,8 +11,9 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -129,9 +130,8 @@ def hash_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def module_hub(served: Path, hash_cache: Path) -> Iterator[Any]:
     """One loopback hub per test module, serving that module's ``served`` directory (the module
     defines the ``served`` fixture) as ``helpers.REPO``. Tests use it through ``hub``."""
-    from k3ckpt.testing.hub import LoopbackHub
-
     from helpers import REPO
+    from k3ckpt.testing.hub import LoopbackHub
 
     with LoopbackHub({REPO: served}, cache_dir=hash_cache) as h:
         yield h

@@ -9,15 +9,15 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
 
 import k3ckpt.format.checkpoint as ckmod
 import k3ckpt.format.header as sh
-from k3ckpt.format.checkpoint import INDEX_NAME, Checkpoint, HeaderReader, Problem, open_checkpoint
+from helpers import REPO
 from k3ckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -25,9 +25,9 @@ from k3ckpt.errors import (
     K3ckptError,
     SafetensorsHeaderError,
 )
-from k3ckpt.format.roles import Kind
+from k3ckpt.format.checkpoint import INDEX_NAME, Checkpoint, HeaderReader, Problem, open_checkpoint
 from k3ckpt.format.header import TensorSpec, build_header, read_header
-from helpers import REPO
+from k3ckpt.format.roles import Kind
 
 BF16_NAME = "language_model.model.embed_tokens.weight"
 F32_NAME = "language_model.model.layers.0.self_attn.A_log"
@@ -193,7 +193,7 @@ def test_open_k3_tiny(k3_tiny: Path, opener) -> None:
     # Roles: 16 experts x 6 tensors in each of the 4 MoE layers.
     experts = [r for r in ck.roles.values() if r.kind == Kind.ROUTED_EXPERT]
     assert len(experts) == 4 * 16 * 6
-    assert {(r.layer, r.expert) for r in experts} == {(l, e) for l in range(1, 5) for e in range(16)}
+    assert {(r.layer, r.expert) for r in experts} == {(layer, e) for layer in range(1, 5) for e in range(16)}
     assert sum(ck.stats.expert_parts.values()) == len(experts)
 
 

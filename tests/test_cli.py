@@ -12,9 +12,9 @@ from pathlib import Path
 import click
 import pytest
 
+from helpers import assert_one_line_error, run
 from k3ckpt import __version__
 from k3ckpt.cli import main
-from helpers import assert_one_line_error, run
 
 
 def test_version_and_module_entry_point() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from k3ckpt.testing.crash import InvariantViolation, scan_fetch, scan_reshard, fetch_campaign, reshard_campaign
+from k3ckpt.testing.crash import InvariantViolation, fetch_campaign, reshard_campaign, scan_fetch, scan_reshard
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 
-from k3ckpt.hub import download
-from k3ckpt.hub.download import DiskSpaceError, FetchLockedError, FetchResult, fetch_files
-from k3ckpt.hub.client import HubFile, HubListing, RetryPolicy, list_repo
-from k3ckpt.testing.hub import LoopbackHub
 from helpers import REPO
+from k3ckpt.hub import download
+from k3ckpt.hub.client import HubFile, HubListing, RetryPolicy, list_repo
+from k3ckpt.hub.download import DiskSpaceError, FetchLockedError, FetchResult, fetch_files
+from k3ckpt.testing.hub import LoopbackHub
 
 HUBS = ("hf", "modelscope")
 BIG = "model-00001-of-000008.safetensors"  # 1.6 MB: 26 chunks of 64 KiB

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from ckpt_edit import tree_digests
 from helpers import REPO
 

@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from ckpt_edit import tree_digests
 from click.testing import CliRunner
 
-from k3ckpt.format.checkpoint import open_checkpoint
-from k3ckpt.cli import main
-from k3ckpt.hub.fetch import select_paths
+from ckpt_edit import tree_digests
 from helpers import REPO, run
+from k3ckpt.cli import main
+from k3ckpt.format.checkpoint import open_checkpoint
+from k3ckpt.hub.fetch import select_paths
 
 
 @pytest.fixture()

@@ -15,13 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import run
+from k3ckpt.errors import ConfigError, IndexFileError
 from k3ckpt.format.checkpoint import open_checkpoint, read_index
 from k3ckpt.format.config import load_config
-from k3ckpt.errors import ConfigError, IndexFileError
 from k3ckpt.integrity.manifest import Manifest, ManifestError, build_manifest
-from k3ckpt.testing.fuzz import SEEDS, TARGETS, encode, header_bytes_from_file, mutate_json, paths_of
 from k3ckpt.integrity.verify import verify_checkpoint
-from helpers import run
+from k3ckpt.testing.fuzz import SEEDS, TARGETS, encode, header_bytes_from_file, mutate_json, paths_of
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                 derandomize=True)

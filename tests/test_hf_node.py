@@ -11,13 +11,13 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
+from helpers import tensor_digests
+from k3ckpt.cli import main
 from k3ckpt.deploy import reshard as rs
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
-from k3ckpt.cli import main
-from k3ckpt.testing.synth import spec_from_preset, synthesize
 from k3ckpt.format.topology import RankSelection, Topology
 from k3ckpt.integrity.verify import verify_checkpoint
-from helpers import tensor_digests
+from k3ckpt.testing.synth import spec_from_preset, synthesize
 
 
 def check_node(src: Path, ndir: Path, topo: Topology, node: int, gpus_per_node: int) -> None:

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from k3ckpt.hub.download import fetch_files
+from helpers import REPO, run
 from k3ckpt.errors import K3ckptError
 from k3ckpt.hub.client import RetryPolicy, list_repo
+from k3ckpt.hub.download import fetch_files
 from k3ckpt.hub.pull import pull_manifest
 from k3ckpt.testing.hub import LoopbackHub
-from helpers import REPO, run
 
 HUBS = ("hf", "modelscope")
 SHARD = "model-00001-of-000008.safetensors"  # 1.6 MB

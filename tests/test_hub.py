@@ -25,8 +25,8 @@ import pytest
 import requests
 from safetensors.numpy import save_file
 
-from k3ckpt.testing.hub import Fault, LoopbackHub, RepoSpec, main
 from helpers import REPO
+from k3ckpt.testing.hub import Fault, LoopbackHub, RepoSpec, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HF_CLI = Path(sys.executable).with_name("hf")

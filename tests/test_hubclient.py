@@ -24,9 +24,11 @@ from typing import Any
 
 import pytest
 
-from k3ckpt.hub import client as hubclient
+from helpers import REPO
 from k3ckpt.env import K3CKPT_MAX_HEADER_BYTES
 from k3ckpt.errors import EXIT_CANNOT_RUN, SafetensorsHeaderError
+from k3ckpt.format.header import read_header
+from k3ckpt.hub import client as hubclient
 from k3ckpt.hub.client import (
     EntryNotFoundError,
     HubAuthError,
@@ -34,13 +36,13 @@ from k3ckpt.hub.client import (
     HubFile,
     HubListing,
     HubListingError,
+    HubShortReadError,
     HubUnreachableError,
     RangeMismatchError,
     RangeNotSupportedError,
     RepoNotFoundError,
     RetryPolicy,
     RevisionNotFoundError,
-    HubShortReadError,
     UnsafePathError,
     auth_headers,
     fetch_header,
@@ -49,9 +51,7 @@ from k3ckpt.hub.client import (
     read_range,
     resolve_endpoint,
 )
-from k3ckpt.format.header import read_header
 from k3ckpt.testing.hub import LoopbackHub
-from helpers import REPO
 
 HUBS = ("hf", "modelscope")
 BIG = "model-00001-of-000008.safetensors"  # 1.6 MB: offsets past the 1 MiB skip limit exist

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_edit import edit_index, flip_byte, rewrite_shard
+from helpers import run, shard_of
 from k3ckpt.format.checkpoint import iter_checkpoint_files, open_checkpoint
 from k3ckpt.integrity.manifest import (
     FORMAT,
@@ -27,9 +29,6 @@ from k3ckpt.integrity.manifest import (
     diff_manifests,
 )
 from k3ckpt.integrity.verify import verify_checkpoint
-
-from ckpt_edit import edit_index, flip_byte, rewrite_shard
-from helpers import run, shard_of
 
 INDEX = "model.safetensors.index.json"
 LAYER1_EXPERT3 = "language_model.model.layers.1.block_sparse_moe.experts.3."
@@ -80,7 +79,7 @@ def test_build_describes_every_file_and_tensor_with_hashlib_equal_digests(k3_tin
         assert data["tensors"][name] == {"file": t.file, "dtype": t.dtype, "shape": list(t.shape),
                                          "offsets": [start, stop], "sha256": t.sha256}
     # The offsets of each shard tile its data buffer exactly, from data_start to the end of file.
-    for f, h in ckpt.shards.items():
+    for f in ckpt.shards:
         spans = sorted(t.offsets for t in m.tensors.values() if t.file == f)
         assert spans[0][0] == m.files[f].data_start and spans[-1][1] == m.files[f].size
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from helpers import REPO
 from k3ckpt.cli import main
 from k3ckpt.hub.pull import pull_manifest
 from k3ckpt.integrity.manifest import Manifest, build_manifest, diff_manifests
-from helpers import REPO
 
 
 @pytest.fixture()

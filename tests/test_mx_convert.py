@@ -18,19 +18,19 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from k3ckpt.mx import convert as mx_convert
+from helpers import assert_one_line_error, run
 from k3ckpt.format.checkpoint import numpy_dtype, open_checkpoint
+from k3ckpt.format.header import DTYPE_BITS, TensorSpec, build_header, read_header
+from k3ckpt.mx import convert as mx_convert
+from k3ckpt.mx.codec import dequantize_mxfp4, dequantize_mxfp4_gptoss, quantize_mxfp4
 from k3ckpt.mx.convert import (
     MxConvertError,
     dequantize_to_file,
     is_quantizable,
     quantize_file,
 )
-from k3ckpt.mx.codec import dequantize_mxfp4, dequantize_mxfp4_gptoss, quantize_mxfp4
 from k3ckpt.mx.select import MxSelectionError, MxSource, find_mx_tensors
-from k3ckpt.format.header import DTYPE_BITS, TensorSpec, build_header, read_header
 from k3ckpt.testing.synth import spec_from_preset, synthesize
-from helpers import assert_one_line_error, run
 
 NP_TO_ST = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
             np.dtype(np.uint8): "U8", np.dtype(np.int64): "I64"}

@@ -12,19 +12,19 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from k3ckpt.format.checkpoint import open_checkpoint
+from helpers import run
 from k3ckpt.errors import MxPlotUnavailableError
-from k3ckpt.mx.error import quantization_error
-from k3ckpt.mx.inspect import CODE_LABELS, OUTLIER_Z, inspect_mx
-from k3ckpt.mx.render import render_inspect
+from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.mx.codec import (
     E2M1_VALUES,
     dequantize_mxfp4,
     dequantize_mxfp4_gptoss,
     quantize_mxfp4,
 )
+from k3ckpt.mx.error import quantization_error
+from k3ckpt.mx.inspect import CODE_LABELS, OUTLIER_Z, inspect_mx
+from k3ckpt.mx.render import render_inspect
 from k3ckpt.mx.select import MxSelectionError, MxSource, MxTensor, find_mx_tensors
-from helpers import run
 
 K3 = "language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}"
 
@@ -233,7 +233,8 @@ def test_exponent_shift_flags_exactly_that_tensor(k3_tiny: Path, clone_checkpoin
     # The text report details the flagged tensor with its charts.
     text = run("mx", "inspect", str(root), "--layer", "3").output
     assert max(len(line) for line in text.splitlines()[1:]) <= 100
-    assert "11.w2" in text and "E2M1 codes" in text and f"{base}.weight\n  format   mxfp4, compressed-tensors layout; layer 3, expert 11, down" in text
+    assert "11.w2" in text and "E2M1 codes" in text
+    assert f"{base}.weight\n  format   mxfp4, compressed-tensors layout; layer 3, expert 11, down" in text
 
 
 def test_exponent_outlier_in_a_gptoss_stack_names_the_expert(gptoss_tiny: Path, clone_checkpoint) -> None:

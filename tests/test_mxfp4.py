@@ -11,7 +11,6 @@ from hypothesis.extra import numpy as hnp
 
 from k3ckpt.mx import codec as M
 
-
 GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 HAS_E8M0 = hasattr(ml_dtypes, "float8_e8m0fnu")
 HAS_E2M1 = hasattr(ml_dtypes, "float4_e2m1fn")

@@ -24,7 +24,6 @@ from hypothesis.extra import numpy as hnp
 
 from k3ckpt.mx import codec as M
 
-
 pytestmark = pytest.mark.skipif(
     not (hasattr(ml_dtypes, "float4_e2m1fn") and hasattr(ml_dtypes, "float8_e8m0fnu")),
     reason="the reference needs ml_dtypes >= 0.5 (float4_e2m1fn, float8_e8m0fnu)",

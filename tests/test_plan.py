@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from k3ckpt.format.checkpoint import open_checkpoint
-from k3ckpt.integrity.manifest import build_manifest
+from helpers import run
 from k3ckpt.deploy.plan import ACCELERATORS, WEIGHT_OVERHEAD, plan_topology
+from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.format.roles import Kind
 from k3ckpt.format.topology import RankSelection, TopologyError
-
-from helpers import run
+from k3ckpt.integrity.manifest import build_manifest
 
 
 def test_bytes_per_rank_add_up(k3_tiny: Path) -> None:

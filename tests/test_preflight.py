@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_edit import drop_tensors, flip_byte
+from helpers import run as run_cli
 from k3ckpt.deploy import preflight as pf
 from k3ckpt.deploy.reshard import reshard
 from k3ckpt.format.topology import RankSelection
-from ckpt_edit import drop_tensors, flip_byte
-from helpers import run as run_cli
 
 #: No GPU tool on this PATH (the machine has none; tests add fake ones in front).
 NO_GPU = {"PATH": "/usr/bin:/bin"}
@@ -333,7 +333,8 @@ def test_gpu_visible_devices_and_hopper(layout: Path, tmp_path: Path) -> None:
     env = fake_tool(tmp_path / "bin", "nvidia-smi", NVIDIA_ARGS,
                     "NVIDIA H100 80GB HBM3, 81559, 81000\nNVIDIA H100 80GB HBM3, 81559, 0\n"
                     "NVIDIA H100 80GB HBM3, 81559, 0")
-    assert rows(pf.preflight(layout, RankSelection(node=0, gpus_per_node=2), environ=env))["gpu"].status == "FAIL"  # GPU 0 is busy
+    # GPU 0 is busy
+    assert rows(pf.preflight(layout, RankSelection(node=0, gpus_per_node=2), environ=env))["gpu"].status == "FAIL"
     rep = pf.preflight(layout, RankSelection(node=0, gpus_per_node=2),
                        environ={**env, "CUDA_VISIBLE_DEVICES": "1,2"})
     assert statuses(rep)["gpu"] == "PASS" and rep.ok
@@ -379,7 +380,8 @@ def test_missing_license_and_quantization_mismatch(layout: Path) -> None:
     r = rows(rep)
     assert r["license"].status == "WARN" and "no LICENSE" in r["license"].reason
     assert r["quantization"].status == "FAIL"
-    assert "says no quantization_config but the tensors have" in r["quantization"].reason and "MXFP4 weights" in r["quantization"].reason
+    assert "says no quantization_config but the tensors have" in r["quantization"].reason
+    assert "MXFP4 weights" in r["quantization"].reason
 
 
 # -- plain checkpoints and hf-node copies -------------------------------------------------------

@@ -20,21 +20,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckpt_edit import tree_digests
 from click.testing import CliRunner
 
-from k3ckpt.hub import download
-from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
-from k3ckpt.cli import main
-from k3ckpt.hub.client import HubFile
-from k3ckpt.integrity.manifest import build_manifest
-from k3ckpt.hub.rankfetch import PARTIAL_NAME, plan_rank_fetch, plan_shard, run_rank_fetch
-from k3ckpt.deploy.reshard import reshard
-from k3ckpt.format.topology import RankSelection
-from k3ckpt.format.roles import Kind, classify
-from k3ckpt.format.header import read_header
-from k3ckpt.integrity.verify import verify_checkpoint
+from ckpt_edit import tree_digests
 from helpers import REPO, run
+from k3ckpt.cli import main
+from k3ckpt.deploy.reshard import reshard
+from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
+from k3ckpt.format.header import read_header
+from k3ckpt.format.roles import Kind, classify
+from k3ckpt.format.topology import RankSelection
+from k3ckpt.hub import download
+from k3ckpt.hub.client import HubFile
+from k3ckpt.hub.rankfetch import PARTIAL_NAME, plan_rank_fetch, plan_shard, run_rank_fetch
+from k3ckpt.integrity.manifest import build_manifest
+from k3ckpt.integrity.verify import verify_checkpoint
 
 NODE0 = ("--ep", "8", "--tp", "2", "--node", "0", "--gpus-per-node", "4")
 CHUNK = 16 * 1024  # small enough that the shards need several requests, and big tensors several pieces

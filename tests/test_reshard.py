@@ -15,9 +15,9 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
+from k3ckpt.cli import main
 from k3ckpt.deploy import reshard as rs
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
-from k3ckpt.cli import main
 from k3ckpt.format.header import DTYPE_BITS, read_header
 from k3ckpt.format.topology import RankSelection, Topology
 
@@ -126,7 +126,7 @@ def check_layout(src: Path, out: Path, *, ep: int = 1, tp: int = 1, world_size: 
             assert np.array_equal(rebuilt, src_arr), name
             continue
         parts: dict[int, np.ndarray] = {}
-        for r, split, arr in copies:
+        for _rank, split, arr in copies:
             if split is None:
                 assert np.array_equal(arr, src_arr), name
             else:
@@ -381,8 +381,8 @@ WORKING_FILES = ["big.bin.part", "big.bin.part.journal", ".k3ckpt-fetch.lock", "
 def test_working_files_are_not_copied(k3_tiny: Path, tmp_path: Path) -> None:
     import shutil
 
-    from k3ckpt.format.checkpoint import is_working_file
     from k3ckpt.deploy.unshard import unshard
+    from k3ckpt.format.checkpoint import is_working_file
 
     src = tmp_path / "src"
     shutil.copytree(k3_tiny, src)

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3ckpt.format.checkpoint import open_checkpoint
-from k3ckpt.format.roles import TP, UNKNOWN_ROLE, Kind, Role, classify, logical_params, logical_params_of
 from k3ckpt.format.header import TensorInfo
+from k3ckpt.format.roles import TP, UNKNOWN_ROLE, Kind, Role, classify, logical_params, logical_params_of
 
 C, R, V, P, E = TP.COLUMN, TP.ROW, TP.VOCAB, TP.REPLICATED, TP.EXPERT
 

@@ -14,6 +14,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
+from helpers import run
 from k3ckpt.integrity.manifest import Manifest, build_manifest
 from k3ckpt.integrity.signing import (
     KeyFileError,
@@ -24,7 +25,6 @@ from k3ckpt.integrity.signing import (
     load_signed_manifest,
     sign_file,
 )
-from helpers import run
 
 OPENSSL = shutil.which("openssl")
 needs_openssl = pytest.mark.skipif(OPENSSL is None, reason="no openssl CLI on this machine")

@@ -189,7 +189,7 @@ class Checker(ast.NodeVisitor):
         parts = self.dotted(node)
         if parts and parts[0] in self.aliases:
             mod = self.aliases[parts[0]]
-            for i, p in enumerate(parts[1:], start=1):
+            for p in parts[1:]:
                 if is_module(f"{mod}.{p}", self.root):
                     mod = f"{mod}.{p}"
                     self.check_module(node, mod)

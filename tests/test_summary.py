@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_edit import drop_tensors
 from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.format.inspect import inspect_checkpoint, render_text
 from k3ckpt.testing.synth import PRESETS
-
-from ckpt_edit import drop_tensors
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:
@@ -121,8 +120,8 @@ def test_missing_scale_is_named(k3_tiny: Path, tmp_path: Path) -> None:
 
 
 def test_unknown_tensor_is_a_warning_not_dropped(k3_tiny: Path, tmp_path: Path) -> None:
-    from safetensors.numpy import save_file
     import numpy as np
+    from safetensors.numpy import save_file
 
     root = _copy(k3_tiny, tmp_path)
     save_file({"mystery.block.weight": np.ones((4, 4), np.float32)}, str(root / "extra.safetensors"))

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.errors import SynthError
-from k3ckpt.mx.codec import dequantize_mxfp4, quantize_mxfp4
+from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.format.roles import Kind
-from k3ckpt.testing.synth import PRESETS, tensor_rng, assign_shards, spec_from_preset, synthesize
+from k3ckpt.mx.codec import dequantize_mxfp4, quantize_mxfp4
+from k3ckpt.testing.synth import PRESETS, assign_shards, spec_from_preset, synthesize, tensor_rng
 
 
 def _digests(root: Path) -> dict[str, str]:

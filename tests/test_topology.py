@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.errors import EXIT_CANNOT_RUN, K3ckptError
+from k3ckpt.format.checkpoint import open_checkpoint
 from k3ckpt.format.roles import Kind, Role, classify
 from k3ckpt.format.topology import (
     ExpertSlice,

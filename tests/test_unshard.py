@@ -18,15 +18,15 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from k3ckpt.deploy import reshard as rs
-from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
-from k3ckpt.cli import main
-from k3ckpt.format.header import read_header
-from k3ckpt.testing.synth import spec_from_preset, synthesize
-from k3ckpt.format.topology import RankSelection
-from k3ckpt.deploy.unshard import UnshardError, natural_key, plan_unshard, unshard
-from test_reshard import check_layout
 from helpers import tensor_digests
+from k3ckpt.cli import main
+from k3ckpt.deploy import reshard as rs
+from k3ckpt.deploy.unshard import UnshardError, natural_key, plan_unshard, unshard
+from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
+from k3ckpt.format.header import read_header
+from k3ckpt.format.topology import RankSelection
+from k3ckpt.testing.synth import spec_from_preset, synthesize
+from test_reshard import check_layout
 
 
 def assert_round_trip(src: Path, back: Path) -> None:

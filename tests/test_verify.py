@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from k3ckpt.format.checkpoint import open_checkpoint
-from k3ckpt.integrity.manifest import Manifest, build_manifest
-from k3ckpt.format.header import read_header
-from k3ckpt.integrity.verify import KINDS, Issue, VerifyReport, verify_checkpoint
-
-from ckpt_edit import edit_index, rewrite_shard, set_byte as patch, shard_tensors
+from ckpt_edit import edit_index, rewrite_shard, shard_tensors
+from ckpt_edit import set_byte as patch
 from helpers import REPO, run, shard_of
+from k3ckpt.format.checkpoint import open_checkpoint
+from k3ckpt.format.header import read_header
+from k3ckpt.integrity.manifest import Manifest, build_manifest
+from k3ckpt.integrity.verify import KINDS, Issue, VerifyReport, verify_checkpoint
 
 INDEX = "model.safetensors.index.json"
 L1E3 = "language_model.model.layers.1.block_sparse_moe.experts.3."

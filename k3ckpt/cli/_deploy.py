@@ -192,7 +192,8 @@ def preflight(directory: str, selection: RankSelection, full: bool, io_test: flo
       k3ckpt preflight /nvme/k3-ep8-tp2 --rank 3 --ep 8 --tp 2 --full --json
       k3ckpt preflight /nvme/Kimi-K3 --ep 8 --tp 8 --node 1 --gpus-per-node 8 --io-test 10
     """
-    from ..deploy.preflight import preflight as run_preflight, render_preflight
+    from ..deploy.preflight import preflight as run_preflight
+    from ..deploy.preflight import render_preflight
 
     rep = run_preflight(directory, selection, full=full, io_test=io_test, kv_budget=kv_budget,
                         min_free_disk=min_free_disk, use_env=not no_env, jobs=jobs)

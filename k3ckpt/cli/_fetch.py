@@ -104,8 +104,7 @@ def _fetch_ranks(hub: str, repo: str, revision: str | None, dest: str, include: 
                  selection: RankSelection, manifest_path: str | None, dry_run: bool, as_json: bool,
                  verbose: bool) -> None:
     """``k3ckpt fetch`` with a rank selection: see :mod:`k3ckpt.hub.rankfetch`."""
-    from ..hub.rankfetch import (plan_rank_fetch, rank_fetch_json, render_rank_fetch, render_rank_fetch_plan,
-                                 run_rank_fetch)
+    from ..hub.rankfetch import plan_rank_fetch, rank_fetch_json, render_rank_fetch, render_rank_fetch_plan, run_rank_fetch
 
     plan = plan_rank_fetch(hub, repo, dest, selection, revision=revision, endpoint=endpoint, manifest=manifest_path,
                            include=include, exclude=exclude, chunk_size=chunk_size, jobs=workers)

@@ -38,8 +38,8 @@ def inspect(path: str, show_layers: bool, as_json: bool, jobs: int | None) -> No
       k3ckpt inspect ./Kimi-K3 --json | jq .params_active
     """
     from ..format.checkpoint import open_checkpoint
-    from ..format.layout import read_node_marker
     from ..format.inspect import inspect_checkpoint, render_text
+    from ..format.layout import read_node_marker
 
     t0 = time.perf_counter()
     ckpt = open_checkpoint(path, jobs=jobs)
@@ -70,8 +70,10 @@ def inspect(path: str, show_layers: bool, as_json: bool, jobs: int | None) -> No
 @click.option("--experts", "num_experts", type=click.IntRange(1), help="Routed experts per MoE layer.")
 @click.option("--active", "experts_per_token", type=click.IntRange(1), help="Experts per token.")
 @click.option("--hidden", "hidden_size", type=click.IntRange(32), help="Hidden size.")
-@click.option("--moe-intermediate", "moe_intermediate_size", type=click.IntRange(32), help="Expert intermediate size (multiple of 32).")
-@click.option("--expert-hidden", "routed_expert_hidden_size", type=click.IntRange(0), help="Latent expert width (0: hidden size).")
+@click.option("--moe-intermediate", "moe_intermediate_size", type=click.IntRange(32),
+              help="Expert intermediate size (multiple of 32).")
+@click.option("--expert-hidden", "routed_expert_hidden_size", type=click.IntRange(0),
+              help="Latent expert width (0: hidden size).")
 @click.option("--vocab", "vocab_size", type=click.IntRange(1), help="Vocabulary size.")
 @click.option("--shards", "num_shards", type=click.IntRange(0), help="Shard count (0: one per layer, K3 style).")
 @click.option("--seed", type=int, help="Seed; the same seed gives byte-identical output.")

@@ -255,19 +255,19 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
     if signature_path and not manifest_path:
         raise click.UsageError("--signature checks a --manifest; give one")
     kwargs: dict[str, Any] = {}
-    if manifest_path and signature_path:
+    if manifest_path and signature_path and pubkey_path:  # (--signature without --pubkey was refused above)
         from ..integrity.signing import load_signed_manifest
 
-        signed, kid = load_signed_manifest(manifest_path, signature_path, pubkey_path)  # type: ignore[arg-type]
+        signed, kid = load_signed_manifest(manifest_path, signature_path, pubkey_path)
         kwargs.update(manifest=signed, reference=f"manifest {manifest_path}, signed by {kid}")
     elif manifest_path:
         from ..integrity.manifest import Manifest
 
         kwargs.update(manifest=Manifest.load(manifest_path), manifest_label=manifest_path)
-    elif against:
+    elif against and repo:  # (--against without --repo was refused above)
         from ..hub.client import list_repo
 
-        listing = list_repo(against, repo, revision, endpoint=endpoint)  # type: ignore[arg-type]
+        listing = list_repo(against, repo, revision, endpoint=endpoint)
         kwargs.update(
             expected_files={f.path: Expected(f.size, f.sha256, f.git_sha1) for f in listing.files.values()},
             reference=f"{against}:{listing.repo}@{listing.revision}",

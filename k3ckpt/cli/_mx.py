@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from ..errors import EXIT_PROBLEMS
 from ._options import CONTEXT, handle_errors, jobs_option, json_option
 from ._output import ByteProgress, emit_json
+
+if TYPE_CHECKING:  # the mx modules (and numpy) are imported by the commands that use them
+    from ..mx.codec import ScaleMode
 
 
 @click.group(context_settings=CONTEXT)
@@ -103,7 +107,7 @@ def mx_inspect(path: str, tensor: str | None, layer: int | None, expert: int | N
               help="Also measure roles K3 keeps in high precision (attention, norms, router, embeddings, ...).")
 @json_option()
 @handle_errors
-def mx_error(path: str, scale_mode: str, tensor: str | None, include_all: bool, as_json: bool) -> None:
+def mx_error(path: str, scale_mode: ScaleMode, tensor: str | None, include_all: bool, as_json: bool) -> None:
     """What MXFP4 would do to float weights: round-trip quantization error per tensor.
 
     PATH is one .safetensors file with BF16/F16/F32 weights. Every 2-D float tensor whose last
@@ -188,7 +192,7 @@ def mx_dequant(path: str, tensor: str | None, layer: int | None, expert: int | N
                    "norms, embeddings and LM heads stay as they are.")
 @json_option("Print what was written as JSON.")
 @handle_errors
-def mx_quantize(input_file: str, output: str, scale_mode: str, include_all: bool, as_json: bool) -> None:
+def mx_quantize(input_file: str, output: str, scale_mode: ScaleMode, include_all: bool, as_json: bool) -> None:
     """Quantize the BF16/F16/F32 weights of a safetensors file to MXFP4 in the K3 layout.
 
     Each eligible `<base>.weight` [out, in] becomes `<base>.weight_packed` [out, in/2] U8 (low
@@ -206,7 +210,7 @@ def mx_quantize(input_file: str, output: str, scale_mode: str, include_all: bool
     from ..mx.convert import quantize_file, render_quantize
 
     with ByteProgress(not as_json, "quantizing") as bar:
-        res = quantize_file(input_file, output, scale_mode=scale_mode, include_all=include_all,  # type: ignore[arg-type]
+        res = quantize_file(input_file, output, scale_mode=scale_mode, include_all=include_all,
                             progress=bar, on_plan=bar.plan)
     if as_json:
         emit_json(res.to_json())

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:  # at run time tqdm is imported only when a bar is shown (in plan)
+    from tqdm import tqdm
 
 
 def emit_json(obj: Any) -> None:
@@ -21,7 +24,7 @@ class ByteProgress:
     def __init__(self, enabled: bool, desc: str) -> None:
         import threading
 
-        self._bar = None
+        self._bar: tqdm[Any] | None = None
         self._lock = threading.Lock()
         self._enabled = enabled and sys.stderr.isatty()
         self._desc = desc
@@ -42,7 +45,7 @@ class ByteProgress:
         if self._bar is not None:
             self._bar.close()
 
-    def __enter__(self) -> "ByteProgress":
+    def __enter__(self) -> ByteProgress:
         return self
 
     def __exit__(self, *exc: object) -> None:

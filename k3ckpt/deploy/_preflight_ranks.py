@@ -143,7 +143,8 @@ def check_environment(env: RankEnv, world_size: int | None, ranks: list[int], *,
 
 
 def _env_vs_topology(env: RankEnv, world_size: int | None, per_node: int | None) -> list[str]:
-    src, bad = env.sources, []
+    src = env.sources
+    bad: list[str] = []
     if world_size is None:
         return bad
     if env.world_size is not None and env.world_size != world_size:
@@ -256,8 +257,9 @@ class RankLayout:
             return
         self.tj = tj
         try:
-            topo = Topology(tj.get("ep"), tj.get("tp"), tj.get("world_size"), tj.get("expert_placement"),
-                            tj.get("num_experts"))
+            # Unchecked JSON values on purpose: Topology validates its fields and raises TopologyError.
+            topo = Topology(tj.get("ep"), tj.get("tp"), tj.get("world_size"), tj.get("expert_placement"),  # type: ignore[arg-type]
+                            tj.get("num_experts"))  # type: ignore[arg-type]
         except TopologyError as e:
             self.checks.append(Check("topology", FAIL, f"{path}: {e}", fix=self._fix(None, [], force=True)))
             return
@@ -488,6 +490,7 @@ class PlainCheckpoint:
         except CheckpointNotFoundError as e:
             raise PreflightError(f"{self.root}: neither a rank layout (no {TOPOLOGY_NAME}) nor a checkpoint ({e})") from None
         topo = self._topology(ckpt)
+        ranks: list[int]
         if topo is None:
             if ask.rank is not None or ask.selection.node is not None:
                 raise PreflightError("--rank/--node need --ep/--tp for a plain checkpoint (it has no topology.json)")

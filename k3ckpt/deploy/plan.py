@@ -14,8 +14,8 @@ from typing import Any
 
 from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..format.config import ModelConfig
-from ..format.roles import classify
 from ..format.header import TensorInfo
+from ..format.roles import classify
 from ..format.topology import RankSelection, TopologyError, check_heads, index_of, num_experts_of, tensors_for_ranks
 
 #: Rule of thumb for what a rank needs beyond its weights (activations, CUDA graphs, buffers).
@@ -122,7 +122,8 @@ def plan_topology(
         total = ckpt.total_bytes
         label = str(ckpt.root)
     else:
-        tensors, total = _from_manifest(Path(source))  # type: ignore[arg-type]
+        assert not isinstance(source, Checkpoint)  # a Checkpoint source always sets ckpt
+        tensors, total = _from_manifest(Path(source))
         idx = index_of((tensors, {n: classify(n) for n in tensors}))
         label = str(source)
         notes.append("planned from a manifest: expert count inferred from tensor names")

@@ -84,10 +84,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .bytecopy import Copier, FdCache, Run, copy_files, tmp_name
-from ..utils import fsync_dir, is_within, write_atomic
-from ..format.checkpoint import INDEX_NAME, Checkpoint, is_working_file, open_checkpoint
 from ..errors import ReshardError
+from ..format.checkpoint import INDEX_NAME, Checkpoint, is_working_file, open_checkpoint
 from ..format.header import DTYPE_BITS, TensorSpec, build_header
 from ..format.layout import (
     FORMAT,
@@ -117,6 +115,8 @@ from ..format.topology import (
     ranks_of_node,
     tensors_for_ranks,
 )
+from ..utils import fsync_dir, is_within, write_atomic
+from .bytecopy import Copier, FdCache, Run, copy_files, tmp_name
 
 #: Alignment of each output file's data buffer.
 ALIGN = 4096
@@ -198,7 +198,7 @@ def _tensor_plan(name: str, info: Any, data_start: int, placement: Any) -> OutTe
                     runs.append(r)
         out_shape = placement.shape(shape)
         split_json: dict | None = placement.to_json()
-        key = (name, "experts", placement.experts, inner)
+        key: tuple[Any, ...] = (name, "experts", placement.experts, inner)
     else:
         runs = _split_runs(base, shape, info.dtype, placement, name)
         out_shape = placement.shape(shape) if placement is not None else shape
@@ -404,9 +404,14 @@ def plan_reshard(
             info = ckpt.tensors[name]
             outs.append(_tensor_plan(name, info, ckpt.shards[info.file].data_start, p))
         outs.sort(key=lambda t: (t.src_file, t.src_start, t.name))
-        info = rt.rank
-        plans.append(RankPlan(r, info.ep_rank, info.tp_rank, info.moe_tp_rank,
-                              _pack_files(r, outs, max_file_size, align, lambda k, _n, r=r: part_name(r, k))))
+        rank_info = rt.rank
+
+        # a def, not a lambda: mypy cannot type a lambda with a default argument as Callable[[int, int], str]
+        def name_of(k: int, _n: int, r: int = r) -> str:
+            return part_name(r, k)
+
+        plans.append(RankPlan(r, rank_info.ep_rank, rank_info.tp_rank, rank_info.moe_tp_rank,
+                              _pack_files(r, outs, max_file_size, align, name_of)))
     return ReshardPlan(ckpt, topo, plans, _source_json(ckpt), gpus_per_node, extra)
 
 
@@ -534,7 +539,9 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
                 copier.contiguous(src, dst, t.runs[0].offset, t_do, end - t.runs[0].offset, sinks)
                 for g, h in zip(group, hashers):
                     if h is None:
-                        digests[g.name] = cache.get(g.key)  # type: ignore[assignment]
+                        known = cache.get(g.key)
+                        assert known is not None  # no hasher: the cache had its digest, and entries stay
+                        digests[g.name] = known
                     else:
                         digests[g.name] = h.hexdigest()
                         cache.put(g.key, digests[g.name])
@@ -559,9 +566,12 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
                 else:
                     copier.strided(src, dst, run, do, sink)
                 do += run.nbytes
-            digests[t.name] = cached if cached else th.hexdigest()  # type: ignore[union-attr]
             if th is not None:
+                digests[t.name] = th.hexdigest()
                 cache.put(t.key, digests[t.name])
+            else:
+                assert cached  # th is None only for a cached digest
+                digests[t.name] = cached
             i += 1
         if fail_before is not None:
             fail_before(f.name)

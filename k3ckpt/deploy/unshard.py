@@ -43,21 +43,20 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
-from .bytecopy import Copier, FdCache, copy_files, tmp_name
-from ..utils import fsync_dir, is_within, write_atomic
-from ..format.checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
 from ..errors import UnshardError
-from ..utils import load_json
+from ..format.checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
+from ..format.header import DTYPE_BITS, TensorSpec, build_header, read_header
 from ..format.layout import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, hf_shard_name, rank_dir_name
 from ..format.roles import classify
-from ..format.header import DTYPE_BITS, TensorSpec, build_header, read_header
 from ..format.topology import Topology, TopologyError
+from ..utils import fsync_dir, is_within, load_json, write_atomic
+from .bytecopy import Copier, FdCache, copy_files, tmp_name
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 #: Shard names of the Hugging Face convention.
@@ -97,11 +96,11 @@ class _Gathered:
     holders: int = 0  # bit mask of the ranks holding (part of) it
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _int_field(d: dict, key: str, where: str, what: str, minimum: int = 0) -> int:
+def _int_field(d: Mapping[str, Any], key: str, where: str, what: str, minimum: int = 0) -> int:
     """``d[key]``, which must be an int >= ``minimum``; else a one-line error naming ``what``."""
     v = d.get(key)
     if not _is_int(v) or v < minimum:

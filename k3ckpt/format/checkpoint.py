@@ -20,21 +20,22 @@ import multiprocessing as mp
 import operator
 import os
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import numpy as np
 
 
-from .config import ModelConfig, load_config
 from ..errors import CheckpointNotFoundError, ConfigError, IndexFileError, SafetensorsHeaderError
 from ..utils import load_json
-from .roles import Kind, Role, classify
+from .config import ModelConfig, load_config
 from .header import HeaderColumns, ShardHeader, TensorInfo, read_header, read_header_columns
+from .roles import Kind, Role, classify
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -75,7 +76,7 @@ class InventoryStats:
     signatures: Counter  # Signature -> number of tensors
     expert_parts: Counter  # (layer, expert) -> number of tensors of that routed expert
 
-    def merge(self, other: "InventoryStats") -> None:
+    def merge(self, other: InventoryStats) -> None:
         self.signatures.update(other.signatures)
         self.expert_parts.update(other.expert_parts)
 
@@ -146,7 +147,7 @@ class Checkpoint:
 
     # -- data --------------------------------------------------------------------------------
 
-    def read_tensor(self, name: str) -> "np.ndarray":
+    def read_tensor(self, name: str) -> np.ndarray:
         """Read one tensor's data (only its bytes) as a numpy array of its dtype."""
         import numpy as np
 
@@ -186,7 +187,7 @@ def is_working_file(rel: str) -> bool:
     return base.endswith(_WORK_SUFFIXES) or base.startswith(_FETCH_LOCK)
 
 
-def numpy_dtype(dtype: str) -> "np.dtype":
+def numpy_dtype(dtype: str) -> np.dtype:
     """The numpy dtype for a safetensors dtype (ml_dtypes for BF16 and the FP8 family)."""
     import ml_dtypes
     import numpy as np
@@ -299,7 +300,7 @@ def read_index(root: Path, unsafe: list[str] | None = None) -> tuple[dict[str, s
                 unsafe.append(f)
                 files[f] = None
         if any(f != norm for f, norm in files.items()):  # e.g. "./model-1.safetensors", or unsafe
-            wm = {n: files[f] for n, f in wm.items() if files[f] is not None}  # type: ignore[misc]
+            wm = {n: files[f] for n, f in wm.items() if files[f] is not None}
         return wm, INDEX_NAME
     if (root / SINGLE_NAME).is_file():
         return {}, SINGLE_NAME

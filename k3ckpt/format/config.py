@@ -15,7 +15,6 @@ from typing import Any
 from ..errors import ConfigError
 from ..utils import load_json
 
-
 #: More layers than any model has; a bigger count is a hostile or broken config, and would
 #: otherwise size per-layer lists (10**12 layers: an allocation that never ends).
 MAX_LAYERS = 100_000
@@ -157,7 +156,8 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
     """
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: not a JSON object")
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    text_config = raw.get("text_config")  # a local, so that the isinstance check narrows its type
+    text: dict[str, Any] = text_config if isinstance(text_config, dict) else raw
     model_type = str(raw.get("model_type", ""))
     text_model_type = str(text.get("model_type", model_type))
     archs_raw = raw.get("architectures") or []

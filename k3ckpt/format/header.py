@@ -18,10 +18,11 @@ import math
 import operator
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain, repeat
-from typing import Any, BinaryIO, Iterable, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 from ..env import K3CKPT_MAX_HEADER_BYTES
 from ..errors import SafetensorsHeaderError
@@ -304,6 +305,7 @@ def _reject_surrogates(obj: dict[str, Any], path: str) -> None:
 
 def _entries_exact(obj: dict[str, Any], path: str, data_len: int) -> _Columns:
     cols: _Columns = ([], [], [], [])
+    dtypes, shapes, begins, ends = cols  # appended to by name: each column has its own type
     for name, entry in obj.items():
         if not isinstance(entry, dict):
             raise SafetensorsHeaderError(path, "entry is not an object", name)
@@ -340,8 +342,10 @@ def _entries_exact(obj: dict[str, Any], path: str, data_len: int) -> _Columns:
             raise SafetensorsHeaderError(
                 path, f"data_offsets end {end} is past the data buffer ({data_len} bytes)", name
             )
-        for col, value in zip(cols, (dtype, tuple(shape), begin, end)):
-            col.append(value)  # type: ignore[attr-defined]
+        dtypes.append(dtype)
+        shapes.append(tuple(shape))
+        begins.append(begin)
+        ends.append(end)
     return cols
 
 

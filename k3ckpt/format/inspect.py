@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpoint import Checkpoint, bulk_allocation
 from ..utils import format_ranges, human_bytes, human_count
+from .checkpoint import Checkpoint, bulk_allocation
 from .roles import Kind, classify, logical_params_of
 
 #: Kinds that belong to the vision side of a multimodal checkpoint, not the text model.
@@ -282,9 +282,11 @@ def _findings(
             continue
         kind = cfg.attention_kinds[layer]
         if kind == "kda" and projs & _MLA_ONLY:
-            out.append(Finding("error", f"layer {layer}", f"config says KDA but MLA tensors are present ({sorted(projs & _MLA_ONLY)[0]})"))
+            out.append(Finding("error", f"layer {layer}",
+                               f"config says KDA but MLA tensors are present ({sorted(projs & _MLA_ONLY)[0]})"))
         if kind == "mla" and projs & _KDA_ONLY:
-            out.append(Finding("error", f"layer {layer}", f"config says MLA but KDA tensors are present ({sorted(projs & _KDA_ONLY)[0]})"))
+            out.append(Finding("error", f"layer {layer}",
+                               f"config says MLA but KDA tensors are present ({sorted(projs & _KDA_ONLY)[0]})"))
     layers_with_tensors = {lay.layer for lay in rep.layers if lay.tensors}
     if layers_with_tensors and max(layers_with_tensors) + 1 < cfg.num_layers:
         out.append(Finding("error", "config.json",
@@ -302,7 +304,8 @@ def _findings(
     if quant and "mxfp4" in quant and not has_mx:
         out.append(Finding("error", "config.json", f"quantization_config says {quant} but no MXFP4 tensors are present"))
     if has_mx and not (quant and "mxfp4" in quant):
-        out.append(Finding("error", "config.json", f"MXFP4 tensors are present but quantization_config says {quant or 'nothing'}"))
+        out.append(Finding("error", "config.json",
+                           f"MXFP4 tensors are present but quantization_config says {quant or 'nothing'}"))
     if quant and quant.startswith("fp8") and not rep.quant_tensors.get("fp8"):
         out.append(Finding("error", "config.json", f"quantization_config says {quant} but no FP8 tensors are present"))
     _check_mx_pairs(ckpt, out)
@@ -377,7 +380,7 @@ def _check_mx_pairs(ckpt: Checkpoint, out: list[Finding]) -> None:
         packed, scale = by_part.get("weight_packed", Counter()), by_part.get("weight_scale", Counter())
         if not packed:
             continue
-        for (pd, ps), n in packed.items():
+        for pd, ps in packed:
             # Against the usual scale shape: a single odd scale is named by _odd_shape_findings.
             sd, ss = scale.most_common(1)[0][0] if scale else (None, None)
             problem = _mx_pair_problem(pd, ps, sd, ss) if sd else "has no weight_scale"

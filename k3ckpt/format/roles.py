@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import NamedTuple
 from functools import lru_cache, partial
+from typing import NamedTuple
 
 from .header import TensorInfo
 
@@ -115,7 +115,8 @@ RULES: tuple[Rule, ...] = (
     Rule(_LAYER + r"self_attn\.(?P<proj>q_a_proj|kv_a_proj_with_mqa|f_a_proj|q_conv1d|k_conv1d|v_conv1d)\." + _PART + "$",
          Kind.ATTENTION, _P, ("layer",)),
     Rule(_LAYER + r"self_attn\.(?P<proj>A_log|dt_bias|sinks)$", Kind.ATTENTION, _P, ("layer",)),
-    Rule(_LAYER + r"(?P<proj>input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm)\.(?P<part>weight|bias)$",
+    Rule(_LAYER + r"(?P<proj>input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm)"
+         r"\.(?P<part>weight|bias)$",
          Kind.NORM, _P, ("layer",)),
     # K3 attention residuals: [hidden] norms and [1, hidden] projections.
     Rule(_LAYER + r"(?P<proj>self_attention_res_norm|self_attention_res_proj|mlp_res_norm|mlp_res_proj)(?:\.(?P<part>weight))?$",
@@ -135,7 +136,8 @@ RULES: tuple[Rule, ...] = (
 _COMPILED = tuple(re.compile(r.pattern) for r in RULES)
 # A number between dots (or at the end) is an index: a layer, an expert, a vision block.
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)", re.ASCII)
-_PROJ_ALIASES = {"gate_up_proj": "gate_up", "w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_PROJ_ALIASES = {"gate_up_proj": "gate_up", "w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
+                 "down_proj": "down"}
 
 UNKNOWN_ROLE = Role(Kind.UNKNOWN, TP.REPLICATED)
 
@@ -148,7 +150,11 @@ def _classify_template(template: str) -> tuple[str, str, tuple[str, ...], str | 
             continue
         groups = m.groupdict()
         proj = groups.get("proj") or rule.proj
-        tp = rule.tp[proj] if isinstance(rule.tp, dict) else rule.tp  # type: ignore[index]
+        if isinstance(rule.tp, dict):
+            assert proj is not None  # a rule with a TP per projection captures the projection
+            tp = rule.tp[proj]
+        else:
+            tp = rule.tp
         part = groups.get("part") or "weight"
         if tp == TP.ROW and part == "bias":
             tp = TP.REPLICATED  # a row-parallel layer adds its bias once, after the all-reduce
@@ -180,15 +186,15 @@ def classify(name: str) -> Role:
     """The :class:`Role` of tensor ``name``; :data:`UNKNOWN_ROLE` when no rule matches."""
     head, sep, rest = name.partition(".experts.")
     if sep:
-        expert, dot, tail = rest.partition(".")
-        if dot and expert.isascii() and expert.isdigit():
+        expert_digits, dot, tail = rest.partition(".")
+        if dot and expert_digits.isascii() and expert_digits.isdigit():
             key = (head, tail)
             try:
                 t = _expert_templates[key]
             except KeyError:
                 t = _expert_templates[key] = _expert_template(head, tail)
             if t is not None:
-                return _new_role((t[0], t[1], t[2], int(expert), t[3], t[4]))
+                return _new_role((t[0], t[1], t[2], int(expert_digits), t[3], t[4]))
     numbers = _NUMBER.findall(name)
     template = _NUMBER.sub("#", name) if numbers else name
     hit = _classify_template(template)

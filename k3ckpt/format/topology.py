@@ -35,12 +35,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import repeat
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeGuard
 
-from .checkpoint import bulk_allocation
 from ..errors import SplitError, TopologyError
-from .roles import TP, Kind, Role, classify
+from .checkpoint import bulk_allocation
 from .header import TensorInfo
+from .roles import TP, Kind, Role, classify
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -63,7 +63,7 @@ _FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
 # Topology and ranks
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -130,7 +130,8 @@ class Topology:
         if defaulted and _is_int(ep) and _is_int(tp):
             world_size = max(ep, tp)
         _validate(ep, tp, world_size, placement, num_experts, defaulted=defaulted)
-        return cls(ep, tp, world_size, placement, num_experts)  # type: ignore[arg-type]
+        assert world_size is not None  # _validate refuses a world size that is not an int
+        return cls(ep, tp, world_size, placement, num_experts)
 
     @property
     def moe_tp(self) -> int:
@@ -205,13 +206,13 @@ def _validate(ep: object, tp: object, w: object, placement: object, n: object, *
     for flag, v in (("--ep", ep), ("--tp", tp), ("--world-size", w)):
         if not _is_int(v):
             raise TopologyError(f"{flag} {v!r} is not an integer")
-        if v < 1:  # type: ignore[operator]
+        if v < 1:
             raise TopologyError(f"{flag} {v} must be at least 1")
     if placement not in PLACEMENTS:
         raise TopologyError(f"unknown expert placement {placement!r}; choose {' or '.join(PLACEMENTS)}")
     if not _is_int(n):
         raise TopologyError(f"num_experts {n!r} is not an integer")
-    if n < 1:  # type: ignore[operator]
+    if n < 1:
         raise TopologyError(f"num_experts {n} must be at least 1: a model without routed experts has nothing to place")
     assert isinstance(ep, int) and isinstance(tp, int) and isinstance(w, int) and isinstance(n, int)
     for flag, v in (("--ep", ep), ("--tp", tp)):
@@ -223,7 +224,7 @@ def _validate(ep: object, tp: object, w: object, placement: object, n: object, *
 
 
 def _check_gpus_per_node(g: object) -> None:
-    if not _is_int(g) or g < 1:  # type: ignore[operator]
+    if not _is_int(g) or g < 1:
         raise TopologyError(f"--gpus-per-node {g!r} must be a positive integer")
 
 
@@ -239,7 +240,8 @@ def check_heads(cfg: ModelConfig | None, tp: int, notes: list[str]) -> None:
     if cfg is None:
         notes.append("no config.json: attention-head divisibility by --tp was not checked")
         return
-    text = cfg.raw.get("text_config") if isinstance(cfg.raw.get("text_config"), dict) else cfg.raw
+    text_config = cfg.raw.get("text_config")  # a local, so that the isinstance check narrows its type
+    text: dict[str, Any] = text_config if isinstance(text_config, dict) else cfg.raw
     checks = [("num_attention_heads", cfg.num_attention_heads)]
     lac = text.get("linear_attn_config") if isinstance(text, dict) else None
     if isinstance(lac, dict) and lac.get("num_heads"):
@@ -612,7 +614,7 @@ class InventoryIndex:
         return max(self.expert_names, default=-1)
 
 
-class _Interner(dict):
+class _Interner(dict[tuple[Any, ...], int]):
     """key -> dense id, assigned on first sight; used through ``map`` so hits stay in C."""
 
     def __missing__(self, key: tuple) -> int:
@@ -668,7 +670,7 @@ def _build_index(
             if len(examples) == len(interner):
                 break
     # the key's "no expert id" flag means "stacked" for routed experts and nothing otherwise
-    sigs = [_Sig(k[0], k[1], k[2], k[3], k[4] and k[0] == Kind.ROUTED_EXPERT, *k[5:], example=examples[i])
+    sigs = [_Sig(k[0], k[1], k[2], k[3], k[4] and k[0] == Kind.ROUTED_EXPERT, k[5], k[6], k[7], k[8], example=examples[i])
             for k, i in interner.items()]
 
     dense_names: list[str] = []
@@ -735,8 +737,8 @@ def _sig_placement(sig: _Sig, topo: Topology, rank: RankInfo) -> tuple[Placement
     if p is None:
         return p, sig.nbytes
     if isinstance(p, ExpertSlice):
-        per_expert = sig.nbytes // topo.num_experts
-        return p, per_expert * len(p.experts) // (p.split.parts if p.split else 1)
+        expert_bytes = sig.nbytes // topo.num_experts
+        return p, expert_bytes * len(p.experts) // (p.split.parts if p.split else 1)
     return p, sig.nbytes // p.parts
 
 

@@ -22,9 +22,9 @@ from typing import Any
 import requests
 import urllib3.exceptions
 
-from . import _http
 from ..env import K3CKPT_TEST_PAUSE_AT, K3CKPT_TEST_PAUSE_FILE
 from ..utils import pwrite_all
+from . import _http
 from .client import HubError, HubFile, HubListing, RetryPolicy, file_url
 
 #: Size of the pieces a body is read and ``pwrite``-n in: a chunk is never held in memory whole.
@@ -182,8 +182,8 @@ def stream_range(listing: HubListing, entry: HubFile, start: int, length: int, f
             m = _http.CONTENT_RANGE.match(content_range)
             if not m:
                 raise Fatal(f"unparseable Content-Range {content_range!r} (asked for bytes {start}-{end})")
-            got, total = (int(m.group(1)), int(m.group(2))), m.group(3)
-            if got != (start, end):
+            got_range, total = (int(m.group(1)), int(m.group(2))), m.group(3)
+            if got_range != (start, end):
                 raise Fatal(f"asked for bytes {start}-{end}, server answered {content_range!r}")
             if total != "*" and int(total) != entry.size:
                 raise Fatal(f"Content-Range {content_range!r} says the file is {total} bytes, "

@@ -58,7 +58,6 @@ import requests
 import urllib3.exceptions
 
 from .. import __version__
-from . import _dest, _http
 from ..env import K3CKPT_MAX_HEADER_BYTES
 from ..errors import (
     EntryNotFoundError,
@@ -75,6 +74,7 @@ from ..errors import (
     UnsafePathError,
 )
 from ..format.header import HeaderColumns, parse_header_columns
+from . import _dest, _http
 
 __all__ = [
     "DEFAULT_RETRY",
@@ -263,7 +263,9 @@ def resolve_endpoint(hub: str, endpoint: str | None = None) -> str:
 
     # HubConfig implements the precedence and the scheme rules (MODELSCOPE_DOMAIN without a
     # scheme gets https://, with a FutureWarning); token="" keeps it from reading saved cookies.
-    return HubConfig(endpoint=endpoint or None, token="").endpoint
+    resolved = HubConfig(endpoint=endpoint or None, token="").endpoint
+    assert resolved is not None  # typed Optional for its "not given" default; __post_init__ always sets a str
+    return resolved
 
 
 def file_url(listing: HubListing, path: str) -> str:
@@ -372,7 +374,7 @@ def _list_hf(repo: str, revision: str | None, endpoint: str, token: str | None) 
     try:
         import httpx2 as httpx  # what huggingface_hub 2.x is built on
     except ImportError:  # pragma: no cover - huggingface_hub 1.x uses httpx
-        import httpx  # type: ignore[no-redef]
+        import httpx  # type: ignore[no-redef]  # one name for whichever of the two is installed
 
     rev = revision or hf_constants.DEFAULT_REVISION  # "main", as hf_hub_download/snapshot_download
     ctx: dict[str, Any] = {"hub": "hf", "repo": repo, "revision": rev, "endpoint": endpoint}
@@ -648,9 +650,11 @@ def _read(listing: HubListing, path: str, start: int, length: int, headers: Mapp
         try:
             resp, final_url = _http.get(session, url, hdrs, timeout, ctx)
         except requests.exceptions.ConnectionError as e:
-            target = e.request.url if e.request is not None else url
+            # requests raises with the PreparedRequest, whose url is a str; the url asked for otherwise.
+            sent = e.request.url if e.request is not None else None
+            target = sent if isinstance(sent, str) else url
             if _http.is_connect_failure(e):
-                host = "{0}://{1}".format(*urlsplit(target)[:2])
+                host = "{}://{}".format(*urlsplit(target)[:2])
                 last = HubUnreachableError(f"cannot reach {host} ({_http.connection_reason(e)})", **ctx)
             else:
                 last = HubError(f"{target}: connection lost before an answer ({_http.connection_reason(e)})", **ctx)

@@ -60,12 +60,12 @@ from typing import Any
 
 import urllib3.exceptions
 
-from . import _dest, _http, _transfer
-from . import client as hubclient
-from ._dest import LOCK_NAME
 from ..errors import DiskSpaceError, FetchLockedError
 from ..integrity.hashing import HashError, hash_file
 from ..utils import fsync_dir, human_bytes, write_atomic
+from . import _dest, _http, _transfer
+from . import client as hubclient
+from ._dest import LOCK_NAME
 from .client import HubFile, HubListing, RetryPolicy
 
 __all__ = [
@@ -179,7 +179,7 @@ class _StreamDigest:
             pos += n
         self.hashed += length
 
-    def advance(self, job: "_Job", *, wait: bool = False) -> None:
+    def advance(self, job: _Job, *, wait: bool = False) -> None:
         """Hash the chunks from the cursor on that are done; with ``wait``, wait for the thread
         already hashing this file instead of leaving the work to it."""
         while self.busy.acquire(blocking=wait):
@@ -187,8 +187,8 @@ class _StreamDigest:
                 while True:
                     with job.lock:
                         i, fd = self.next, job.fd
-                        ready = i < job.nchunks and i in job.done and fd is not None
-                    if not ready:
+                        ready = i < job.nchunks and i in job.done
+                    if not ready or fd is None:
                         break
                     start, length = job.chunk(i)
                     self._hash_range(fd, start, length)
@@ -231,6 +231,8 @@ class _Job:
         self.nchunks = max(1, -(-entry.size // chunk_size))
         self.done: set[int] = set()
         self.lock = threading.Lock()
+        # The .part's descriptor: set by open() before the first transfer, None again after
+        # close(). Calls made while the job runs pass it with "type: ignore[arg-type]".
         self.fd: int | None = None
         self.outstanding = 0  # queued or running tasks of this file
         self.failed: str | None = None
@@ -298,7 +300,7 @@ def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str,
     """One ranged GET of chunk ``index`` written in place; raises Retryable/Fatal/Cancelled,
     or RangeIgnored when the server sends the whole file instead."""
     start, length = job.chunk(index)
-    _transfer.stream_range(listing, job.entry, start, length, job.fd, start, headers, timeout, cancel, count)  # type: ignore[arg-type]
+    _transfer.stream_range(listing, job.entry, start, length, job.fd, start, headers, timeout, cancel, count)  # type: ignore[arg-type]  # fd is open here
 
 
 def _stream_whole(listing: HubListing, job: _Job, headers: dict[str, str], timeout: float,
@@ -325,7 +327,7 @@ def _stream_whole(listing: HubListing, job: _Job, headers: dict[str, str], timeo
                 chunk_reached(reached[0])
                 reached[0] += 1
 
-        received = _transfer.copy_body(resp, job.fd, 0, 0, entry.size, cancel, count, on_offset=on_offset,  # type: ignore[arg-type]
+        received = _transfer.copy_body(resp, job.fd, 0, 0, entry.size, cancel, count, on_offset=on_offset,  # type: ignore[arg-type]  # fd is open here
                                        piece=PIECE)
         extra = b""
         if received == entry.size and announced is None:
@@ -436,7 +438,7 @@ class _Run:
                     return  # cancelled: the caller may already have released the lock
                 # The bytes first, then the journal: a crash between the two re-fetches this
                 # chunk; the reverse order could record bytes that never reached the disk.
-                os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]
+                os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]  # fd is open here
                 job.done.add(index)
                 job.write_journal()
                 complete = len(job.done) == job.nchunks
@@ -498,7 +500,7 @@ class _Run:
                 if job.failed is not None or self.cancel.is_set():
                     raise _transfer.Cancelled()
                 if i not in job.done:
-                    os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]
+                    os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]  # fd is open here
                     job.done.add(i)
                     job.write_journal()
             job.digest.advance(job)
@@ -523,13 +525,13 @@ class _Run:
     def _finish(self, job: _Job) -> None:
         """Verify the complete ``.part`` and rename it into place (or re-fetch once, or fail)."""
         entry = job.entry
-        os.fsync(job.fd)  # type: ignore[arg-type]
+        os.fsync(job.fd)  # type: ignore[arg-type]  # fd is open here
         try:
             # Every chunk is done: this hashes what the workers have not hashed yet (usually
             # the last chunk or two), waiting for a worker still hashing this file.
             job.digest.advance(job, wait=True)
             hashed, sha256, git_sha1 = job.digest.hexdigests()
-            size = os.fstat(job.fd).st_size  # type: ignore[arg-type]
+            size = os.fstat(job.fd).st_size  # type: ignore[arg-type]  # fd is open here
         except OSError as e:
             self.fail(job, f"cannot hash the downloaded file: {e}")
             return

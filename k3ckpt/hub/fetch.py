@@ -12,9 +12,10 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .client import HubListing, list_repo
 
@@ -53,7 +54,8 @@ class FetchPlan:
 def select_paths(files: list[str], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """``(selected, excluded)``: files matching any ``include`` glob (all when none is given) and
     no ``exclude`` glob. Globs match the whole posix path (``*.safetensors``, ``tokenizer*``)."""
-    selected, dropped = [], []
+    selected: list[str] = []
+    dropped: list[str] = []
     for f in sorted(files):
         inc = not include or any(fnmatch.fnmatchcase(f, g) for g in include)
         exc = any(fnmatch.fnmatchcase(f, g) for g in exclude)
@@ -88,8 +90,8 @@ def run_fetch(
     on_plan: Callable[[int], None] | None = None,
 ) -> Any:
     """Download ``plan`` (see :func:`k3ckpt.download.fetch_files`); returns its ``FetchResult``."""
-    from .download import DEFAULT_CHUNK, fetch_files
     from ..integrity.verify import record_verified
+    from .download import DEFAULT_CHUNK, fetch_files
 
     _forget_partial(plan)
     result = fetch_files(plan.listing, plan.dest, plan.paths, workers=workers,
@@ -161,8 +163,8 @@ def _forget_partial(plan: FetchPlan) -> None:
 def record_source(dest: str | os.PathLike[str], listing: HubListing) -> None:
     """Record in ``dest`` (:data:`k3ckpt.checkpoint.SOURCE_RECORD`) which hub, repo and commit its
     files came from, so ``reshard``'s ``topology.json`` and ``preflight`` can name the revision."""
-    from ..utils import write_atomic
     from ..format.checkpoint import SOURCE_RECORD
+    from ..utils import write_atomic
 
     path = Path(dest) / SOURCE_RECORD
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 from ..integrity.manifest import FileEntry, Manifest, ManifestError, tensors_from_headers
 from .client import fetch_headers, list_repo, read_range
 
-
 #: Files without a published sha256 (small non-LFS files on Hugging Face: config, tokenizer)
 #: are downloaded and hashed by ``pull`` when they are at most this big.
 PULL_SMALL_FILE_BYTES = 64 * 1024 * 1024

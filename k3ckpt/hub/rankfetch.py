@@ -69,19 +69,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _dest, _http, _transfer, download
-from . import client as hubclient
+from ..errors import ConfigError, K3ckptError, RankFetchError
 from ..format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, bulk_allocation
 from ..format.config import ModelConfig, parse_config
-from ..errors import ConfigError, K3ckptError, RankFetchError
-from .fetch import record_source, select_paths
-from ..integrity.hashing import HashError, Span, hash_file
-from .client import HubFile, HubListing, RetryPolicy
-from ..utils import format_ranges, fsync_dir, human_bytes, write_atomic
-from ..integrity.manifest import Manifest, tensors_from_headers
-from ..format.layout import PARTIAL_MARKER
 from ..format.header import ShardHeader, TensorInfo, TensorSpec, build_header, parse_header_bytes
+from ..format.layout import PARTIAL_MARKER
 from ..format.topology import RankSelection, Topology, build_index, fp8_block_of, tensors_for_ranks
+from ..integrity.hashing import HashError, Span, hash_file
+from ..integrity.manifest import Manifest, tensors_from_headers
+from ..utils import format_ranges, fsync_dir, human_bytes, write_atomic
+from . import _dest, _http, _transfer, download
+from . import client as hubclient
+from .client import HubFile, HubListing, RetryPolicy
+from .fetch import record_source, select_paths
 
 __all__ = [
     "PARTIAL_NAME",
@@ -671,6 +671,8 @@ class _ShardJob:
         self.fingerprint = plan.fingerprint()
         self.done: set[int] = set()
         self.lock = threading.Lock()
+        # The .part's descriptor: set by open() before the first piece, None again after
+        # close(). Calls made while the job runs pass it with "type: ignore[arg-type]".
         self.fd: int | None = None
         self.remaining = len(plan.tasks)
         self.failed: str | None = None
@@ -794,12 +796,12 @@ class _Run:
                         self._rehash(job, self.plan_piece(job, i), hasher)
                     continue
                 self._fetch_piece(job, self.plan_piece(job, i), hasher)
-                os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]
+                os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]  # fd is open here
                 if not (last and hasher is not None):  # a task's last piece is journaled once verified
                     self._journal(job, [i])
-            if hasher is None:
+            if hasher is None or manifest is None:  # (one is None exactly when the other is)
                 return
-            bad = [(n, d) for n, d in hasher.digests.items() if manifest.tensors[n].sha256 != d]  # type: ignore[union-attr]
+            bad = [(n, d) for n, d in hasher.digests.items() if manifest.tensors[n].sha256 != d]
             if not bad:
                 with self.count_lock:
                     self.result.tensors_verified += len(hasher.digests)
@@ -813,7 +815,7 @@ class _Run:
                 name, got = bad[0]
                 more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
                 raise _PieceFailed(f"tensor {name!r}: sha256 {got} but the manifest says "
-                                   f"{manifest.tensors[name].sha256}{more}, also after re-fetching its bytes")  # type: ignore[union-attr]
+                                   f"{manifest.tensors[name].sha256}{more}, also after re-fetching its bytes")
 
     @staticmethod
     def plan_piece(job: _ShardJob, i: int) -> Piece:
@@ -835,7 +837,7 @@ class _Run:
         """Feed a resumed piece's bytes from the ``.part`` (a large tensor cut by a crash)."""
         off, end = piece.dst, piece.dst + piece.length
         while off < end:
-            data = os.pread(job.fd, min(_READ_BACK, end - off), off)  # type: ignore[arg-type]
+            data = os.pread(job.fd, min(_READ_BACK, end - off), off)  # type: ignore[arg-type]  # fd is open here
             if not data:
                 raise _PieceFailed(f"{job.part}: short read at {off} while re-hashing resumed bytes")
             hasher.feed(memoryview(data))
@@ -849,7 +851,7 @@ class _Run:
                 raise _transfer.Cancelled()
             snap = hasher.snapshot() if hasher is not None else None
             try:
-                _transfer.stream_range(self.plan.listing, job.plan.source, piece.src, piece.length, job.fd,  # type: ignore[arg-type]
+                _transfer.stream_range(self.plan.listing, job.plan.source, piece.src, piece.length, job.fd,  # type: ignore[arg-type]  # fd is open here
                                        piece.dst, self.headers, download.TIMEOUT, self.cancel, self.count,
                                        sink=hasher.feed if hasher is not None else None)
                 return

@@ -16,11 +16,11 @@ import errno
 import hashlib
 import os
 import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
 
 from ..env import K3CKPT_HASH_BUFFER
 from ..errors import HashError
@@ -215,8 +215,8 @@ def hash_files(
     files: Iterable[str],
     *,
     jobs: int | None = None,
-    spans: dict[str, Sequence[Span]] | None = None,
-    scan: dict[str, Sequence[Span]] | None = None,
+    spans: Mapping[str, Sequence[Span]] | None = None,
+    scan: Mapping[str, Sequence[Span]] | None = None,
     git_sha1: Callable[[str], bool] | None = None,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,

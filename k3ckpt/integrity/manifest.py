@@ -16,7 +16,8 @@ Format ``k3ckpt-manifest`` version 1::
      "source": {"hub": "hf", "repo": "moonshotai/Kimi-K3", "revision": "f831ab66..."},
      "tensor_hashes": true,
      "tensors": {
-      "language_model.model.embed_tokens.weight": {"dtype": "BF16", "file": "...", "offsets": [s, e], "sha256": "...", "shape": [163840, 7168]}
+      "language_model.model.embed_tokens.weight": {"dtype": "BF16", "file": "...", "offsets": [s, e],
+                                                   "sha256": "...", "shape": [163840, 7168]}
      },
      "version": 1
     }
@@ -30,15 +31,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
-from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..errors import ManifestError, ManifestHashError
-from .hashing import Span, hash_files
-from ..utils import load_json, write_atomic
+from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..format.header import ShardHeader
+from ..utils import load_json, write_atomic
+from .hashing import Span, hash_files
 
 FORMAT = "k3ckpt-manifest"
 VERSION = 1
@@ -105,7 +107,7 @@ class Manifest:
         write_atomic(Path(path), self.to_json().encode("utf-8"))
 
     @classmethod
-    def from_json(cls, data: Any, where: str = "manifest") -> "Manifest":
+    def from_json(cls, data: Any, where: str = "manifest") -> Manifest:
         """Parse and validate; refuses other formats, newer versions and unsafe paths."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ManifestError(f"{where}: not a {FORMAT} file")
@@ -123,7 +125,7 @@ class Manifest:
         return cls(files, tensors, source, bool(data.get("tensor_hashes")))
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "Manifest":
+    def load(cls, path: str | os.PathLike[str]) -> Manifest:
         p = Path(path)
         data, raw = load_json(p, ManifestError)
         m = cls.from_json(data, str(p))
@@ -131,7 +133,7 @@ class Manifest:
         return m
 
     @classmethod
-    def loads(cls, raw: bytes, where: str = "manifest") -> "Manifest":
+    def loads(cls, raw: bytes, where: str = "manifest") -> Manifest:
         """Parse a manifest from bytes already read (e.g. the exact bytes a signature covers)."""
         try:
             data = json.loads(raw)

@@ -39,6 +39,7 @@ from ..utils import write_atomic
 
 if TYPE_CHECKING:  # cryptography is imported where it is used: the CLI's other commands start faster
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+    from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 
     from .manifest import Manifest
 
@@ -85,7 +86,7 @@ def _read_small(path: str | os.PathLike[str], what: str, error: type[K3ckptError
     return data
 
 
-def key_id(public_key: "Ed25519PublicKey") -> str:
+def key_id(public_key: Ed25519PublicKey) -> str:
     """``ed25519:`` + the first 16 hex digits of the sha256 of the raw public key.
 
     Printed on signing and in verification errors, so an operator can tell which key was used.
@@ -96,7 +97,7 @@ def key_id(public_key: "Ed25519PublicKey") -> str:
     return "ed25519:" + hashlib.sha256(raw).hexdigest()[:16]
 
 
-def load_private_key(path: str | os.PathLike[str]) -> "Ed25519PrivateKey":
+def load_private_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """Load an ed25519 private key (PKCS#8 PEM, OpenSSH or a raw 32-byte seed).
 
     Raises:
@@ -130,7 +131,7 @@ def load_private_key(path: str | os.PathLike[str]) -> "Ed25519PrivateKey":
     return key
 
 
-def load_public_key(path: str | os.PathLike[str]) -> "Ed25519PublicKey":
+def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
     """Load an ed25519 public key (SubjectPublicKeyInfo PEM, an OpenSSH line, or 32 raw bytes).
 
     Raises:
@@ -147,6 +148,7 @@ def load_public_key(path: str | os.PathLike[str]) -> "Ed25519PublicKey":
         raise KeyFileError(f"{path}: is a private key; verifiers need the public key "
                            "(`openssl pkey -in KEY -pubout`)")
     text = data.strip()
+    key: PublicKeyTypes  # any algorithm the file may hold; checked for ed25519 below
     try:
         if text.startswith(b"ssh-"):
             key = serialization.load_ssh_public_key(text)
@@ -251,7 +253,7 @@ def sign_file(path: str | os.PathLike[str], key_path: str | os.PathLike[str],
 
 
 def load_signed_manifest(path: str | os.PathLike[str], signature_path: str | os.PathLike[str],
-                         pubkey_path: str | os.PathLike[str]) -> tuple["Manifest", str]:
+                         pubkey_path: str | os.PathLike[str]) -> tuple[Manifest, str]:
     """Read a manifest once, check its signature over those bytes, then parse those bytes.
 
     Nothing of the manifest is interpreted before the signature has verified, so a tampered

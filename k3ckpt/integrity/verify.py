@@ -24,16 +24,17 @@ import os
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..env import K3CKPT_CACHE_DIR
 from ..format.checkpoint import Checkpoint, iter_checkpoint_files, open_checkpoint, resolve_root
+from ..utils import write_atomic
 from .hashing import FileDigest, HashError, Span, hash_files, scan_file
 from .manifest import Manifest, tensors_from_headers
-from ..utils import write_atomic
 
 #: Order in which kinds are reported (most fundamental first).
 KINDS = (
@@ -328,7 +329,8 @@ def verify_checkpoint(
                         issues.append(_content_issue(f, exp, hit))  # known bad, from the last full run
                         for name, got in sorted((hit.get("bad_tensors") or {}).items()):
                             want = manifest.tensors[name].sha256 if manifest and name in manifest.tensors else None
-                            issues.append(Issue("tensor-sha256", f, "tensor bytes differ", tensor=name, expected=want, actual=got))
+                            issues.append(Issue("tensor-sha256", f, "tensor bytes differ", tensor=name, expected=want,
+                                                actual=got))
                     else:
                         report.files_size_only.append(f)
                 if ckpt is not None and scan:
@@ -346,8 +348,11 @@ def verify_checkpoint(
                 report.bytes_hashed += d.size
                 exp = expected.get(f)
                 tensor_issues = _tensor_hash_issues(f, d, manifest) if d.spans and manifest is not None else []
-                if f in size_bad:  # tensors wholly beyond the end of a short file: its size issue says it
-                    tensor_issues = [i for i in tensor_issues if manifest.tensors[i.tensor].offsets[0] < d.size]
+                # Tensors wholly beyond the end of a short file: its size issue says it. (tensor_issues
+                # come from the manifest and name their tensor; the checks only narrow the types.)
+                if f in size_bad and manifest is not None:
+                    tensor_issues = [i for i in tensor_issues
+                                     if i.tensor is not None and manifest.tensors[i.tensor].offsets[0] < d.size]
                 if exp is not None and not _digest_matches(d, exp) and f not in size_bad:
                     issue = _content_issue(f, exp, {"sha256": d.sha256, "git_sha1": d.git_sha1})
                     if d.spans and not tensor_issues:  # every tensor matched: the header or padding changed
@@ -393,8 +398,8 @@ def _structure_key(stats: dict[str, os.stat_result], manifest: Manifest | None, 
 
 
 def structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue]:
-    from ..format.layout import NODE_MARKER, LayoutError, read_node_marker
     from ..format.inspect import inspect_checkpoint
+    from ..format.layout import NODE_MARKER, LayoutError, read_node_marker
 
     out = [Issue(p.kind, p.where if p.kind != "index" else None, p.message,
                  tensor=p.where if p.kind == "index" else None) for p in ckpt.problems]

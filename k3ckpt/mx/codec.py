@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 import ml_dtypes
 import numpy as np
 import numpy.typing as npt
-
 
 __all__ = [
     "E2M1_MAX",

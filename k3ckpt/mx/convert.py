@@ -29,12 +29,8 @@ import ml_dtypes
 import numpy as np
 
 from ..env import K3CKPT_MX_CHUNK_BYTES
-from ..format.checkpoint import numpy_dtype
 from ..errors import MxConvertError
-from ..utils import atomic_output, pwrite_all
-from .codec import MX_BLOCK_SIZE, ScaleMode, dequantize_mxfp4, quantize_mxfp4
-from .select import CHUNK_BYTES, MxSource, find_mx_tensors
-from ..format.roles import Kind, classify
+from ..format.checkpoint import numpy_dtype
 from ..format.header import (
     DTYPE_BITS,
     TensorInfo,
@@ -42,6 +38,10 @@ from ..format.header import (
     build_header,
     read_header,
 )
+from ..format.roles import Kind, classify
+from ..utils import atomic_output, pwrite_all
+from .codec import MX_BLOCK_SIZE, ScaleMode, dequantize_mxfp4, quantize_mxfp4
+from .select import CHUNK_BYTES, MxSource, find_mx_tensors
 
 __all__ = [
     "CHUNK_BYTES",

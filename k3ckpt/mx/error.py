@@ -14,15 +14,16 @@ from typing import Any
 import numpy as np
 
 from ..errors import MxInspectError
+from ..format.header import ShardHeader, TensorInfo, read_header
+from ..format.roles import Kind, classify
 from .codec import (
     E2M1_MAX,
     MX_BLOCK_SIZE,
+    ScaleMode,
     decode_e8m0,
     dequantize_mxfp4,
     quantize_mxfp4,
 )
-from ..format.roles import Kind, classify
-from ..format.header import ShardHeader, TensorInfo, read_header
 from .inspect import sum_squares
 
 __all__ = ["ERROR_CHUNK_BYTES", "SKIPPED_KINDS", "ErrorRow", "QuantErrorReport", "quantization_error"]
@@ -137,7 +138,7 @@ def _eligibility(info: TensorInfo) -> str | None:
 def quantization_error(
     path: str | os.PathLike[str],
     *,
-    scale_mode: str = "floor",
+    scale_mode: ScaleMode = "floor",
     tensor: str | None = None,
     include_all: bool = False,
     chunk_bytes: int = ERROR_CHUNK_BYTES,
@@ -193,7 +194,7 @@ def quantization_error(
     return QuantErrorReport(str(path), scale_mode, rows, skipped, time.perf_counter() - t0)
 
 
-def _measure(header: ShardHeader, info: TensorInfo, scale_mode: str, chunk_bytes: int) -> ErrorRow:
+def _measure(header: ShardHeader, info: TensorInfo, scale_mode: ScaleMode, chunk_bytes: int) -> ErrorRow:
     from ..format.checkpoint import numpy_dtype
 
     dtype = numpy_dtype(info.dtype)
@@ -224,7 +225,7 @@ def _measure(header: ShardHeader, info: TensorInfo, scale_mode: str, chunk_bytes
                 blocks[bad] = 0.0
                 x = blocks.reshape(n, width)
                 values -= int(np.count_nonzero(bad)) * MX_BLOCK_SIZE
-            packed, scales = quantize_mxfp4(x, scale_mode=scale_mode)  # type: ignore[arg-type]
+            packed, scales = quantize_mxfp4(x, scale_mode=scale_mode)
             q = dequantize_mxfp4(packed, scales, dtype=np.float64)
             x64 = x.astype(np.float64).ravel()
             err = q.ravel() - x64

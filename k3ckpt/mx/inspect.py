@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from ..env import K3CKPT_MX_INSPECT_CHUNK_BYTES
+from ..utils import format_percent
 from .codec import (
     E2M1_VALUES,
     E8M0_BIAS,
@@ -55,7 +56,6 @@ from .codec import (
     scale_exponent_histogram,
 )
 from .select import MxSelectionError, MxSource, MxTensor, find_mx_tensors
-from ..utils import format_percent
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -500,16 +500,16 @@ def inspect_tensor(
         zeros += int(np.count_nonzero(values == 0))
         if progress is not None:
             progress(packed.nbytes + scales.nbytes)
-    unit_hist = unit_hist.reshape(n_units, 256)
+    unit_hists = unit_hist.reshape(n_units, 256)  # one row per unit
     units_out = []
-    for i, h in enumerate(unit_hist):
+    for i, h in enumerate(unit_hists):
         present = np.flatnonzero(h[:E8M0_NAN])
         expert = (i if t.layout == "gpt-oss" and expert_slice is None
                   else expert_slice if expert_slice is not None else t.role.expert)
         units_out.append(UnitExponents(expert, _hist_exponent_mean(h),
                                        int(present[-1]) - E8M0_BIAS if present.size else None))
     numel = (last - first) * t.row_elements
-    scale_hist = unit_hist.sum(axis=0)
+    scale_hist = unit_hists.sum(axis=0)
     present = np.flatnonzero(scale_hist[:E8M0_NAN])
     lo, hi = (int(present[0]), int(present[-1]) + 1) if present.size else (0, 0)
     return TensorInspection(
@@ -574,6 +574,7 @@ def inspect_mx(
         chunk_bytes = K3CKPT_MX_INSPECT_CHUNK_BYTES.get()
     t0 = time.perf_counter()
     source = MxSource.open(path)
+    picked: list[tuple[MxTensor, int | None]]  # (tensor, expert slice of a stacked tensor or None)
     try:
         picked = [(t, None) for t in find_mx_tensors(source, tensor=tensor, layer=layer, expert=expert)]
     except MxSelectionError:
@@ -678,8 +679,9 @@ def _flag_outliers(results: list[TensorInspection]) -> list[ExponentGroup]:
         spread_mean = max(_MAD_TO_SIGMA * g.mad_mean, MEAN_EXP_FLOOR)
         spread_max = max(_MAD_TO_SIGMA * g.mad_max, MAX_EXP_FLOOR)
         for r, u in valid:
-            u.z_mean = (u.mean - g.median_mean) / spread_mean  # type: ignore[operator]
-            u.z_max = (u.max - g.median_max) / spread_max  # type: ignore[operator]
+            assert u.mean is not None and u.max is not None  # valid keeps only units with both
+            u.z_mean = (u.mean - g.median_mean) / spread_mean
+            u.z_max = (u.max - g.median_max) / spread_max
             if abs(u.z_mean) <= OUTLIER_Z and abs(u.z_max) <= OUTLIER_Z:
                 continue
             who = f"expert {u.expert}: " if r.tensor.layout == "gpt-oss" and r.expert_slice is None else ""

@@ -11,12 +11,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import MxPlotUnavailableError
+from ..utils import format_percent
 from .codec import (
     E8M0_BIAS,
     E8M0_NAN,
 )
-
-from ..utils import format_percent
 from .error import QuantErrorReport
 from .inspect import CODE_LABELS, FLAG_LETTERS, OUTLIER_MIN_GROUP, OUTLIER_Z, MxInspectReport, TensorInspection
 
@@ -254,7 +253,7 @@ def plot_inspect(rep: MxInspectReport, out: str | os.PathLike[str]) -> Path:
     grouped by projection with flagged ones marked.
     """
     figure_cls = require_matplotlib()
-    members = [(r, u) for r in rep.tensors for u in r.units if u.mean is not None]
+    members = [(r, u.mean) for r in rep.tensors for u in r.units if u.mean is not None]
     panels = 3 if len(members) > 1 else 2
     fig = figure_cls(figsize=(10, 3.2 * panels))
     axes = fig.subplots(panels, 1)
@@ -282,9 +281,9 @@ def plot_inspect(rep: MxInspectReport, out: str | os.PathLike[str]) -> Path:
     if panels == 3:
         ax = axes[2]
         by_group: dict[str, list[tuple[int, float, bool]]] = {}
-        for i, (r, u) in enumerate(members):
+        for i, (r, mean) in enumerate(members):
             label = f"{r.tensor.role.proj or '?'}"
-            by_group.setdefault(label, []).append((i, float(u.mean), any(f.kind == "exp-outlier" for f in r.flags)))
+            by_group.setdefault(label, []).append((i, float(mean), any(f.kind == "exp-outlier" for f in r.flags)))
         for label, pts in sorted(by_group.items()):
             ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=8, label=label)
         bad = [(p[0], p[1]) for pts in by_group.values() for p in pts if p[2]]

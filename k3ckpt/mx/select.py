@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
-from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..env import K3CKPT_MX_CHUNK_BYTES
 from ..errors import MxSelectionError
-from ..format.roles import Role, classify
+from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..format.header import ShardHeader, read_header
+from ..format.roles import Role, classify
 
 #: Built-in default bytes of packed data per chunk (the float output of a chunk is 8x this for
 #: fp32); ``$K3CKPT_MX_CHUNK_BYTES``, read at call time, overrides it.
@@ -118,7 +118,7 @@ class MxSource:
     checkpoint: Checkpoint | None = None
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> "MxSource":
+    def open(cls, path: str | os.PathLike[str]) -> MxSource:
         p = Path(path)
         if p.is_file():
             h = read_header(p, file=p.name)

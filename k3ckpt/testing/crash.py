@@ -103,7 +103,7 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _wait_exit_or_kill(proc: subprocess.Popen[bytes], ready: Any, timeout: float = _PAUSE_TIMEOUT) -> bool:
+def _wait_exit_or_kill(proc: subprocess.Popen[bytes], ready: Callable[[], bool], timeout: float = _PAUSE_TIMEOUT) -> bool:
     """Wait for ``ready()`` then SIGKILL (True), or for the child to exit first (False)."""
     deadline = time.monotonic() + timeout
     while not ready():
@@ -119,7 +119,7 @@ def _wait_exit_or_kill(proc: subprocess.Popen[bytes], ready: Any, timeout: float
     return True
 
 
-def _run_until_killed(args: list[str], env: dict[str, str], ready: Any, at_point: bool, stats: CrashStats) -> bool:
+def _run_until_killed(args: list[str], env: dict[str, str], ready: Callable[[], bool], at_point: bool, stats: CrashStats) -> bool:
     """Start the command and SIGKILL it once ``ready()``; True if killed, False if it finished
     first (successfully: a failure is a violation)."""
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -130,6 +130,7 @@ def _run_until_killed(args: list[str], env: dict[str, str], ready: Any, at_point
         return True
     stats.finished_before_kill += 1
     if proc.returncode != 0:
+        assert proc.stderr is not None  # started with stderr=PIPE
         raise InvariantViolation(f"{' '.join(args[2:4])} exited {proc.returncode}: {proc.stderr.read().decode()[-500:]}")
     return False
 
@@ -238,6 +239,7 @@ def fetch_campaign(served: Path, work: Path, *, kills: int, seed: int, power_los
             marker.unlink(missing_ok=True)
             at_point = rng.random() < 0.5
             child_env = dict(env)
+            ready: Callable[[], bool]
             if at_point:
                 point = "before_rename" if rng.random() < 0.2 else f"after_chunk:{rng.randrange(1, max(2, nchunks // 2))}"
                 child_env.update({K3CKPT_TEST_PAUSE_AT.name: point, K3CKPT_TEST_PAUSE_FILE.name: str(marker)})
@@ -245,7 +247,11 @@ def fetch_campaign(served: Path, work: Path, *, kills: int, seed: int, power_los
             else:
                 start = hub.total_bytes_sent()
                 threshold = start + rng.randrange(1, max(2, total))
-                ready = lambda threshold=threshold: hub.total_bytes_sent() >= threshold  # noqa: E731
+
+                # a def, not a lambda: mypy cannot type a lambda with a default argument as Callable[[], bool]
+                def ready(threshold: int = threshold) -> bool:
+                    return hub.total_bytes_sent() >= threshold
+
             killed = _run_until_killed(args, child_env, ready, at_point, stats)
             _after_kill(killed, args, env, dest, stats, scan=lambda: scan_fetch(dest, served, stats),
                         damage=lambda: rng.random() < power_loss and _damage_fetch(dest, rng, stats), reference=served)

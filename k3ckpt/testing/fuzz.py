@@ -27,11 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..errors import CheckpointNotFoundError, ConfigError, IndexFileError, SafetensorsHeaderError
 from ..format.checkpoint import read_index
 from ..format.config import load_config
-from ..errors import CheckpointNotFoundError, ConfigError, IndexFileError, SafetensorsHeaderError
-from ..integrity.manifest import Manifest, ManifestError
 from ..format.header import parse_header_columns, read_header_columns
+from ..integrity.manifest import Manifest, ManifestError
 
 __all__ = ["SEEDS", "TARGETS", "mutate_json", "paths_of"]
 

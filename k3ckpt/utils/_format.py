@@ -23,7 +23,7 @@ def format_ranges(nums: list[int]) -> str:
     if not nums:
         return "none"
     out, start, prev = [], nums[0], nums[0]
-    for x in nums[1:] + [None]:  # type: ignore[list-item]
+    for x in nums[1:] + [None]:
         if x is not None and x == prev + 1:
             prev = x
             continue
