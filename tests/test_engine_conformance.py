@@ -449,7 +449,7 @@ def test_d_sglang_names_resolve_to_its_fused_expert_parameters(written: tuple[Ca
 
 @needs_sglang
 def test_d_sglang_ranks_find_their_experts(written: tuple[Case, Path, Path]) -> None:
-    """For an SGLang launch (``--tp W --ep W``, DP attention across nodes: moe_ep_rank = global
+    """For an SGLang launch (``--tp-size W --ep-size W``, DP attention across nodes: moe_ep_rank = global
     rank), SGLang's own local-expert map finds every expert of each rank in the node directory,
     and the directory holds no expert none of its ranks loads. Topologies SGLang cannot express
     (round_robin, a remainder) are refused by SGLang itself, which the test checks instead."""
