@@ -349,3 +349,61 @@ class SGLang(Wheel):
 def load_sglang() -> SGLang | None:
     path = find_wheel("sglang")
     return SGLang(path) if path else None
+
+
+# -- what a rank reads at load (docs/engines.md; BENCHMARKS.md) ----------------------------------
+
+
+def rank_read_bytes(vllm: VLLM, tensors: Mapping[str, int], *, tp: int, dp: int, gpus_per_node: int,
+                    num_experts: int, placement: str = "linear") -> list[tuple[int, int, int]]:
+    """Per global rank ``(rank, from_source, from_node_dir)``: the tensor bytes vLLM's filter
+    lets the rank read (``should_skip_weight`` with vLLM's own EP size/rank and local experts)
+    from the whole checkpoint ``tensors`` (name -> bytes), and from its node directory, which
+    holds every non-expert tensor and all tensors of the node's ranks' experts (what test (a)
+    pins). Header bytes are left out."""
+    f = vllm.ep_filter
+    world = tp * dp
+    local = []
+    for rank in range(world):
+        ep_size, ep_rank = vllm.ep_size_and_rank(tp, dp, rank)
+        ids = f.compute_local_expert_ids(num_experts, ep_size, ep_rank, placement)
+        local.append(set(range(num_experts)) if ids is None else ids)
+    out = []
+    for rank in range(world):
+        node = rank // gpus_per_node
+        node_experts = set().union(*local[node * gpus_per_node:(node + 1) * gpus_per_node])
+        kept = {n: b for n, b in tensors.items() if not f.should_skip_weight(n, local[rank])}
+        held = sum(b for n, b in kept.items() if (e := f.parse_expert_id(n)) is None or e in node_experts)
+        out.append((rank, sum(kept.values()), held))
+    return out
+
+
+def _main(argv: list[str]) -> int:
+    """``python tests/engines.py CHECKPOINT TP DP GPUS_PER_NODE [PLACEMENT]``: the per-rank load
+    reads of :func:`rank_read_bytes` for a checkpoint's headers (e.g. ``k3ckpt synth k3-full
+    --preset k3-full --headers-only``), ranks with equal figures folded into one line."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from k3ckpt.format import open_checkpoint
+
+    vllm = load_vllm()
+    if vllm is None:
+        print(missing_reason("vllm"), file=sys.stderr)
+        return 2
+    ckpt = open_checkpoint(argv[0])
+    tp, dp, gpn = (int(a) for a in argv[1:4])
+    experts = 1 + max(e for n in ckpt.tensors if (e := vllm.ep_filter.parse_expert_id(n)) is not None)
+    rows = rank_read_bytes(vllm, {n: t.nbytes for n, t in ckpt.tensors.items()}, tp=tp, dp=dp,
+                           gpus_per_node=gpn, num_experts=experts, placement=argv[4] if len(argv) > 4 else "linear")
+    total = sum(t.nbytes for t in ckpt.tensors.values())
+    print(f"{argv[0]}: {total:,} tensor bytes, {experts} experts; vLLM TP{tp} DP{dp} EP{tp * dp}, {gpn} GPUs per node")
+    start = 0
+    for i, (_, src, node) in enumerate(rows):
+        if i + 1 == len(rows) or rows[i + 1][1:] != (src, node):
+            print(f"ranks {start}-{i}: reads {src:,} bytes ({src / 1e9:.1f} GB) from the original layout, "
+                  f"{node:,} ({node / 1e9:.1f} GB) from its node directory")
+            start = i + 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
