@@ -24,9 +24,18 @@ from typing import Any
 
 import pytest
 
-from engines import V_K3, V_MXFP4_MOE, V_WEIGHT_UTILS, LoggerStandIn, load_sglang, load_vllm, missing_reason
+from engines import (
+    V_K3,
+    V_MXFP4_MOE,
+    V_WEIGHT_UTILS,
+    LoggerStandIn,
+    load_sglang,
+    load_vllm,
+    missing_reason,
+    rank_read_bytes,
+)
 from helpers import run
-from k3ckpt.format.checkpoint import INDEX_NAME
+from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
 from k3ckpt.format.topology import Topology, ranks_of_node
 from k3ckpt.testing.synth import spec_from_preset, synthesize
 
@@ -169,6 +178,8 @@ def filter_problems(case: Case, source: Path, out: Path) -> list[str]:
         experts = {n for n in names if parse(n) is not None}
         if dense - names:
             problems.append(f"node {node}: dense tensors missing: {sorted(dense - names)[:3]}")
+        if names - experts - dense:
+            problems.append(f"node {node}: tensors not in the source: {sorted(names - experts - dense)[:3]}")
         needed_by_node: set[str] = set()
         for rank in ranks_of_node(node, case.gpus_per_node, case.world_size):
             local = vllm_local_experts(case, rank)
@@ -238,6 +249,23 @@ def test_a_a_missing_expert_is_caught(written: tuple[Case, Path, Path], tmp_path
         (copy / f"node-{node:05d}").mkdir()
         (copy / f"node-{node:05d}" / INDEX_NAME).write_bytes((node_dir(out, node) / INDEX_NAME).read_bytes())
     assert any("missing" in p for p in filter_problems(case, source, copy))
+
+
+@needs_vllm
+def test_read_bytes_helper_matches_the_written_directories(written: tuple[Case, Path, Path]) -> None:
+    """``rank_read_bytes`` (the K3 figures of docs/engines.md, computed from source headers)
+    equals what vLLM's filter lets each rank read from the node directory actually written."""
+    assert VLLM is not None
+    case, source, out = written
+    sizes = {n: t.nbytes for n, t in open_checkpoint(source).tensors.items()}
+    rows = rank_read_bytes(VLLM, sizes, tp=case.tp, dp=case.dp, gpus_per_node=case.gpus_per_node,
+                           num_experts=case.experts, placement=case.placement)
+    for rank, from_source, from_node in rows:
+        local = vllm_local_experts(case, rank)
+        node = open_checkpoint(node_dir(out, rank // case.gpus_per_node)).tensors
+        assert from_node == sum(t.nbytes for n, t in node.items() if not VLLM.ep_filter.should_skip_weight(n, local))
+        assert from_source == sum(b for n, b in sizes.items() if not VLLM.ep_filter.should_skip_weight(n, local))
+        assert from_node <= from_source
 
 
 # -- (b) the index check -------------------------------------------------------------------------
