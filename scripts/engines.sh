@@ -24,10 +24,12 @@ for spec in "${PINNED[@]}"; do
     continue
   fi
   echo "== downloading $spec (wheel only, no dependencies) into $cache" >&2
-  # --python-version/--only-binary: one wheel even when this Python differs from the wheel's
-  # tag (sglang publishes cp311 wheels only); the tests read source files, never compiled parts.
-  if ! timeout 600 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
-      --platform manylinux_2_34_x86_64 "$spec" -d "$cache" >"$cache/$name-download.log" 2>&1; then
+  # The second try asks for the cp311 Linux wheel explicitly, for when this Python is another
+  # version (sglang publishes cp311 wheels only); the tests read its source files, never its
+  # compiled parts, so any Python can use it.
+  if ! timeout 600 "$py" -m pip download -q --no-deps "$spec" -d "$cache" >"$cache/$name-download.log" 2>&1 \
+      && ! timeout 600 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+        --platform manylinux_2_34_x86_64 "$spec" -d "$cache" >>"$cache/$name-download.log" 2>&1; then
     echo "k3ckpt: could not download $spec (see $cache/$name-download.log); its conformance tests will skip" >&2
   fi
 done

@@ -60,13 +60,11 @@ class Wheel:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._zip = zipfile.ZipFile(path)
+        self._trees: dict[str, ast.Module] = {}  # parsed once per file: the K3 model is 2,000 lines
 
     def source(self, member: str) -> str:
         """The text of ``member`` (e.g. ``vllm/model_executor/model_loader/ep_weight_filter.py``)."""
         return self._zip.read(member).decode("utf-8")
-
-    def names(self) -> list[str]:
-        return self._zip.namelist()
 
     def module(self, member: str, stand_ins: Mapping[str, types.ModuleType] | None = None) -> types.ModuleType:
         """Execute ``member`` whole as a fresh module (not registered in ``sys.modules``), with
@@ -91,10 +89,6 @@ class Wheel:
         assert found is not None
         return found
 
-    def line(self, member: str, qualname: str) -> int:
-        """Where ``qualname`` starts in ``member`` (for messages and docs/engines.md)."""
-        return self.node(member, qualname).lineno
-
     def definition(self, member: str, qualname: str, namespace: dict[str, Any]) -> Any:
         """Execute only the statement defining ``qualname`` in ``namespace`` and return what it
         defines. ``@staticmethod``/``@classmethod`` are dropped (the method is returned as a plain
@@ -110,12 +104,7 @@ class Wheel:
         exec(code, namespace)
         return namespace[qualname.rsplit(".", 1)[-1]]
 
-    @cached_property
-    def _trees(self) -> dict[str, ast.Module]:
-        return {}
-
     def _tree(self, member: str) -> ast.Module:
-        # Parsed once per file: the K3 model file alone is 2,000 lines.
         if member not in self._trees:
             self._trees[member] = ast.parse(self.source(member))
         return self._trees[member]
