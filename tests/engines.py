@@ -104,6 +104,17 @@ class Wheel:
         exec(code, namespace)
         return namespace[qualname.rsplit(".", 1)[-1]]
 
+    def registered_parameters(self, member: str, qualname: str) -> list[str]:
+        """The names a ``create_weights`` method registers (``layer.register_parameter("NAME",
+        ...)`` calls, read from the method's syntax tree): which fused-expert parameters exist."""
+        found = []
+        for node in ast.walk(self.node(member, qualname)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "register_parameter" and node.args
+                    and isinstance(node.args[0], ast.Constant)):
+                found.append(node.args[0].value)
+        return found
+
     def _tree(self, member: str) -> ast.Module:
         if member not in self._trees:
             self._trees[member] = ast.parse(self.source(member))
@@ -269,18 +280,6 @@ class VLLM(Wheel):
         """The mapping the K3 model uses with DeepGEMM MegaMoE experts (pure Python)."""
         return self.definition(V_K3, "make_kimi_k3_mega_moe_expert_params_mapping", {})
 
-    def registered_parameters(self, member: str, qualname: str) -> list[str]:
-        """The names a ``create_weights`` method registers (``layer.register_parameter("NAME",
-        ...)`` calls, read from the method's syntax tree): which fused-expert parameters exist."""
-        found = []
-        for node in ast.walk(self.node(member, qualname)):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "register_parameter" and node.args
-                    and isinstance(node.args[0], ast.Constant)):
-                found.append(node.args[0].value)
-        return found
-
-
 def load_vllm() -> VLLM | None:
     path = find_wheel("vllm")
     return VLLM(path) if path else None
@@ -291,6 +290,10 @@ def load_vllm() -> VLLM | None:
 S_K3 = "sglang/srt/models/kimi_k3.py"
 S_MOE_LAYER = "sglang/srt/layers/moe/fused_moe_triton/layer.py"
 S_UTILS = "sglang/srt/models/utils.py"
+S_WEIGHT_UTILS = "sglang/srt/model_loader/weight_utils.py"
+S_LAYER_UTILS = "sglang/srt/layers/utils/common.py"
+S_CONFIG = "sglang/srt/configs/kimi_linear.py"
+S_MXFP4 = "sglang/srt/layers/quantization/mxfp4.py"
 
 
 class SGLang(Wheel):
@@ -307,6 +310,16 @@ class SGLang(Wheel):
                                {"WeightsMapper": mapper_class})
 
     @cached_property
+    def filter_duplicate_safetensors_files(self) -> Any:
+        """SGLang's index check (``model_loader/weight_utils.py``); it uses ``os``, ``json`` and
+        ``fnmatch`` only."""
+        import fnmatch
+        import json
+
+        return self.definition(S_WEIGHT_UTILS, "filter_duplicate_safetensors_files",
+                               {"os": os, "json": json, "fnmatch": fnmatch})
+
+    @cached_property
     def expert_weight_name(self) -> re.Pattern[str]:
         """``_EXPERT_WEIGHT_NAME``: the fragment the K3 loader looks experts up by."""
         return self.definition(S_K3, "_EXPERT_WEIGHT_NAME", {"re": re})
@@ -317,6 +330,50 @@ class SGLang(Wheel):
         called with ``None`` for it)."""
         fn = self.definition(S_MOE_LAYER, "FusedMoE.make_expert_params_mapping", {})
         return lambda **kw: fn(None, **kw)
+
+    def k3_load_weights(self, text_config: dict[str, Any], param_names: list[str]) -> tuple[Any, list[tuple[Any, ...]]]:
+        """``KimiK3LinearForCausalLM.load_weights`` (``models/kimi_k3.py``) executed from the wheel
+        on a stand-in ``self``. Returns ``(load, calls)``: ``load(pairs)`` runs it on ``(name,
+        tensor)`` pairs; every parameter's ``weight_loader`` appends ``(param, tensor, args,
+        kwargs)`` to ``calls``.
+
+        Stand-ins: ``self.config`` is the checkpoint's ``text_config`` with SGLang's
+        ``KimiLinearConfig.is_moe``/``is_linear_attn`` (from the wheel); ``self.model`` has
+        ``start_layer`` 0 and ``end_layer`` = the layer count (no pipeline parallelism);
+        ``named_parameters()`` is ``param_names``; ``post_load_weights`` does nothing (it fuses
+        MLA weights after loading, no name handling); ``_is_npu`` False. ``get_layer_id``,
+        ``_maybe_map_fp8_pb_scale_name``, ``_EXPERT_WEIGHT_NAME``, ``FusedMoE.make_expert_params_mapping``
+        and ``maybe_remap_kv_scale_name`` are the real ones."""
+        import json
+
+        cfg_class = type("KimiLinearConfig", (types.SimpleNamespace,), {})
+        for prop in ("is_moe", "is_linear_attn"):
+            setattr(cfg_class, prop, self.definition(S_CONFIG, f"KimiLinearConfig.{prop}", {}))
+        cfg = cfg_class(**text_config)
+        calls: list[tuple[Any, ...]] = []
+
+        class Param:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def weight_loader(self, param: Any, loaded: Any, *args: Any, **kwargs: Any) -> None:
+                calls.append((self.name, loaded, args, kwargs))
+
+        params = {n: Param(n) for n in param_names}
+        model = types.SimpleNamespace(start_layer=0, end_layer=cfg.num_hidden_layers)
+        stub = types.SimpleNamespace(config=cfg, model=model, named_parameters=lambda: params.items(),
+                                     post_load_weights=lambda: None)
+        fused_moe = types.SimpleNamespace(make_expert_params_mapping=self.make_expert_params_mapping)
+        ns = {
+            "FusedMoE": fused_moe, "_EXPERT_WEIGHT_NAME": self.expert_weight_name, "_is_npu": False,
+            "get_layer_id": self.definition(S_LAYER_UTILS, "get_layer_id", {"re": re}),
+            "_maybe_map_fp8_pb_scale_name": self.definition(S_K3, "_maybe_map_fp8_pb_scale_name", {}),
+            "maybe_remap_kv_scale_name": self.definition(S_WEIGHT_UTILS, "maybe_remap_kv_scale_name",
+                                                         {"logger": LoggerStandIn(), "re": re, "json": json}),
+            "default_weight_loader": lambda param, loaded, **kw: calls.append(("default", loaded, (), kw)),
+        }
+        method = self.definition(S_K3, "KimiK3LinearForCausalLM.load_weights", ns)
+        return (lambda pairs: method(stub, pairs)), calls
 
     def local_expert(self, num_experts: int, ep_size: int, ep_rank: int) -> Any:
         """``FusedMoE._map_global_expert_id_to_local_expert_id`` of the rank: global expert id

@@ -497,3 +497,58 @@ def test_d_sglang_ranks_find_their_experts(written: tuple[Case, Path, Path]) -> 
             local = SGLANG.local_expert(case.experts, case.world_size, rank)
             loaded |= {e for e in range(case.experts) if local(e) != -1}
         assert held == loaded, (node, sorted(held ^ loaded))
+
+
+@needs_sglang
+def test_d_sglang_index_check_accepts_every_node_directory(written: tuple[Case, Path, Path], tmp_path: Path) -> None:
+    """SGLang's ``DefaultModelLoader._prepare_weights`` globs ``*.safetensors`` and calls its
+    ``filter_duplicate_safetensors_files`` (no allow-pattern override for a plain local load):
+    it keeps every file of every node directory, and raises on an indexed file that is gone."""
+    import glob
+    import os
+    import shutil
+
+    assert SGLANG is not None
+    case, _, out = written
+    for node in range(case.nodes):
+        ndir = node_dir(out, node)
+        files = glob.glob(os.path.join(str(ndir), "*.safetensors"))
+        assert sorted(SGLANG.filter_duplicate_safetensors_files(list(files), str(ndir), INDEX_NAME)) == sorted(files)
+    broken = tmp_path / "node"
+    shutil.copytree(node_dir(out, 0), broken)
+    sorted(broken.glob("*.safetensors"))[0].unlink()
+    with pytest.raises(RuntimeError, match="missing"):
+        SGLANG.filter_duplicate_safetensors_files(glob.glob(os.path.join(str(broken), "*.safetensors")),
+                                                  str(broken), INDEX_NAME)
+
+
+@needs_sglang
+def test_d_sglang_k3_loader_routes_every_expert_tensor(written: tuple[Case, Path, Path]) -> None:
+    """SGLang's K3 ``load_weights``, run from the wheel on the routed-expert tensors of every
+    node directory (after the mapper and the ``language_model.`` strip of the wrapper), calls an
+    expert ``weight_loader`` exactly once per tensor, on a parameter ``Mxfp4MoEMethod`` registers
+    (read from its ``create_weights``), with the tensor's expert id and shard. SGLang drops an
+    expert tensor whose parameter it does not have without a word (the ``if name in
+    params_dict`` guard), so a silent miss would show here as a missing call."""
+    assert SGLANG is not None
+    case, _, out = written
+    registered = SGLANG.registered_parameters("sglang/srt/layers/quantization/mxfp4.py", "Mxfp4MoEMethod.create_weights")
+    assert {"w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"} <= set(registered)
+    config = json.loads((node_dir(out, 0) / "config.json").read_text())["text_config"]
+    for node in range(case.nodes):
+        names = [SGLANG.k3_hf_to_sglang_mapper._map_name(n) for n in weight_map(node_dir(out, node))
+                 if ".experts." in n and "shared_experts" not in n]
+        names = [n.replace("language_model.", "") for n in names]
+        layers = sorted({n.split(".layers.")[1].split(".")[0] for n in names})
+        params = [f"model.layers.{i}.mlp.experts.{p}" for i in layers for p in registered]
+        load, calls = SGLANG.k3_load_weights(config, params)
+        tensors = {n: SimpleNamespace(name=n, ndim=2) for n in names}  # K3 scales are 2-D
+        load((n, t) for n, t in tensors.items())
+        assert sorted(c[1].name for c in calls) == sorted(names)
+        for param, tensor, args, kwargs in calls:
+            name = tensor.name
+            layer, expert = name.split(".layers.")[1].split(".")[0], int(name.split(".experts.")[1].split(".")[0])
+            shard = name.split(".")[-2]
+            assert param.startswith(f"model.layers.{layer}.mlp.experts.{'w2_' if shard == 'w2' else 'w13_'}"), param
+            assert param.endswith("_weight_scale") == name.endswith(".weight_scale"), (name, param)
+            assert args == (param,) and (kwargs["expert_id"], kwargs["shard_id"]) == (expert, shard), name
