@@ -383,18 +383,31 @@ def text_model_names(case: Case, root: Path) -> tuple[dict[str, str], list[str]]
     return model, others
 
 
+# The expert parameter sets of the K3 MoE paths: the compressed-tensors MXFP4 method (what K3's
+# quantization_config selects), vLLM's own "mxfp4" method (whose unpacked ``w13_weight`` makes
+# the K3 loader rename ``.weight_packed``), and DeepGEMM MegaMoE (names from its mapping).
+MOE_PATHS = {
+    "compressed-tensors": (V_MXFP4_MOE, "CompressedTensorsW4A4Mxfp4MoEMethod.create_weights"),
+    "mxfp4": ("vllm/model_executor/layers/quantization/mxfp4.py", "Mxfp4MoEMethod.create_weights"),
+    "mega-moe": None,
+}
+
+
 @needs_vllm
-@pytest.mark.parametrize("mega_moe", [False, True], ids=["fused-moe", "mega-moe"])
-def test_c_names_resolve_through_the_k3_loader(written: tuple[Case, Path, Path], mega_moe: bool) -> None:
+@pytest.mark.parametrize("moe_path", list(MOE_PATHS))
+def test_c_names_resolve_through_the_k3_loader(written: tuple[Case, Path, Path], moe_path: str) -> None:
     case, _, out = written
     assert VLLM is not None
     parse = VLLM.ep_filter.parse_expert_id
+    mega_moe = moe_path == "mega-moe"
     if mega_moe and (case.placement != "linear" or case.experts % case.world_size):
         pytest.skip("MegaMoE needs linear placement and experts divisible by the EP size (nvidia/model.py KimiMoE)")
-    fused = VLLM.registered_parameters(V_MXFP4_MOE, "CompressedTensorsW4A4Mxfp4MoEMethod.create_weights")
-    assert set(fused) == {"w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale"}
-    if mega_moe:  # the MegaMoE mapping names its parameters itself
+    where = MOE_PATHS[moe_path]
+    if where is None:  # the MegaMoE mapping names its parameters itself
         fused = sorted({p.split("experts.", 1)[1] for p, *_ in VLLM.k3_mega_moe_expert_params_mapping(1)})
+    else:
+        fused = [p for p in VLLM.registered_parameters(*where) if "bias" not in p]
+        assert {p.removesuffix("_packed") for p in fused} == {"w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"}
     prefix = "experts." if mega_moe else "experts.routed_experts."
     config = json.loads((node_dir(out, 0) / "config.json").read_text())["text_config"]
     for node in range(case.nodes):
