@@ -10,7 +10,10 @@ Functions are loaded out of the pinned vLLM 0.33.0 / SGLang 0.5.23 wheels by ``t
 (b) vLLM's index check (``filter_duplicate_safetensors_files``) accepts every node directory;
 (c) every name resolves through the K3 model's ``hf_to_vllm_mapper`` and, for routed experts,
     through the K3 ``load_weights`` dispatch onto a fused-expert parameter the MXFP4 method
-    registers, with the right expert id and shard.
+    registers, with the right expert id and shard;
+(d) SGLang: its K3 name mapping and ``load_weights`` route every expert tensor, its index check
+    accepts every node directory, its placement finds each rank's experts where SGLang can
+    express the topology (linear, divisible).
 What each check proves, and what it does not, is in docs/engines.md.
 """
 
