@@ -18,5 +18,9 @@ if ! .venv/bin/mypy; then
   exit 1
 fi
 
+# The pinned vLLM/SGLang wheels the engine conformance tests read (a cache outside the
+# repository; instant when cached; a failed download makes those tests skip, never this script).
+bash scripts/engines.sh .venv/bin/python
+
 export HF_HUB_DISABLE_XET=1 HF_HUB_OFFLINE=0 HF_HUB_DISABLE_TELEMETRY=1 PYTHONDONTWRITEBYTECODE=1
 exec .venv/bin/python -m pytest -q "$@"
