@@ -256,15 +256,15 @@ def test_rerun_skips_completed_and_force_redoes(k3_tiny: Path, tmp_path: Path) -
 def test_cli(k3_tiny: Path, tmp_path: Path) -> None:
     runner = CliRunner()
     out = tmp_path / "o"
-    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--ep", "2", "--tp", "2", "--json",
+    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "2", "--tp", "2", "--json",
                              "--max-file-size", "1MiB", "--jobs", "2"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["ranks_written"] == [0, 1]
     check_layout(k3_tiny, out, ep=2, tp=2)
-    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--ep", "2", "--tp", "2", "--max-file-size", "1MiB"])
+    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "2", "--tp", "2", "--max-file-size", "1MiB"])
     assert r.exit_code == 0 and "2 already complete" in r.output, r.output
     # another part size is another layout: the ranks are rewritten
-    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--ep", "2", "--tp", "2"])
+    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "2", "--tp", "2"])
     assert r.exit_code == 0 and "2 ranks written" in r.output, r.output
     for args, needle in [
         (["--ep", "3", "--tp", "2"], "does not divide world size"),
@@ -273,7 +273,7 @@ def test_cli(k3_tiny: Path, tmp_path: Path) -> None:
         (["--ep", "2", "--node", "0"], "--gpus-per-node"),
         (["--ep", "100"], "exceeds"),
     ]:
-        r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(tmp_path / "bad"), *args])
+        r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(tmp_path / "bad"), "--format", "rank", *args])
         assert r.exit_code == 2, (args, r.output)
         lines = r.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("k3ckpt: error:") and needle in lines[0], r.output
@@ -368,7 +368,7 @@ def test_output_and_source_must_not_nest(k3_tiny: Path, tmp_path: Path) -> None:
                          (outer / "src", outer, "contains the source")]:
         with pytest.raises(rs.ReshardError, match=needle):
             rs.reshard(s, o, RankSelection(ep=2))
-        r = CliRunner().invoke(main, ["reshard", str(s), "-o", str(o), "--ep", "2"])
+        r = CliRunner().invoke(main, ["reshard", str(s), "-o", str(o), "--format", "rank", "--ep", "2"])
         lines = r.output.strip().splitlines()
         assert r.exit_code == 2 and len(lines) == 1 and needle in lines[0], r.output
     assert not (src / "out").exists() and not list(outer.glob("rank-*"))
