@@ -84,8 +84,8 @@ def check_node(src: Path, ndir: Path, *, tp: int, dp: int, placement: str, node:
     for rank, ex in own.items():  # every rank's experts: all of them, in its own files
         holders = {f for n, f in index["weight_map"].items() if ckpt.roles[n].expert in ex}
         stacked = not any(r.expert is not None for r in ckpt.roles.values())  # gpt-oss: all in dense files
-        assert (stacked and not holders) or holders and all(_RANK_FILE.fullmatch(h) and int(_RANK_FILE.fullmatch(h).group(1)) == rank  # type: ignore[union-attr]
-                               for h in holders), (rank, holders)
+        owners = {int(m.group(1)) if (m := _RANK_FILE.fullmatch(h)) else None for h in holders}
+        assert (stacked and not holders) or owners == {rank}, (rank, holders)
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_NAME:
             assert (ndir / f.name).read_bytes() == f.read_bytes(), f.name

@@ -192,7 +192,8 @@ def test_node0_moves_only_its_share_and_reshards_identically(served_hub: Any, k3
     topo = json.loads((a / "topology.json").read_text())
     assert topo["source"]["repo"] == REPO and topo["source"]["revision"] == marker["source"]["revision"]
     # ...and a rank whose experts were not fetched is refused, not written without them
-    r = CliRunner().invoke(main, ["reshard", str(dest), "-o", str(tmp_path / "rs-node1"), "--format", "rank", "--ep", "8", "--tp", "2",
+    r = CliRunner().invoke(main, ["reshard", str(dest), "-o", str(tmp_path / "rs-node1"), "--format", "rank",
+                                  "--ep", "8", "--tp", "2",
                                   "--node", "1", "--gpus-per-node", "4"])
     assert r.exit_code == 2 and "rank 4 needs routed experts 8-9" in r.output
     assert not (tmp_path / "rs-node1" / "rank-00004").exists()

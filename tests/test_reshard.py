@@ -261,7 +261,8 @@ def test_cli(k3_tiny: Path, tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["ranks_written"] == [0, 1]
     check_layout(k3_tiny, out, ep=2, tp=2)
-    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "2", "--tp", "2", "--max-file-size", "1MiB"])
+    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "2", "--tp", "2",
+                             "--max-file-size", "1MiB"])
     assert r.exit_code == 0 and "2 already complete" in r.output, r.output
     # another part size is another layout: the ranks are rewritten
     r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "2", "--tp", "2"])
