@@ -53,7 +53,7 @@ def sha(p: Path) -> str:
 def node0_names(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     """What node 0 holds, by an independent route: the union of a full reshard's rank manifests."""
     out = tmp_path_factory.mktemp("full-node0")
-    reshard(k3_tiny, out, RankSelection(ep=8, tp=2, node=0, gpus_per_node=4))
+    reshard(k3_tiny, out, RankSelection(ep=8, tp=2, node=0, gpus_per_node=4), layout="rank")
     names: set[str] = set()
     for m in out.glob("rank-*/rank-manifest.json"):
         names.update(json.loads(m.read_text())["tensors"])
@@ -527,8 +527,8 @@ def test_other_families_reshard_identically(family: str, verification: str, requ
         assert (plan.bytes_total < plan.source_bytes) and (any(not s.whole for s in plan.shards) == (family == "k2_tiny"))
     assert verify_checkpoint(dest).ok
     a, b = tmp_path / "a", tmp_path / "b"
-    reshard(dest, a, RankSelection(ep=4, ranks="0-1"))
-    reshard(src, b, RankSelection(ep=4, ranks="0-1"))
+    reshard(dest, a, RankSelection(ep=4, ranks="0-1"), layout="rank")
+    reshard(src, b, RankSelection(ep=4, ranks="0-1"), layout="rank")
     for rank in (0, 1):
         files = sorted((b / f"rank-{rank:05d}").glob("*.safetensors"))
         assert files

@@ -356,9 +356,9 @@ def plan_reshard(
     *,
     max_file_size: int = DEFAULT_MAX_FILE_SIZE,
     align: int = ALIGN,
-    layout: str = "rank",
+    layout: str = "node",
 ) -> ReshardPlan:
-    """Decide every output file of the selected ranks (no data is read).
+    """Decide every output file of the selected nodes or ranks (no data is read).
 
     Args:
         selection: The topology and the ranks to write (default: every rank of ep 1 x tp 1).
@@ -826,7 +826,7 @@ def reshard(
     force: bool = False,
     align: int = ALIGN,
     mode: str = "kernel",
-    layout: str = "rank",
+    layout: str = "node",
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
 ) -> ReshardResult:
