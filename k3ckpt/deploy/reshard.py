@@ -446,9 +446,12 @@ def _node_plan(ckpt: Checkpoint, idx: InventoryIndex, topo: Topology, node: int,
     nd = plan_node_dir(ckpt.tensors, topo, node, gpus_per_node, max_file_size=max_file_size, roles=ckpt.roles,
                        index=idx, align=align)
     _require_experts(ckpt.root, idx, [(f"node {node}", nd.experts)])
+    starts = {name: hdr.data_start for name, hdr in ckpt.shards.items()}
     files = []
     for f in nd.files:
-        outs = [_tensor_plan(t.name, t, ckpt.shards[t.file].data_start, None) for t in f.tensors]
+        # whole tensors: one run each, built directly (the full K3 inventory is ~497k tensors)
+        outs = [OutTensor(t.name, t.dtype, t.shape, t.shape, None, t.file, [Run(starts[t.file] + t.begin, t.nbytes)],
+                          t.nbytes, (t.name, None)) for t in f.tensors]
         files.append(OutFile(node, f.name, outs, f.prefix, list(f.offsets)))
     return NodePlan(nd, files)
 
