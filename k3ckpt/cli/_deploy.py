@@ -9,46 +9,65 @@ import click
 
 from ..errors import EXIT_PROBLEMS
 from ..format.topology import RankSelection
-from ._options import CONTEXT, handle_errors, jobs_option, json_option, size_option, topology_options
+from ._options import CONTEXT, Decorator, handle_errors, jobs_option, json_option, size_option, topology_options
 from ._output import ByteProgress, emit_json
 
 # help texts plan and reshard share
-_EP = "Expert-parallel degree."
 _TP = "Tensor-parallel degree of dense weights."
-_WORLD_SIZE = "Ranks in all [default: max(ep, tp)]."
 _PLACEMENT = "Expert placement: vLLM's linear rule or round robin."
-_GPUS_PER_NODE = "Group ranks into nodes of this many GPUs."
 _KV_BUDGET = "KV cache (and other runtime) memory to reserve per GPU."
+_FORMAT = ("node: per node a checkpoint directory stock vLLM loads with --enable-expert-parallel "
+           "--enable-ep-weight-filter (dense tensors whole, only the node's experts); rank: pre-split tensors "
+           "per rank, for custom loaders - no stock engine reads pre-split tensors. hf-node is another name for node.")
+
+
+def _engine_topology(**extra: str) -> Decorator:
+    """The topology options plan and reshard share, in the node format's reading; ``extra``:
+    reshard's --ranks and --node."""
+    return topology_options(
+        show_defaults=False,
+        tp=_TP + " [default: 1]",
+        dp="Data-parallel degree: world size = tp x dp. With --format node, also the EP size is tp x dp, as in "
+           "vLLM's expert parallel [default: world size / tp].",
+        ep="Expert-parallel degree. --format node: must equal the world size (tp x dp), its default; "
+           "--format rank: default 1 (experts cut over all ranks).",
+        world_size="Ranks in all [default: tp x dp with --dp, else max(ep, tp)].",
+        placement=_PLACEMENT + " [default: linear]",
+        gpus_per_node="Ranks per node [default with --format node: the world size, one node holding everything].",
+        **extra)
+
 
 # -- plan --------------------------------------------------------------------------------------
 
 
 @click.command(context_settings=CONTEXT)
 @click.argument("source", type=click.Path(exists=True, path_type=str))
-@topology_options(show_defaults=True, ep=_EP, tp=_TP, world_size=_WORLD_SIZE, placement=_PLACEMENT,
-                  gpus_per_node=_GPUS_PER_NODE)
+@click.option("--format", "layout", type=click.Choice(["node", "rank", "hf-node"]), default="node", show_default=True,
+              help=_FORMAT)
+@_engine_topology()
 @size_option("--kv-budget", default="20GiB", help=_KV_BUDGET)
 @json_option()
 @handle_errors
-def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool) -> None:
+def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, layout: str) -> None:
     """What each rank of a TP/EP topology holds, and which accelerators fit it.
 
     SOURCE is a local checkpoint or a manifest (so a deployment can be planned before anything
     is downloaded: `k3ckpt manifest pull` makes one from hub metadata). Prints each rank's
     ep/tp/moe_tp rank and node, its experts, its bytes split into routed experts / TP-split
     dense / replicated, the largest rank, and the per-GPU need (weights x 1.15 + KV budget)
-    against H100, H200, B200, GB300 and MI355X. Impossible topologies are refused with the
-    precise reason (exit 2).
+    against H100, H200, B200, GB300 and MI355X; with --format node (the default, as for
+    reshard) also what each node directory holds on disk. Impossible topologies are refused
+    with the precise reason (exit 2).
 
     \b
     Examples:
-      k3ckpt plan ./Kimi-K3 --ep 8 --tp 2
-      k3ckpt plan kimi-k3.manifest.json --ep 16 --tp 8 --world-size 16 --gpus-per-node 8
-      k3ckpt plan ./Kimi-K3 --tp 8 --kv-budget 40GiB --json
+      k3ckpt plan ./Kimi-K3 --tp 2 --dp 4
+      k3ckpt plan kimi-k3.manifest.json --tp 8 --dp 2 --gpus-per-node 8
+      k3ckpt plan ./Kimi-K3 --format rank --tp 8 --kv-budget 40GiB --json
     """
     from ..deploy.plan import plan_topology, render_plan
 
-    rep = plan_topology(source, selection, kv_budget=kv_budget)
+    rep = plan_topology(source, selection, kv_budget=kv_budget, layout=layout)
     if as_json:
         emit_json(rep.to_json())
     else:
@@ -63,20 +82,9 @@ def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool) -
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Output directory (node-NNNNN/ or rank-NNNNN/ directories and topology.json).")
 @click.option("--format", "layout", type=click.Choice(["node", "rank", "hf-node"]), default="node", show_default=True,
-              help="node: per node a checkpoint directory stock vLLM loads with --enable-expert-parallel "
-                   "--enable-ep-weight-filter (dense tensors whole, only the node's experts); rank: pre-split "
-                   "tensors per rank, for custom loaders - no stock engine reads pre-split tensors. hf-node is "
-                   "another name for node.")
-@topology_options(tp=_TP + " [default: 1]", dp="Data-parallel degree: world size = tp x dp. With --format node, also the EP size "
-                  "is tp x dp, as in vLLM's expert parallel [default: world size / tp].",
-                  ep="Expert-parallel degree. --format node: must equal the world size (tp x dp), its default; "
-                  "--format rank: default 1 (experts cut over all ranks).",
-                  world_size="Ranks in all [default: tp x dp with --dp, else max(ep, tp)].",
-                  placement=_PLACEMENT + " [default: linear]",
-                  ranks="--format rank: only these ranks, e.g. 0-3,8.",
-                  node="Only this node (needs --gpus-per-node with --format rank).",
-                  gpus_per_node="Ranks per node [default with --format node: the world size, one node holding "
-                  "everything].")
+              help=_FORMAT)
+@_engine_topology(ranks="--format rank: only these ranks, e.g. 0-3,8.",
+                  node="Only this node (needs --gpus-per-node with --format rank).")
 @size_option("--max-file-size", default="5GiB",
              help="Files of at most this size (--format node: header included; --format rank: tensor bytes).")
 @jobs_option("Output files written in parallel [default: 2 per CPU, at most 16].")
