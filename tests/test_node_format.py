@@ -6,6 +6,7 @@ own, accepted by ``k3ckpt verify`` through its marker."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -352,3 +353,30 @@ def test_inspect_honours_the_node_marker(nodes: Path, tmp_path: Path) -> None:
     (ndir / "k3ckpt-node.json").write_text("{not json")
     res = CliRunner().invoke(main, ["inspect", str(ndir)])
     assert res.exit_code == 2 and "k3ckpt-node.json" in res.output and "Traceback" not in res.output
+
+
+def test_the_plan_fixes_every_byte_a_producer_writes(k3_tiny: Path, tmp_path: Path) -> None:
+    """A second producer (a rank-aware fetch) that follows the plan writes the same directory:
+    headers, tensor offsets, index and marker all come from :func:`plan_node_dir`."""
+    ckpt = open_checkpoint(k3_tiny)
+    sel = RankSelection(tp=2, dp=4, gpus_per_node=4, node=1, placement="round_robin")
+    rs.reshard(k3_tiny, tmp_path / "o", sel, max_file_size=300_000)
+    ndir = tmp_path / "o" / "node-00001"
+    topo = sel.topology(16, engine=True)
+    nd = plan_node_dir(ckpt.tensors, topo, 1, 4, max_file_size=300_000)
+    assert sorted(f.name for f in nd.files) == sorted(p.name for p in ndir.glob("*.safetensors"))
+    tensor_sha, file_sha = {}, {}
+    for f in nd.files:
+        data = (ndir / f.name).read_bytes()
+        assert len(data) == f.size and data.startswith(f.prefix)
+        for t, (b, e) in zip(f.tensors, f.offsets):  # each tensor's source bytes at its planned offset
+            hdr = ckpt.shards[t.file]
+            with open(hdr.path, "rb") as fh:
+                fh.seek(hdr.data_start + t.begin)
+                src = fh.read(t.nbytes)
+            assert data[len(f.prefix) + b:len(f.prefix) + e] == src, t.name
+            tensor_sha[t.name] = hashlib.sha256(src).hexdigest()
+        file_sha[f.name] = hashlib.sha256(data).hexdigest()
+    assert (ndir / INDEX_NAME).read_bytes() == nd.index_bytes()
+    source_sha = hashlib.sha256((k3_tiny / INDEX_NAME).read_bytes()).hexdigest()
+    assert (ndir / "k3ckpt-node.json").read_bytes() == nd.marker_bytes(source_sha, tensor_sha, file_sha)

@@ -265,9 +265,18 @@ class RankPlan:
 
     manifest_name = MANIFEST_NAME
 
-    def extra_json(self) -> dict[str, Any]:
-        """Files written after the weights and before the manifest (none for a rank)."""
-        return {}
+    def final_files(self, results: list[dict[str, Any]], source: dict[str, Any]) -> dict[str, bytes]:
+        """What is written after the weights, in order: the manifest, with the digests of
+        ``results`` (one per file)."""
+        manifest = self.layout()
+        manifest["source_index_sha256"] = source["index_sha256"]
+        for f, res in zip(self.files, results):
+            manifest["files"][f.name].update(size=res["size"], sha256=res["sha256"])
+            for name, digest in res["tensors"].items():
+                manifest["tensors"][name]["sha256"] = digest
+        # no indent: the C encoder (a K3 rank lists ~60k tensors; the pure-Python indenting one
+        # costs seconds per rank)
+        return {MANIFEST_NAME: (json.dumps(manifest) + "\n").encode()}
 
 
 @dataclass
@@ -308,8 +317,13 @@ class NodePlan:
         """The node marker without digests (what a re-run compares to decide to skip a node)."""
         return self.plan.marker_json()
 
-    def extra_json(self) -> dict[str, Any]:
-        return {INDEX_NAME: self.plan.index_json()}
+    def final_files(self, results: list[dict[str, Any]], source: dict[str, Any]) -> dict[str, bytes]:
+        """The index, then the marker: the bytes :class:`~k3ckpt.format.nodedir.NodeDir` gives
+        every producer of a node directory."""
+        tensors = {name: digest for res in results for name, digest in res["tensors"].items()}
+        files = {f.name: res["sha256"] for f, res in zip(self.files, results)}
+        return {INDEX_NAME: self.plan.index_bytes(),
+                NODE_MARKER: self.plan.marker_bytes(source["index_sha256"], tensors, files)}
 
 
 @dataclass
@@ -801,19 +815,11 @@ def _clear_old_layout(outp: Path) -> None:
 def _finish_rank(rdir: Path, rp: RankPlan | NodePlan, results: list[dict[str, Any]], source: dict[str, Any]) -> None:
     """Rename the rank's (or node's) files into place, then its index (a node's), its manifest
     (a node's marker), then READY - each durable first."""
-    manifest = rp.layout()
-    manifest["source_index_sha256"] = source["index_sha256"]
-    for f, res in zip(rp.files, results):
-        manifest["files"][f.name].update(size=res["size"], sha256=res["sha256"])
-        for name, digest in res["tensors"].items():
-            manifest["tensors"][name]["sha256"] = digest
+    for f in rp.files:
         os.replace(tmp_name(rdir / f.name), rdir / f.name)
     fsync_dir(rdir)
-    for name, data in rp.extra_json().items():
-        write_atomic(rdir / name, (json.dumps(data, indent=2) + "\n").encode())
-    # no indent: the C encoder (a K3 rank lists ~60k tensors; the pure-Python indenting one
-    # costs seconds per rank)
-    write_atomic(rdir / rp.manifest_name, (json.dumps(manifest) + "\n").encode())
+    for name, data in rp.final_files(results, source).items():
+        write_atomic(rdir / name, data)
     fsync_dir(rdir)
     write_atomic(rdir / READY_NAME, b"")
     fsync_dir(rdir)

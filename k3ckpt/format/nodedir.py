@@ -112,9 +112,25 @@ class NodeDir:
         """``model.safetensors.index.json``: exactly the tensors and files present."""
         return {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map()}
 
+    def index_bytes(self) -> bytes:
+        """The index file's bytes, as every producer writes them (indent 2, as ``save_pretrained``)."""
+        return (json.dumps(self.index_json(), indent=2) + "\n").encode()
+
+    def marker_bytes(self, source_index_sha256: str, tensor_sha256: Mapping[str, str],
+                     file_sha256: Mapping[str, str]) -> bytes:
+        """``k3ckpt-node.json``'s bytes, as every producer writes them: :meth:`marker_json` plus
+        the sha256 of the source's index and of every tensor and file (which the writer computes
+        while copying). One line, no indent: the C encoder (a full K3 node lists ~500k tensors)."""
+        marker = self.marker_json()
+        marker["source_index_sha256"] = source_index_sha256
+        for name, entry in marker["files"].items():
+            entry["sha256"] = file_sha256[name]
+        for name, entry in marker["tensors"].items():
+            entry["sha256"] = tensor_sha256[name]
+        return (json.dumps(marker) + "\n").encode()
+
     def marker_json(self) -> dict[str, Any]:
-        """``k3ckpt-node.json`` without digests and source: a writer adds each tensor's and file's
-        ``sha256`` and ``source_index_sha256``."""
+        """``k3ckpt-node.json`` without digests and source: :meth:`marker_bytes` adds them."""
         return {
             "format": NODE_FORMAT, "version": VERSION, "node": self.node, "gpus_per_node": self.gpus_per_node,
             "ranks": list(self.ranks), "experts": self.experts,
