@@ -1,8 +1,10 @@
-"""``k3ckpt reshard``: write a checkpoint as one directory of safetensors files per rank.
+"""``k3ckpt reshard``: write a checkpoint as the directories each node (``--format node``, the
+default) or each rank (``--format rank``) of a topology loads.
 
-The output is the rank-layout contract (``rank-layout.md``): ``OUT/topology.json``, the source's
-non-weight files, and ``OUT/rank-NNNNN/{model-rank-R-part-K.safetensors, rank-manifest.json,
-READY}``. What each rank holds comes from :func:`k3ckpt.topology.tensors_for_ranks`.
+``--format rank`` is the rank-layout contract (``docs/layout.md``): ``OUT/topology.json``, the
+source's non-weight files, and ``OUT/rank-NNNNN/{model-rank-R-part-K.safetensors,
+rank-manifest.json, READY}``. What each rank holds comes from
+:func:`k3ckpt.format.topology.tensors_for_ranks`. The node format is described below.
 
 How bytes move (streaming; memory is a few bounded buffers per worker, whatever the size):
 
