@@ -13,7 +13,8 @@ Names load on first use, so ``import k3ckpt`` stays cheap. Example, on a synthet
     manifest = k3ckpt.build_manifest("k3-tiny", tensor_hashes=True)
     manifest.save("k3-tiny.manifest.json")
     assert k3ckpt.verify_checkpoint("k3-tiny", manifest=manifest).ok
-    k3ckpt.reshard("k3-tiny", "ranks", k3ckpt.RankSelection(ep=8, tp=2))
+    k3ckpt.reshard("k3-tiny", "nodes", k3ckpt.RankSelection(tp=2, dp=4, gpus_per_node=4))
+    k3ckpt.reshard("k3-tiny", "ranks", k3ckpt.RankSelection(ep=8, tp=2), layout="rank")
     print(k3ckpt.preflight("ranks", k3ckpt.RankSelection(ranks=[0]), use_env=False).ok)
 
 Every failure a user can act on is a :class:`K3ckptError` (see :mod:`k3ckpt.errors`).

@@ -136,7 +136,7 @@ def test_fetch_hitting_a_really_full_disk_mid_file_keeps_a_resumable_state(hub_e
 @pytest.fixture(scope="module")
 def reshard_reference(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("reshard-ref") / "out"
-    res = k3ckpt(["reshard", str(k3_tiny), "-o", str(out), "--ep", "2"])
+    res = k3ckpt(["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "2"])
     assert res.returncode == 0, res.stderr
     return tree_digests(out)
 
@@ -154,7 +154,7 @@ def test_reshard_out_of_space_or_descriptors_is_one_line_and_resumable(k3_tiny: 
                                                                      reshard_reference: dict[str, str],
                                                                      limit: str) -> None:
     out = tmp_path / "out"
-    args = ["reshard", str(k3_tiny), "-o", str(out), "--ep", "2"]
+    args = ["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "2"]
     res = k3ckpt(args, fsize=400_000) if limit == "fsize" else k3ckpt(args, nofile=12)
     assert res.returncode == 2, res.stdout + res.stderr
     lines = res.stderr.strip().splitlines()

@@ -110,7 +110,7 @@ def test_fetch_records_its_source_for_reshard_and_preflight(hub, tmp_path: Path,
     src = open_checkpoint(dest).source
     assert (src.hub, src.repo, src.revision) == ("modelscope", REPO, revision)
     out = tmp_path / "rs"
-    assert run("reshard", str(dest), "-o", str(out), "--ep", "2").exit_code == 0
+    assert run("reshard", str(dest), "-o", str(out), "--format", "rank", "--ep", "2").exit_code == 0
     topo = json.loads((out / "topology.json").read_text())
     assert (topo["source"]["repo"], topo["source"]["revision"]) == (REPO, revision)
     # the record is not part of the checkpoint: a hub verify sees exactly the hub's files

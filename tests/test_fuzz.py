@@ -168,7 +168,7 @@ def test_reshard_does_not_write_through_destination_symlinks(k3_tiny: Path, tmp_
     from k3ckpt.format.topology import RankSelection
 
     out = tmp_path / "out"
-    plan = plan_reshard(k3_tiny, RankSelection(ep=2))
+    plan = plan_reshard(k3_tiny, RankSelection(ep=2), layout="rank")
     run_reshard(plan, out)
     reference = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     victims = []

@@ -75,3 +75,30 @@ def test_cli_text_and_json(k3_tiny: Path) -> None:
     assert "fits      H100 80 GB yes" in res.output
     data = json.loads(run("plan", str(k3_tiny), "--ep", "2", "--tp", "2", "--kv-budget", "1GiB", "--json").output)
     assert data["kv_budget"] == 1024**3 and len(data["ranks"]) == 2 and data["largest_rank"] in (0, 1)
+
+
+def test_node_rows_are_what_the_node_directories_hold(k3_tiny: Path, tmp_path: Path) -> None:
+    from k3ckpt.deploy.reshard import reshard
+
+    sel = RankSelection(tp=2, dp=4, gpus_per_node=4, placement="round_robin")
+    rep = plan_topology(k3_tiny, sel)  # the node format, as reshard's default
+    assert rep.layout == "node" and (rep.topology["ep"], rep.topology["world_size"]) == (8, 8)
+    reshard(k3_tiny, tmp_path / "o", sel)
+    for n in rep.nodes:
+        index = json.loads((tmp_path / "o" / f"node-{n.node:05d}" / "model.safetensors.index.json").read_text())
+        assert n.total_bytes == index["metadata"]["total_size"] and n.experts == 8 and n.ranks == [4 * n.node + i
+                                                                                                   for i in range(4)]
+    data = rep.to_json()
+    assert data["format"] == "node" and [d["total_bytes"] for d in data["nodes"]] == [n.total_bytes for n in rep.nodes]
+    res = run("plan", str(k3_tiny), "--tp", "2", "--dp", "4")  # one node holds the world by default
+    assert res.exit_code == 0 and "0       0-7       16" in res.output, res.output
+
+
+def test_the_two_readings_of_the_options(k3_tiny: Path) -> None:
+    # vLLM's expert parallel (node format): --tp 2 alone is EP2; the rank layout: experts cut 2 ways
+    assert plan_topology(k3_tiny, RankSelection(tp=2)).topology["moe_tp"] == 1
+    rank = plan_topology(k3_tiny, RankSelection(tp=2), layout="rank")
+    assert (rank.topology["ep"], rank.topology["moe_tp"], rank.nodes) == (1, 2, [])
+    res = run("plan", str(k3_tiny), "--ep", "2", "--tp", "4")
+    assert res.exit_code == 2 and "use --ep 4 --tp 4, or --format rank" in res.output
+    assert run("plan", str(k3_tiny), "--format", "rank", "--ep", "2", "--tp", "4").exit_code == 0

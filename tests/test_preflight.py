@@ -40,7 +40,7 @@ def source(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pristine(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ep 4 x tp 2 (world size 4) of k3-tiny: 16 experts, 4 per rank. Read-only."""
     out = tmp_path_factory.mktemp("layout") / "k3-ep4-tp2"
-    reshard(source, out, RankSelection(ep=4, tp=2))
+    reshard(source, out, RankSelection(ep=4, tp=2), layout="rank")
     return out
 
 
@@ -128,7 +128,7 @@ def test_missing_rank_directory(layout: Path, source: Path) -> None:
     rep = pf.preflight(layout, RankSelection(node=1, gpus_per_node=2), environ=NO_GPU)
     r = rows(rep)["rank 3"]
     assert not rep.ok and r.status == "FAIL" and r.reason == "rank-00003/ missing"
-    assert r.fix == f"k3ckpt reshard {source} -o {layout} --ep 4 --tp 2 --ranks 3"
+    assert r.fix == f"k3ckpt reshard {source} -o {layout} --format rank --ep 4 --tp 2 --ranks 3"
     assert statuses(rep)["rank 2"] == "PASS" and rep.fix_all is None  # one broken rank: its own fix says it
     run_fix(r.fix)
     assert pf.preflight(layout, RankSelection(node=1, gpus_per_node=2), environ=NO_GPU).ok
@@ -208,12 +208,12 @@ def test_topology_mismatch(layout: Path, source: Path) -> None:
     assert r.status == "FAIL"
     assert "requested --ep 8 (layout has 4), --world-size 8 (layout has 4)" in r.reason
     # the fix reshards this node's ranks of the requested topology
-    assert r.fix == f"k3ckpt reshard {source} -o {layout} --ep 8 --tp 2 --ranks 0-3 --force"
+    assert r.fix == f"k3ckpt reshard {source} -o {layout} --format rank --ep 8 --tp 2 --ranks 0-3 --force"
     r = rows(pf.preflight(layout, RankSelection(tp=1), environ=NO_GPU))["topology"]
     assert r.status == "FAIL" and "--tp 1 (layout has 2)" in r.reason
     r = rows(pf.preflight(layout, RankSelection(placement="round_robin"), environ=NO_GPU))["topology"]
     assert r.status == "FAIL" and "--placement round_robin (layout has linear)" in r.reason
-    assert r.fix == f"k3ckpt reshard {source} -o {layout} --ep 4 --tp 2 --placement round_robin --force"
+    assert r.fix == f"k3ckpt reshard {source} -o {layout} --format rank --ep 4 --tp 2 --placement round_robin --force"
 
 
 def test_preflight_checks_one_rank_or_one_node(layout: Path) -> None:
@@ -243,7 +243,7 @@ def test_missing_topology_json_with_rank_dirs(layout: Path) -> None:
     rep = pf.preflight(layout, environ=NO_GPU)
     r = rows(rep)["topology"]
     assert r.status == "FAIL" and "topology.json: not found" in r.reason
-    assert r.fix == f"k3ckpt reshard SRC -o {layout} --ep E --tp T --force"  # the source is not recorded anywhere
+    assert r.fix == f"k3ckpt reshard SRC -o {layout} --format rank --ep E --tp T --force"  # the source is not recorded anywhere
 
 
 def test_unrecorded_source_path_is_a_placeholder(layout: Path) -> None:
@@ -253,7 +253,7 @@ def test_unrecorded_source_path_is_a_placeholder(layout: Path) -> None:
     p.write_text(json.dumps(tj))
     shutil.rmtree(layout / "rank-00001")
     rep = pf.preflight(layout, environ=NO_GPU)
-    assert rows(rep)["rank 1"].fix == f"k3ckpt reshard SRC -o {layout} --ep 4 --tp 2 --ranks 1"
+    assert rows(rep)["rank 1"].fix == f"k3ckpt reshard SRC -o {layout} --format rank --ep 4 --tp 2 --ranks 1"
     assert rows(rep)["source"].status == "WARN"
 
 

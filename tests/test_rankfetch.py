@@ -53,7 +53,7 @@ def sha(p: Path) -> str:
 def node0_names(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     """What node 0 holds, by an independent route: the union of a full reshard's rank manifests."""
     out = tmp_path_factory.mktemp("full-node0")
-    reshard(k3_tiny, out, RankSelection(ep=8, tp=2, node=0, gpus_per_node=4))
+    reshard(k3_tiny, out, RankSelection(ep=8, tp=2, node=0, gpus_per_node=4), layout="rank")
     names: set[str] = set()
     for m in out.glob("rank-*/rank-manifest.json"):
         names.update(json.loads(m.read_text())["tensors"])
@@ -177,7 +177,7 @@ def test_node0_moves_only_its_share_and_reshards_identically(served_hub: Any, k3
     # reshard of the partial checkpoint == reshard of the full one, for these ranks
     a, b = tmp_path / "rs-partial", tmp_path / "rs-full"
     for src_dir, out in ((dest, a), (k3_tiny, b)):
-        r = run("reshard", str(src_dir), "-o", str(out), *NODE0)
+        r = run("reshard", str(src_dir), "-o", str(out), "--format", "rank", *NODE0)
         assert r.exit_code == 0, r.output
     for rank in range(4):
         ra, rb = a / f"rank-{rank:05d}", b / f"rank-{rank:05d}"
@@ -192,7 +192,8 @@ def test_node0_moves_only_its_share_and_reshards_identically(served_hub: Any, k3
     topo = json.loads((a / "topology.json").read_text())
     assert topo["source"]["repo"] == REPO and topo["source"]["revision"] == marker["source"]["revision"]
     # ...and a rank whose experts were not fetched is refused, not written without them
-    r = CliRunner().invoke(main, ["reshard", str(dest), "-o", str(tmp_path / "rs-node1"), "--ep", "8", "--tp", "2",
+    r = CliRunner().invoke(main, ["reshard", str(dest), "-o", str(tmp_path / "rs-node1"), "--format", "rank",
+                                  "--ep", "8", "--tp", "2",
                                   "--node", "1", "--gpus-per-node", "4"])
     assert r.exit_code == 2 and "rank 4 needs routed experts 8-9" in r.output
     assert not (tmp_path / "rs-node1" / "rank-00004").exists()
@@ -526,8 +527,8 @@ def test_other_families_reshard_identically(family: str, verification: str, requ
         assert (plan.bytes_total < plan.source_bytes) and (any(not s.whole for s in plan.shards) == (family == "k2_tiny"))
     assert verify_checkpoint(dest).ok
     a, b = tmp_path / "a", tmp_path / "b"
-    reshard(dest, a, RankSelection(ep=4, ranks="0-1"))
-    reshard(src, b, RankSelection(ep=4, ranks="0-1"))
+    reshard(dest, a, RankSelection(ep=4, ranks="0-1"), layout="rank")
+    reshard(src, b, RankSelection(ep=4, ranks="0-1"), layout="rank")
     for rank in (0, 1):
         files = sorted((b / f"rank-{rank:05d}").glob("*.safetensors"))
         assert files

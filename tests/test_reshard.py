@@ -141,7 +141,7 @@ def check_layout(src: Path, out: Path, *, ep: int = 1, tp: int = 1, world_size: 
 
 @pytest.mark.parametrize("ep,tp,ws", [(4, 2, None), (1, 2, None), (2, 2, 4)])
 def test_k3_layouts_complete(k3_tiny: Path, tmp_path: Path, ep: int, tp: int, ws: int | None) -> None:
-    res = rs.reshard(k3_tiny, tmp_path / "out", RankSelection(ep=ep, tp=tp, world_size=ws), jobs=2)
+    res = rs.reshard(k3_tiny, tmp_path / "out", RankSelection(ep=ep, tp=tp, world_size=ws), jobs=2, layout="rank")
     manifests = check_layout(k3_tiny, tmp_path / "out", ep=ep, tp=tp, world_size=ws)
     assert res.skipped == [] and sorted(res.written) == sorted(manifests)
     if ep == 1:  # moe_tp = 2: routed experts TP-sliced, w2 on its input columns
@@ -153,8 +153,8 @@ def test_k3_layouts_complete(k3_tiny: Path, tmp_path: Path, ep: int, tp: int, ws
 
 
 def test_buffered_mode_same_bytes(k3_tiny: Path, tmp_path: Path) -> None:
-    rs.reshard(k3_tiny, tmp_path / "k", RankSelection(ep=2, tp=2), mode="kernel")
-    rs.reshard(k3_tiny, tmp_path / "b", RankSelection(ep=2, tp=2), mode="buffered")
+    rs.reshard(k3_tiny, tmp_path / "k", RankSelection(ep=2, tp=2), mode="kernel", layout="rank")
+    rs.reshard(k3_tiny, tmp_path / "b", RankSelection(ep=2, tp=2), mode="buffered", layout="rank")
     for f in sorted((tmp_path / "k").rglob("*.safetensors")):
         assert f.read_bytes() == (tmp_path / "b" / f.relative_to(tmp_path / "k")).read_bytes()
 
@@ -163,24 +163,24 @@ def test_copy_fallbacks(k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.Monke
     def no_cfr(*a: object) -> int:
         raise OSError(18, "cross-device")  # EXDEV
     monkeypatch.setattr(os, "copy_file_range", no_cfr)
-    rs.reshard(k3_tiny, tmp_path / "s", RankSelection(ep=2, tp=2))
+    rs.reshard(k3_tiny, tmp_path / "s", RankSelection(ep=2, tp=2), layout="rank")
     monkeypatch.setattr(os, "sendfile", no_cfr)
-    rs.reshard(k3_tiny, tmp_path / "b", RankSelection(ep=2, tp=2))
+    rs.reshard(k3_tiny, tmp_path / "b", RankSelection(ep=2, tp=2), layout="rank")
     check_layout(k3_tiny, tmp_path / "s", ep=2, tp=2)
     check_layout(k3_tiny, tmp_path / "b", ep=2, tp=2)
 
 
 def test_gptoss_stacked_experts(gptoss_tiny: Path, tmp_path: Path) -> None:
-    rs.reshard(gptoss_tiny, tmp_path / "lin", RankSelection(ep=2))
+    rs.reshard(gptoss_tiny, tmp_path / "lin", RankSelection(ep=2), layout="rank")
     m = check_layout(gptoss_tiny, tmp_path / "lin", ep=2)
     t = m[1]["tensors"]
     blocks = next(n for n in t if n.endswith("gate_up_proj_blocks"))
     assert t[blocks]["split"] == {"dim": 0, "experts": [4, 5, 6, 7], "split": None}
     assert t[blocks]["shape"][0] == 4
-    rs.reshard(gptoss_tiny, tmp_path / "rr", RankSelection(ep=4, placement="round_robin"))
+    rs.reshard(gptoss_tiny, tmp_path / "rr", RankSelection(ep=4, placement="round_robin"), layout="rank")
     check_layout(gptoss_tiny, tmp_path / "rr", ep=4, placement="round_robin")
     # moe_tp = 2: each expert of the stack is also split (gate_up on rows, down on input blocks)
-    rs.reshard(gptoss_tiny, tmp_path / "mtp", RankSelection(ep=2, world_size=4))
+    rs.reshard(gptoss_tiny, tmp_path / "mtp", RankSelection(ep=2, world_size=4), layout="rank")
     m = check_layout(gptoss_tiny, tmp_path / "mtp", ep=2, world_size=4)
     t = m[3]["tensors"]
     down = next(n for n in t if n.endswith("down_proj_blocks"))
@@ -188,17 +188,17 @@ def test_gptoss_stacked_experts(gptoss_tiny: Path, tmp_path: Path) -> None:
 
 
 def test_subsets(k3_tiny: Path, tmp_path: Path) -> None:
-    rs.reshard(k3_tiny, tmp_path / "r", RankSelection(ep=4, tp=2, ranks="0,2-3"))
+    rs.reshard(k3_tiny, tmp_path / "r", RankSelection(ep=4, tp=2, ranks="0,2-3"), layout="rank")
     check_layout(k3_tiny, tmp_path / "r", ep=4, tp=2, ranks=[0, 2, 3])
-    rs.reshard(k3_tiny, tmp_path / "n", RankSelection(ep=4, tp=2, node=1, gpus_per_node=2))
+    rs.reshard(k3_tiny, tmp_path / "n", RankSelection(ep=4, tp=2, node=1, gpus_per_node=2), layout="rank")
     check_layout(k3_tiny, tmp_path / "n", ep=4, tp=2, ranks=[2, 3])
     # a second node into the same directory completes it
-    rs.reshard(k3_tiny, tmp_path / "n", RankSelection(ep=4, tp=2, node=0, gpus_per_node=2))
+    rs.reshard(k3_tiny, tmp_path / "n", RankSelection(ep=4, tp=2, node=0, gpus_per_node=2), layout="rank")
     check_layout(k3_tiny, tmp_path / "n", ep=4, tp=2)
 
 
 def test_max_file_size_parts(k3_tiny: Path, tmp_path: Path) -> None:
-    rs.reshard(k3_tiny, tmp_path / "o", RankSelection(ep=2, tp=2), max_file_size=300_000)
+    rs.reshard(k3_tiny, tmp_path / "o", RankSelection(ep=2, tp=2), max_file_size=300_000, layout="rank")
     m = check_layout(k3_tiny, tmp_path / "o", ep=2, tp=2)
     for r, man in m.items():
         names = sorted(man["files"])
@@ -213,7 +213,7 @@ def test_max_file_size_parts(k3_tiny: Path, tmp_path: Path) -> None:
 
 def test_ready_last_and_incomplete_rank_rewritten(k3_tiny: Path, tmp_path: Path) -> None:
     out = tmp_path / "o"
-    plan = rs.plan_reshard(k3_tiny, RankSelection(ep=2, tp=2))
+    plan = rs.plan_reshard(k3_tiny, RankSelection(ep=2, tp=2), layout="rank")
 
     def boom(name: str) -> None:
         if name.startswith("model-rank-1-"):
@@ -224,7 +224,7 @@ def test_ready_last_and_incomplete_rank_rewritten(k3_tiny: Path, tmp_path: Path)
     r1 = out / "rank-00001"
     assert not (r1 / "READY").exists() and not (r1 / "rank-manifest.json").exists()
     assert not list(r1.glob("model-*.safetensors"))  # never a partial file under a final name
-    res = rs.reshard(k3_tiny, out, RankSelection(ep=2, tp=2))
+    res = rs.reshard(k3_tiny, out, RankSelection(ep=2, tp=2), layout="rank")
     assert 1 in res.written
     check_layout(k3_tiny, out, ep=2, tp=2)
     for r in range(2):
@@ -235,36 +235,37 @@ def test_ready_last_and_incomplete_rank_rewritten(k3_tiny: Path, tmp_path: Path)
 
 def test_rerun_skips_completed_and_force_redoes(k3_tiny: Path, tmp_path: Path) -> None:
     out = tmp_path / "o"
-    rs.reshard(k3_tiny, out, RankSelection(ep=2, tp=2))
+    rs.reshard(k3_tiny, out, RankSelection(ep=2, tp=2), layout="rank")
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*.safetensors")}
-    res = rs.reshard(k3_tiny, out, RankSelection(ep=2, tp=2))
+    res = rs.reshard(k3_tiny, out, RankSelection(ep=2, tp=2), layout="rank")
     assert res.written == [] and res.skipped == [0, 1] and res.bytes_written == 0
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*.safetensors")} == before
     # a rank whose manifest no longer matches its files is rewritten
     victim = next(iter(before))
     with open(victim, "ab") as fh:
         fh.write(b"x")
-    res = rs.reshard(k3_tiny, out, RankSelection(ep=2, tp=2))
+    res = rs.reshard(k3_tiny, out, RankSelection(ep=2, tp=2), layout="rank")
     assert len(res.written) == 1
-    res = rs.reshard(k3_tiny, out, RankSelection(ep=2, tp=2), force=True)
+    res = rs.reshard(k3_tiny, out, RankSelection(ep=2, tp=2), force=True, layout="rank")
     assert res.written == [0, 1]
     check_layout(k3_tiny, out, ep=2, tp=2)
     with pytest.raises(rs.ReshardError, match="different topology"):
-        rs.reshard(k3_tiny, out, RankSelection(ep=4, tp=2))
+        rs.reshard(k3_tiny, out, RankSelection(ep=4, tp=2), layout="rank")
 
 
 def test_cli(k3_tiny: Path, tmp_path: Path) -> None:
     runner = CliRunner()
     out = tmp_path / "o"
-    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--ep", "2", "--tp", "2", "--json",
+    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "2", "--tp", "2", "--json",
                              "--max-file-size", "1MiB", "--jobs", "2"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["ranks_written"] == [0, 1]
     check_layout(k3_tiny, out, ep=2, tp=2)
-    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--ep", "2", "--tp", "2", "--max-file-size", "1MiB"])
+    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "2", "--tp", "2",
+                             "--max-file-size", "1MiB"])
     assert r.exit_code == 0 and "2 already complete" in r.output, r.output
     # another part size is another layout: the ranks are rewritten
-    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--ep", "2", "--tp", "2"])
+    r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "2", "--tp", "2"])
     assert r.exit_code == 0 and "2 ranks written" in r.output, r.output
     for args, needle in [
         (["--ep", "3", "--tp", "2"], "does not divide world size"),
@@ -273,7 +274,7 @@ def test_cli(k3_tiny: Path, tmp_path: Path) -> None:
         (["--ep", "2", "--node", "0"], "--gpus-per-node"),
         (["--ep", "100"], "exceeds"),
     ]:
-        r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(tmp_path / "bad"), *args])
+        r = runner.invoke(main, ["reshard", str(k3_tiny), "-o", str(tmp_path / "bad"), "--format", "rank", *args])
         assert r.exit_code == 2, (args, r.output)
         lines = r.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("k3ckpt: error:") and needle in lines[0], r.output
@@ -300,7 +301,7 @@ def test_peak_rss_bounded(tmp_path: Path) -> None:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1])
         base = hwm()
-        res = reshard({str(src)!r}, {str(tmp_path / 'out')!r}, RankSelection(ep=4, tp=2), jobs=2)
+        res = reshard({str(src)!r}, {str(tmp_path / 'out')!r}, RankSelection(ep=4, tp=2), jobs=2, layout="rank")
         print(res.bytes_written, hwm(), base)
     """)
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
@@ -316,7 +317,7 @@ def _ready_ranks(out: Path) -> list[str]:
 
 def test_force_other_topology_removes_the_old_ranks(k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "o"
-    rs.reshard(k3_tiny, out, RankSelection(ep=8))
+    rs.reshard(k3_tiny, out, RankSelection(ep=8), layout="rank")
     # killed while clearing the old layout: no READY of it survives, topology.json is still the old one
     real_rmtree = rs.shutil.rmtree
 
@@ -325,25 +326,25 @@ def test_force_other_topology_removes_the_old_ranks(k3_tiny: Path, tmp_path: Pat
 
     monkeypatch.setattr(rs.shutil, "rmtree", crash)
     with pytest.raises(RuntimeError):
-        rs.reshard(k3_tiny, out, RankSelection(ep=4), force=True)
+        rs.reshard(k3_tiny, out, RankSelection(ep=4), force=True, layout="rank")
     assert _ready_ranks(out) == [] and json.loads((out / "topology.json").read_text())["ep"] == 8
     monkeypatch.setattr(rs.shutil, "rmtree", real_rmtree)
-    rs.reshard(k3_tiny, out, RankSelection(ep=4), force=True)
+    rs.reshard(k3_tiny, out, RankSelection(ep=4), force=True, layout="rank")
     check_layout(k3_tiny, out, ep=4)  # rank-00004..7 are gone
     # per-node runs of one topology share OUT: a node's run keeps the other nodes' ranks
-    rs.reshard(k3_tiny, out, RankSelection(ep=4, node=0, gpus_per_node=2), force=True)
-    rs.reshard(k3_tiny, out, RankSelection(ep=4, node=1, gpus_per_node=2))
+    rs.reshard(k3_tiny, out, RankSelection(ep=4, node=0, gpus_per_node=2), force=True, layout="rank")
+    rs.reshard(k3_tiny, out, RankSelection(ep=4, node=1, gpus_per_node=2), layout="rank")
     assert _ready_ranks(out) == [f"rank-{r:05d}" for r in range(4)]
     # the hf-node layout's node directories are another topology's too
     rs.reshard(k3_tiny, out, RankSelection(ep=4, gpus_per_node=2), layout="hf-node", force=True)
     assert _ready_ranks(out) == ["node-00000", "node-00001"]
-    rs.reshard(k3_tiny, out, RankSelection(ep=4), force=True)
+    rs.reshard(k3_tiny, out, RankSelection(ep=4), force=True, layout="rank")
     assert _ready_ranks(out) == [f"rank-{r:05d}" for r in range(4)]
 
 
 def test_failed_file_keeps_later_completed_ranks(k3_tiny: Path, tmp_path: Path) -> None:
     out = tmp_path / "o"
-    plan = rs.plan_reshard(k3_tiny, RankSelection(ep=4, tp=2))
+    plan = rs.plan_reshard(k3_tiny, RankSelection(ep=4, tp=2), layout="rank")
 
     def boom(name: str) -> None:
         if name.startswith("model-rank-0-"):
@@ -352,7 +353,7 @@ def test_failed_file_keeps_later_completed_ranks(k3_tiny: Path, tmp_path: Path) 
     with pytest.raises(rs.ReshardError, match="model-rank-0-"):
         rs.run_reshard(plan, out, jobs=2, _fail_before=boom)
     assert _ready_ranks(out) == [f"rank-{r:05d}" for r in range(1, 4)]
-    res = rs.reshard(k3_tiny, out, RankSelection(ep=4, tp=2))
+    res = rs.reshard(k3_tiny, out, RankSelection(ep=4, tp=2), layout="rank")
     assert res.written == [0] and res.skipped == [1, 2, 3]
     check_layout(k3_tiny, out, ep=4, tp=2)
 
@@ -367,8 +368,8 @@ def test_output_and_source_must_not_nest(k3_tiny: Path, tmp_path: Path) -> None:
     for s, o, needle in [(src, src, "is the source"), (src, src / "out", "is inside the source"),
                          (outer / "src", outer, "contains the source")]:
         with pytest.raises(rs.ReshardError, match=needle):
-            rs.reshard(s, o, RankSelection(ep=2))
-        r = CliRunner().invoke(main, ["reshard", str(s), "-o", str(o), "--ep", "2"])
+            rs.reshard(s, o, RankSelection(ep=2), layout="rank")
+        r = CliRunner().invoke(main, ["reshard", str(s), "-o", str(o), "--format", "rank", "--ep", "2"])
         lines = r.output.strip().splitlines()
         assert r.exit_code == 2 and len(lines) == 1 and needle in lines[0], r.output
     assert not (src / "out").exists() and not list(outer.glob("rank-*"))

@@ -4,6 +4,7 @@ rules for MXFP4 and FP8, rank selection, launcher environments, and per-rank inv
 from __future__ import annotations
 
 import itertools
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -410,6 +411,40 @@ def test_rank_selection_defaults_and_resolution() -> None:
 def test_rank_selection_errors(sel: RankSelection, message: str) -> None:
     with pytest.raises(TopologyError, match=message):
         sel.select(sel.topology(16))
+
+
+@pytest.mark.parametrize(("sel", "rank_layout", "engine"), [
+    # (ep, tp, world_size) under the rank layout's reading, and under vLLM's expert parallel
+    (RankSelection(tp=8), (1, 8, 8), (8, 8, 8)),
+    (RankSelection(tp=8, dp=2), (1, 8, 16), (16, 8, 16)),  # --dp: world size tp x dp
+    (RankSelection(ep=16, tp=8), (16, 8, 16), (16, 8, 16)),
+    (RankSelection(ep=8, tp=2, dp=4), (8, 2, 8), (8, 2, 8)),
+    (RankSelection(tp=2, world_size=8), (1, 2, 8), (8, 2, 8)),
+    (RankSelection(ep=4), (4, 1, 4), (4, 1, 4)),
+    (RankSelection(), (1, 1, 1), (1, 1, 1)),
+])
+def test_dp_and_the_engine_reading(sel: RankSelection, rank_layout: tuple, engine: tuple) -> None:
+    for eng, want in ((False, rank_layout), (True, engine)):
+        topo = sel.topology(16, engine=eng)
+        assert (topo.ep, topo.tp, topo.world_size) == want, eng
+    assert sel.names_topology == (sel != RankSelection())
+    assert RankSelection(dp=2).names_topology
+
+
+@pytest.mark.parametrize(("sel", "message"), [
+    (RankSelection(ep=4, tp=2, world_size=8), "the engine format needs --ep equal to the world size (vLLM's expert "
+     "parallel uses ep = tp x dp = 8, not 4); use --ep 8 --tp 2, or --format rank for pre-split experts"),
+    (RankSelection(ep=2, tp=2, dp=2), "ep = tp x dp = 4, not 2); use --tp 2 --dp 2, or --format rank"),
+    (RankSelection(ep=8, tp=2, dp=2), "ep = tp x dp = 4, not 8); use --tp 2 --dp 2, or --tp 2 --dp 4 for ep 8"),
+    (RankSelection(ep=8, tp=2, world_size=4), "use --ep 4 --tp 2, or --ep 8 --tp 2 --world-size 8 for ep 8"),
+    (RankSelection(ep=3, tp=2, world_size=4), "ep = tp x dp = 4, not 3); use --ep 4 --tp 2$"),
+    (RankSelection(tp=2, dp=2, world_size=8), "--world-size 8 is not tp x dp = 2 x 2 = 4"),
+    (RankSelection(dp=0), "--dp 0 must be a positive integer"),
+    (RankSelection(ep=32), "ep 32 exceeds 16 experts"),
+])
+def test_engine_refusals_name_the_nearest_valid_command(sel: RankSelection, message: str) -> None:
+    with pytest.raises(TopologyError, match=re.escape(message).replace(r"\$", "$")):
+        sel.topology(16, engine=True)
 
 
 # -- launcher environments ----------------------------------------------------------------------

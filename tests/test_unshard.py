@@ -71,7 +71,7 @@ def k3_uneven(tmp_path_factory: pytest.TempPathFactory) -> Path:
 ])
 def test_k3_round_trip(k3_tiny: Path, tmp_path: Path, ep: int, tp: int, ws: int | None, placement: str) -> None:
     rs.reshard(k3_tiny, tmp_path / "lay", RankSelection(ep=ep, tp=tp, world_size=ws, placement=placement),
-               jobs=2)
+               jobs=2, layout="rank")
     res = unshard(tmp_path / "lay", tmp_path / "back", max_shard_size=1_000_000, jobs=2)
     assert_round_trip(k3_tiny, tmp_path / "back")
     assert len(res.shards) > 1 and res.tensors == len(open_checkpoint(k3_tiny).tensors)
@@ -79,7 +79,7 @@ def test_k3_round_trip(k3_tiny: Path, tmp_path: Path, ep: int, tp: int, ws: int 
 
 @pytest.mark.parametrize("placement", ["linear", "round_robin"])
 def test_uneven_experts_round_trip(k3_uneven: Path, tmp_path: Path, placement: str) -> None:
-    rs.reshard(k3_uneven, tmp_path / "lay", RankSelection(ep=4, tp=2, placement=placement))
+    rs.reshard(k3_uneven, tmp_path / "lay", RankSelection(ep=4, tp=2, placement=placement), layout="rank")
     by_rank = json.loads((tmp_path / "lay" / "topology.json").read_text())["experts_by_rank"]
     assert sorted(map(len, by_rank)) == [2, 2, 3, 3]
     unshard(tmp_path / "lay", tmp_path / "back")
@@ -88,14 +88,14 @@ def test_uneven_experts_round_trip(k3_uneven: Path, tmp_path: Path, placement: s
 
 @pytest.mark.parametrize("ep,ws,placement", [(2, 4, "linear"), (4, None, "round_robin"), (8, 16, "round_robin")])
 def test_gptoss_stacked_round_trip(gptoss_tiny: Path, tmp_path: Path, ep: int, ws: int | None, placement: str) -> None:
-    rs.reshard(gptoss_tiny, tmp_path / "lay", RankSelection(ep=ep, world_size=ws, placement=placement))
+    rs.reshard(gptoss_tiny, tmp_path / "lay", RankSelection(ep=ep, world_size=ws, placement=placement), layout="rank")
     unshard(tmp_path / "lay", tmp_path / "back", mode="buffered")
     assert_round_trip(gptoss_tiny, tmp_path / "back")
 
 
 @pytest.mark.parametrize("ep,placement", [(2, "linear"), (4, "round_robin"), (8, "linear")])
 def test_k2_fp8_round_trip(k2_tiny: Path, tmp_path: Path, ep: int, placement: str) -> None:
-    rs.reshard(k2_tiny, tmp_path / "lay", RankSelection(ep=ep, placement=placement))
+    rs.reshard(k2_tiny, tmp_path / "lay", RankSelection(ep=ep, placement=placement), layout="rank")
     unshard(tmp_path / "lay", tmp_path / "back")
     assert_round_trip(k2_tiny, tmp_path / "back")
 
@@ -104,7 +104,7 @@ def test_interleave_through_small_buffers(k3_tiny: Path, tmp_path: Path, monkeyp
     """Dim-1 joins in several bands and rows copied one by one give the same bytes."""
     from k3ckpt.deploy import bytecopy
 
-    rs.reshard(k3_tiny, tmp_path / "lay", RankSelection(ep=2, tp=2, world_size=4))
+    rs.reshard(k3_tiny, tmp_path / "lay", RankSelection(ep=2, tp=2, world_size=4), layout="rank")
     monkeypatch.setattr(bytecopy, "CHUNK", 4096)
     unshard(tmp_path / "lay", tmp_path / "banded")
     assert_round_trip(k3_tiny, tmp_path / "banded")
@@ -114,7 +114,7 @@ def test_interleave_through_small_buffers(k3_tiny: Path, tmp_path: Path, monkeyp
 
 
 def test_natural_order_and_packing(k3_tiny: Path, tmp_path: Path) -> None:
-    rs.reshard(k3_tiny, tmp_path / "lay", RankSelection(ep=2))
+    rs.reshard(k3_tiny, tmp_path / "lay", RankSelection(ep=2), layout="rank")
     unshard(tmp_path / "lay", tmp_path / "back", max_shard_size=300_000)
     index = json.loads((tmp_path / "back" / INDEX_NAME).read_text())
     order = []
@@ -135,7 +135,7 @@ def test_natural_order_and_packing(k3_tiny: Path, tmp_path: Path) -> None:
 def layout(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ep 2 x tp 2 (read-only: copy before breaking)."""
     out = tmp_path_factory.mktemp("layout") / "lay"
-    rs.reshard(k3_tiny, out, RankSelection(ep=2, tp=2))
+    rs.reshard(k3_tiny, out, RankSelection(ep=2, tp=2), layout="rank")
     return out
 
 
@@ -312,7 +312,7 @@ _KILLER = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         return real(self, *a, **k)
     bytecopy.Copier.contiguous = contiguous
-    res = reshard(src, out, RankSelection(ep=4, tp=2), jobs=2, max_file_size=200_000)
+    res = reshard(src, out, RankSelection(ep=4, tp=2), jobs=2, max_file_size=200_000, layout="rank")
     print("finished", calls[0])
 """)
 
@@ -340,7 +340,7 @@ def test_reshard_killed_at_random_points_resumes(k3_tiny: Path, tmp_path: Path) 
                 data = (rdir / fname).read_bytes()
                 assert (len(data), hashlib.sha256(data).hexdigest()) == (meta["size"], meta["sha256"])
             ready.append(int(rdir.name.split("-")[1]))
-        res = rs.reshard(k3_tiny, out, RankSelection(ep=4, tp=2), max_file_size=200_000)
+        res = rs.reshard(k3_tiny, out, RankSelection(ep=4, tp=2), max_file_size=200_000, layout="rank")
         assert res.skipped == ready and sorted(res.written + res.skipped) == list(range(4))
         check_layout(k3_tiny, out, ep=4, tp=2)
         for f in (tmp_path / "probe").rglob("*"):
@@ -349,10 +349,10 @@ def test_reshard_killed_at_random_points_resumes(k3_tiny: Path, tmp_path: Path) 
 
 
 def test_per_node_runs_add_up_to_the_full_run(k3_tiny: Path, tmp_path: Path) -> None:
-    rs.reshard(k3_tiny, tmp_path / "full", RankSelection(ep=4, tp=2, world_size=8, placement="round_robin"))
+    rs.reshard(k3_tiny, tmp_path / "full", RankSelection(ep=4, tp=2, world_size=8, placement="round_robin"), layout="rank")
     for node in (2, 0, 3, 1):
         rs.reshard(k3_tiny, tmp_path / "nodes", RankSelection(ep=4, tp=2, world_size=8, placement="round_robin",
-                                                              node=node, gpus_per_node=2))
+                                                              node=node, gpus_per_node=2), layout="rank")
     full = sorted(p.relative_to(tmp_path / "full") for p in (tmp_path / "full").rglob("*") if p.is_file())
     nodes = sorted(p.relative_to(tmp_path / "nodes") for p in (tmp_path / "nodes").rglob("*") if p.is_file())
     assert full == nodes
@@ -369,7 +369,7 @@ def test_per_node_runs_add_up_to_the_full_run(k3_tiny: Path, tmp_path: Path) -> 
 def gptoss_layout(gptoss_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """gpt-oss stacked experts, ep 2 x moe_tp 2 (inner splits; read-only)."""
     out = tmp_path_factory.mktemp("gptoss-layout") / "lay"
-    rs.reshard(gptoss_tiny, out, RankSelection(ep=2, world_size=4))
+    rs.reshard(gptoss_tiny, out, RankSelection(ep=2, world_size=4), layout="rank")
     return out
 
 

@@ -9,46 +9,65 @@ import click
 
 from ..errors import EXIT_PROBLEMS
 from ..format.topology import RankSelection
-from ._options import CONTEXT, handle_errors, jobs_option, json_option, size_option, topology_options
+from ._options import CONTEXT, Decorator, handle_errors, jobs_option, json_option, size_option, topology_options
 from ._output import ByteProgress, emit_json
 
 # help texts plan and reshard share
-_EP = "Expert-parallel degree."
 _TP = "Tensor-parallel degree of dense weights."
-_WORLD_SIZE = "Ranks in all [default: max(ep, tp)]."
 _PLACEMENT = "Expert placement: vLLM's linear rule or round robin."
-_GPUS_PER_NODE = "Group ranks into nodes of this many GPUs."
 _KV_BUDGET = "KV cache (and other runtime) memory to reserve per GPU."
+_FORMAT = ("node: per node a checkpoint directory stock vLLM loads with --enable-expert-parallel "
+           "--enable-ep-weight-filter (dense tensors whole, only the node's experts); rank: pre-split tensors "
+           "per rank, for custom loaders - no stock engine reads pre-split tensors. hf-node is another name for node.")
+
+
+def _engine_topology(**extra: str) -> Decorator:
+    """The topology options plan and reshard share, in the node format's reading; ``extra``:
+    reshard's --ranks and --node."""
+    return topology_options(
+        show_defaults=False,
+        tp=_TP + " [default: 1]",
+        dp="Data-parallel degree: world size = tp x dp. With --format node, also the EP size is tp x dp, as in "
+           "vLLM's expert parallel [default: world size / tp].",
+        ep="Expert-parallel degree. --format node: must equal the world size (tp x dp), its default; "
+           "--format rank: default 1 (experts cut over all ranks).",
+        world_size="Ranks in all [default: tp x dp with --dp, else max(ep, tp)].",
+        placement=_PLACEMENT + " [default: linear]",
+        gpus_per_node="Ranks per node [default with --format node: the world size, one node holding everything].",
+        **extra)
+
 
 # -- plan --------------------------------------------------------------------------------------
 
 
 @click.command(context_settings=CONTEXT)
 @click.argument("source", type=click.Path(exists=True, path_type=str))
-@topology_options(show_defaults=True, ep=_EP, tp=_TP, world_size=_WORLD_SIZE, placement=_PLACEMENT,
-                  gpus_per_node=_GPUS_PER_NODE)
+@click.option("--format", "layout", type=click.Choice(["node", "rank", "hf-node"]), default="node", show_default=True,
+              help=_FORMAT)
+@_engine_topology()
 @size_option("--kv-budget", default="20GiB", help=_KV_BUDGET)
 @json_option()
 @handle_errors
-def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool) -> None:
+def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, layout: str) -> None:
     """What each rank of a TP/EP topology holds, and which accelerators fit it.
 
     SOURCE is a local checkpoint or a manifest (so a deployment can be planned before anything
     is downloaded: `k3ckpt manifest pull` makes one from hub metadata). Prints each rank's
     ep/tp/moe_tp rank and node, its experts, its bytes split into routed experts / TP-split
     dense / replicated, the largest rank, and the per-GPU need (weights x 1.15 + KV budget)
-    against H100, H200, B200, GB300 and MI355X. Impossible topologies are refused with the
-    precise reason (exit 2).
+    against H100, H200, B200, GB300 and MI355X; with --format node (the default, as for
+    reshard) also what each node directory holds on disk. Impossible topologies are refused
+    with the precise reason (exit 2).
 
     \b
     Examples:
-      k3ckpt plan ./Kimi-K3 --ep 8 --tp 2
-      k3ckpt plan kimi-k3.manifest.json --ep 16 --tp 8 --world-size 16 --gpus-per-node 8
-      k3ckpt plan ./Kimi-K3 --tp 8 --kv-budget 40GiB --json
+      k3ckpt plan ./Kimi-K3 --tp 2 --dp 4
+      k3ckpt plan kimi-k3.manifest.json --tp 8 --dp 2 --gpus-per-node 8
+      k3ckpt plan ./Kimi-K3 --format rank --tp 8 --kv-budget 40GiB --json
     """
     from ..deploy.plan import plan_topology, render_plan
 
-    rep = plan_topology(source, selection, kv_budget=kv_budget)
+    rep = plan_topology(source, selection, kv_budget=kv_budget, layout=layout)
     if as_json:
         emit_json(rep.to_json())
     else:
@@ -61,41 +80,46 @@ def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool) -
 @click.command(context_settings=CONTEXT)
 @click.argument("source", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=str),
-              help="Output directory (the rank layout).")
-@topology_options(show_defaults=True, ep=_EP, tp=_TP, world_size=_WORLD_SIZE, placement=_PLACEMENT,
-                  ranks="Only these ranks, e.g. 0-3,8.", node="Only the ranks of this node (needs --gpus-per-node).",
-                  gpus_per_node=_GPUS_PER_NODE)
-@size_option("--max-file-size", default="5GiB", help="Split each rank's weights into parts of at most this size.")
+              help="Output directory (node-NNNNN/ or rank-NNNNN/ directories and topology.json).")
+@click.option("--format", "layout", type=click.Choice(["node", "rank", "hf-node"]), default="node", show_default=True,
+              help=_FORMAT)
+@_engine_topology(ranks="--format rank: only these ranks, e.g. 0-3,8.",
+                  node="Only this node (needs --gpus-per-node with --format rank).")
+@size_option("--max-file-size", default="5GiB",
+             help="Files of at most this size (--format node: header included; --format rank: tensor bytes).")
 @jobs_option("Output files written in parallel [default: 2 per CPU, at most 16].")
-@click.option("--format", "layout", type=click.Choice(["rank", "hf-node"]), default="rank", show_default=True,
-              help="rank: the per-rank layout; hf-node: per node a local-dir checkpoint with every dense "
-                   "tensor whole and only the node's experts (needs --gpus-per-node).")
 @click.option("--force", is_flag=True, help="Rewrite completed ranks too, and overwrite another topology in OUT.")
 @json_option("Machine-readable summary.")
 @handle_errors
 def reshard(source: str, out: str, selection: RankSelection, max_file_size: int, jobs: int | None, layout: str,
             force: bool, as_json: bool) -> None:
-    """Write a checkpoint as one directory of safetensors files per rank of a TP/EP topology.
+    """Write a checkpoint as the directories each node (or rank) of a TP/DP/EP topology loads.
 
-    The layout is the rank-layout contract: OUT/topology.json, the source's non-weight files,
-    and OUT/rank-NNNNN/ with model-rank-R-part-K.safetensors, rank-manifest.json (per-tensor and
-    per-file sha256, computed while writing) and READY, written last. Tensors keep their source
-    names and dtypes; split tensors are sliced by the TP rules. Streaming, bounded memory;
-    contiguous byte runs are copied kernel-side. A rank whose READY exists and whose manifest
-    matches is skipped on a re-run (--force redoes it); any other rank is rewritten from scratch.
+    --format node (the default): OUT/node-NNNNN/ is a checkpoint directory that stock vLLM
+    loads with --enable-expert-parallel --enable-ep-weight-filter: every non-expert tensor whole
+    in model-dense-*.safetensors, each rank's routed experts (whole) in files of their own,
+    model-rank-RRRRR-experts-*.safetensors, an index listing exactly those files, the config,
+    tokenizer and licence files, k3ckpt-node.json (per-tensor and per-file sha256; k3ckpt verify
+    checks exactly the node's experts), then READY. The topology is vLLM's expert parallel:
+    --tp T --dp D, EP size T x D = the world size (--ep E --tp T with E the world size says the
+    same); a topology vLLM cannot run (--ep below the world size: experts cut) is refused with
+    the nearest command that works.
 
-    --format hf-node is for engines that read original checkpoints and filter experts
-    themselves (vLLM --enable-ep-weight-filter, SGLang): OUT/node-NNNNN/ is a local-dir
-    checkpoint (model-0000K-of-0000N.safetensors, model.safetensors.index.json, config and
-    tokenizer) with every non-expert tensor whole plus the routed experts of the node's ranks,
-    and k3ckpt-node.json naming them (k3ckpt verify checks exactly those), then READY.
+    --format rank: the rank-layout contract, for custom loaders (no stock engine reads
+    pre-split tensors): OUT/rank-NNNNN/ with model-rank-R-part-K.safetensors, rank-manifest.json
+    and READY; split tensors are sliced by the TP rules, experts cut ep/world-size ways when
+    --ep is below the world size.
+
+    Streaming, bounded memory; contiguous byte runs are copied kernel-side. A node or rank whose
+    READY exists and whose marker or manifest matches is skipped on a re-run (--force redoes
+    it); any other is rewritten from scratch.
 
     \b
     Examples:
-      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-ep8-tp2 --ep 8 --tp 2
-      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-ep16 --ep 16 --tp 8 --world-size 16 --node 1 --gpus-per-node 8
-      k3ckpt reshard ./Kimi-K3 -o ./k3-tp8 --tp 8 --ranks 0-3 --max-file-size 2GiB --json
-      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-nodes --format hf-node --ep 16 --tp 8 --world-size 16 --gpus-per-node 8 --node 1
+      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-tp8 --tp 8
+      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-tp8-dp2 --tp 8 --dp 2 --gpus-per-node 8 --node 1
+      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-ep16 --ep 16 --tp 4 --gpus-per-node 4 --placement round_robin
+      k3ckpt reshard ./Kimi-K3 -o ./k3-ranks --format rank --ep 8 --tp 2 --ranks 0-3 --max-file-size 2GiB --json
     """
     from ..deploy.reshard import plan_reshard, render_reshard, run_reshard
 

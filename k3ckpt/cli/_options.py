@@ -88,6 +88,7 @@ def size_option(*decls: str, default: str, help: str) -> Decorator:
 _TOPOLOGY_OPTIONS: dict[str, tuple[str, click.ParamType]] = {
     "ep": ("--ep", click.IntRange(1)),
     "tp": ("--tp", click.IntRange(1)),
+    "dp": ("--dp", click.IntRange(1)),
     "world_size": ("--world-size", click.IntRange(1)),
     "placement": ("--placement", click.Choice(list(PLACEMENTS))),
     "ranks": ("--ranks", click.STRING),
@@ -103,6 +104,7 @@ def topology_options(*, show_defaults: bool = False, **helps: str) -> Decorator:
     """The topology selection options, in the order given, each with its help text: any of
     ``ep, tp, world_size, placement, ranks, rank, node, gpus_per_node``. The command receives
     one ``selection`` (:class:`RankSelection`) instead of them; ``--rank R`` selects ``[R]``.
+    (``dp`` is also accepted.)
 
     ``show_defaults``: ``--ep``/``--tp`` default to 1 and ``--placement`` to linear, shown in the
     help (plan, reshard); otherwise an option not given stays ``None`` ("not given").

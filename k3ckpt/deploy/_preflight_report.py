@@ -106,7 +106,7 @@ def describe_topology(topo: Topology) -> str:
 def reshard_command(src: str | None, out: Path, topo: Topology | None, ranks: list[int], *, force: bool) -> str:
     """The ``k3ckpt reshard`` invocation that (re)writes ``ranks`` of ``topo`` into ``out``.
     ``SRC`` stands for the source checkpoint when its path is unknown."""
-    args = ["k3ckpt", "reshard", src or "SRC", "-o", str(out)]
+    args = ["k3ckpt", "reshard", src or "SRC", "-o", str(out), "--format", "rank"]
     if topo is None:
         args += ["--ep", "E", "--tp", "T"]
     else:

@@ -2,7 +2,9 @@
 
 Works from a local checkpoint or from a manifest (``manifest pull`` makes one from hub metadata
 alone), so a deployment can be planned before anything is downloaded. The per-rank contents
-follow the rank-layout contract (:mod:`k3ckpt.topology`).
+follow the layout contract (:mod:`k3ckpt.format.topology`). With ``layout="node"`` (the
+default, as for ``reshard``) the topology has vLLM's expert-parallel reading and the plan adds
+what each node directory holds on disk: every dense tensor whole plus the node's experts.
 """
 
 from __future__ import annotations
@@ -15,8 +17,20 @@ from typing import Any
 from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..format.config import ModelConfig
 from ..format.header import TensorInfo
+from ..format.layout import LAYOUT_ALIASES, LAYOUTS
 from ..format.roles import classify
-from ..format.topology import RankSelection, TopologyError, check_heads, index_of, num_experts_of, tensors_for_ranks
+from ..format.topology import (
+    InventoryIndex,
+    RankSelection,
+    Topology,
+    TopologyError,
+    check_heads,
+    index_of,
+    num_experts_of,
+    num_nodes,
+    ranks_of_node,
+    tensors_for_ranks,
+)
 
 #: Rule of thumb for what a rank needs beyond its weights (activations, CUDA graphs, buffers).
 WEIGHT_OVERHEAD = 1.15
@@ -52,6 +66,21 @@ class RankPlan:
 
 
 @dataclass
+class NodeBytes:
+    """What one node directory (``reshard --format node``) holds on disk."""
+
+    node: int
+    ranks: list[int]
+    experts: int
+    dense_bytes: int  # every non-expert tensor, whole
+    expert_bytes: int  # the routed experts of the node's ranks
+
+    @property
+    def total_bytes(self) -> int:
+        return self.dense_bytes + self.expert_bytes
+
+
+@dataclass
 class PlanReport:
     source: str
     topology: dict[str, Any]
@@ -59,6 +88,8 @@ class PlanReport:
     kv_budget: int
     checkpoint_bytes: int
     notes: list[str] = field(default_factory=list)
+    layout: str = "node"
+    nodes: list[NodeBytes] = field(default_factory=list)  # with layout "node"
 
     @property
     def largest(self) -> RankPlan:
@@ -79,7 +110,8 @@ class PlanReport:
             "checkpoint_bytes": self.checkpoint_bytes,
             "ranks": [{**asdict(r), "total_bytes": r.total_bytes, "need_bytes": self.need_per_gpu(r)} for r in self.ranks],
             "largest_rank": self.largest.rank, "need_per_gpu_bytes": self.need_per_gpu(),
-            "weight_overhead": WEIGHT_OVERHEAD, "fits": self.fits(), "notes": self.notes,
+            "weight_overhead": WEIGHT_OVERHEAD, "fits": self.fits(), "notes": self.notes, "format": self.layout,
+            "nodes": [{**asdict(n), "total_bytes": n.total_bytes} for n in self.nodes],
         }
 
 
@@ -97,9 +129,12 @@ def plan_topology(
     *,
     kv_budget: int = DEFAULT_KV_BUDGET,
     jobs: int | None = None,
+    layout: str = "node",
 ) -> PlanReport:
     """Plan ``selection``'s ep x tp over a checkpoint directory or a manifest file: every rank,
-    grouped into nodes of ``selection.gpus_per_node``.
+    grouped into nodes of ``selection.gpus_per_node``. ``layout``: ``node`` (vLLM's expert
+    parallel reading of the options, :meth:`RankSelection.topology`; adds each node
+    directory's bytes, one node of the whole world without ``gpus_per_node``) or ``rank``.
 
     Raises:
         TopologyError / SplitError: the topology is impossible, with the precise reason, or
@@ -127,7 +162,10 @@ def plan_topology(
         idx = index_of((tensors, {n: classify(n) for n in tensors}))
         label = str(source)
         notes.append("planned from a manifest: expert count inferred from tensor names")
-    topo = selection.topology(num_experts_of(idx, cfg.num_experts if cfg else None))
+    layout = LAYOUT_ALIASES.get(layout, layout)
+    if layout not in LAYOUTS:
+        raise TopologyError(f"unknown --format {layout!r}; choose {' or '.join(LAYOUTS)}")
+    topo = selection.topology(num_experts_of(idx, cfg.num_experts if cfg else None), engine=layout == "node")
     check_heads(cfg, topo.tp, notes) if ckpt is not None else notes.append(
         "no config.json in a manifest: attention-head divisibility by --tp was not checked")
     per_rank = tensors_for_ranks(idx, topo, gpus_per_node=selection.gpus_per_node)
@@ -142,9 +180,27 @@ def plan_topology(
         ))
     if not tensors:
         raise TopologyError(f"{label}: no tensors to plan")
-    topo_json = {**topo.to_json(), "moe_tp": topo.moe_tp, "dp": topo.dp,
-                 "gpus_per_node": selection.gpus_per_node}
-    return PlanReport(label, topo_json, ranks, kv_budget, total, notes)
+    gpus_per_node = selection.gpus_per_node
+    nodes: list[NodeBytes] = []
+    if layout == "node":
+        gpus_per_node = gpus_per_node or topo.world_size
+        nodes = node_bytes(idx, topo, gpus_per_node)
+    topo_json = {**topo.to_json(), "moe_tp": topo.moe_tp, "dp": topo.dp, "gpus_per_node": gpus_per_node}
+    return PlanReport(label, topo_json, ranks, kv_budget, total, notes, layout, nodes)
+
+
+def node_bytes(idx: InventoryIndex, topo: Topology, gpus_per_node: int) -> list[NodeBytes]:
+    """Each node directory's bytes (tensor data; headers add a few KB a file), from the
+    inventory's signatures alone: the same sums a node's files add up to."""
+    size = [s.nbytes for s in idx.sigs]
+    dense = sum(map(size.__getitem__, idx.dense_sigs))
+    per_expert = {e: sum(n * size[s] for s, n in c.items()) for e, c in idx.expert_counts.items()}
+    out = []
+    for n in range(num_nodes(gpus_per_node, topo.world_size)):
+        ranks = ranks_of_node(n, gpus_per_node, topo.world_size)
+        experts = {e for r in ranks for e in topo.rank_info(r).experts}
+        out.append(NodeBytes(n, ranks, len(experts), dense, sum(per_expert.get(e, 0) for e in experts)))
+    return out
 
 
 def render_plan(rep: PlanReport) -> str:
@@ -174,5 +230,11 @@ def render_plan(rep: PlanReport) -> str:
         f"{human_bytes(big.total_bytes)} x {WEIGHT_OVERHEAD} + {human_bytes(rep.kv_budget)} KV = {human_bytes(need)}",
         "fits      " + ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in rep.fits().items()),
     ]
+    if rep.nodes:
+        lines += ["", f"{'node':>4} {'ranks':>9} {'experts':>8} {'dense':>11} {'experts':>11} {'on disk':>11}"]
+        for n in rep.nodes:
+            span = f"{n.ranks[0]}-{n.ranks[-1]}" if len(n.ranks) > 1 else str(n.ranks[0])
+            lines.append(f"{n.node:>4} {span:>9} {n.experts:>8} {human_bytes(n.dense_bytes):>11} "
+                         f"{human_bytes(n.expert_bytes):>11} {human_bytes(n.total_bytes):>11}")
     lines += [f"note      {n}" for n in rep.notes]
     return "\n".join(lines)

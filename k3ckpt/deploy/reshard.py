@@ -1,8 +1,10 @@
-"""``k3ckpt reshard``: write a checkpoint as one directory of safetensors files per rank.
+"""``k3ckpt reshard``: write a checkpoint as the directories each node (``--format node``, the
+default) or each rank (``--format rank``) of a topology loads.
 
-The output is the rank-layout contract (``rank-layout.md``): ``OUT/topology.json``, the source's
-non-weight files, and ``OUT/rank-NNNNN/{model-rank-R-part-K.safetensors, rank-manifest.json,
-READY}``. What each rank holds comes from :func:`k3ckpt.topology.tensors_for_ranks`.
+``--format rank`` is the rank-layout contract (``docs/layout.md``): ``OUT/topology.json``, the
+source's non-weight files, and ``OUT/rank-NNNNN/{model-rank-R-part-K.safetensors,
+rank-manifest.json, READY}``. What each rank holds comes from
+:func:`k3ckpt.format.topology.tensors_for_ranks`. The node format is described below.
 
 How bytes move (streaming; memory is a few bounded buffers per worker, whatever the size):
 
@@ -48,20 +50,22 @@ Decisions the contract leaves open:
   ``READY`` after the manifest, each followed by an ``fsync`` of the directory;
 - ``OUT/topology.json`` of a different topology or source is refused (exit 2) unless ``--force``.
 
-``--format hf-node`` (for engines that read original checkpoints and filter experts themselves:
-vLLM ``--enable-ep-weight-filter``, SGLang) writes, per node of ``--gpus-per-node`` GPUs (all
-nodes, or ``--node N``), ``OUT/node-NNNNN/``: a valid local-dir checkpoint holding every
-non-expert tensor whole plus the routed experts of any rank of the node, whole, under their
-source names, in ``model-0000K-of-0000N.safetensors`` shards (source order) with a
+``--format node`` (the CLI's default; ``hf-node`` is its older name) writes node directories
+for engines that read ordinary checkpoints and filter experts themselves (vLLM
+``--enable-expert-parallel --enable-ep-weight-filter``): per node of ``--gpus-per-node`` GPUs
+(all nodes, or ``--node N``; without ``--gpus-per-node`` one node holds the whole world),
+``OUT/node-NNNNN/`` holds every non-expert tensor whole plus the routed experts of the node's
+ranks, whole, under their source names, in the files :mod:`k3ckpt.format.nodedir` plans
+(dense files, then per rank files holding only that rank's experts), a
 ``model.safetensors.index.json`` listing exactly those tensors, and the source's non-weight
-files. Whole tensors and whole experts are contiguous runs, so everything is copied
-kernel-side. Stacked expert tensors (gpt-oss) are kept whole: they cannot be filtered by name
-and the engine slices them. ``k3ckpt-node.json`` (``format``, ``node``, ``gpus_per_node``,
-``ranks``, ``experts``, ``topology``, per-tensor and per-file sha256) is written after the index
-and ``READY`` last; the marker plays the rank manifest's part for resuming, and
-``k3ckpt verify`` checks the node's experts against it instead of the config's full count.
-``OUT/topology.json`` then has format ``k3ckpt-hf-node-layout`` (plus ``gpus_per_node``), so
-neither a rank-layout run into the same directory nor ``unshard`` mistakes it for a rank layout.
+files. The topology has vLLM's expert-parallel meaning (``ep = tp x dp`` = the world size,
+experts never cut; anything else is refused with the nearest valid command). Whole tensors are
+contiguous runs, so everything is copied kernel-side. ``k3ckpt-node.json`` (the plan's marker
+plus per-tensor and per-file sha256) is written after the index and ``READY`` last; the marker
+plays the rank manifest's part for resuming, and ``k3ckpt verify`` checks the node's experts
+against it instead of the config's full count. ``OUT/topology.json`` then has format
+``k3ckpt-node-layout`` (plus ``dp`` and ``gpus_per_node``), so neither a rank-layout run into
+the same directory nor ``unshard`` mistakes it for a rank layout.
 
 The copying machinery (kernel-side copies, strided gathers, fd caches, atomic files) lives in
 :mod:`k3ckpt.bytecopy`, shared with ``unshard``.
@@ -89,20 +93,20 @@ from ..format.checkpoint import INDEX_NAME, Checkpoint, is_working_file, open_ch
 from ..format.header import DTYPE_BITS, TensorSpec, build_header
 from ..format.layout import (
     FORMAT,
-    HF_NODE_FORMAT,
+    LAYOUT_ALIASES,
     LAYOUTS,
     MANIFEST_NAME,
-    NODE_FORMAT,
+    NODE_LAYOUT_FORMAT,
     NODE_MARKER,
     PARTIAL_MARKER,
     READY_NAME,
     TOPOLOGY_NAME,
     VERSION,
-    hf_shard_name,
     node_dir_name,
     part_name,
     rank_dir_name,
 )
+from ..format.nodedir import NodeDir, plan_node_dir
 from ..format.topology import (
     ExpertSlice,
     InventoryIndex,
@@ -112,7 +116,6 @@ from ..format.topology import (
     TopologyError,
     index_of,
     num_nodes,
-    ranks_of_node,
     tensors_for_ranks,
 )
 from ..utils import fsync_dir, is_within, write_atomic
@@ -253,7 +256,7 @@ class RankPlan:
                 "moe_tp_rank": self.moe_tp_rank, "tensors": tensors,
                 "files": {f.name: {"size": f.size} for f in self.files}}
 
-    # what run_reshard needs of a unit of output (a rank here, a node with --format hf-node)
+    # what run_reshard needs of a unit of output (a rank here, a node with --format node)
     @property
     def unit(self) -> int:
         return self.rank
@@ -264,22 +267,39 @@ class RankPlan:
 
     manifest_name = MANIFEST_NAME
 
-    def extra_json(self) -> dict[str, Any]:
-        """Files written after the weights and before the manifest (none for a rank)."""
-        return {}
+    def final_files(self, results: list[dict[str, Any]], source: dict[str, Any]) -> dict[str, bytes]:
+        """What is written after the weights, in order: the manifest, with the digests of
+        ``results`` (one per file)."""
+        manifest = self.layout()
+        manifest["source_index_sha256"] = source["index_sha256"]
+        for f, res in zip(self.files, results):
+            manifest["files"][f.name].update(size=res["size"], sha256=res["sha256"])
+            for name, digest in res["tensors"].items():
+                manifest["tensors"][name]["sha256"] = digest
+        # no indent: the C encoder (a K3 rank lists ~60k tensors; the pure-Python indenting one
+        # costs seconds per rank)
+        return {MANIFEST_NAME: (json.dumps(manifest) + "\n").encode()}
 
 
 @dataclass
 class NodePlan:
-    """``--format hf-node``: one node's local-dir checkpoint - every non-expert tensor whole,
-    plus the routed experts of any rank of the node, whole, in HF-named shards with an index."""
+    """One node directory (``--format node``): the :class:`~k3ckpt.format.nodedir.NodeDir` file
+    plan, with each tensor's source byte runs."""
 
-    node: int
-    gpus_per_node: int
-    ranks: list[int]
-    experts: list[int]
-    topology: dict[str, Any]
+    plan: NodeDir
     files: list[OutFile]
+
+    @property
+    def node(self) -> int:
+        return self.plan.node
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.plan.ranks)
+
+    @property
+    def experts(self) -> list[int]:
+        return self.plan.experts
 
     @property
     def nbytes(self) -> int:
@@ -287,26 +307,25 @@ class NodePlan:
 
     @property
     def unit(self) -> int:
-        return self.node
+        return self.plan.node
 
     @property
     def dir_name(self) -> str:
-        return node_dir_name(self.node)
+        return node_dir_name(self.plan.node)
 
     manifest_name = NODE_MARKER
 
     def layout(self) -> dict[str, Any]:
         """The node marker without digests (what a re-run compares to decide to skip a node)."""
-        tensors = {t.name: {"file": f.name, "dtype": t.dtype, "shape": list(t.shape)}
-                   for f in self.files for t in f.tensors}
-        return {"format": NODE_FORMAT, "version": VERSION, "node": self.node, "gpus_per_node": self.gpus_per_node,
-                "ranks": self.ranks, "experts": self.experts, "topology": self.topology, "tensors": tensors,
-                "files": {f.name: {"size": f.size} for f in self.files}}
+        return self.plan.marker_json()
 
-    def extra_json(self) -> dict[str, Any]:
-        weight_map = {t.name: f.name for f in self.files for t in f.tensors}
-        total = sum(t.nbytes for f in self.files for t in f.tensors)
-        return {INDEX_NAME: {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}}
+    def final_files(self, results: list[dict[str, Any]], source: dict[str, Any]) -> dict[str, bytes]:
+        """The index, then the marker: the bytes :class:`~k3ckpt.format.nodedir.NodeDir` gives
+        every producer of a node directory."""
+        tensors = {name: digest for res in results for name, digest in res["tensors"].items()}
+        files = {f.name: res["sha256"] for f, res in zip(self.files, results)}
+        return {INDEX_NAME: self.plan.index_bytes(),
+                NODE_MARKER: self.plan.marker_bytes(source["index_sha256"], tensors, files)}
 
 
 @dataclass
@@ -322,12 +341,12 @@ class ReshardPlan:
 
     @property
     def units(self) -> list[RankPlan] | list[NodePlan]:
-        """The directories to write: ranks, or nodes with ``--format hf-node``."""
-        return self.nodes if self.layout == "hf-node" else self.ranks
+        """The directories to write: ranks, or nodes with ``--format node``."""
+        return self.nodes if self.layout == "node" else self.ranks
 
     def topology_json(self) -> dict[str, Any]:
-        if self.layout == "hf-node":
-            return {"format": HF_NODE_FORMAT, "version": VERSION, **self.topo.to_json(),
+        if self.layout == "node":
+            return {"format": NODE_LAYOUT_FORMAT, "version": VERSION, **self.topo.to_json(), "dp": self.topo.dp,
                     "gpus_per_node": self.gpus_per_node, "source": self.source_json}
         return {"format": FORMAT, "version": VERSION, **self.topo.to_json(), "source": self.source_json}
 
@@ -353,15 +372,18 @@ def plan_reshard(
     *,
     max_file_size: int = DEFAULT_MAX_FILE_SIZE,
     align: int = ALIGN,
-    layout: str = "rank",
+    layout: str = "node",
 ) -> ReshardPlan:
-    """Decide every output file of the selected ranks (no data is read).
+    """Decide every output file of the selected nodes or ranks (no data is read).
 
     Args:
         selection: The topology and the ranks to write (default: every rank of ep 1 x tp 1).
-        layout: ``rank`` (the rank-layout contract) or ``hf-node``: per node (``selection.node``,
-            or every node of ``selection.gpus_per_node`` GPUs) a local-dir checkpoint holding
-            every non-expert tensor whole plus the routed experts of the node's ranks, whole.
+        layout: ``rank`` (the rank-layout contract) or ``node`` (``hf-node`` is accepted too): per
+            node (``selection.node``, or every node of ``selection.gpus_per_node`` GPUs; without
+            it, one node holding the whole world) a local-dir checkpoint holding every non-expert
+            tensor whole plus the routed experts of the node's ranks, whole, in the files
+            :func:`~k3ckpt.format.nodedir.plan_node_dir` plans. The topology then has vLLM's
+            expert-parallel meaning (:meth:`RankSelection.topology` with ``engine=True``).
 
     Raises:
         TopologyError / SplitError: impossible topology or rank selection, uneven split.
@@ -374,8 +396,11 @@ def plan_reshard(
         raise ReshardError(f"--max-file-size {max_file_size} must be positive")
     if align < 8 or align & (align - 1):
         raise ReshardError(f"alignment {align} must be a power of two >= 8")
+    layout = LAYOUT_ALIASES.get(layout, layout)
+    if layout not in LAYOUTS:
+        raise ReshardError(f"unknown --format {layout!r}; choose {' or '.join(LAYOUTS)}")
     idx = index_of(ckpt)
-    topo = selection.topology_for(idx, ckpt.config)
+    topo = selection.topology_for(idx, ckpt.config, engine=layout == "node")
     ranks, node, gpus_per_node = selection.ranks, selection.node, selection.gpus_per_node
     if node is not None and ranks is not None:
         raise TopologyError("give --ranks or --node, not both")
@@ -383,13 +408,12 @@ def plan_reshard(
     skip = set(ckpt.shards) | {INDEX_NAME, NODE_MARKER, PARTIAL_MARKER}
     extra = [f for f in ckpt.iter_files()
              if f not in skip and not f.endswith(".safetensors") and not is_working_file(f)]
-    if layout not in LAYOUTS:
-        raise ReshardError(f"unknown --format {layout!r}; choose {' or '.join(LAYOUTS)}")
-    if layout == "hf-node":
+    if layout == "node":
         if ranks is not None:
-            raise TopologyError("--format hf-node writes whole nodes: give --node N (or nothing: every node), not --ranks")
-        if gpus_per_node is None:
-            raise TopologyError("--format hf-node needs --gpus-per-node")
+            raise TopologyError("--format node writes whole nodes: give --node N (or nothing: every node), not "
+                                "--ranks (or --format rank for per-rank directories)")
+        if gpus_per_node is None:  # one node holding the whole world, the single-box case
+            gpus_per_node = topo.world_size
         nodes = [node] if node is not None else list(range(num_nodes(gpus_per_node, topo.world_size)))
         node_plans = [_node_plan(ckpt, idx, topo, n, gpus_per_node, max_file_size, align) for n in nodes]
         return ReshardPlan(ckpt, topo, [], _source_json(ckpt), gpus_per_node, extra, node_plans, layout)
@@ -432,18 +456,20 @@ def _require_experts(root: Path, idx: Any, needs: list[tuple[str, Sequence[int]]
 
 def _node_plan(ckpt: Checkpoint, idx: InventoryIndex, topo: Topology, node: int, gpus_per_node: int,
                max_file_size: int, align: int) -> NodePlan:
-    """Every non-expert tensor whole (stacked expert tensors too: they cannot be cut by name)
-    and the per-expert tensors of the experts of the node's ranks, whole, in source order."""
-    ranks = ranks_of_node(node, gpus_per_node, topo.world_size)
-    experts = sorted({e for r in ranks for e in topo.rank_info(r).experts})
-    _require_experts(ckpt.root, idx, [(f"node {node}", experts)])
-    names = list(idx.dense_names)
-    for e in experts:
-        names += idx.expert_names.get(e, [])
-    outs = [_tensor_plan(n, ckpt.tensors[n], ckpt.shards[ckpt.tensors[n].file].data_start, None) for n in names]
-    outs.sort(key=lambda t: (t.src_file, t.src_start, t.name))
-    return NodePlan(node, gpus_per_node, ranks, experts, topo.to_json(),
-                    _pack_files(node, outs, max_file_size, align, hf_shard_name))
+    """The node's file plan (:func:`~k3ckpt.format.nodedir.plan_node_dir`, which a rank-aware
+    fetch shares, so both write the same bytes) with each tensor's source runs: every tensor is
+    whole, one contiguous run, copied kernel-side."""
+    nd = plan_node_dir(ckpt.tensors, topo, node, gpus_per_node, max_file_size=max_file_size, roles=ckpt.roles,
+                       index=idx, align=align)
+    _require_experts(ckpt.root, idx, [(f"node {node}", nd.experts)])
+    starts = {name: hdr.data_start for name, hdr in ckpt.shards.items()}
+    files = []
+    for f in nd.files:
+        # whole tensors: one run each, built directly (the full K3 inventory is ~497k tensors)
+        outs = [OutTensor(t.name, t.dtype, t.shape, t.shape, None, t.file, [Run(starts[t.file] + t.begin, t.nbytes)],
+                          t.nbytes, (t.name, None)) for t in f.tensors]
+        files.append(OutFile(node, f.name, outs, f.prefix, list(f.offsets)))
+    return NodePlan(nd, files)
 
 
 class _DigestCache:
@@ -597,7 +623,7 @@ class ReshardResult:
     layout: str = "rank"
 
     def to_json(self) -> dict[str, Any]:
-        unit = "nodes" if self.layout == "hf-node" else "ranks"
+        unit = "nodes" if self.layout == "node" else "ranks"
         return {"out": str(self.out), "format": self.layout, "topology": self.topology, f"{unit}_written": self.written,
                 f"{unit}_skipped": self.skipped, "bytes_written": self.bytes_written,
                 "seconds": round(self.seconds, 3), "files_copied": self.files_copied,
@@ -611,8 +637,10 @@ def render_reshard(res: ReshardResult) -> str:
     rate = f" at {human_bytes(res.bytes_written / res.seconds)}/s" if res.seconds and res.bytes_written else ""
     skipped = f", {len(res.skipped)} already complete (skipped)" if res.skipped else ""
     t = res.topology
-    unit = "nodes" if res.layout == "hf-node" else "ranks"
-    return (f"ok: {res.out}: ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}: "
+    unit = "nodes" if res.layout == "node" else "ranks"
+    shape = (f"ep {t['ep']} = tp {t['tp']} x dp {t['dp']}" if res.layout == "node"
+             else f"ep {t['ep']} x tp {t['tp']}")
+    return (f"ok: {res.out}: {shape}, world size {t['world_size']}: "
             f"{len(res.written)} {unit} written ({human_bytes(res.bytes_written)}{rate}){skipped}")
 
 
@@ -657,7 +685,7 @@ def run_reshard(
     on_plan: Callable[[int], None] | None = None,
     _fail_before: Callable[[str], None] | None = None,
 ) -> ReshardResult:
-    """Write the ranks (or nodes, with ``--format hf-node``) of ``plan`` under ``out``.
+    """Write the ranks (or nodes, with ``--format node``) of ``plan`` under ``out``.
     ``mode``: ``kernel`` (copy_file_range for contiguous runs, falling back as needed) or
     ``buffered`` (pread/pwrite only).
 
@@ -702,7 +730,7 @@ def run_reshard(
         if rdir.exists():
             shutil.rmtree(rdir)  # an incomplete or stale rank is rewritten from scratch
         rdir.mkdir(parents=True)
-        if plan.layout == "hf-node":  # each node directory is a checkpoint of its own
+        if plan.layout == "node":  # each node directory is a checkpoint of its own
             copy_files(plan.ckpt.root, plan.extra_files, rdir)
         todo.append(rp)
     total = sum(f.size for rp in todo for f in rp.files)
@@ -766,7 +794,7 @@ def run_reshard(
                          time.perf_counter() - t0, list(plan.extra_files), plan.layout)
 
 
-#: The unit directories a layout may hold (``rank-NNNNN``, ``node-NNNNN`` with ``--format hf-node``).
+#: The unit directories a layout may hold (``rank-NNNNN``, ``node-NNNNN`` with ``--format node``).
 _UNIT_DIR = re.compile(r"(rank|node)-\d{5,}")
 
 
@@ -789,19 +817,11 @@ def _clear_old_layout(outp: Path) -> None:
 def _finish_rank(rdir: Path, rp: RankPlan | NodePlan, results: list[dict[str, Any]], source: dict[str, Any]) -> None:
     """Rename the rank's (or node's) files into place, then its index (a node's), its manifest
     (a node's marker), then READY - each durable first."""
-    manifest = rp.layout()
-    manifest["source_index_sha256"] = source["index_sha256"]
-    for f, res in zip(rp.files, results):
-        manifest["files"][f.name] = {"size": res["size"], "sha256": res["sha256"]}
-        for name, digest in res["tensors"].items():
-            manifest["tensors"][name]["sha256"] = digest
+    for f in rp.files:
         os.replace(tmp_name(rdir / f.name), rdir / f.name)
     fsync_dir(rdir)
-    for name, data in rp.extra_json().items():
-        write_atomic(rdir / name, (json.dumps(data, indent=2) + "\n").encode())
-    # no indent: the C encoder (a K3 rank lists ~60k tensors; the pure-Python indenting one
-    # costs seconds per rank)
-    write_atomic(rdir / rp.manifest_name, (json.dumps(manifest) + "\n").encode())
+    for name, data in rp.final_files(results, source).items():
+        write_atomic(rdir / name, data)
     fsync_dir(rdir)
     write_atomic(rdir / READY_NAME, b"")
     fsync_dir(rdir)
@@ -817,7 +837,7 @@ def reshard(
     force: bool = False,
     align: int = ALIGN,
     mode: str = "kernel",
-    layout: str = "rank",
+    layout: str = "node",
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
 ) -> ReshardResult:

@@ -16,15 +16,19 @@ VERSION = 1
 MANIFEST_NAME = "rank-manifest.json"
 READY_NAME = "READY"
 TOPOLOGY_NAME = "topology.json"
-#: Marker of an ``--format hf-node`` directory: topology, node, its experts, digests.
+#: Marker of a node directory (``reshard --format node``): topology, node, its experts, digests.
 NODE_MARKER = "k3ckpt-node.json"
 #: The marker of a rank-aware fetch (``k3ckpt fetch --ranks/--node``; ``rankfetch.PARTIAL_NAME``):
 #: the same ``experts`` list, so verify reads either through :func:`read_node_marker`.
 PARTIAL_MARKER = "k3ckpt-partial.json"
 NODE_FORMAT = "k3ckpt-node"
-#: ``topology.json``'s format of an ``--format hf-node`` output (not the rank-layout contract's).
-HF_NODE_FORMAT = "k3ckpt-hf-node-layout"
-LAYOUTS = ("rank", "hf-node")
+#: ``topology.json``'s format of a node-directory output (not the rank-layout contract's).
+NODE_LAYOUT_FORMAT = "k3ckpt-node-layout"
+#: ``reshard --format`` values: ``node`` (the default: node directories an engine loads) and
+#: ``rank`` (pre-split tensors for custom loaders).
+LAYOUTS = ("node", "rank")
+#: Other spellings ``--format`` accepts: ``hf-node`` was the node format's first name.
+LAYOUT_ALIASES = {"hf-node": "node"}
 
 
 def rank_dir_name(rank: int) -> str:
@@ -45,7 +49,7 @@ def hf_shard_name(k: int, n: int) -> str:
 
 
 def read_node_marker(root: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The ``k3ckpt-node.json`` of an ``--format hf-node`` directory (or the ``k3ckpt-partial.json``
+    """The ``k3ckpt-node.json`` of a node directory (or the ``k3ckpt-partial.json``
     of a rank-aware fetch), or None when there is none.
 
     Raises:

@@ -342,13 +342,16 @@ class RankSelection:
     ``--world-size``, ``--placement``, ``--ranks``, ``--node`` and ``--gpus-per-node`` options as
     the user gave them, before they meet a checkpoint.
 
-    ``None`` means "not given": it resolves to ep 1, tp 1, world size ``max(ep, tp)``, linear
-    placement and every rank, as every command has always read them. Keeping "not given" apart
+    ``None`` means "not given": it resolves to ep 1, tp 1, world size ``max(ep, tp)`` (``tp x dp``
+    when ``dp`` is given), linear placement and every rank, as every command has always read
+    them. With ``engine=True`` (:meth:`topology`) the options mean what vLLM's
+    ``--enable-expert-parallel`` makes of them: ``ep = tp x dp`` = the world size. Keeping "not given" apart
     from the default lets ``preflight`` tell a requested topology from the one it finds on disk,
     and ``fetch`` tell a rank-aware request from a whole one.
 
     Attributes:
-        ep, tp, world_size, placement: The topology (``rank-layout.md``).
+        ep, tp, world_size, placement: The topology (``layout.md``).
+        dp: Data-parallel degree (vLLM's ``--data-parallel-size``): the world size is ``tp x dp``.
         ranks: ``"0-3,8"`` or a sequence of global ranks (kept as a tuple); exclusive with ``node``.
         node: The ranks of node ``node`` (needs ``gpus_per_node``).
         gpus_per_node: Ranks per node: groups ranks into nodes.
@@ -365,6 +368,7 @@ class RankSelection:
     ranks: str | Sequence[int] | None = None
     node: int | None = None
     gpus_per_node: int | None = None
+    dp: int | None = None  # last, so that positional construction keeps its meaning
 
     def __post_init__(self) -> None:
         # a list would make the value unhashable and mutable behind the frozen dataclass
@@ -373,26 +377,70 @@ class RankSelection:
 
     @property
     def names_topology(self) -> bool:
-        """Whether ``ep``, ``tp`` or ``world_size`` was given."""
-        return self.ep is not None or self.tp is not None or self.world_size is not None
+        """Whether ``ep``, ``tp``, ``dp`` or ``world_size`` was given."""
+        return any(v is not None for v in (self.ep, self.tp, self.dp, self.world_size))
 
-    def topology(self, num_experts: int) -> Topology:
+    def topology(self, num_experts: int, *, engine: bool = False) -> Topology:
         """The :class:`Topology` over ``num_experts`` routed experts, defaults filled in.
+
+        ``engine=False`` (the rank layout): ``ep`` defaults to 1 - experts cut over every rank,
+        as vLLM does without expert parallelism. ``engine=True`` (the node directory): vLLM's
+        ``--enable-expert-parallel``, which always uses ``ep = tp x dp`` = the world size and
+        never cuts an expert; ``ep`` defaults to that, and any other ``ep`` is refused with the
+        nearest command the engine can run.
 
         Raises:
             TopologyError: an impossible topology, with a one-line reason.
         """
-        return Topology.make(1 if self.ep is None else self.ep, 1 if self.tp is None else self.tp,
-                             self.world_size, self.placement or "linear", num_experts=num_experts)
+        tp = 1 if self.tp is None else self.tp
+        world_size = self._world_size(tp)
+        if not engine:
+            return Topology.make(1 if self.ep is None else self.ep, tp, world_size, self.placement or "linear",
+                                 num_experts=num_experts)
+        if not (_is_int(tp) and (self.ep is None or _is_int(self.ep))):
+            return Topology.make(self.ep or 1, tp, world_size, num_experts=num_experts)  # raises, naming the flag
+        if world_size is None:  # neither --world-size nor --dp: the ranks are --ep's, else --tp's
+            world_size = max(tp, 1 if self.ep is None else self.ep)
+        ep = world_size if self.ep is None else self.ep
+        if ep != world_size:
+            raise TopologyError(self._engine_refusal(ep, tp, world_size))
+        return Topology.make(ep, tp, world_size, self.placement or "linear", num_experts=num_experts)
 
-    def topology_for(self, idx: InventoryIndex, cfg: ModelConfig | None) -> Topology:
+    def _world_size(self, tp: int) -> int | None:
+        """``--world-size``, else ``tp x dp`` when ``--dp`` is given, else None (the default)."""
+        if self.dp is None:
+            return self.world_size
+        if not _is_int(self.dp) or self.dp < 1:
+            raise TopologyError(f"--dp {self.dp!r} must be a positive integer")
+        if self.world_size is not None and self.world_size != tp * self.dp:
+            raise TopologyError(f"--world-size {self.world_size} is not tp x dp = {tp} x {self.dp} = {tp * self.dp}")
+        return tp * self.dp
+
+    def _engine_refusal(self, ep: int, tp: int, world_size: int) -> str:
+        """Why the engine format cannot take ``ep``, and the nearest command it can: the same GPUs
+        (world size) and tp, in the vocabulary the user spoke (``--dp`` or ``--ep``)."""
+        if world_size % tp:
+            return f"--tp {tp} does not divide world size {world_size}"
+        fix = f"--tp {tp} --dp {world_size // tp}" if self.dp is not None else f"--ep {world_size} --tp {tp}"
+        if world_size % ep == 0:  # experts cut moe_tp ways: the rank layout can hold that
+            other = ", or --format rank for pre-split experts"
+        elif ep % tp == 0:  # more expert groups than ranks: the world they need
+            other = f", or --tp {tp} --dp {ep // tp} for ep {ep}" if self.dp is not None else (
+                f", or --ep {ep} --tp {tp} --world-size {ep} for ep {ep}")
+        else:
+            other = ""
+        return (f"the engine format needs --ep equal to the world size (vLLM's expert parallel uses "
+                f"ep = tp x dp = {world_size}, not {ep}); use {fix}{other}")
+
+    def topology_for(self, idx: InventoryIndex, cfg: ModelConfig | None, *, engine: bool = False) -> Topology:
         """The topology over an inventory's routed experts (:func:`num_experts_of`), its ``tp``
-        checked against the config's attention heads (:func:`check_heads`).
+        checked against the config's attention heads (:func:`check_heads`); ``engine``: see
+        :meth:`topology`.
 
         Raises:
             TopologyError: an impossible topology, or experts beyond the config's count.
         """
-        topo = self.topology(num_experts_of(idx, cfg.num_experts if cfg else None))
+        topo = self.topology(num_experts_of(idx, cfg.num_experts if cfg else None), engine=engine)
         if cfg is not None:
             check_heads(cfg, topo.tp, [])
         return topo

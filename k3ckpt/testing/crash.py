@@ -362,7 +362,7 @@ def reshard_campaign(source: Path, work: Path, *, kills: int, seed: int, power_l
     rng = random.Random(seed)
     stats = CrashStats("reshard", seed)
     topo = rng.choice([["--ep", "2"], ["--ep", "4"], ["--tp", "2"], ["--ep", "2", "--tp", "2", "--world-size", "2"]])
-    common = [sys.executable, "-m", "k3ckpt", "reshard", str(source), *topo, "--max-file-size", "256KiB",
+    common = [sys.executable, "-m", "k3ckpt", "reshard", str(source), "--format", "rank", *topo, "--max-file-size", "256KiB",
               "--jobs", "2"]
     ref_dir = work / "reference"
     res = subprocess.run([*common, "-o", str(ref_dir)], capture_output=True, text=True, timeout=600)

@@ -1,0 +1,232 @@
+"""The file plan of a node directory: which tensors go in which file, in which order, under which
+name, and the exact header of every file.
+
+A node directory (``reshard``'s default format) is an ordinary checkpoint directory that vLLM
+loads with ``--enable-expert-parallel --enable-ep-weight-filter``: every dense tensor whole,
+plus the routed experts of the node's ranks, whole. The plan is a pure function of format-level
+inputs (tensor infos, a :class:`~k3ckpt.format.topology.Topology`, the node) so that every
+producer - ``reshard`` from a local checkpoint, a rank-aware ``fetch`` from a hub - writes the
+same files with the same bytes: the plan fixes each file's header bytes and each tensor's data
+offsets, and a writer only has to copy each tensor's source bytes to its offset.
+
+Decisions:
+
+- **File names say what they hold.** ``model-dense-00001-of-00003.safetensors`` holds only
+  non-expert tensors (and gpt-oss stacked expert tensors, which cannot be filtered by name and
+  stay whole); ``model-rank-00005-experts-00001-of-00002.safetensors`` holds only rank 5's
+  routed experts. Loaders read the index, not the names (vLLM keeps exactly the files the
+  index names), so names are free to be informative: ``ls`` shows which rank reads which file.
+- **One rank's experts per file, in order.** A rank's expert tensors are sorted by (layer,
+  expert, source position): per layer its experts ascending, each expert's tensors adjacent.
+  A rank's expert bytes are one sequential run of its own files - no other rank's bytes in
+  between - and, for K3 (whose shards hold one layer's experts in order), a linear-placement
+  rank's experts of one layer are one contiguous source run, so a writer copies them in one
+  kernel-side call.
+- **Dense tensors in source order** (by source file, then offset), so they are copied in long
+  runs too.
+- **Every file at most ``max_file_size`` bytes, header included.** Packing is greedy and
+  counts a safe upper bound of each tensor's header entry; a tensor that does not fit in a file
+  of its own with its header is the only exception (it gets a file by itself).
+- **Headers**: metadata ``{"format": "pt"}`` (what ``transformers`` writes), tensors in data
+  order, the data buffer starting at a multiple of :data:`NODE_ALIGN`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import TopologyError
+from .header import TensorInfo, TensorSpec, build_header
+from .layout import NODE_FORMAT, VERSION
+from .roles import Role, classify
+from .topology import InventoryIndex, Topology, index_of, ranks_of_node
+
+#: Alignment of each file's data buffer (the rank layout's too; BENCHMARKS.md has the measurement).
+NODE_ALIGN = 4096
+#: The safetensors ``__metadata__`` of every node file.
+NODE_METADATA = {"format": "pt"}
+# Header bytes a tensor entry can need beyond its name, dtype and shape (JSON punctuation, the
+# keys, and two data offsets of up to 20 digits each): an upper bound, so packing never overshoots.
+_ENTRY_OVERHEAD = 96
+_HEADER_OVERHEAD = 8 + 2 + len(json.dumps({"__metadata__": NODE_METADATA}, separators=(",", ":"))) + 1
+
+
+def dense_file_name(k: int, n: int) -> str:
+    """``model-dense-00001-of-00003.safetensors`` (``k`` counts from 0)."""
+    return f"model-dense-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
+def rank_file_name(rank: int, k: int, n: int) -> str:
+    """``model-rank-00005-experts-00001-of-00002.safetensors``: file ``k`` (from 0) of ``n`` of
+    rank ``rank``'s routed experts."""
+    return f"model-rank-{rank:05d}-experts-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class NodeFile:
+    """One file of a node directory: its name, whose experts it holds (``rank`` None: dense
+    tensors), the source tensors in write order, its header bytes (``prefix``: the 8-byte length
+    and the padded JSON) and each tensor's ``(begin, end)`` in its data buffer."""
+
+    name: str
+    rank: int | None
+    tensors: tuple[TensorInfo, ...]
+    prefix: bytes
+    offsets: tuple[tuple[int, int], ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.prefix) + (self.offsets[-1][1] if self.offsets else 0)
+
+
+@dataclass(frozen=True)
+class NodeDir:
+    """The plan of node ``node``'s directory: its ranks, their experts and its files (dense
+    files first, then each rank's, in rank order)."""
+
+    node: int
+    gpus_per_node: int
+    ranks: tuple[int, ...]
+    experts_by_rank: dict[int, tuple[int, ...]]
+    topology: Topology
+    files: tuple[NodeFile, ...]
+
+    @property
+    def experts(self) -> list[int]:
+        """Every routed expert of the node's ranks, ascending."""
+        return sorted({e for ex in self.experts_by_rank.values() for e in ex})
+
+    @property
+    def total_size(self) -> int:
+        """Tensor bytes (the index's ``metadata.total_size``)."""
+        return sum(t.nbytes for f in self.files for t in f.tensors)
+
+    def weight_map(self) -> dict[str, str]:
+        """Tensor name -> file name, sorted by name."""
+        return dict(sorted((t.name, f.name) for f in self.files for t in f.tensors))
+
+    def index_json(self) -> dict[str, Any]:
+        """``model.safetensors.index.json``: exactly the tensors and files present."""
+        return {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map()}
+
+    def index_bytes(self) -> bytes:
+        """The index file's bytes, as every producer writes them (indent 2, as ``save_pretrained``)."""
+        return (json.dumps(self.index_json(), indent=2) + "\n").encode()
+
+    def marker_bytes(self, source_index_sha256: str, tensor_sha256: Mapping[str, str],
+                     file_sha256: Mapping[str, str]) -> bytes:
+        """``k3ckpt-node.json``'s bytes, as every producer writes them: :meth:`marker_json` plus
+        the sha256 of the source's index and of every tensor and file (which the writer computes
+        while copying). One line, no indent: the C encoder (a full K3 node lists ~500k tensors)."""
+        marker = self.marker_json()
+        marker["source_index_sha256"] = source_index_sha256
+        for name, entry in marker["files"].items():
+            entry["sha256"] = file_sha256[name]
+        for name, entry in marker["tensors"].items():
+            entry["sha256"] = tensor_sha256[name]
+        return (json.dumps(marker) + "\n").encode()
+
+    def marker_json(self) -> dict[str, Any]:
+        """``k3ckpt-node.json`` without digests and source: :meth:`marker_bytes` adds them."""
+        return {
+            "format": NODE_FORMAT, "version": VERSION, "node": self.node, "gpus_per_node": self.gpus_per_node,
+            "ranks": list(self.ranks), "experts": self.experts,
+            "experts_by_rank": {str(r): list(e) for r, e in self.experts_by_rank.items()},
+            "topology": self.topology.to_json(),
+            "tensors": {t.name: {"file": f.name, "dtype": t.dtype, "shape": list(t.shape)}
+                        for f in self.files for t in f.tensors},
+            "files": {f.name: {"size": f.size, "rank": f.rank} for f in self.files},
+        }
+
+
+def plan_node_dir(
+    tensors: Mapping[str, TensorInfo],
+    topo: Topology,
+    node: int,
+    gpus_per_node: int,
+    *,
+    max_file_size: int,
+    roles: Mapping[str, Role] | None = None,
+    index: InventoryIndex | None = None,
+    align: int = NODE_ALIGN,
+) -> NodeDir:
+    """Plan node ``node``'s directory over the source ``tensors`` (name -> info; a checkpoint's
+    or a manifest's inventory). ``roles`` (classified here when not given) and ``index``
+    (:func:`~k3ckpt.format.topology.index_of`, built here when not given) save the work when
+    the caller has them. Experts the inventory lacks are simply absent (a caller that needs
+    them refuses first).
+
+    Raises:
+        TopologyError: the topology cuts experts (ep below the world size), or the node is out
+            of range.
+    """
+    if topo.moe_tp != 1:
+        raise TopologyError(f"a node directory holds whole experts: ep {topo.ep} must equal the world size "
+                            f"{topo.world_size}")
+    if max_file_size < 1:
+        raise TopologyError(f"--max-file-size {max_file_size} must be positive")
+    ranks = ranks_of_node(node, gpus_per_node, topo.world_size)
+    idx = index if index is not None else index_of((tensors, roles or {n: classify(n) for n in tensors}))
+    by_rank = {r: topo.rank_info(r).experts for r in ranks}
+    dense = sorted((tensors[n] for n in idx.dense_names), key=_source_order)
+    files = _files(dense, None, max_file_size, align, dense_file_name)
+    for r, experts in by_rank.items():
+        own = [tensors[n] for e in experts for n in idx.expert_names.get(e, ())]
+        own.sort(key=lambda t: _expert_order(t, roles))
+
+        def name_of(k: int, n: int, r: int = r) -> str:  # a def: mypy cannot type a defaulted lambda
+            return rank_file_name(r, k, n)
+
+        files += _files(own, r, max_file_size, align, name_of)
+    return NodeDir(node, gpus_per_node, tuple(ranks), by_rank, topo, tuple(files))
+
+
+def _source_order(t: TensorInfo) -> tuple[str, int, str]:
+    return t.file, t.begin, t.name
+
+
+def _expert_order(t: TensorInfo, roles: Mapping[str, Role] | None) -> tuple[int, int, str, int, str]:
+    role = roles[t.name] if roles is not None else classify(t.name)
+    return (-1 if role.layer is None else role.layer), (role.expert or 0), t.file, t.begin, t.name
+
+
+def _entry_bound(t: TensorInfo) -> int:
+    """Header bytes ``t``'s entry needs at most. Cheap (no JSON encoding: the full K3 inventory
+    has ~497k entries): ``str`` of the shape tuple is never shorter than its compact JSON list,
+    and a name needing escapes is counted at the worst case of six bytes a character."""
+    name = t.name
+    plain = name.isascii() and name.isprintable() and '"' not in name and "\\" not in name
+    return (len(name) if plain else 6 * len(name)) + 2 + len(t.dtype) + len(str(t.shape)) + _ENTRY_OVERHEAD
+
+
+def _files(tensors: list[TensorInfo], rank: int | None, max_file_size: int, align: int,
+           name_of: Any) -> list[NodeFile]:
+    """Pack ``tensors`` (in order) greedily into files of at most ``max_file_size`` bytes, header
+    included; ``name_of(k, n)`` names file ``k`` of ``n``."""
+    groups: list[list[TensorInfo]] = []
+    data = header = 0
+    for t in tensors:
+        entry = _entry_bound(t)
+        if not groups or data + t.nbytes + _aligned(header + entry, align) > max_file_size:
+            groups.append([])
+            data, header = 0, _HEADER_OVERHEAD
+        groups[-1].append(t)
+        data += t.nbytes
+        header += entry
+    out = []
+    for k, group in enumerate(groups):
+        prefix, offsets = build_header([TensorSpec(t.name, t.dtype, t.shape) for t in group], NODE_METADATA,
+                                       align=align)
+        for t, (b, e) in zip(group, offsets):
+            if e - b != t.nbytes:  # a header's size disagrees with its dtype and shape: never ours to fix
+                raise TopologyError(f"tensor {t.name!r} in {t.file}: {t.nbytes} bytes, but {t.dtype} "
+                                    f"{list(t.shape)} needs {e - b}")
+        out.append(NodeFile(name_of(k, len(groups)), rank, tuple(group), prefix, tuple(offsets)))
+    return out
+
+
+def _aligned(n: int, align: int) -> int:
+    return -(-n // align) * align
