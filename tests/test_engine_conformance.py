@@ -2,7 +2,7 @@
 
 Functions are loaded out of the pinned vLLM 0.33.0 / SGLang 0.5.23 wheels by ``tests/engines.py``
 (downloaded by ``scripts/engines.sh``, never installed) and run against what ``k3ckpt reshard
---format hf-node`` writes on synthetic K3 checkpoints:
+--format node`` writes on synthetic K3 checkpoints:
 
 (e) vLLM's ``determine_expert_map`` and ``compute_local_expert_ids`` equal our placement;
 (a) for every rank, vLLM's ``should_skip_weight`` under vLLM's EP size/rank keeps exactly the
@@ -104,9 +104,12 @@ class Case:
         return -(-self.world_size // self.gpus_per_node)
 
     def args(self) -> list[str]:
-        return ["--format", "hf-node", "--ep", str(self.ep), "--tp", str(self.tp),
-                "--world-size", str(self.world_size), "--gpus-per-node", str(self.gpus_per_node),
-                "--placement", self.placement]
+        """reshard's options for this launch: vLLM's own vocabulary (--tp, --dp) where expert
+        parallel spans the world, else ours (--ep below the world size, which the engine
+        format must refuse)."""
+        shape = (["--tp", str(self.tp), "--dp", str(self.dp)] if self.ep == self.world_size else
+                 ["--ep", str(self.ep), "--tp", str(self.tp), "--world-size", str(self.world_size)])
+        return ["--format", "node", *shape, "--gpus-per-node", str(self.gpus_per_node), "--placement", self.placement]
 
 
 CASES = [
@@ -123,9 +126,6 @@ UNDER_EP = [
     Case("2x4-ep4-tp2-round-robin", experts=16, ep=4, tp=2, world_size=8, gpus_per_node=4, placement="round_robin"),
     Case("4x2-ep4-tp1-10-experts", experts=10, ep=4, tp=1, world_size=8, gpus_per_node=2),
 ]
-UNDER_EP_BUG = ("reshard --format hf-node with --ep smaller than the world size writes only ep-rank "
-                "experts, while vLLM's ranks need ep_size = world size placement (issue 13); "
-                "the engine format must refuse it")
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +225,6 @@ def test_a_scales_held_are_exactly_the_nodes_experts(written: tuple[Case, Path, 
 
 
 @needs_vllm
-@pytest.mark.xfail(strict=True, reason=UNDER_EP_BUG)
 @pytest.mark.parametrize("case", UNDER_EP, ids=[c.id for c in UNDER_EP])
 def test_a_ep_below_world_size_is_refused_or_conformant(case: Case, sources: dict[int, Path], tmp_path: Path) -> None:
     out = tmp_path / "nodes"
