@@ -393,3 +393,36 @@ def test_the_examples_all_call_the_tested_script() -> None:
     for path in (LWS_YAML, SBATCH):
         code = [line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
         assert not [line for line in code if re.search(r"\b(k3ckpt (fetch|preflight)|vllm serve)\b", line)]
+
+
+# ----------------------------------------------------------------------------------------------
+# the serve flags are vLLM 0.33.0's
+# ----------------------------------------------------------------------------------------------
+
+#: Where vLLM 0.33.0 declares its serve flags, inside its wheel.
+VLLM_ARG_FILES = ("vllm/engine/arg_utils.py", "vllm/entrypoints/common/cli_args.py")
+
+
+def vllm_wheel() -> Path | None:
+    """The pinned vLLM wheel in the engine cache that the conformance tests use
+    (``$K3CKPT_ENGINE_CACHE``, else ``~/.cache/k3ckpt/engines``), or None."""
+    cache = Path(os.environ.get("K3CKPT_ENGINE_CACHE") or Path.home() / ".cache" / "k3ckpt" / "engines")
+    found = sorted(cache.glob("vllm-0.33.0-*.whl"))
+    return found[0] if found else None
+
+
+def test_every_serve_flag_is_declared_by_vllm() -> None:
+    """Each flag node-init.sh gives `vllm serve` (leader and worker of 2 nodes: the union of all
+    cases) is an ``add_argument`` of vLLM 0.33.0, read from its wheel - a misspelt or renamed
+    flag would make every node fail at start."""
+    import zipfile
+
+    wheel = vllm_wheel()
+    if wheel is None:
+        pytest.skip("vllm==0.33.0 wheel not in the engine cache (scripts/engines.sh downloads it)")
+    with zipfile.ZipFile(wheel) as zf:
+        source = "\n".join(zf.read(m).decode("utf-8") for m in VLLM_ARG_FILES)
+    declared = set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", source))
+    assert "--tensor-parallel-size" in declared  # the pattern reads the file as it is written
+    flags = {a for node in (0, 1) for a in expected_serve("/d", node, 2, 8, 4, "leader") if a.startswith("--")}
+    assert flags - declared == set()
