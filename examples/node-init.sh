@@ -118,8 +118,9 @@ fi
 # parallelism over all DP x TP ranks, the weight filter that skips other ranks' experts by name
 # before reading them, and the same linear placement the node directory was fetched for. Node 0
 # runs the API server (internal load balancing over every DP rank); the other nodes run their
-# DP ranks headless, starting at their first DP rank.
-set -- vllm serve "$dest" --served-model-name "$served_name" \
+# DP ranks headless, starting at their first DP rank. --trust-remote-code: K3's tokenizer
+# (tokenizer_class TikTokenTokenizer) is code in the checkpoint's repository, not in transformers.
+set -- vllm serve "$dest" --served-model-name "$served_name" --trust-remote-code \
     --tensor-parallel-size "$tp" --enable-expert-parallel --enable-ep-weight-filter \
     --expert-placement-strategy linear
 if [ "$dp" -gt 1 ]; then

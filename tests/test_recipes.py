@@ -128,7 +128,7 @@ def expected_serve(dest: str, node: int, nodes: int, gpus: int, tp: int, leader:
     same DP size and local DP size on every node, the leader's address and RPC port; node 0
     serves the API, the others run headless from their first DP rank."""
     dp, dp_local = nodes * gpus // tp, gpus // tp
-    argv = ["serve", dest, "--served-model-name", REPO, "--tensor-parallel-size", str(tp),
+    argv = ["serve", dest, "--served-model-name", REPO, "--trust-remote-code", "--tensor-parallel-size", str(tp),
             "--enable-expert-parallel", "--enable-ep-weight-filter", "--expert-placement-strategy", "linear"]
     if dp > 1:
         argv += ["--data-parallel-size", str(dp)]
