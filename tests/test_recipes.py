@@ -218,6 +218,22 @@ def test_slurm_single_node_serves_without_data_parallel_flags(served: Path, base
     assert_node_dir(dest, served, 0, 1, 8, 8)
 
 
+def test_a_disk_that_held_another_node_is_turned_into_this_one(served: Path, base_env: dict[str, str],
+                                                             tmp_path: Path) -> None:
+    """LWS with a hostPath: a rescheduled group can give a node's disk another worker index. The
+    init then rewrites the shards that differ, keeps the rest, and the directory holds exactly
+    the new node's experts - none of the old node's left behind."""
+    dest = tmp_path / "nvme" / "kimi-k3"
+    for node in (0, 1):
+        env = dict(base_env, LWS_WORKER_INDEX=str(node), LWS_GROUP_SIZE="2", LWS_LEADER_ADDRESS="leader",
+                   K3_DEST=str(dest), K3_GPUS_PER_NODE="4", K3_TP="4")
+        res = node_init(env, "init")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "ready to load" in res.stdout
+    assert re.search(r" 0 files fetched \(.*, [1-9]\d* already present, 0 failed", res.stdout)
+    assert_node_dir(dest, served, 1, 2, 4, 4)
+
+
 def test_a_preflight_fail_stops_the_node_before_serving(base_env: dict[str, str], tmp_path: Path) -> None:
     """preflight's exit 1 is the script's: the init container fails, no serve line is printed."""
     env = dict(base_env, SLURM_NODEID="1", SLURM_NNODES="2", K3_LEADER_ADDRESS="gpu01",
