@@ -280,6 +280,17 @@ def test_leading_zeros_are_decimal(base_env: dict[str, str]) -> None:
     assert res.stdout.split() == ["vllm", *expected_serve("/nvme/kimi-k3", 9, 10, 8, 8, "leader")]
 
 
+def test_extra_vllm_flags_are_appended_split_on_spaces_and_never_globbed(base_env: dict[str, str],
+                                                                       tmp_path: Path) -> None:
+    (tmp_path / "a-file").touch()
+    env = dict(base_env, SLURM_NODEID="0", SLURM_NNODES="1", K3_VLLM_ARGS="--max-model-len 131072  --x *")
+    res = subprocess.run(["sh", str(NODE_INIT), "serve"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert res.returncode == 0, res.stderr
+    want = expected_serve("/nvme/kimi-k3", 0, 1, 8, 8, None) + ["--max-model-len", "131072", "--x", "*"]
+    assert vllm_calls(env) == [{"argv": want, "node": "0"}]
+
+
 # ----------------------------------------------------------------------------------------------
 # the examples run those command lines, with those variables
 # ----------------------------------------------------------------------------------------------
