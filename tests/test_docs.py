@@ -12,6 +12,7 @@ what it printed (stdout and stderr, in order). The conventions:
   ``k3ckpt synth PRESET`` is served on a loopback hub (:mod:`k3ckpt.testing.hub`) as that repo,
   with ``HF_ENDPOINT`` / ``MODELSCOPE_ENDPOINT`` pointing at it - what the page's output was
   recorded against. The synthetic checkpoint lives outside the page's directory.
+- ``$EXAMPLES`` is the repository's ``examples/`` directory (the recipes' scripts).
 - A command must exit 0, unless the block continues with ``$ echo $?`` and the code it expects.
 - Each shown output line (blank lines and ``...`` skipped) must appear in what the command
   printed, in order, after both are normalized: the working directory, the hub's address,
@@ -171,6 +172,7 @@ def _env(scratch: Path, extra: dict[str, str]) -> dict[str, str]:
         "HF_HUB_DISABLE_XET": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "COLUMNS": "100",
+        "EXAMPLES": str(ROOT / "examples"),
     })
     env.update(extra)
     return env

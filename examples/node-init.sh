@@ -1,0 +1,168 @@
+#!/bin/sh
+# node-init.sh - one node of a Kimi-K3 vLLM deployment, from an empty disk to `vllm serve`.
+#
+# Usage: sh node-init.sh [init|serve|print]
+#
+#   init   (default) fetch only this node's share of the checkpoint from the hub (rank-aware
+#          `k3ckpt fetch --node`), check it with `k3ckpt preflight`, print the serve command.
+#          Run it where the node starts: a Kubernetes initContainer, or `srun` once per node.
+#   serve  exec this node's `vllm serve` command (the main container, or the SLURM step after
+#          init). It never downloads anything, so a serve without a prior init fails in vLLM's
+#          loader, never silently on the network.
+#   print  print the serve command and exit.
+#
+# The node's index and the node count come from the launcher, never from a flag, so every node
+# runs the same command line:
+#   LeaderWorkerSet: LWS_WORKER_INDEX (0 = leader), LWS_GROUP_SIZE, LWS_LEADER_ADDRESS
+#   SLURM (srun --ntasks-per-node=1): SLURM_NODEID, SLURM_NNODES; the leader address comes
+#   from K3_LEADER_ADDRESS (the sbatch script sets it to the job's first host)
+#
+# Settings (environment, with defaults):
+#   K3_SOURCE=hf  K3_REPO=moonshotai/Kimi-K3  K3_REVISION=main  K3_DEST=/nvme/kimi-k3
+#   K3_GPUS_PER_NODE=8  K3_TP=8 (GPUs per data-parallel rank; must divide K3_GPUS_PER_NODE)
+#   K3_MANIFEST (optional: a tensor-hash manifest; every fetched tensor is checked against it)
+#   K3_DP_RPC_PORT=13345  K3_LEADER_ADDRESS (overrides LWS_LEADER_ADDRESS)
+#   K3_SERVED_MODEL_NAME=$K3_REPO
+#   K3_FETCH_ARGS, K3_PREFLIGHT_ARGS, K3_VLLM_ARGS: extra arguments, split on spaces
+#
+# Topology: world size W = nodes x GPUs per node, data parallel DP = W / TP, and vLLM's expert
+# parallelism spans every rank (EP = W, expert placement linear). The node directory therefore
+# holds every dense tensor whole and the experts of ranks [node*G, (node+1)*G) only.
+#
+# Exit codes: 0 ok, 1 preflight found a problem (its report says which), 2 could not run
+# (a one-line `node-init.sh: error: ...` on stderr, or k3ckpt's own exit code).
+set -eu
+set -f  # the K3_*_ARGS below are split on spaces, never globbed
+
+die() {
+    printf 'node-init.sh: error: %s\n' "$*" >&2
+    exit 2
+}
+
+# is_count NAME VALUE: VALUE is a non-negative decimal integer (what the launchers set).
+is_count() {
+    case "$2" in
+        '' | *[!0-9]*) die "$1=$2 is not a non-negative integer" ;;
+    esac
+}
+
+# decimal VALUE: VALUE without leading zeros, which shell arithmetic would read as octal.
+decimal() {
+    v=$1
+    while [ "${#v}" -gt 1 ] && [ "${v#0}" != "$v" ]; do v=${v#0}; done
+    echo "$v"
+}
+
+mode="${1:-init}"
+case "$mode" in
+    init | serve | print) ;;
+    *) die "unknown mode '$mode': use init, serve or print" ;;
+esac
+[ "$#" -le 1 ] || die "too many arguments: configure with K3_* variables (see the header of this script)"
+
+# --- which node is this: the launcher says ---------------------------------------------------
+if [ -n "${LWS_WORKER_INDEX:-}${LWS_GROUP_SIZE:-}" ]; then
+    launcher=LeaderWorkerSet
+    [ -n "${LWS_WORKER_INDEX:-}" ] || die "LWS_GROUP_SIZE is set but LWS_WORKER_INDEX is not (LeaderWorkerSet >= 0.6 sets both)"
+    [ -n "${LWS_GROUP_SIZE:-}" ] || die "LWS_WORKER_INDEX is set but LWS_GROUP_SIZE is not (LeaderWorkerSet >= 0.6 sets both)"
+    is_count LWS_WORKER_INDEX "$LWS_WORKER_INDEX"
+    is_count LWS_GROUP_SIZE "$LWS_GROUP_SIZE"
+    node=$LWS_WORKER_INDEX nodes=$LWS_GROUP_SIZE
+    leader="${K3_LEADER_ADDRESS:-${LWS_LEADER_ADDRESS:-}}"
+elif [ -n "${SLURM_NODEID:-}${SLURM_NNODES:-}" ]; then
+    launcher=SLURM
+    [ -n "${SLURM_NODEID:-}" ] || die "SLURM_NNODES is set but SLURM_NODEID is not: run this script under srun, not sbatch alone"
+    [ -n "${SLURM_NNODES:-}" ] || die "SLURM_NODEID is set but SLURM_NNODES is not"
+    is_count SLURM_NODEID "$SLURM_NODEID"
+    is_count SLURM_NNODES "$SLURM_NNODES"
+    node=$SLURM_NODEID nodes=$SLURM_NNODES
+    leader="${K3_LEADER_ADDRESS:-}"
+else
+    die "no launcher variables: set LWS_WORKER_INDEX and LWS_GROUP_SIZE (LeaderWorkerSet) or SLURM_NODEID and SLURM_NNODES (srun)"
+fi
+
+node=$(decimal "$node") nodes=$(decimal "$nodes")
+[ "$nodes" -ge 1 ] || die "the launcher says $nodes nodes: at least 1 is needed"
+[ "$node" -lt "$nodes" ] || die "node index $node is not below the node count $nodes"
+
+# --- settings ----------------------------------------------------------------------------------
+source_hub="${K3_SOURCE:-hf}"
+repo="${K3_REPO:-moonshotai/Kimi-K3}"
+revision="${K3_REVISION:-main}"
+dest="${K3_DEST:-/nvme/kimi-k3}"
+gpus="${K3_GPUS_PER_NODE:-8}"
+tp="${K3_TP:-8}"
+rpc_port="${K3_DP_RPC_PORT:-13345}"
+served_name="${K3_SERVED_MODEL_NAME:-$repo}"
+is_count K3_GPUS_PER_NODE "$gpus"
+is_count K3_TP "$tp"
+is_count K3_DP_RPC_PORT "$rpc_port"
+gpus=$(decimal "$gpus") tp=$(decimal "$tp")
+[ "$gpus" -ge 1 ] && [ "$tp" -ge 1 ] || die "K3_GPUS_PER_NODE=$gpus and K3_TP=$tp must be at least 1"
+# One data-parallel rank must not span nodes: vLLM's multi-node data parallelism places whole
+# DP ranks on a node (--data-parallel-size-local).
+[ $((gpus % tp)) -eq 0 ] || die "K3_TP=$tp does not divide K3_GPUS_PER_NODE=$gpus: a tensor-parallel group must fit on one node"
+
+world=$((nodes * gpus))
+dp=$((world / tp))
+dp_local=$((gpus / tp))
+start_rank=$((node * dp_local))
+first_rank=$((node * gpus))
+last_rank=$((first_rank + gpus - 1))
+if [ "$nodes" -gt 1 ] && [ -z "$leader" ]; then
+    die "$nodes nodes need the leader's address: LWS_LEADER_ADDRESS (LeaderWorkerSet) or K3_LEADER_ADDRESS"
+fi
+
+# --- the serve command -------------------------------------------------------------------------
+# vLLM 0.33.0 flags (vllm/engine/arg_utils.py, vllm/entrypoints/common/cli_args.py): expert
+# parallelism over all DP x TP ranks, the weight filter that skips other ranks' experts by name
+# before reading them, and the same linear placement the node directory was fetched for. Node 0
+# runs the API server (internal load balancing over every DP rank); the other nodes run their
+# DP ranks headless, starting at their first DP rank. --trust-remote-code: K3's tokenizer
+# (tokenizer_class TikTokenTokenizer) is code in the checkpoint's repository, not in transformers.
+set -- vllm serve "$dest" --served-model-name "$served_name" --trust-remote-code \
+    --tensor-parallel-size "$tp" --enable-expert-parallel --enable-ep-weight-filter \
+    --expert-placement-strategy linear
+if [ "$dp" -gt 1 ]; then
+    set -- "$@" --data-parallel-size "$dp"
+fi
+if [ "$nodes" -gt 1 ]; then
+    set -- "$@" --data-parallel-size-local "$dp_local" \
+        --data-parallel-address "$leader" --data-parallel-rpc-port "$rpc_port"
+    if [ "$node" -gt 0 ]; then
+        set -- "$@" --headless --data-parallel-start-rank "$start_rank"
+    fi
+fi
+# shellcheck disable=SC2086 # split on purpose: extra flags from one variable
+set -- "$@" ${K3_VLLM_ARGS:-}
+
+case "$mode" in
+    print)
+        echo "$*"
+        exit 0
+        ;;
+    serve)
+        exec "$@"
+        ;;
+esac
+
+# --- init: this node's share, checked --------------------------------------------------------
+command -v k3ckpt >/dev/null 2>&1 || die "k3ckpt is not on PATH (pip install k3ckpt)"
+echo "node-init: $launcher node $node of $nodes: ranks $first_rank-$last_rank of ep $world x tp $tp (dp $dp), into $dest"
+
+manifest_args=""
+if [ -n "${K3_MANIFEST:-}" ]; then
+    manifest_args="--manifest ${K3_MANIFEST}"
+fi
+# shellcheck disable=SC2086
+k3ckpt fetch --source "$source_hub" --repo "$repo" --revision "$revision" --dest "$dest" \
+    --node "$node" --gpus-per-node "$gpus" --ep "$world" --tp "$tp" --placement linear \
+    $manifest_args ${K3_FETCH_ARGS:-}
+# --no-env: under `srun --ntasks-per-node=1` SLURM_PROCID/SLURM_NTASKS count tasks (one per
+# node), not GPU ranks, and LeaderWorkerSet sets no rank variables; the node index passed here
+# is the launcher's, read above.
+# shellcheck disable=SC2086
+k3ckpt preflight "$dest" --node "$node" --gpus-per-node "$gpus" --ep "$world" --tp "$tp" --no-env \
+    ${K3_PREFLIGHT_ARGS:-}
+echo "node-init: node $node is ready; serve it with:"
+echo "$*"
