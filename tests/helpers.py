@@ -7,6 +7,8 @@ Import them as ``from helpers import run`` (pytest puts ``tests/`` on ``sys.path
 from __future__ import annotations
 
 import hashlib
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from click.testing import CliRunner, Result
@@ -49,3 +51,14 @@ def tensor_digests(root: Path) -> dict[str, str]:
             fh.seek(hdr.data_start + info.begin)
             out[name] = hashlib.sha256(fh.read(info.nbytes)).hexdigest()
     return out
+
+
+def settled(count: Callable[[], int], want: int, timeout: float = 5.0) -> int:
+    """``count()`` once it reaches ``want`` (or after ``timeout`` s): the loopback hub's handler
+    threads add a body's bytes to their counters after ``sendfile`` returns, which can be just
+    after the client has read the body. A count that never reaches ``want`` is returned as is,
+    for the caller's assertion to show."""
+    deadline = time.monotonic() + timeout
+    while count() < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return count()

@@ -25,7 +25,7 @@ import pytest
 import requests
 from safetensors.numpy import save_file
 
-from helpers import REPO
+from helpers import REPO, settled
 from k3ckpt.testing.hub import Fault, LoopbackHub, RepoSpec, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -291,12 +291,7 @@ def test_hf_filesystem_ranged_read(hub: LoopbackHub, checkpoint: Path) -> None:
         f.seek(10_000)
         chunk = f.read(777)
     assert chunk == data[10_000:10_777]
-    # The hub's handler thread counts a body after its sendfile returns, which can be just after
-    # the client has read it: wait for the count rather than race it.
-    deadline = time.monotonic() + 5
-    while hub.bytes_sent(SHARD) < 777 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert hub.bytes_sent(SHARD) == 777
+    assert settled(lambda: hub.bytes_sent(SHARD), 777) == 777
     assert [r.range for r in hub.request_log if r.file == SHARD] == ["bytes=10000-10776"]
     assert fs.info(f"{REPO}/{SHARD}")["size"] == len(data)
 
@@ -551,7 +546,7 @@ def test_counters_thread_safe(hub: LoopbackHub, checkpoint: Path) -> None:
         t.join()
     assert not errors, errors
     assert hub.requests(SHARD) == 80 and hub.requests(SHARD, method="HEAD") == 0
-    assert hub.bytes_sent(SHARD) == 8000 == hub.total_bytes_sent()
+    assert settled(lambda: hub.bytes_sent(SHARD), 8000) == 8000 == hub.total_bytes_sent()
     hub.reset_counters()
     assert hub.requests(SHARD) == 0 and hub.bytes_sent(SHARD) == 0 and hub.request_log == []
 
