@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark ``k3ckpt reshard`` against ``cp -r`` and a plain safetensors script, same disk.
 
-    .venv/bin/python scripts/bench_reshard.py [--work work/bench-reshard] [--ep 8 --tp 2]
+    .venv/bin/python scripts/bench_reshard.py [--work work/bench-reshard] [--ep 8 --tp 2] [--format rank]
+    .venv/bin/python scripts/bench_reshard.py --format node --ep 8 --tp 2 --gpus-per-node 4
 
 Makes ``k3-small`` (``k3ckpt synth --preset k3-small``, about 1.1 GB) when missing, then times
 each contender in a subprocess, every one followed by ``sync`` (reshard fsyncs its files, so
@@ -12,8 +13,9 @@ markdown section for BENCHMARKS.md.
 
 Contenders:
 - ``cp -r SRC DST``: the floor for moving the checkpoint's bytes once;
-- ``k3ckpt reshard SRC -o OUT --ep E --tp T`` (every rank) and the same limited to ranks whose
-  output volume is about the source's (so that both write the same number of bytes);
+- ``k3ckpt reshard SRC -o OUT --format rank --ep E --tp T`` (every rank) and the same limited to
+  ranks whose output volume is about the source's (so that both write the same number of bytes);
+  with ``--format node --gpus-per-node G``, the node directories of every node and of node 0;
 - ``naive``: what a user would write with the ``safetensors`` library: for each rank, load each
   tensor it holds (``safe_open(framework="pt")`` - torch, because the numpy framework cannot
   hold BF16), slice it with the same TP rules, keep the rank's tensors in a dict and
@@ -45,7 +47,7 @@ from k3ckpt.deploy.reshard import plan_reshard
 from k3ckpt.format.topology import ExpertSlice, RankSelection
 
 src, out, ep, tp = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-plan = plan_reshard(src, RankSelection(ep=ep, tp=tp))  # only to know which tensors and slices each rank holds
+plan = plan_reshard(src, RankSelection(ep=ep, tp=tp), layout="rank")  # which tensors and slices each rank holds
 ckpt = plan.ckpt
 for rp in plan.ranks:
     tensors = {}
@@ -99,6 +101,9 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--format", choices=("rank", "node"), default="rank",
+                    help="the rank layout (the figures in BENCHMARKS.md before 2026-12-01) or node directories")
+    ap.add_argument("--gpus-per-node", type=int, default=None, help="with --format node: GPUs per node")
     ap.add_argument("--skip-naive", action="store_true")
     ap.add_argument("--runs", type=int, default=3,
                     help="rounds of cp / reshard / reshard-part, interleaved; medians reported (naive: once)")
@@ -115,8 +120,9 @@ def main() -> None:
     from k3ckpt.deploy.reshard import plan_reshard
     from k3ckpt.format.topology import RankSelection
 
-    plan = plan_reshard(src, RankSelection(ep=args.ep, tp=args.tp))
-    sizes = [rp.nbytes for rp in plan.ranks]
+    selection = RankSelection(ep=args.ep, tp=args.tp, gpus_per_node=args.gpus_per_node)
+    plan = plan_reshard(src, selection, layout=args.format)
+    sizes = [unit.nbytes for unit in plan.units]
     # the first ranks whose output is about the source's size: the same write volume as cp
     acc, k = 0, 0
     while k < len(sizes) and acc + sizes[k] <= src_bytes * 1.02:
@@ -125,6 +131,13 @@ def main() -> None:
     k = max(k, 1)
 
     jobs = ["--jobs", str(args.jobs)] if args.jobs else []
+    shape = ["--format", args.format, "--ep", str(args.ep), "--tp", str(args.tp)]
+    if args.gpus_per_node:
+        shape += ["--gpus-per-node", str(args.gpus_per_node)]
+    unit = "ranks" if args.format == "rank" else "nodes"
+    # A part of the job as big as the source: the first ranks, or node 0 of a node split.
+    part = ["--ranks", f"0-{k - 1}"] if args.format == "rank" else ["--node", "0"]
+    part_label = f"ranks 0-{k - 1}" if args.format == "rank" else "node 0"
     results: dict[str, list[tuple[str, int, float, int]]] = {}
 
     def run(label: str, cmd: list[str], out: Path) -> None:
@@ -140,13 +153,12 @@ def main() -> None:
 
     for _ in range(args.runs):  # interleaved, so that a slow spell of the disk hits every contender
         run("cp -r", ["cp", "-r", str(src), str(work / "cp")], work / "cp")
-        run(f"k3ckpt reshard (all {len(sizes)} ranks)",
-            [*k3, "reshard", str(src), "-o", str(work / "rs"), "--ep", str(args.ep), "--tp", str(args.tp), *jobs],
-            work / "rs")
-        run(f"k3ckpt reshard (ranks 0-{k - 1})",
-            [*k3, "reshard", str(src), "-o", str(work / "rs"), "--ep", str(args.ep), "--tp", str(args.tp),
-             "--ranks", f"0-{k - 1}", *jobs], work / "rs")
-    if not args.skip_naive:
+        run(f"k3ckpt reshard (all {len(sizes)} {unit})",
+            [*k3, "reshard", str(src), "-o", str(work / "rs"), *shape, *jobs], work / "rs")
+        if len(sizes) > 1:
+            run(f"k3ckpt reshard ({part_label})",
+                [*k3, "reshard", str(src), "-o", str(work / "rs"), *shape, *part, *jobs], work / "rs")
+    if not args.skip_naive and args.format == "rank":
         script = work / "naive_reshard.py"
         script.write_text(NAIVE)
         run("naive safetensors script", [PY, str(script), str(src), str(work / "nv"), str(args.ep), str(args.tp)],
