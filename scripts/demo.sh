@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The main job, end to end, on an embedded default: a synthetic K3-shaped checkpoint published
 # on a loopback hub (127.0.0.1 only), pinned, fetched, verified and inspected on a "node"; then
-# resharded per rank; then the full-size K3 inventory (headers only, sparse files) inspected,
-# planned and re-verified; finally preflight on the resharded output, as a node's init container
-# would run it before the engine boots.
+# resharded into the node directories vLLM loads; then the full-size K3 inventory (headers only,
+# sparse files) inspected, planned and re-verified; finally preflight on a node directory, as a
+# node's init container would run it before the engine boots.
 #
 # Usage: scripts/demo.sh [WORK_DIR]        (default: work/demo; re-runs reuse what is there)
 set -euo pipefail
@@ -16,7 +16,7 @@ HUBDIR="$WORK/hub/Kimi-K3"          # what the (loopback) hub serves
 NODE="$WORK/node/Kimi-K3"           # what a node downloads
 NODE1="$WORK/node1/Kimi-K3"         # what a second node downloads: only its ranks' experts
 FULL="$WORK/k3-full"
-RANKS="$WORK/node/Kimi-K3-ep8-tp2"   # per-rank shards
+NODES="$WORK/node/Kimi-K3-tp2-dp4"   # node directories for vLLM TP2 x DP4 (EP8) on two 4-GPU nodes
 MANIFEST="$WORK/kimi-k3.manifest.json"
 REPO="moonshotai/Kimi-K3"
 export K3CKPT_CACHE_DIR="$WORK/cache" HF_HUB_DISABLE_XET=1 HF_HUB_DISABLE_TELEMETRY=1 HF_HOME="$WORK/hf-home"
@@ -66,9 +66,9 @@ k3ckpt verify "$NODE" --manifest "$MANIFEST" --quick
 step "7. inspect the node's copy"
 k3ckpt inspect "$NODE" --layers
 
-step "8. plan and reshard the node's copy for --ep 8 --tp 2 (per-rank shards, rank-layout contract)"
-k3ckpt plan "$NODE" --ep 8 --tp 2 --gpus-per-node 8
-k3ckpt reshard "$NODE" -o "$RANKS" --ep 8 --tp 2
+step "8. plan and reshard the node's copy into node directories: vLLM TP2 x DP4 = EP8 on two 4-GPU nodes"
+k3ckpt plan "$NODE" --tp 2 --dp 4 --gpus-per-node 4
+k3ckpt reshard "$NODE" -o "$NODES" --tp 2 --dp 4 --gpus-per-node 4
 
 step "9. a second node fetches only its share: node 1 of 4-GPU nodes (ranks 4-7), from ModelScope"
 # the operator publishes per-tensor digests (the hub's sha256 covers whole files only)
@@ -84,17 +84,17 @@ k3ckpt verify "$FULL" --quick >/dev/null || true   # first run: parses every hea
 k3ckpt verify "$FULL" --quick                       # unchanged: seconds
 k3ckpt plan "$FULL" --ep 8 --tp 8 --gpus-per-node 8
 
-step "11. preflight the resharded output: node 0 of 8-GPU nodes, the launcher's topology, read speed"
+step "11. preflight node 0's directory: the launcher's topology, its experts, read speed"
 # the launcher's variables, as torchrun would set them for this node's first worker
-RANK=0 WORLD_SIZE=8 LOCAL_RANK=0 LOCAL_WORLD_SIZE=8 GROUP_RANK=0 \
-  k3ckpt preflight "$RANKS" --node 0 --gpus-per-node 8 --ep 8 --tp 2 --full --io-test 3
+RANK=0 WORLD_SIZE=8 LOCAL_RANK=0 LOCAL_WORLD_SIZE=4 GROUP_RANK=0 \
+  k3ckpt preflight "$NODES/node-00000" --node 0 --gpus-per-node 4 --ep 8 --tp 2 --full --io-test 3
 
 step "done"
 cat <<EOT
 hub's copy              $HUBDIR ($(du -sh "$HUBDIR" | cut -f1))
 node's copy             $NODE
 node 1's share          $NODE1 ($(du -sh "$NODE1" | cut -f1))
-per-rank shards         $RANKS
+node directories        $NODES
 pinned manifest         $MANIFEST
 k3-full (headers only)  $FULL ($(du -shL "$FULL" | cut -f1) on disk, $(du -shL --apparent-size "$FULL" | cut -f1) apparent)
 stat cache              $K3CKPT_CACHE_DIR
