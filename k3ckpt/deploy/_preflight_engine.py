@@ -70,7 +70,8 @@ class EngineNodeDir(PlainCheckpoint):
         serve = self._serve(topo, node, per_node)
         summary = {k: v for k, v in topo.to_json().items() if k != "experts_by_rank"}
         summary.update(dp=topo.dp, gpus_per_node=per_node, node=node)
-        return PreflightReport(str(self.root), "node-dir", summary, ranks, how, self.checks,
+        layout = "node-dir" if self.marker is not None else "checkpoint"  # a full download has no marker
+        return PreflightReport(str(self.root), layout, summary, ranks, how, self.checks,
                                load_files=[ckpt.path_of(f) for f in sorted(ckpt.shards)],
                                node_bytes=sum(ckpt.tensors[n].nbytes for n in ckpt.tensors),
                                engine=self.engine, serve=serve)
