@@ -31,6 +31,22 @@ Decisions the issue leaves open:
   :func:`k3ckpt.topology.rank_from_env`); ``--no-env`` skips it for a prolog whose variables
   describe the allocation rather than the job.
 
+A node directory and an engine (``--engine vllm|sglang``; :mod:`._preflight_engine`):
+
+- ``--engine vllm`` is the default for a directory holding ``k3ckpt-node.json`` (it was written
+  for an engine launch, so that is the check that matters); any other directory keeps the
+  checks above unless ``--engine`` is given (a rank layout is refused: no engine reads it);
+- the launch is vLLM's expert parallel: ep = tp x dp = the world size; options not given come
+  from the marker (placement, GPUs per node, node) after the launcher's variables;
+- the marker must have been written for exactly that launch (a FAIL even where the bytes
+  would be equal, e.g. tp 1 x dp 4 for tp 2 x dp 2: the marker would misdescribe the directory);
+  experts other nodes own FAIL a node directory but only WARN a full download (vLLM's filter
+  skips them; they cost disk and scale reads, not correctness);
+- ``--engine sglang`` FAILs round_robin and expert counts not divisible by ep (SGLang 0.5.23
+  asserts while building the model: the launch would not start);
+- under ``srun --ntasks-per-node=1`` SLURM_PROCID/SLURM_NTASKS count nodes: they give the node
+  index only (:func:`launcher_env`); LeaderWorkerSet's ``LWS_WORKER_INDEX`` is a node index.
+
 Test hooks (documented, read from the same environment as the launcher variables):
 ``K3CKPT_PREFLIGHT_FREE_BYTES`` replaces the free disk bytes ``statvfs`` reports and
 ``K3CKPT_PREFLIGHT_MEM_BYTES`` the ``MemAvailable`` of ``/proc/meminfo``.
