@@ -694,6 +694,7 @@ def test_engine_sglang_refuses_round_robin_and_says_its_flags(source: Path, node
     rep = pf.preflight(rr / "node-00000", launch(0), engine="sglang", environ=NO_GPU)
     r = rows(rep)["sglang"]
     assert r.status == "FAIL" and "round_robin placement" in r.reason and not rep.ok
+    assert r.fix == f"k3ckpt reshard {source} -o {rr} --tp 2 --dp 2 --gpus-per-node 2 --node 0 --force"
     ok = pf.preflight(nodes_pristine / "node-00001", launch(1), engine="sglang", leader_address="10.0.0.1",
                       environ=NO_GPU)
     assert ok.ok and rows(ok)["sglang"].status == "PASS"
@@ -710,6 +711,14 @@ def test_sglang_refuses_uneven_experts(k3_tiny: Path, tmp_path: Path) -> None:
     assert pf.preflight(out / "node-00002", sel, engine="vllm", environ=NO_GPU).ok
     rep = pf.preflight(out / "node-00002", sel, engine="sglang", environ=NO_GPU)
     assert "16 experts do not divide by ep 6" in rows(rep)["sglang"].reason
+    assert rows(rep)["sglang"].fix is None  # no linear layout of 16 experts over 6 ranks for SGLang
+
+
+def test_engine_launcher_disagreeing_with_the_node_fails(nodes_pristine: Path) -> None:
+    env = {**NO_GPU, "LWS_WORKER_INDEX": "0", "LWS_GROUP_SIZE": "2"}
+    rep = pf.preflight(nodes_pristine / "node-00001", launch(1), environ=env)
+    r = rows(rep)["environment"]
+    assert r.status == "FAIL" and "LWS_WORKER_INDEX=0 but --node 1" in r.reason
 
 
 @pytest.mark.parametrize("env, node, variable", [

@@ -54,7 +54,7 @@ class EngineNodeDir(PlainCheckpoint):
         self.checks.append(ask.check_environment(topo.world_size, ranks))
         self.checks.append(self._recorded(topo, node, per_node))
         if self.engine == "sglang":
-            self.checks.append(_sglang_check(topo))
+            self.checks.append(self._sglang(topo, node, per_node))
         self.checks.append(self._structure(ckpt))
         self.checks += self._exact(ckpt, topo, node, per_node, ranks)
         need = self._rank_bytes(ckpt, topo, ranks)
@@ -231,6 +231,14 @@ class EngineNodeDir(PlainCheckpoint):
                          fix=self._fix(None, None, None), details={"missing": missing})
         return Check("dense", PASS, f"all {len(want)} non-expert tensors {NODE_MARKER} lists are present")
 
+    def _sglang(self, topo: Topology, node: int, per_node: int) -> Check:
+        """:func:`sglang_check`; its fix, when the expert count divides: the linear node."""
+        check = sglang_check(topo)
+        if check.status == FAIL and topo.num_experts % topo.world_size == 0:
+            linear = Topology.make(topo.ep, topo.tp, topo.world_size, "linear", num_experts=topo.num_experts)
+            check.fix = self._fix(linear, node, per_node)
+        return check
+
     # -- the fix ------------------------------------------------------------------------------------
 
     def _fix(self, topo: Topology | None, node: int | None, per_node: int | None) -> str:
@@ -262,7 +270,7 @@ class EngineNodeDir(PlainCheckpoint):
         return src if isinstance(src, str) else None
 
 
-def _sglang_check(topo: Topology) -> Check:
+def sglang_check(topo: Topology) -> Check:
     """SGLang 0.5.23 places experts in contiguous equal blocks and asserts the count divides
     (docs/engines.md): anything else fails when the model is built, so it is a FAIL here."""
     problems = []
@@ -273,7 +281,7 @@ def _sglang_check(topo: Topology) -> Check:
                         f"num_experts % ep_size == 0)")
     if problems:
         return Check("sglang", FAIL, "SGLang cannot load this launch: " + "; ".join(problems)
-                     + "; serve it with vLLM (--engine vllm) or reshard with --placement linear and an ep "
+                     + "; serve it with vLLM (--engine vllm), or write it for linear placement over an ep "
                        "that divides the experts")
     return Check("sglang", PASS, f"linear placement, {topo.num_experts} experts over ep {topo.world_size}: "
                                  f"--tp-size {topo.world_size} --ep-size {topo.world_size}")
