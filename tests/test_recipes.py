@@ -491,3 +491,27 @@ def test_every_flag_serve_command_emits_is_declared_by_vllm(tp: int, dp: int, gp
         if placement == "linear":
             assert argv == ["vllm", *expected_serve("/d", node, nodes, gpus, tp, "leader")]
         assert argv[argv.index("--expert-placement-strategy") + 1] == placement
+
+
+def test_every_flag_of_the_sglang_line_is_sglangs() -> None:
+    """The SGLang launch serve_command writes (preflight --engine sglang): every flag is one that
+    SGLang 0.5.23 declares, as a quoted option string in its server arguments (``server_args.py``
+    and the ``arg_groups`` package, read from the wheel)."""
+    import zipfile
+
+    from k3ckpt.deploy import serve_command
+
+    cache = Path(os.environ.get("K3CKPT_ENGINE_CACHE") or Path.home() / ".cache" / "k3ckpt" / "engines")
+    wheels = sorted(cache.glob("sglang-0.5.23-*.whl"))
+    if not wheels:
+        pytest.skip("sglang==0.5.23 wheel not in the engine cache (scripts/engines.sh downloads it)")
+    with zipfile.ZipFile(wheels[0]) as zf:
+        source = "\n".join(zf.read(m).decode("utf-8") for m in zf.namelist()
+                           if m == "sglang/srt/server_args.py" or (m.startswith("sglang/srt/arg_groups/")
+                                                                   and m.endswith(".py")))
+    assert '"--tp-size"' in source  # the pattern reads the files as they are written
+    flags = {a for node in (0, 1) for a in serve_command("/d", tp=8, dp=2, node=node, gpus_per_node=8,
+                                                         served_model_name=REPO, engine="sglang")
+             if a.startswith("--")}
+    assert {"--ep-size", "--enable-dp-attention", "--nnodes", "--dist-init-addr"} <= flags
+    assert {f for f in flags if f'"{f}"' not in source} == set()
