@@ -495,8 +495,10 @@ def test_every_flag_serve_command_emits_is_declared_by_vllm(tp: int, dp: int, gp
 
 def test_every_flag_of_the_sglang_line_is_sglangs() -> None:
     """The SGLang launch serve_command writes (preflight --engine sglang): every flag is one that
-    SGLang 0.5.23 declares, as a quoted option string in its server arguments (``server_args.py``
-    and the ``arg_groups`` package, read from the wheel)."""
+    SGLang 0.5.23 declares. Its server arguments are dataclass fields in
+    ``sglang/srt/arg_groups/fields/*.py`` (``nnodes: A[int, ...]``), each the flag
+    ``_field_to_cli_name`` makes of it (``--`` + the name with ``-`` for ``_``,
+    ``arg_groups/arg_utils.py``), plus quoted ``aliases``; read from the wheel."""
     import zipfile
 
     from k3ckpt.deploy import serve_command
@@ -506,12 +508,14 @@ def test_every_flag_of_the_sglang_line_is_sglangs() -> None:
     if not wheels:
         pytest.skip("sglang==0.5.23 wheel not in the engine cache (scripts/engines.sh downloads it)")
     with zipfile.ZipFile(wheels[0]) as zf:
+        assert 'return "--" + name.replace("_", "-")' in zf.read("sglang/srt/arg_groups/arg_utils.py").decode()
         source = "\n".join(zf.read(m).decode("utf-8") for m in zf.namelist()
-                           if m == "sglang/srt/server_args.py" or (m.startswith("sglang/srt/arg_groups/")
-                                                                   and m.endswith(".py")))
-    assert '"--tp-size"' in source  # the pattern reads the files as they are written
+                           if m.startswith("sglang/srt/arg_groups/fields/") and m.endswith(".py"))
+    declared = {"--" + f.replace("_", "-") for f in re.findall(r"^\s+(\w+): A\[", source, re.MULTILINE)}
+    declared |= set(re.findall(r"\"(--[a-z0-9-]+)\"", source))
+    assert "--tp-size" in declared and "--bogus-flag" not in declared  # the pattern reads the files as written
     flags = {a for node in (0, 1) for a in serve_command("/d", tp=8, dp=2, node=node, gpus_per_node=8,
                                                          served_model_name=REPO, engine="sglang")
              if a.startswith("--")}
     assert {"--ep-size", "--enable-dp-attention", "--nnodes", "--dist-init-addr"} <= flags
-    assert {f for f in flags if f'"{f}"' not in source} == set()
+    assert flags - declared == set()
