@@ -10,7 +10,8 @@ balancing), the others run their DP ranks ``--headless`` from their first DP ran
 ``--trust-remote-code``: K3's tokenizer (``TikTokenTokenizer``) is code in the checkpoint's
 repository, not in transformers.
 
-SGLang 0.5.23 (``sglang/srt/server_args.py``): ``--tp-size W --ep-size W`` (its EP group is then
+SGLang 0.5.23 (flags are the fields of ``sglang/srt/arg_groups/fields/*.py``; the recipe tests
+check them in the wheel): ``--tp-size W --ep-size W`` (its EP group is then
 the TP group over all ranks, which is the node directory's placement), ``--enable-dp-attention
 --dp-size D`` for data-parallel attention, and ``--nnodes``/``--node-rank``/``--dist-init-addr``
 across nodes.
