@@ -4,12 +4,13 @@
 # Usage: sh node-init.sh [init|serve|print]
 #
 #   init   (default) fetch only this node's share of the checkpoint from the hub (rank-aware
-#          `k3ckpt fetch --node`), check it with `k3ckpt preflight`, print the serve command.
+#          `k3ckpt fetch --node`), check it with `k3ckpt preflight --engine vllm`, record the
+#          serve command preflight prints in $K3_DEST.serve and print it.
 #          Run it where the node starts: a Kubernetes initContainer, or `srun` once per node.
-#   serve  exec this node's `vllm serve` command (the main container, or the SLURM step after
-#          init). It never downloads anything, so a serve without a prior init fails in vLLM's
-#          loader, never silently on the network.
-#   print  print the serve command and exit.
+#   serve  exec the serve command init recorded (the main container, or the SLURM step after
+#          init). It never downloads anything and needs no k3ckpt (the vLLM image has none); a
+#          serve without a prior init stops with a one-line error.
+#   print  print the serve command (`k3ckpt serve-command`) and exit.
 #
 # The node's index and the node count come from the launcher, never from a flag, so every node
 # runs the same command line:
@@ -114,40 +115,43 @@ if [ "$nodes" -gt 1 ] && [ -z "$leader" ]; then
 fi
 
 # --- the serve command -------------------------------------------------------------------------
-# vLLM 0.33.0 flags (vllm/engine/arg_utils.py, vllm/entrypoints/common/cli_args.py): expert
-# parallelism over all DP x TP ranks, the weight filter that skips other ranks' experts by name
-# before reading them, and the same linear placement the node directory was fetched for. Node 0
-# runs the API server (internal load balancing over every DP rank); the other nodes run their
-# DP ranks headless, starting at their first DP rank. --trust-remote-code: K3's tokenizer
-# (tokenizer_class TikTokenTokenizer) is code in the checkpoint's repository, not in transformers.
-set -- vllm serve "$dest" --served-model-name "$served_name" --trust-remote-code \
-    --tensor-parallel-size "$tp" --enable-expert-parallel --enable-ep-weight-filter \
-    --expert-placement-strategy linear
-if [ "$dp" -gt 1 ]; then
-    set -- "$@" --data-parallel-size "$dp"
-fi
-if [ "$nodes" -gt 1 ]; then
-    set -- "$@" --data-parallel-size-local "$dp_local" \
-        --data-parallel-address "$leader" --data-parallel-rpc-port "$rpc_port"
-    if [ "$node" -gt 0 ]; then
-        set -- "$@" --headless --data-parallel-start-rank "$start_rank"
-    fi
-fi
-# shellcheck disable=SC2086 # split on purpose: extra flags from one variable
-set -- "$@" ${K3_VLLM_ARGS:-}
+# k3ckpt writes the command line (k3ckpt.deploy.serve_command, the one home of the vLLM flags):
+# expert parallelism over all DP x TP ranks, the weight filter that skips other ranks' experts
+# by name before reading them, the linear placement the node directory is fetched for; across
+# nodes, node 0 runs the API server and the others their DP ranks headless. `init` records
+# the line preflight prints for the checked directory next to it, in $dest.serve; `serve` execs
+# that record (the vLLM image has no k3ckpt), so a serve without a prior init stops here.
+dest=${dest%/}
+serve_file="$dest.serve"
+launch_args="--tp $tp --dp $dp --placement linear --node $node --gpus-per-node $gpus --rpc-port $rpc_port"
 
-case "$mode" in
-    print)
-        echo "$*"
-        exit 0
-        ;;
-    serve)
-        exec "$@"
-        ;;
-esac
+if [ "$mode" = serve ]; then
+    [ -s "$serve_file" ] || die "no serve command recorded in $serve_file: run 'node-init.sh init' on this node first"
+    line=$(cat "$serve_file")
+    # k3ckpt shell-quotes the line: eval restores its words exactly, expanding nothing in them
+    eval "set -- $line"
+    # shellcheck disable=SC2086
+    set -- "$@" ${K3_VLLM_ARGS:-}
+    exec "$@"
+fi
+
+command -v k3ckpt >/dev/null 2>&1 || die "k3ckpt is not on PATH (pip install k3ckpt)"
+leader_args=""
+if [ -n "$leader" ]; then
+    leader_args="--leader-address $leader"
+fi
+
+if [ "$mode" = print ]; then
+    # shellcheck disable=SC2086
+    line=$(k3ckpt serve-command "$dest" $launch_args $leader_args --served-model-name "$served_name") || exit $?
+    eval "set -- $line"
+    # shellcheck disable=SC2086
+    set -- "$@" ${K3_VLLM_ARGS:-}
+    echo "$*"
+    exit 0
+fi
 
 # --- init: this node's share, checked --------------------------------------------------------
-command -v k3ckpt >/dev/null 2>&1 || die "k3ckpt is not on PATH (pip install k3ckpt)"
 echo "node-init: $launcher node $node of $nodes: ranks $first_rank-$last_rank of ep $world x tp $tp (dp $dp), into $dest"
 
 manifest_args=""
@@ -158,11 +162,20 @@ fi
 k3ckpt fetch --source "$source_hub" --repo "$repo" --revision "$revision" --dest "$dest" \
     --node "$node" --gpus-per-node "$gpus" --ep "$world" --tp "$tp" --placement linear \
     $manifest_args ${K3_FETCH_ARGS:-}
-# --no-env: under `srun --ntasks-per-node=1` SLURM_PROCID/SLURM_NTASKS count tasks (one per
-# node), not GPU ranks, and LeaderWorkerSet sets no rank variables; the node index passed here
-# is the launcher's, read above.
+# The launcher's variables are checked too: preflight reads a one-task-per-node srun
+# (SLURM_PROCID = node index) and LeaderWorkerSet's LWS_WORKER_INDEX as the node's index.
+# Its last line is `serve      <this node's vllm serve command>`.
+rc=0
 # shellcheck disable=SC2086
-k3ckpt preflight "$dest" --node "$node" --gpus-per-node "$gpus" --ep "$world" --tp "$tp" --no-env \
-    ${K3_PREFLIGHT_ARGS:-}
+report=$(k3ckpt preflight "$dest" --engine vllm $launch_args $leader_args \
+    --served-model-name "$served_name" ${K3_PREFLIGHT_ARGS:-}) || rc=$?
+printf '%s\n' "$report" | sed '$d'  # the table; the serve line is printed below, once ready
+[ "$rc" -eq 0 ] || exit "$rc"
+line=$(printf '%s\n' "$report" | sed -n '$s/^serve  *//p')
+[ -n "$line" ] || die "k3ckpt preflight printed no serve line (k3ckpt too old?)"
+printf '%s\n' "$line" >"$serve_file"
+eval "set -- $line"
+# shellcheck disable=SC2086
+set -- "$@" ${K3_VLLM_ARGS:-}
 echo "node-init: node $node is ready; serve it with:"
 echo "$*"

@@ -546,3 +546,238 @@ def test_cli_not_a_layout_nor_a_checkpoint(tmp_path: Path) -> None:
 def test_bad_hook_value(pristine: Path) -> None:
     res = run_cli("preflight", str(pristine), env={**NO_GPU, pf.FREE_BYTES_HOOK: "lots"})
     assert res.exit_code == 2 and "K3CKPT_PREFLIGHT_FREE_BYTES='lots' is not a byte count" in res.output
+
+
+# -- node directories and the engine's launch (--engine) -------------------------------------------
+
+LEADER = "kimi-k3-0.kimi-k3.default"
+
+
+@pytest.fixture(scope="module")
+def nodes_pristine(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """k3-tiny (16 experts) as 2 node directories of vLLM TP 2 x DP 2 (EP 4), 2 GPUs per node:
+    node 0 holds experts 0-7 (ranks 0-1), node 1 experts 8-15. Read-only."""
+    out = tmp_path_factory.mktemp("nodes") / "k3-tp2-dp2"
+    reshard(source, out, RankSelection(tp=2, dp=2, gpus_per_node=2))
+    return out
+
+
+@pytest.fixture
+def nodes(nodes_pristine: Path, tmp_path: Path) -> Path:
+    dest = tmp_path / "k3-tp2-dp2"
+    shutil.copytree(nodes_pristine, dest)
+    return dest
+
+
+def launch(node: int, *, tp: int = 2, dp: int = 2, **kw) -> RankSelection:
+    return RankSelection(tp=tp, dp=dp, node=node, gpus_per_node=2, **kw)
+
+
+def index_of_dir(d: Path) -> dict:
+    return json.loads((d / "model.safetensors.index.json").read_text())
+
+
+def drop_file(d: Path, name: str) -> None:
+    """Delete one file of a node directory and its index entries (the index stays consistent)."""
+    (d / name).unlink()
+    index = index_of_dir(d)
+    index["weight_map"] = {t: f for t, f in index["weight_map"].items() if f != name}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_engine_pass_on_each_node_and_its_serve_line(nodes_pristine: Path, source: Path, node: int) -> None:
+    d = nodes_pristine / f"node-0000{node}"
+    rep = pf.preflight(d, launch(node), engine="vllm", leader_address=LEADER, environ=NO_GPU)
+    assert rep.ok and rep.layout == "node-dir" and rep.engine == "vllm" and rep.ranks == [2 * node, 2 * node + 1]
+    st = statuses(rep)
+    assert {k: st[k] for k in ("launch", "structure", "dense", "experts", "exact")} == dict.fromkeys(
+        ("launch", "structure", "dense", "experts", "exact"), "PASS")
+    assert f"experts {'0-7' if node == 0 else '8-15'}" not in rows(rep)["exact"].reason
+    dp_flags = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", LEADER,
+                "--data-parallel-rpc-port", "13345"]
+    head = ["vllm", "serve", str(d), "--trust-remote-code", "--tensor-parallel-size", "2", "--enable-expert-parallel",
+            "--enable-ep-weight-filter", "--expert-placement-strategy", "linear"]
+    worker = ["--headless", "--data-parallel-start-rank", "1"] if node else []
+    assert rep.serve == head + dp_flags + worker
+    assert pf.render_preflight(rep).splitlines()[-1] == "serve      " + shlex.join(rep.serve)
+    # the library function is the one home of the line
+    assert rep.serve == pf.serve_command(d, tp=2, dp=2, node=node, gpus_per_node=2, leader_address=LEADER)
+
+
+def test_engine_is_the_default_for_a_node_directory_and_the_marker_gives_the_launch(nodes_pristine: Path) -> None:
+    rep = pf.preflight(nodes_pristine / "node-00001", environ=NO_GPU)
+    assert rep.ok and rep.engine == "vllm" and rep.ranks == [2, 3] and "k3ckpt-node.json" in rep.selection
+    assert rep.serve is not None and "LEADER_ADDRESS" in rep.serve  # no leader known: the placeholder
+    assert rep.topology is not None and (rep.topology["tp"], rep.topology["dp"]) == (2, 2)
+
+
+@pytest.mark.parametrize("tp, dp, why", [
+    (1, 4, "--tp 1 (k3ckpt-node.json has 2)"),  # the same experts, another TP: vLLM would still shard dense weights 1-way
+    (2, 4, "--dp 4 (k3ckpt-node.json has 2)"),  # EP 8: node 0's ranks own experts 0-3 only
+])
+def test_engine_wrong_tp_or_dp_fails_with_the_reshard_that_fixes_it(nodes: Path, source: Path, tp: int, dp: int,
+                                                                   why: str) -> None:
+    d = nodes / "node-00000"
+    rep = pf.preflight(d, launch(0, tp=tp, dp=dp), engine="vllm", environ=NO_GPU)
+    r = rows(rep)
+    assert not rep.ok and r["launch"].status == "FAIL" and why in r["launch"].reason
+    fix = f"k3ckpt reshard {source} -o {nodes} --tp {tp} --dp {dp} --gpus-per-node 2 --node 0 --force"
+    assert r["launch"].fix == fix
+    if tp * dp == 8:
+        assert r["exact"].status == "FAIL" and "experts 4-7" in r["exact"].reason
+    else:
+        assert r["experts"].status == r["exact"].status == "PASS"
+    run_fix(fix)
+    assert pf.preflight(d, launch(0, tp=tp, dp=dp), engine="vllm", environ=NO_GPU).ok
+
+
+def test_engine_wrong_node(nodes_pristine: Path, source: Path) -> None:
+    rep = pf.preflight(nodes_pristine / "node-00000", launch(1), engine="vllm", environ=NO_GPU)
+    r = rows(rep)
+    assert [c.name for c in rep.checks if c.status == "FAIL"] == ["launch", "experts", "exact"]
+    assert "--node 1 (k3ckpt-node.json has 0)" in r["launch"].reason
+    assert r["experts"].reason.startswith("rank 2 lacks (all or some tensors of) experts 8-11")
+    assert "holds experts 0-7 that no rank of node 1 owns" in r["exact"].reason
+    assert r["exact"].fix == f"k3ckpt reshard {source} -o {nodes_pristine} --tp 2 --dp 2 --gpus-per-node 2 --node 1 --force"
+
+
+def test_engine_missing_expert_file(nodes: Path, source: Path) -> None:
+    d = nodes / "node-00001"
+    drop_file(d, "model-rank-00003-experts-00001-of-00001.safetensors")
+    rep = pf.preflight(d, launch(1), engine="vllm", environ=NO_GPU)
+    r = rows(rep)
+    assert [c.name for c in rep.checks if c.status == "FAIL"] == ["experts"]
+    assert r["experts"].reason.startswith("rank 3 lacks (all or some tensors of) experts 12-15")
+    run_fix(r["experts"].fix or "")
+    assert pf.preflight(d, launch(1), engine="vllm", environ=NO_GPU).ok
+
+
+def test_engine_one_tensor_of_an_expert_missing(nodes: Path) -> None:
+    d = nodes / "node-00000"
+    gone = {n for n in index_of_dir(d)["weight_map"]
+            if ".layers.2." in n and ".experts.5." in n and n.endswith("w2.weight_scale")}
+    assert len(gone) == 1
+    drop_tensors(d, gone)
+    rep = pf.preflight(d, launch(0), engine="vllm", environ=NO_GPU)
+    r = rows(rep)["experts"]
+    assert r.status == "FAIL" and "rank 1 lacks" in r.reason and "expert 5 in layer 2" in r.reason
+
+
+def test_engine_extra_expert(nodes: Path) -> None:
+    """Another node's rank file added to node 0, index and all: vLLM would load, but the directory
+    is not node 0's."""
+    d0, d1 = nodes / "node-00000", nodes / "node-00001"
+    name = "model-rank-00002-experts-00001-of-00001.safetensors"
+    shutil.copy(d1 / name, d0 / name)
+    index = index_of_dir(d0)
+    index["weight_map"].update({t: f for t, f in index_of_dir(d1)["weight_map"].items() if f == name})
+    (d0 / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    rep = pf.preflight(d0, launch(0), engine="vllm", environ=NO_GPU)
+    # verify's structure check says it too, from the marker's expert list
+    assert [c.name for c in rep.checks if c.status == "FAIL"] == ["structure", "exact"]
+    assert "experts not in this node's share: 8, 9, 10, 11" in rows(rep)["structure"].reason
+    assert "holds experts 8-11 that no rank of node 0 owns" in rows(rep)["exact"].reason
+
+
+def test_engine_on_a_full_checkpoint_warns_of_extra_experts(source: Path) -> None:
+    rep = pf.preflight(source, launch(1), engine="vllm", environ=NO_GPU)
+    assert rep.ok and statuses(rep)["launch"] == "WARN" and statuses(rep)["exact"] == "WARN"
+    assert statuses(rep)["experts"] == "PASS"
+
+
+def test_engine_sglang_refuses_round_robin_and_says_its_flags(source: Path, nodes_pristine: Path,
+                                                              tmp_path: Path) -> None:
+    rr = tmp_path / "rr"
+    reshard(source, rr, RankSelection(tp=2, dp=2, gpus_per_node=2, placement="round_robin"))
+    assert pf.preflight(rr / "node-00000", launch(0), engine="vllm", environ=NO_GPU).ok
+    rep = pf.preflight(rr / "node-00000", launch(0), engine="sglang", environ=NO_GPU)
+    r = rows(rep)["sglang"]
+    assert r.status == "FAIL" and "round_robin placement" in r.reason and not rep.ok
+    assert r.fix == f"k3ckpt reshard {source} -o {rr} --tp 2 --dp 2 --gpus-per-node 2 --node 0 --force"
+    ok = pf.preflight(nodes_pristine / "node-00001", launch(1), engine="sglang", leader_address="10.0.0.1",
+                      environ=NO_GPU)
+    assert ok.ok and rows(ok)["sglang"].status == "PASS"
+    assert ok.serve == ["python", "-m", "sglang.launch_server", "--model-path", str(nodes_pristine / "node-00001"),
+                        "--trust-remote-code", "--tp-size", "4", "--ep-size", "4", "--enable-dp-attention",
+                        "--dp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000"]
+
+
+def test_sglang_refuses_uneven_experts(k3_tiny: Path, tmp_path: Path) -> None:
+    """16 experts over EP 6 (TP 2 x DP 3) divide unevenly: vLLM places them, SGLang asserts."""
+    out = tmp_path / "uneven"
+    reshard(k3_tiny, out, RankSelection(tp=2, dp=3, gpus_per_node=2))
+    sel = RankSelection(tp=2, dp=3, node=2, gpus_per_node=2)
+    assert pf.preflight(out / "node-00002", sel, engine="vllm", environ=NO_GPU).ok
+    rep = pf.preflight(out / "node-00002", sel, engine="sglang", environ=NO_GPU)
+    assert "16 experts do not divide by ep 6" in rows(rep)["sglang"].reason
+    assert rows(rep)["sglang"].fix is None  # no linear layout of 16 experts over 6 ranks for SGLang
+
+
+def test_engine_launcher_disagreeing_with_the_node_fails(nodes_pristine: Path) -> None:
+    env = {**NO_GPU, "LWS_WORKER_INDEX": "0", "LWS_GROUP_SIZE": "2"}
+    rep = pf.preflight(nodes_pristine / "node-00001", launch(1), environ=env)
+    r = rows(rep)["environment"]
+    assert r.status == "FAIL" and "LWS_WORKER_INDEX=0 but --node 1" in r.reason
+
+
+@pytest.mark.parametrize("env, node, variable", [
+    # srun --ntasks-per-node=1: SLURM_PROCID / SLURM_NTASKS count nodes, not GPU ranks
+    ({"SLURM_NODEID": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_LOCALID": "0",
+      "SLURM_NTASKS_PER_NODE": "1"}, 1, "SLURM_NODEID"),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NNODES": "2"}, 1, "SLURM_PROCID"),
+    ({"LWS_WORKER_INDEX": "1", "LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": LEADER}, 1, "LWS_WORKER_INDEX"),
+])
+def test_one_process_per_node_launchers(nodes_pristine: Path, pristine: Path, env: dict[str, str], node: int,
+                                        variable: str) -> None:
+    rep = pf.preflight(nodes_pristine / f"node-0000{node}", RankSelection(tp=2, dp=2, gpus_per_node=2),
+                       environ={**NO_GPU, **env})
+    assert rep.ok, pf.render_preflight(rep)
+    assert rows(rep)["environment"].status == "PASS" and variable in rep.selection and rep.ranks == [2, 3]
+    assert rep.serve is not None and "--headless" in rep.serve
+    if "LWS_LEADER_ADDRESS" in env:
+        assert rep.serve[rep.serve.index("--data-parallel-address") + 1] == LEADER
+    # a rank layout reads the same launch the same way
+    lay = pf.preflight(pristine, RankSelection(gpus_per_node=2), environ={**NO_GPU, **env})
+    assert lay.ok and lay.ranks == [2, 3]
+
+
+def test_engine_cli_json_text_and_exit_codes(nodes_pristine: Path, pristine: Path) -> None:
+    d = nodes_pristine / "node-00001"
+    res = run_cli("preflight", str(d), "--engine", "vllm", "--tp", "2", "--dp", "2", "--node", "1",
+                  "--gpus-per-node", "2", "--leader-address", "gpu01", "--no-env", "--json", env=NO_GPU)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["engine"] == "vllm" and out["serve"][:3] == ["vllm", "serve", str(d)]
+    assert out["serve"][out["serve"].index("--data-parallel-address") + 1] == "gpu01"
+    res = run_cli("preflight", str(d), "--tp", "2", "--dp", "2", "--node", "0", "--gpus-per-node", "2", "--no-env",
+                  env=NO_GPU)
+    assert res.exit_code == 1 and "fix: k3ckpt reshard" in res.output
+    assert res.output.splitlines()[-1].startswith("serve      vllm serve ")
+    res = run_cli("preflight", str(pristine), "--engine", "vllm", "--no-env", env=NO_GPU)
+    assert res.exit_code == 2 and "rank layout" in res.output and len(res.output.strip().splitlines()) == 1
+    res = run_cli("serve-command", str(d), "--tp", "2", "--dp", "2", "--node", "1", "--gpus-per-node", "2",
+                  "--leader-address", "gpu01")
+    assert res.exit_code == 0 and res.output.strip() == shlex.join(out["serve"])
+
+
+def test_engine_rank_aware_fetch_is_fixed_by_fetching_the_launchs_share(served_hub, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `fetch --node` copy checked for another node: the fix is the rank-aware fetch of that
+    node into the same directory (from the source its k3ckpt-partial.json records), and after
+    it the directory is exactly that node's."""
+    h, _ = served_hub
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    dest = tmp_path / "node"
+    res = run_cli("fetch", "--source", "hf", "--repo", "moonshotai/Kimi-K3", "--dest", str(dest), "--endpoint", h.url,
+                  "--ep", "4", "--tp", "2", "--node", "0", "--gpus-per-node", "2")
+    assert res.exit_code == 0, res.output
+    assert pf.preflight(dest, launch(0), engine="vllm", environ=NO_GPU).ok
+    rep = pf.preflight(dest, launch(1), engine="vllm", environ=NO_GPU)
+    r = rows(rep)
+    assert "--node 1 (k3ckpt-partial.json has 0)" in r["launch"].reason
+    fix = r["launch"].fix or ""
+    assert fix.startswith("k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --revision ")
+    assert fix.endswith(f"--dest {dest} --ep 4 --tp 2 --placement linear --node 1 --gpus-per-node 2")
+    run_fix(f"{fix} --endpoint {h.url}")
+    assert pf.preflight(dest, launch(1), engine="vllm", environ=NO_GPU).ok

@@ -282,13 +282,25 @@ def test_leading_zeros_are_decimal(base_env: dict[str, str]) -> None:
 
 def test_extra_vllm_flags_are_appended_split_on_spaces_and_never_globbed(base_env: dict[str, str],
                                                                        tmp_path: Path) -> None:
+    """serve execs the line init recorded (here: as k3ckpt serve-command writes it, a path with a
+    space and a quote in it), then the extra flags - split on spaces, never globbed."""
     (tmp_path / "a-file").touch()
-    env = dict(base_env, SLURM_NODEID="0", SLURM_NNODES="1", K3_VLLM_ARGS="--max-model-len 131072  --x *")
+    dest = tmp_path / "nv me" / "kimi-k3's"
+    dest.parent.mkdir()
+    env = dict(base_env, SLURM_NODEID="0", SLURM_NNODES="1", K3_DEST=str(dest),
+               K3_VLLM_ARGS="--max-model-len 131072  --x *")
+    want = expected_serve(str(dest), 0, 1, 8, 8, None)
+    Path(f"{dest}.serve").write_text(shlex.join(["vllm", *want]) + "\n")
     res = subprocess.run(["sh", str(NODE_INIT), "serve"], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=60, check=False)
     assert res.returncode == 0, res.stderr
-    want = expected_serve("/nvme/kimi-k3", 0, 1, 8, 8, None) + ["--max-model-len", "131072", "--x", "*"]
-    assert vllm_calls(env) == [{"argv": want, "node": "0"}]
+    assert vllm_calls(env) == [{"argv": want + ["--max-model-len", "131072", "--x", "*"], "node": "0"}]
+
+
+def test_serve_without_init_is_a_one_line_error(base_env: dict[str, str], tmp_path: Path) -> None:
+    env = dict(base_env, SLURM_NODEID="0", SLURM_NNODES="1", K3_DEST=str(tmp_path / "kimi-k3"))
+    assert_one_line_error(node_init(env, "serve"), 2, "no serve command recorded", "run 'node-init.sh init'")
+    assert vllm_calls(env) == []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -438,10 +450,9 @@ def vllm_wheel() -> Path | None:
     return found[0] if found else None
 
 
-def test_every_serve_flag_is_declared_by_vllm() -> None:
-    """Each flag node-init.sh gives `vllm serve` (leader and worker of 2 nodes: the union of all
-    cases) is an ``add_argument`` of vLLM 0.33.0, read from its wheel - a misspelt or renamed
-    flag would make every node fail at start."""
+def vllm_declared_flags() -> set[str]:
+    """Every ``add_argument`` flag of vLLM 0.33.0's serve command, read from its wheel (skips the
+    test when the wheel is not cached)."""
     import zipfile
 
     wheel = vllm_wheel()
@@ -451,5 +462,60 @@ def test_every_serve_flag_is_declared_by_vllm() -> None:
         source = "\n".join(zf.read(m).decode("utf-8") for m in VLLM_ARG_FILES)
     declared = set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", source))
     assert "--tensor-parallel-size" in declared  # the pattern reads the file as it is written
+    return declared
+
+
+def test_every_serve_flag_is_declared_by_vllm() -> None:
+    """Each flag node-init.sh gives `vllm serve` (leader and worker of 2 nodes: the union of all
+    cases) is an ``add_argument`` of vLLM 0.33.0, read from its wheel - a misspelt or renamed
+    flag would make every node fail at start."""
+    declared = vllm_declared_flags()
     flags = {a for node in (0, 1) for a in expected_serve("/d", node, 2, 8, 4, "leader") if a.startswith("--")}
+    assert flags - declared == set()
+
+
+@pytest.mark.parametrize(("tp", "dp", "gpus", "placement"), [
+    (8, 1, 8, "linear"), (8, 2, 8, "linear"), (4, 4, 4, "round_robin"), (2, 8, 8, "linear"),
+])
+def test_every_flag_serve_command_emits_is_declared_by_vllm(tp: int, dp: int, gpus: int, placement: str) -> None:
+    """The library's serve line (what preflight prints and node-init.sh runs), every node: each
+    flag is vLLM 0.33.0's, and the line is the multi-node launch the recipes expect."""
+    from k3ckpt.deploy import serve_command
+
+    declared = vllm_declared_flags()
+    nodes = tp * dp // gpus
+    for node in range(nodes):
+        argv = serve_command("/d", tp=tp, dp=dp, placement=placement, node=node, gpus_per_node=gpus,
+                             leader_address="leader", served_model_name=REPO)
+        assert {a for a in argv if a.startswith("--")} - declared == set()
+        if placement == "linear":
+            assert argv == ["vllm", *expected_serve("/d", node, nodes, gpus, tp, "leader")]
+        assert argv[argv.index("--expert-placement-strategy") + 1] == placement
+
+
+def test_every_flag_of_the_sglang_line_is_sglangs() -> None:
+    """The SGLang launch serve_command writes (preflight --engine sglang): every flag is one that
+    SGLang 0.5.23 declares. Its server arguments are dataclass fields in
+    ``sglang/srt/arg_groups/fields/*.py`` (``nnodes: A[int, ...]``), each the flag
+    ``_field_to_cli_name`` makes of it (``--`` + the name with ``-`` for ``_``,
+    ``arg_groups/arg_utils.py``), plus quoted ``aliases``; read from the wheel."""
+    import zipfile
+
+    from k3ckpt.deploy import serve_command
+
+    cache = Path(os.environ.get("K3CKPT_ENGINE_CACHE") or Path.home() / ".cache" / "k3ckpt" / "engines")
+    wheels = sorted(cache.glob("sglang-0.5.23-*.whl"))
+    if not wheels:
+        pytest.skip("sglang==0.5.23 wheel not in the engine cache (scripts/engines.sh downloads it)")
+    with zipfile.ZipFile(wheels[0]) as zf:
+        assert 'return "--" + name.replace("_", "-")' in zf.read("sglang/srt/arg_groups/arg_utils.py").decode()
+        source = "\n".join(zf.read(m).decode("utf-8") for m in zf.namelist()
+                           if m.startswith("sglang/srt/arg_groups/fields/") and m.endswith(".py"))
+    declared = {"--" + f.replace("_", "-") for f in re.findall(r"^\s+(\w+): A\[", source, re.MULTILINE)}
+    declared |= set(re.findall(r"\"(--[a-z0-9-]+)\"", source))
+    assert "--tp-size" in declared and "--bogus-flag" not in declared  # the pattern reads the files as written
+    flags = {a for node in (0, 1) for a in serve_command("/d", tp=8, dp=2, node=node, gpus_per_node=8,
+                                                         served_model_name=REPO, engine="sglang")
+             if a.startswith("--")}
+    assert {"--ep-size", "--enable-dp-attention", "--nnodes", "--dist-init-addr"} <= flags
     assert flags - declared == set()

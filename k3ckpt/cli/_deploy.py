@@ -182,7 +182,18 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
 @topology_options(rank="Check this global rank only.", node="Check the ranks of this node (needs --gpus-per-node).",
                   gpus_per_node="Ranks per node.", ep="Expert-parallel degree the launcher uses.",
                   tp="Tensor-parallel degree the launcher uses.",
-                  world_size="World size the launcher uses [default: max(ep, tp)].")
+                  dp="Data-parallel degree the launcher uses (--engine: ep = tp x dp).",
+                  world_size="World size the launcher uses [default: max(ep, tp); tp x dp with --dp].",
+                  placement="Expert placement of the launch [--engine default: the directory's].")
+@click.option("--engine", type=click.Choice(["vllm", "sglang"]),
+              help="Check a node directory against this engine's expert-parallel launch and print its serve "
+                   "command [default: vllm for a directory holding k3ckpt-node.json].")
+@click.option("--leader-address", metavar="HOST",
+              help="The serve command's leader (multi-node) [default: LWS_LEADER_ADDRESS / MASTER_ADDR, "
+                   "else the placeholder LEADER_ADDRESS].")
+@click.option("--rpc-port", type=click.IntRange(1, 65535), default=13345, show_default=True,
+              help="vLLM's --data-parallel-rpc-port in the serve command (multi-node).")
+@click.option("--served-model-name", metavar="NAME", help="The serve command's --served-model-name.")
 @click.option("--full", is_flag=True, help="Compare every rank file's sha256 (in parallel), not just sizes.")
 @click.option("--io-test", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="Measure read speed (O_DIRECT where possible) for up to this long.")
@@ -193,7 +204,8 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
 @json_option("Machine-readable report.")
 @handle_errors
 def preflight(directory: str, selection: RankSelection, full: bool, io_test: float | None, kv_budget: int,
-              min_free_disk: int, no_env: bool, jobs: int | None, as_json: bool) -> None:
+              min_free_disk: int, no_env: bool, jobs: int | None, as_json: bool, engine: str | None,
+              leader_address: str | None, rpc_port: int, served_model_name: str | None) -> None:
     """Check, in seconds, that this node can load DIRECTORY before the engine boots.
 
     DIRECTORY is a per-rank layout written by `k3ckpt reshard` or a plain checkpoint (a full
@@ -210,17 +222,25 @@ def preflight(directory: str, selection: RankSelection, full: bool, io_test: flo
     run. Test hooks: K3CKPT_PREFLIGHT_FREE_BYTES and K3CKPT_PREFLIGHT_MEM_BYTES replace the
     measured free disk and available memory.
 
+    A node directory (k3ckpt-node.json; or any checkpoint with --engine) is checked against the
+    engine's launch, vLLM's expert parallel (ep = tp x dp): for every rank of this node every
+    tensor it reads is present, no expert other nodes own is, every dense tensor is, and the
+    marker was written for this tp, dp, placement, GPUs per node and node. The last line,
+    `serve`, is this node's engine command (JSON: "serve").
+
     \b
     Examples:
       k3ckpt preflight /nvme/k3-ep8-tp2 --node 0 --gpus-per-node 8
       k3ckpt preflight /nvme/k3-ep8-tp2 --rank 3 --ep 8 --tp 2 --full --json
       k3ckpt preflight /nvme/Kimi-K3 --ep 8 --tp 8 --node 1 --gpus-per-node 8 --io-test 10
+      k3ckpt preflight /nvme/k3/node-00001 --engine vllm --tp 8 --dp 2 --node 1 --gpus-per-node 8
     """
     from ..deploy.preflight import preflight as run_preflight
     from ..deploy.preflight import render_preflight
 
     rep = run_preflight(directory, selection, full=full, io_test=io_test, kv_budget=kv_budget,
-                        min_free_disk=min_free_disk, use_env=not no_env, jobs=jobs)
+                        min_free_disk=min_free_disk, use_env=not no_env, jobs=jobs, engine=engine,
+                        leader_address=leader_address, rpc_port=rpc_port, served_model_name=served_model_name)
     if as_json:
         emit_json(rep.to_json())
     else:
@@ -229,4 +249,52 @@ def preflight(directory: str, selection: RankSelection, full: bool, io_test: flo
         sys.exit(EXIT_PROBLEMS)
 
 
-COMMANDS = [plan, reshard, unshard, preflight]
+# -- serve-command -----------------------------------------------------------------------------
+
+
+@click.command("serve-command", context_settings=CONTEXT)
+@click.argument("directory", type=click.Path(path_type=str))
+@click.option("--engine", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True,
+              help="The engine to start.")
+@click.option("--tp", type=click.IntRange(1), required=True, help="Tensor-parallel degree.")
+@click.option("--dp", type=click.IntRange(1), default=1, show_default=True,
+              help="Data-parallel degree (ep = tp x dp).")
+@click.option("--placement", type=click.Choice(["linear", "round_robin"]), default="linear", show_default=True,
+              help="Expert placement the directory was written for.")
+@click.option("--node", type=click.IntRange(0), default=0, show_default=True, help="This node.")
+@click.option("--gpus-per-node", type=click.IntRange(1), help="Ranks per node [default: tp x dp, one node].")
+@click.option("--leader-address", metavar="HOST", help="The leader's address (multi-node) [default: LEADER_ADDRESS].")
+@click.option("--rpc-port", type=click.IntRange(1, 65535), default=13345, show_default=True,
+              help="vLLM's --data-parallel-rpc-port (multi-node).")
+@click.option("--served-model-name", metavar="NAME", help="--served-model-name.")
+@json_option("The argv as a JSON list.")
+@handle_errors
+def serve_command(directory: str, engine: str, tp: int, dp: int, placement: str, node: int,
+                  gpus_per_node: int | None, leader_address: str | None, rpc_port: int,
+                  served_model_name: str | None, as_json: bool) -> None:
+    """Print the engine command that serves node directory DIRECTORY on this node.
+
+    The line `k3ckpt preflight` prints as `serve` after checking the directory, without the
+    check (DIRECTORY need not exist yet): vLLM's expert parallel over tp x dp ranks with the
+    weight filter and the placement, and for several nodes the data-parallel flags (node 0
+    serves the API, the others run --headless from their first DP rank). Shell-quoted.
+
+    \b
+    Examples:
+      k3ckpt serve-command /nvme/k3 --tp 8
+      k3ckpt serve-command /nvme/k3 --tp 8 --dp 2 --gpus-per-node 8 --node 1 --leader-address gpu01
+    """
+    import shlex
+
+    from ..deploy.serve import serve_command as build
+
+    argv = build(directory, tp=tp, dp=dp, placement=placement, node=node, gpus_per_node=gpus_per_node,
+                 leader_address=leader_address, rpc_port=rpc_port, served_model_name=served_model_name,
+                 engine=engine)
+    if as_json:
+        emit_json({"serve": argv})
+    else:
+        click.echo(shlex.join(argv))
+
+
+COMMANDS = [plan, reshard, unshard, preflight, serve_command]

@@ -11,6 +11,7 @@ re-exporting them here would hide those modules behind functions.
 from .plan import PlanReport, plan_topology, render_plan
 from .preflight import PreflightReport, render_preflight
 from .reshard import ReshardPlan, ReshardResult, plan_reshard, run_reshard
+from .serve import serve_command
 from .unshard import UnshardPlan, UnshardResult, plan_unshard, run_unshard
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "render_preflight",
     "run_reshard",
     "run_unshard",
+    "serve_command",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from ..format.topology import (
     Topology,
     TopologyError,
     is_mxfp4,
+    rank_from_env,
     ranks_of_node,
     tensors_for_ranks,
 )
@@ -121,6 +122,46 @@ def select_ranks(
     if env.rank is not None and env.rank < world_size:
         return [env.rank], f"rank {env.rank} from {env.sources['rank']}"
     return list(range(world_size)), "all ranks (no --rank/--node and no launcher variables)"
+
+
+#: LeaderWorkerSet's index of this pod (one pod per node; 0 is the leader).
+LWS_NODE_VARIABLE = "LWS_WORKER_INDEX"
+
+
+def launcher_env(environ: Mapping[str, str]) -> RankEnv:
+    """:func:`~k3ckpt.format.topology.rank_from_env`, read as a one-process-per-node launch
+    when that is what the launcher ran: ``srun --ntasks-per-node=1`` (``SLURM_NTASKS_PER_NODE=1``,
+    or as many tasks as nodes) numbers *nodes* in SLURM_PROCID/SLURM_NTASKS, not GPU ranks, so
+    those variables give the node index and nothing else; a LeaderWorkerSet pod (one per node)
+    gives its node in ``LWS_WORKER_INDEX``."""
+    env = rank_from_env(environ)
+    if _one_task_per_node(environ):
+        slurm = {k for k, v in env.sources.items() if v.startswith("SLURM_")}
+        if env.node is None or env.sources.get("node", "").startswith("SLURM_"):
+            var = "SLURM_NODEID" if environ.get("SLURM_NODEID", "").strip().isdigit() else "SLURM_PROCID"
+            env = _with(env, "node", var, environ)
+        for k in slurm - {"node"}:
+            env = _with(env, k, None, environ)
+    if env.node is None and environ.get(LWS_NODE_VARIABLE, "").strip().isdigit():
+        env = _with(env, "node", LWS_NODE_VARIABLE, environ)
+    return env
+
+
+def _one_task_per_node(environ: Mapping[str, str]) -> bool:
+    tasks, nodes = environ.get("SLURM_NTASKS", "").strip(), environ.get("SLURM_NNODES", "").strip()
+    return environ.get("SLURM_NTASKS_PER_NODE", "").strip() == "1" or (tasks.isdigit() and tasks == nodes)
+
+
+def _with(env: RankEnv, fld: str, var: str | None, environ: Mapping[str, str]) -> RankEnv:
+    """``env`` with field ``fld`` read from ``var`` (None: dropped)."""
+    sources = {k: v for k, v in env.sources.items() if k != fld}
+    candidates = {k: v for k, v in env.candidates.items() if k != fld}
+    value = None
+    if var is not None:
+        value = int(environ[var].strip())
+        sources[fld], candidates[fld] = var, ((var, value),)
+    fields: dict[str, Any] = {fld: value, "sources": sources, "candidates": candidates}
+    return replace(env, **fields)
 
 
 def check_environment(env: RankEnv, world_size: int | None, ranks: list[int], *, rank: int | None,

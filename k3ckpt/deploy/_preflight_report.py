@@ -77,7 +77,8 @@ class PreflightReport:
     load_files: list[Path] = field(default_factory=list, repr=False)
     node_bytes: int = 0
     fix_all: str | None = None  # one command for every broken rank, when several are
-
+    engine: str | None = None  # the engine whose launch was checked (--engine)
+    serve: list[str] | None = None  # that launch's command line for this node (:func:`serve_command`)
 
     @property
     def ok(self) -> bool:
@@ -91,6 +92,7 @@ class PreflightReport:
         return {"path": self.path, "layout": self.layout, "topology": self.topology, "ranks": self.ranks,
                 "selection": self.selection, "ok": self.ok, "counts": self.counts(),
                 "checks": [c.to_json() for c in self.checks], "fix_all": self.fix_all,
+                "engine": self.engine, "serve": self.serve,
                 "read_speed": self.read_speed.to_json() if self.read_speed else None}
 
 
@@ -140,6 +142,29 @@ def fetch_command(ckpt: Checkpoint, dest: Path, files: list[str], topo: Topology
     return " ".join(a if a == "REPO" else shlex.quote(a) for a in args)
 
 
+def node_reshard_command(src: str | None, out: Path, topo: Topology, node: int, gpus_per_node: int) -> str:
+    """The ``k3ckpt reshard`` (node format, in vLLM's --tp/--dp vocabulary) that writes node
+    ``node`` of ``topo`` under ``out``; ``--force`` replaces whatever topology ``out`` holds.
+    ``SRC`` stands for the source checkpoint when its path is unknown."""
+    args = ["k3ckpt", "reshard", src or "SRC", "-o", str(out), "--tp", str(topo.tp), "--dp", str(topo.dp)]
+    if topo.placement != "linear":
+        args += ["--placement", topo.placement]
+    args += ["--gpus-per-node", str(gpus_per_node), "--node", str(node), "--force"]
+    return " ".join(a if a == "SRC" else shlex.quote(a) for a in args)
+
+
+def node_fetch_command(source: dict[str, Any], dest: Path, topo: Topology, node: int, gpus_per_node: int) -> str:
+    """The rank-aware ``k3ckpt fetch`` that turns ``dest`` into node ``node``'s share of ``topo``
+    (it rewrites the shards that differ and keeps the rest); ``REPO`` stands for the repository
+    when ``source`` does not name it."""
+    args = ["k3ckpt", "fetch", "--source", str(source.get("hub") or "hf"), "--repo", str(source.get("repo") or "REPO")]
+    if source.get("revision"):
+        args += ["--revision", str(source["revision"])]
+    args += ["--dest", str(dest), "--ep", str(topo.ep), "--tp", str(topo.tp), "--placement", topo.placement,
+             "--node", str(node), "--gpus-per-node", str(gpus_per_node)]
+    return " ".join(a if a == "REPO" else shlex.quote(a) for a in args)
+
+
 # ---------------------------------------------------------------------------------------------
 # Text output
 
@@ -147,7 +172,7 @@ def fetch_command(ckpt: Checkpoint, dest: Path, files: list[str], topo: Topology
 def render_preflight(rep: PreflightReport) -> str:
     """The table: one row per check, and under each FAIL (or WARN with one) its fix."""
     t = rep.topology
-    what = "rank layout" if rep.layout == "rank-layout" else "checkpoint"
+    what = {"rank-layout": "rank layout", "node-dir": "node directory"}.get(rep.layout, "checkpoint")
     topo = (f", ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}" if t else "")
     ranks = f"ranks {format_ranges(rep.ranks)} ({rep.selection})" if rep.ranks else rep.selection
     lines = [f"preflight  {rep.path}", f"layout     {what}{topo}; {ranks}", ""]
@@ -161,4 +186,6 @@ def render_preflight(rep: PreflightReport) -> str:
         lines += ["", f"fix all    {rep.fix_all}"]
     lines += ["", f"result     {n[FAIL]} FAIL, {n[WARN]} WARN, {n[PASS]} PASS: "
                   + ("ready to load" if rep.ok else "not ready")]
+    if rep.serve:  # last, so that a script can take it with tail -n 1
+        lines.append(f"serve      {shlex.join(rep.serve)}")
     return "\n".join(lines)

@@ -31,6 +31,22 @@ Decisions the issue leaves open:
   :func:`k3ckpt.topology.rank_from_env`); ``--no-env`` skips it for a prolog whose variables
   describe the allocation rather than the job.
 
+A node directory and an engine (``--engine vllm|sglang``; :mod:`._preflight_engine`):
+
+- ``--engine vllm`` is the default for a directory holding ``k3ckpt-node.json`` (it was written
+  for an engine launch, so that is the check that matters); any other directory keeps the
+  checks above unless ``--engine`` is given (a rank layout is refused: no engine reads it);
+- the launch is vLLM's expert parallel: ep = tp x dp = the world size; options not given come
+  from the marker (placement, GPUs per node, node) after the launcher's variables;
+- the marker must have been written for exactly that launch (a FAIL even where the bytes
+  would be equal, e.g. tp 1 x dp 4 for tp 2 x dp 2: the marker would misdescribe the directory);
+  experts other nodes own FAIL a node directory but only WARN a full download (vLLM's filter
+  skips them; they cost disk and scale reads, not correctness);
+- ``--engine sglang`` FAILs round_robin and expert counts not divisible by ep (SGLang 0.5.23
+  asserts while building the model: the launch would not start);
+- under ``srun --ntasks-per-node=1`` SLURM_PROCID/SLURM_NTASKS count nodes: they give the node
+  index only (:func:`launcher_env`); LeaderWorkerSet's ``LWS_WORKER_INDEX`` is a node index.
+
 Test hooks (documented, read from the same environment as the launcher variables):
 ``K3CKPT_PREFLIGHT_FREE_BYTES`` replaces the free disk bytes ``statvfs`` reports and
 ``K3CKPT_PREFLIGHT_MEM_BYTES`` the ``MemAvailable`` of ``/proc/meminfo``.
@@ -43,8 +59,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import PreflightError
-from ..format.layout import TOPOLOGY_NAME
-from ..format.topology import RankEnv, RankSelection, rank_from_env
+from ..format.layout import NODE_MARKER, TOPOLOGY_NAME
+from ..format.topology import RankEnv, RankSelection
+from ._preflight_engine import EngineNodeDir, leader_from_env
 from ._preflight_host import (
     DEFAULT_MIN_FREE_DISK,
     FREE_BYTES_HOOK,
@@ -54,7 +71,15 @@ from ._preflight_host import (
     measure_read_speed,
     query_gpus,
 )
-from ._preflight_ranks import PlainCheckpoint, RankLayout, Request, check_environment, one_rank, select_ranks
+from ._preflight_ranks import (
+    PlainCheckpoint,
+    RankLayout,
+    Request,
+    check_environment,
+    launcher_env,
+    one_rank,
+    select_ranks,
+)
 from ._preflight_report import (
     FAIL,
     PASS,
@@ -68,6 +93,7 @@ from ._preflight_report import (
     reshard_command,
 )
 from .plan import DEFAULT_KV_BUDGET
+from .serve import DEFAULT_RPC_PORT, ENGINES, serve_command
 
 __all__ = [
     "DEFAULT_MIN_FREE_DISK",
@@ -89,6 +115,7 @@ __all__ = [
     "render_preflight",
     "reshard_command",
     "select_ranks",
+    "serve_command",
 ]
 
 
@@ -107,6 +134,10 @@ def preflight(
     use_env: bool = True,
     environ: Mapping[str, str] | None = None,
     jobs: int | None = None,
+    engine: str | None = None,
+    leader_address: str | None = None,
+    rpc_port: int = DEFAULT_RPC_PORT,
+    served_model_name: str | None = None,
 ) -> PreflightReport:
     """Check that the directory ``path`` is ready for this node to load.
 
@@ -122,6 +153,14 @@ def preflight(
         use_env: compare with (and select ranks from) the launcher's variables.
         environ: the environment to read (default ``os.environ``); the test hooks
             :data:`FREE_BYTES_HOOK` and :data:`MEM_BYTES_HOOK` are read from it too.
+        engine: ``"vllm"`` or ``"sglang"``: check a node directory (or any plain checkpoint)
+            against that engine's expert-parallel launch of ``selection`` (``tp`` x ``dp`` =
+            ep; default: the launch ``k3ckpt-node.json`` records) and put its command line in
+            :attr:`PreflightReport.serve`. Default: ``"vllm"`` for a directory holding
+            ``k3ckpt-node.json``, else none (the checks of a plain checkpoint or rank layout).
+        leader_address, rpc_port, served_model_name: for the serve command (:func:`serve_command`);
+            the leader's address defaults to ``LWS_LEADER_ADDRESS`` / ``MASTER_ADDR``, else the
+            placeholder ``LEADER_ADDRESS``.
 
     Raises:
         PreflightError / TopologyError: ``path`` is missing or holds neither a rank layout nor
@@ -138,8 +177,19 @@ def preflight(
     if selection.node is not None and selection.gpus_per_node is None:
         raise PreflightError("--node needs --gpus-per-node")
     ask = Request(rank, selection, full, kv_budget, min_free_disk, jobs,
-                   rank_from_env(env) if use_env else RankEnv(), env)
-    if (root / TOPOLOGY_NAME).exists() or any(root.glob("rank-[0-9]*")):
+                   launcher_env(env) if use_env else RankEnv(), env)
+    rank_layout = (root / TOPOLOGY_NAME).exists() or any(root.glob("rank-[0-9]*"))
+    if engine is None and not rank_layout and (root / NODE_MARKER).is_file():
+        engine = "vllm"  # a node directory is written for an engine launch: check that one
+    if engine is not None:
+        if engine not in ENGINES:
+            raise PreflightError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
+        if rank_layout:
+            raise PreflightError(f"{root}: a rank layout (pre-split tensors, for custom loaders) is read by no "
+                                 f"engine; preflight a node directory (k3ckpt reshard --format node) with --engine")
+        leader = leader_address or (leader_from_env(env) if use_env else None)
+        report = EngineNodeDir(root, ask, engine, leader, rpc_port, served_model_name).run()
+    elif rank_layout:
         report = RankLayout(root, ask).run()
     else:
         report = PlainCheckpoint(root, ask).run()

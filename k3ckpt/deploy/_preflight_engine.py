@@ -1,0 +1,304 @@
+"""Preflight of a node directory for an engine launch (``--engine``): does the directory hold
+exactly what that launch reads on this node, and which command line starts it.
+
+The launch is vLLM's expert parallelism (``ep = tp x dp`` = the world size, never an expert cut),
+so a rank reads every dense tensor and all tensors of its own experts; with
+``--enable-ep-weight-filter`` it skips other ranks' experts by name. "Exactly" is our
+:class:`~k3ckpt.format.topology.Topology` placement, which ``tests/test_engine_conformance.py``
+proves equal to what vLLM's ``should_skip_weight`` keeps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, LayoutError, PreflightError
+from ..format.checkpoint import Checkpoint, open_checkpoint
+from ..format.layout import NODE_LAYOUT_FORMAT, NODE_MARKER, TOPOLOGY_NAME, read_node_marker
+from ..format.roles import Kind, classify
+from ..format.topology import Topology, TopologyError, ranks_of_node
+from ..utils import format_ranges, load_json
+from ._preflight_host import device_slots, disk_check, gpu_checks, memory_check, provenance_files, quant_check
+from ._preflight_ranks import PlainCheckpoint, Request, _checkpoint_quant_counts
+from ._preflight_report import FAIL, PASS, WARN, Check, PreflightReport, node_fetch_command, node_reshard_command
+from .serve import serve_command
+
+
+class EngineNodeDir(PlainCheckpoint):
+    """A plain checkpoint directory (a ``reshard`` node directory, a rank-aware fetch, a full
+    download) checked against one node of an engine launch."""
+
+    def __init__(self, root: Path, ask: Request, engine: str, leader_address: str | None, rpc_port: int,
+                 served_model_name: str | None) -> None:
+        super().__init__(root, ask)
+        self.engine = engine
+        self.leader = leader_address
+        self.rpc_port = rpc_port
+        self.served_model_name = served_model_name
+
+    def run(self) -> PreflightReport:
+        ask = self.ask
+        try:
+            ckpt = open_checkpoint(self.root, jobs=ask.jobs, strict=False)
+        except CheckpointNotFoundError as e:
+            raise PreflightError(f"{self.root}: not a checkpoint directory ({e})") from None
+        try:
+            self.marker = read_node_marker(self.root)
+        except LayoutError as e:
+            raise PreflightError(str(e)) from None
+        self.node_marker = (self.root / NODE_MARKER).is_file()
+        topo = self._launch(ckpt)
+        per_node, node, how = self._node(topo)
+        ranks = ranks_of_node(node, per_node, topo.world_size)
+        self.checks.append(ask.check_environment(topo.world_size, ranks))
+        self.checks.append(self._recorded(topo, node, per_node))
+        if self.engine == "sglang":
+            self.checks.append(self._sglang(topo, node, per_node))
+        self.checks.append(self._structure(ckpt))
+        self.checks += self._exact(ckpt, topo, node, per_node, ranks)
+        need = self._rank_bytes(ckpt, topo, ranks)
+        largest_file = max((h.file_size for h in ckpt.shards.values()), default=0)
+        mx, fp8 = _checkpoint_quant_counts(ckpt)
+        self.checks.append(disk_check(self.root, ask.min_free_disk, 0, ask.environ))
+        self.checks.append(memory_check(largest_file, len(ranks), ask.environ))
+        self.checks += gpu_checks(need, device_slots(ranks, per_node, ask.env), ask.kv_budget, ask.environ,
+                                  mxfp4=mx > 0)
+        self.checks.append(quant_check(ckpt.config, mx, fp8))
+        self.checks += provenance_files(self.root, {"repo": ckpt.source.repo, "revision": ckpt.source.revision},
+                                         ckpt)
+        serve = self._serve(topo, node, per_node)
+        summary = {k: v for k, v in topo.to_json().items() if k != "experts_by_rank"}
+        summary.update(dp=topo.dp, gpus_per_node=per_node, node=node)
+        layout = "node-dir" if self.marker is not None else "checkpoint"  # a full download has no marker
+        return PreflightReport(str(self.root), layout, summary, ranks, how, self.checks,
+                               load_files=[ckpt.path_of(f) for f in sorted(ckpt.shards)],
+                               node_bytes=sum(ckpt.tensors[n].nbytes for n in ckpt.tensors),
+                               engine=self.engine, serve=serve)
+
+    def _serve(self, topo: Topology, node: int, per_node: int) -> list[str] | None:
+        try:
+            return serve_command(self.root, tp=topo.tp, dp=topo.dp, placement=topo.placement, node=node,
+                                 gpus_per_node=per_node, leader_address=self.leader, rpc_port=self.rpc_port,
+                                 served_model_name=self.served_model_name, engine=self.engine)
+        except TopologyError as e:  # e.g. a TP group wider than a node: no command to print
+            self.checks.append(Check("serve", FAIL, f"no {self.engine} command for this launch: {e}"))
+            return None
+
+    # -- the launch -------------------------------------------------------------------------------
+
+    def _launch(self, ckpt: Checkpoint) -> Topology:
+        """The launch's topology: the options in vLLM's reading (placement not given: the
+        directory's), else the one the marker records."""
+        sel = self.ask.selection
+        recorded = self._recorded_topology()
+        cfg = ckpt.config
+        found = max((e for _, e in ckpt.stats.expert_parts), default=-1) + 1
+        num_experts = ((cfg.num_experts if cfg and cfg.num_experts else 0)
+                       or (recorded.num_experts if recorded else 0) or found or 1)
+        if sel.names_topology:
+            if sel.placement is None and recorded is not None:
+                from dataclasses import replace
+
+                sel = replace(sel, placement=recorded.placement)
+            return sel.topology(num_experts, engine=True)
+        if recorded is None:
+            raise PreflightError(f"--engine {self.engine} needs the launch: --tp T --dp D (no {NODE_MARKER} "
+                                 f"records one)")
+        return recorded
+
+    def _recorded_topology(self) -> Topology | None:
+        t = (self.marker or {}).get("topology")
+        if not isinstance(t, dict):
+            return None
+        try:
+            return Topology(t.get("ep"), t.get("tp"), t.get("world_size"), t.get("expert_placement"),  # type: ignore[arg-type]
+                            t.get("num_experts"))  # type: ignore[arg-type]
+        except TopologyError:
+            return None
+
+    def _node(self, topo: Topology) -> tuple[int, int, str]:
+        """(GPUs per node, this node, how it was chosen): the options, else the launcher's
+        variables, else the marker's node."""
+        ask, sel, env = self.ask, self.ask.selection, self.ask.env
+        if ask.rank is not None:
+            raise PreflightError("--engine checks one node: give --node, not --rank")
+        marked = self.marker or {}
+        per_node = sel.gpus_per_node or env.local_world_size or _int(marked.get("gpus_per_node")) or topo.world_size
+        if sel.node is not None:
+            ranks_of_node(sel.node, per_node, topo.world_size)  # out of range: exit 2, naming the option
+            return per_node, sel.node, f"--node {sel.node} ({per_node} GPUs per node)"
+        for value, var in ((env.node, env.sources.get("node")), (None if env.rank is None else env.rank // per_node,
+                                                                  env.sources.get("rank"))):
+            if value is not None and value * per_node < topo.world_size:
+                return per_node, value, f"node {value} from {var} ({per_node} GPUs per node)"
+        node = _int(marked.get("node"))
+        if node is not None and node * per_node < topo.world_size:
+            return per_node, node, f"node {node} from {self._marker_name()} ({per_node} GPUs per node)"
+        return per_node, 0, f"node 0 ({per_node} GPUs per node)"
+
+    def _marker_name(self) -> str:
+        return NODE_MARKER if self.node_marker else "k3ckpt-partial.json"
+
+    # -- checks -------------------------------------------------------------------------------------
+
+    def _recorded(self, topo: Topology, node: int, per_node: int) -> Check:
+        """The marker's topology and node against the launch."""
+        name = "launch"
+        desc = _describe(topo, node, per_node)
+        if self.marker is None:
+            return Check(name, WARN, f"no {NODE_MARKER}: nothing records which launch this directory was written "
+                                     f"for; checked by its contents against {desc}")
+        rec = self._recorded_topology()
+        m = self.marker
+        have = {"--tp": rec.tp if rec else None, "--dp": rec.dp if rec else None,
+                "--placement": rec.placement if rec else None, "--gpus-per-node": _int(m.get("gpus_per_node")),
+                "--node": _int(m.get("node"))}
+        want = {"--tp": topo.tp, "--dp": topo.dp, "--placement": topo.placement, "--gpus-per-node": per_node,
+                "--node": node}
+        if rec is not None and rec.ep != rec.world_size:
+            return Check(name, FAIL, f"{self._marker_name()}: ep {rec.ep} below world size {rec.world_size} "
+                                     f"(experts cut): no engine loads it", fix=self._fix(topo, node, per_node))
+        # a rank-aware fetch without --node records no node: its ranks say which
+        diff = [f"{k} {want[k]} ({self._marker_name()} has {v})" for k, v in have.items()
+                if v is not None and v != want[k]]
+        if m.get("node") is None and (ranks := m.get("ranks")) != ranks_of_node(node, per_node, topo.world_size):
+            diff.append(f"ranks {format_ranges(ranks_of_node(node, per_node, topo.world_size))} "
+                        f"({self._marker_name()} has {format_ranges(ranks) if isinstance(ranks, list) else ranks})")
+        if diff:
+            return Check(name, FAIL, f"{self.engine} launch is {desc}; the directory was written for another: "
+                                     + ", ".join(diff), fix=self._fix(topo, node, per_node))
+        return Check(name, PASS, f"{self._marker_name()} was written for this launch: {desc}")
+
+    def _exact(self, ckpt: Checkpoint, topo: Topology, node: int, per_node: int, ranks: list[int]) -> list[Check]:
+        """Every tensor each rank reads is present; no expert other nodes own is; every dense
+        tensor the marker lists is present."""
+        cfg = ckpt.config
+        present: dict[int, dict[int, set[str]]] = {}  # layer -> expert -> tensor names, expert id as *
+        dense = set()
+        for n in ckpt.tensors:
+            role = classify(n)
+            if role.kind == Kind.ROUTED_EXPERT and role.expert is not None and role.layer is not None:
+                present.setdefault(role.layer, {}).setdefault(role.expert, set()).add(
+                    n.replace(f".experts.{role.expert}.", ".experts.*.", 1))
+            else:
+                dense.add(n)
+        fix = self._fix(topo, node, per_node)
+        layers = sorted(set(cfg.moe_layers) if cfg and cfg.moe_layers else set(present))
+        shapes = {lay: set().union(*present.get(lay, {}).values()) for lay in layers}  # each expert's tensors
+        lacking: dict[int, dict[int, int]] = {}  # rank -> expert -> first layer where it is incomplete
+        for r in ranks:
+            for e in topo.rank_info(r).experts:
+                bad = [lay for lay in layers if not shapes[lay] or shapes[lay] - present.get(lay, {}).get(e, set())]
+                if bad:
+                    lacking.setdefault(r, {})[e] = bad[0]
+        needed = {e for r in ranks for e in topo.rank_info(r).experts}
+        extra = sorted({e for lay in present for e in present[lay]} - needed)
+        out = [self._dense_check(dense)]
+        if lacking:
+            r = min(lacking)
+            first = min(lacking[r])
+            more = f" (+{len(lacking) - 1} more rank(s))" if len(lacking) > 1 else ""
+            out.append(Check("experts", FAIL, f"rank {r} lacks (all or some tensors of) experts "
+                                              f"{format_ranges(sorted(lacking[r]))}, e.g. expert {first} in layer "
+                                              f"{lacking[r][first]}{more}", fix=fix,
+                             details={"lacking": {str(k): format_ranges(sorted(v)) for k, v in lacking.items()}}))
+        else:
+            out.append(Check("experts", PASS, f"every tensor of the {len(needed)} experts ranks "
+                                              f"{format_ranges(ranks)} read is present, in {len(layers)} MoE layers",
+                             details={"needed": format_ranges(sorted(needed))}))
+        if extra:
+            what = (f"holds experts {format_ranges(extra)} that no rank of node {node} owns (vLLM's filter "
+                    f"skips them, but")
+            if self.marker is None:  # a full download: loadable, only larger than needed
+                out.append(Check("exact", WARN, f"{what} they cost disk and the scales are read anyway)", fix=fix))
+            else:
+                out.append(Check("exact", FAIL, f"{what} the directory is not this node's)", fix=fix))
+        else:
+            out.append(Check("exact", PASS, f"no expert outside ranks {format_ranges(ranks)}"))
+        return out
+
+    def _dense_check(self, dense: set[str]) -> Check:
+        listed = (self.marker or {}).get("tensors")
+        if not (self.node_marker and isinstance(listed, dict)):
+            return Check("dense", PASS, f"{len(dense)} non-expert tensors (no tensor list to compare: "
+                                        f"structure checks them against config.json)")
+        want = {n for n in listed if classify(n).kind != Kind.ROUTED_EXPERT or classify(n).expert is None}
+        missing = sorted(want - dense)
+        if missing:
+            return Check("dense", FAIL, f"{len(missing)} of {len(want)} non-expert tensors every rank reads are "
+                                        f"absent: {missing[0]}" + (" ..." if len(missing) > 1 else ""),
+                         fix=self._fix(None, None, None), details={"missing": missing})
+        return Check("dense", PASS, f"all {len(want)} non-expert tensors {NODE_MARKER} lists are present")
+
+    def _sglang(self, topo: Topology, node: int, per_node: int) -> Check:
+        """:func:`sglang_check`; its fix, when the expert count divides: the linear node."""
+        check = sglang_check(topo)
+        if check.status == FAIL and topo.num_experts % topo.world_size == 0:
+            linear = Topology.make(topo.ep, topo.tp, topo.world_size, "linear", num_experts=topo.num_experts)
+            check.fix = self._fix(linear, node, per_node)
+        return check
+
+    # -- the fix ------------------------------------------------------------------------------------
+
+    def _fix(self, topo: Topology | None, node: int | None, per_node: int | None) -> str:
+        """Rewrite the node for the launch (``None``: the one already recorded): a rank-aware
+        fetch's directory by fetching, a reshard node by resharding into its output."""
+        topo = topo or self._recorded_topology()
+        marker = self.marker or {}
+        node = node if node is not None else (_int(marker.get("node")) or 0)
+        per_node = per_node or _int(marker.get("gpus_per_node")) or (topo.world_size if topo else 1)
+        if topo is None:
+            return node_reshard_command(None, self.root.parent, Topology.make(1, 1, num_experts=1), node, per_node)
+        source = marker.get("source") if isinstance(marker.get("source"), dict) else None
+        if not self.node_marker and source is not None:
+            return node_fetch_command(source, self.root, topo, node, per_node)
+        return node_reshard_command(self._source_path(), self.root.parent, topo, node, per_node)
+
+    def _source_path(self) -> str | None:
+        """The source ``reshard`` recorded in its output's ``topology.json``."""
+        path = self.root.parent / TOPOLOGY_NAME
+        if not path.is_file():
+            return None
+        try:
+            tj, _ = load_json(path, PreflightError)
+        except PreflightError:
+            return None
+        if not isinstance(tj, dict) or tj.get("format") != NODE_LAYOUT_FORMAT or not isinstance(tj.get("source"), dict):
+            return None
+        src = tj["source"].get("path")
+        return src if isinstance(src, str) else None
+
+
+def sglang_check(topo: Topology) -> Check:
+    """SGLang 0.5.23 places experts in contiguous equal blocks and asserts the count divides
+    (docs/engines.md): anything else fails when the model is built, so it is a FAIL here."""
+    problems = []
+    if topo.placement != "linear":
+        problems.append(f"{topo.placement} placement (SGLang places experts linearly only)")
+    if topo.num_experts % topo.world_size:
+        problems.append(f"{topo.num_experts} experts do not divide by ep {topo.world_size} (SGLang asserts "
+                        f"num_experts % ep_size == 0)")
+    if problems:
+        return Check("sglang", FAIL, "SGLang cannot load this launch: " + "; ".join(problems)
+                     + "; serve it with vLLM (--engine vllm), or write it for linear placement over an ep "
+                       "that divides the experts")
+    return Check("sglang", PASS, f"linear placement, {topo.num_experts} experts over ep {topo.world_size}: "
+                                 f"--tp-size {topo.world_size} --ep-size {topo.world_size}")
+
+
+def _describe(topo: Topology, node: int, per_node: int) -> str:
+    return (f"tp {topo.tp} x dp {topo.dp} = ep {topo.world_size}, {topo.num_experts} experts {topo.placement}, "
+            f"node {node} of {per_node} GPUs")
+
+
+def _int(x: Any) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+#: Where the launchers put the leader's address: LeaderWorkerSet's, then the torchrun/SLURM convention.
+LEADER_VARIABLES = ("LWS_LEADER_ADDRESS", "MASTER_ADDR")
+
+
+def leader_from_env(environ: Any) -> str | None:
+    return next((environ[v].strip() for v in LEADER_VARIABLES if environ.get(v, "").strip()), None)

@@ -1,0 +1,100 @@
+"""The engine command line that serves one node's directory: one home for the flags, used by
+``preflight`` (its ``serve`` line) and, through it, ``examples/node-init.sh``.
+
+vLLM 0.33.0 (flags from ``vllm/engine/arg_utils.py``; ``tests/test_recipes.py`` checks each is an
+``add_argument`` of the wheel): expert parallelism over every DP x TP rank, the weight filter that
+skips other ranks' experts by name before reading them, the placement the directory was written
+for. Several nodes use vLLM's multi-node data parallelism: every node gets the same DP size and
+its local DP size, the leader's address and RPC port; node 0 serves the API (internal load
+balancing), the others run their DP ranks ``--headless`` from their first DP rank.
+``--trust-remote-code``: K3's tokenizer (``TikTokenTokenizer``) is code in the checkpoint's
+repository, not in transformers.
+
+SGLang 0.5.23 (flags are the fields of ``sglang/srt/arg_groups/fields/*.py``; the recipe tests
+check them in the wheel): ``--tp-size W --ep-size W`` (its EP group is then
+the TP group over all ranks, which is the node directory's placement), ``--enable-dp-attention
+--dp-size D`` for data-parallel attention, and ``--nnodes``/``--node-rank``/``--dist-init-addr``
+across nodes.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import TopologyError
+
+ENGINES = ("vllm", "sglang")
+#: Printed instead of the leader's address when neither ``--leader-address`` nor the launcher says it.
+LEADER_PLACEHOLDER = "LEADER_ADDRESS"
+#: vLLM's ``--data-parallel-rpc-port`` default is 29550; node-init.sh has always used this one.
+DEFAULT_RPC_PORT = 13345
+#: The port in SGLang's ``--dist-init-addr HOST:PORT``.
+DEFAULT_SGLANG_PORT = 5000
+
+
+def serve_command(
+    path: str | os.PathLike[str],
+    *,
+    tp: int,
+    dp: int = 1,
+    placement: str = "linear",
+    node: int = 0,
+    gpus_per_node: int | None = None,
+    leader_address: str | None = None,
+    rpc_port: int = DEFAULT_RPC_PORT,
+    served_model_name: str | None = None,
+    engine: str = "vllm",
+) -> list[str]:
+    """The argv that serves node ``node``'s directory ``path`` with ``engine``'s expert parallelism
+    over ``tp x dp`` ranks, ``gpus_per_node`` of them per node (default: all on one node).
+
+    Example::
+
+        >>> serve_command("/nvme/k3", tp=8, dp=2, node=1, gpus_per_node=8, leader_address="gpu01")[:4]
+        ['vllm', 'serve', '/nvme/k3', '--trust-remote-code']
+
+    Raises:
+        TopologyError: ``tp`` does not divide the GPUs of a node when there are several nodes
+            (a tensor-parallel group must fit on one node), the node is out of range, an engine
+            other than :data:`ENGINES`.
+    """
+    if engine not in ENGINES:
+        raise TopologyError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
+    world = tp * dp
+    per_node = gpus_per_node or world
+    nodes = -(-world // per_node)
+    if not 0 <= node < nodes:
+        raise TopologyError(f"node {node} out of range 0..{nodes - 1} ({world} ranks, {per_node} per node)")
+    if nodes > 1 and per_node % tp:
+        raise TopologyError(f"--tp {tp} does not divide {per_node} GPUs per node: a tensor-parallel group must "
+                            f"fit on one node")
+    leader = leader_address or LEADER_PLACEHOLDER
+    if engine == "sglang":
+        return _sglang(str(path), tp, dp, node, nodes, leader, served_model_name)
+    argv = ["vllm", "serve", str(path)]
+    if served_model_name:
+        argv += ["--served-model-name", served_model_name]
+    argv += ["--trust-remote-code", "--tensor-parallel-size", str(tp), "--enable-expert-parallel",
+             "--enable-ep-weight-filter", "--expert-placement-strategy", placement]
+    if dp > 1:
+        argv += ["--data-parallel-size", str(dp)]
+    if nodes > 1:
+        dp_local = per_node // tp
+        argv += ["--data-parallel-size-local", str(dp_local), "--data-parallel-address", leader,
+                 "--data-parallel-rpc-port", str(rpc_port)]
+        if node > 0:
+            argv += ["--headless", "--data-parallel-start-rank", str(node * dp_local)]
+    return argv
+
+
+def _sglang(path: str, tp: int, dp: int, node: int, nodes: int, leader: str, name: str | None) -> list[str]:
+    world = tp * dp
+    argv = ["python", "-m", "sglang.launch_server", "--model-path", path]
+    if name:
+        argv += ["--served-model-name", name]
+    argv += ["--trust-remote-code", "--tp-size", str(world), "--ep-size", str(world)]
+    if dp > 1:  # SGLang's TP group spans every rank; DP applies to attention only
+        argv += ["--enable-dp-attention", "--dp-size", str(dp)]
+    if nodes > 1:
+        argv += ["--nnodes", str(nodes), "--node-rank", str(node), "--dist-init-addr", f"{leader}:{DEFAULT_SGLANG_PORT}"]
+    return argv
