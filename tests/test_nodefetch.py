@@ -160,6 +160,26 @@ def test_usage_errors(args: tuple[str, ...], message: str, tmp_path: Path) -> No
     assert res.exit_code == 2 and message in res.output
 
 
+def test_other_checkpoints_in_dest_are_refused(served_hub: Any, resharded: dict[int, Path], tmp_path: Path) -> None:
+    """A node fetch never mixes its files into another checkpoint, nor a whole fetch the hub's
+    shards into a node directory; a node fetch of another topology replaces the old plan's files."""
+    h, _ = served_hub
+    topo, node, sizes, _ = CASES[1]
+    partial = tmp_path / "partial"
+    assert run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(partial), "--endpoint", h.url, "--ep", "8",
+               "--tp", "2", "--gpus-per-node", "4", "--node", str(node), "--format", "partial").exit_code == 0
+    res = fetch_node(h, partial, topo, node, *sizes)
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "is not a node directory" in res.output
+    dest = tmp_path / "node"
+    assert fetch_node(h, dest, topo, node, *sizes).exit_code == 0
+    res = run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(dest), "--endpoint", h.url)
+    assert res.exit_code == 2 and "is a node directory" in res.output and res.output.count("\n") == 1
+    assert tree(dest) == tree(resharded[1])
+    # the same directory re-fetched as node 0 of one 8-GPU node: node 1's rank files go
+    assert fetch_node(h, dest, *CASES[0][:2]).exit_code == 0
+    assert tree(dest) == tree(resharded[0])
+
+
 def test_engine_topology_refused_in_one_line(served_hub: Any, tmp_path: Path) -> None:
     h, _ = served_hub
     res = fetch_node(h, tmp_path / "d", ("--ep", "4", "--tp", "2", "--world-size", "8", "--gpus-per-node", "4"), 0)

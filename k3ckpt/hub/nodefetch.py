@@ -440,7 +440,8 @@ def _fetch_node_files(plan: NodeFetchPlan, result: RankFetchResult, dest_real: s
     todo = sum(job.todo_bytes() for job in jobs)
     if check_space:
         absent = [f for f in plan.files if not os.path.lexists(os.path.join(dest_real, f))]
-        needed = sum(job.plan.size for job in jobs) + sum(plan.listing.files[f].size for f in absent)
+        # a resumed .part is allocated already
+        needed = sum(job.plan.size for job in jobs if not job.done) + sum(plan.listing.files[f].size for f in absent)
         free = shutil.disk_usage(dest_real).free
         if needed > free:
             raise download.DiskSpaceError(
@@ -464,7 +465,13 @@ def _fetch_node_files(plan: NodeFetchPlan, result: RankFetchResult, dest_real: s
         # read back once: the marker's digests (and, with a manifest, a last check of the bytes on disk)
         op = job.plan
         assert isinstance(op, NodeFilePlan)
-        rec = _read_back(op, job.part, plan.manifest)
+        try:
+            rec = _read_back(op, job.part, plan.manifest)
+        except _PieceFailed:
+            # the bytes on disk are not what streamed in and was checked: a re-run must fetch
+            # them again, not adopt the journal that says they are complete
+            _dest.unlink(job.journal)
+            raise
         path = _digest_path(dest_real, op.path)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(rec).encode())
