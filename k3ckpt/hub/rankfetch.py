@@ -1,5 +1,9 @@
 """Rank-aware fetch: download only the tensors that some ranks of a TP/EP topology need.
 
+This module writes ``--format partial`` (the hub's shards, each with only the selected tensors)
+and holds the download machinery (pieces, tasks, journals, workers) that
+:mod:`k3ckpt.hub.nodefetch` shares to write ``--format node`` (``reshard``'s node directory).
+
 ``k3ckpt fetch --ep 8 --tp 2 --node 0 --gpus-per-node 4`` reads the config, the index and every
 shard's header with Range requests (about 60 MB for the full K3), works out with
 :func:`k3ckpt.topology.tensors_for_ranks` which tensors the selected ranks hold, and downloads
