@@ -107,7 +107,7 @@ def test_fetch_node_equals_reshard_node(case: int, served_hub: Any, resharded: d
                 and not x.startswith("result") and not x.lstrip().startswith("fix: k3ckpt fetch")]
 
     assert checks(a.output, dest) == checks(b.output, ref)
-    assert [x.split()[1] for x in checks(a.output, dest) if x[:4] in ("PASS", "FAIL")][:2] == ["structure", "experts"]
+    assert {"structure", "experts"} <= {x.split()[1] for x in checks(a.output, dest) if x[:4] in ("PASS", "FAIL")}
     assert "PASS  source        from moonshotai/Kimi-K3@" in a.output
     # a second run moves nothing (digests come from the fetch's records) and changes nothing
     h.reset_counters()
