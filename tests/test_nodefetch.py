@@ -252,3 +252,18 @@ def test_sigkill_then_resume_gives_the_same_node(point: str, served_hub: Any, re
     assert not list(dest.glob("*.part")) and not list(dest.glob("*.journal"))
     assert not (dest / download.LOCK_NAME).exists()
     assert tree(dest) == tree(resharded[1])
+
+
+@pytest.mark.parametrize("family", ["k2_tiny", "gptoss_tiny"])
+def test_other_families_fetch_the_reshard_node(family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Kimi-K2 (per-expert FP8 with block scales) and gpt-oss (experts stacked in one tensor per
+    projection: all in the dense files) give the same node directory both ways too."""
+    from k3ckpt.testing.hub import LoopbackHub
+
+    src: Path = request.getfixturevalue(family)
+    topo = ("--tp", "1", "--dp", "4", "--gpus-per-node", "2")  # (gpt-oss-tiny has one KV head: tp 1)
+    assert run("reshard", str(src), "-o", str(tmp_path / "o"), *topo, "--node", "1").exit_code == 0
+    with LoopbackHub({REPO: src}, cache_dir=tmp_path / "hub-cache") as h:
+        res = fetch_node(h, tmp_path / "d", topo, 1)
+    assert res.exit_code == 0, res.output
+    assert tree(tmp_path / "d") == tree(tmp_path / "o" / "node-00001")
