@@ -267,3 +267,37 @@ def test_other_families_fetch_the_reshard_node(family: str, request: pytest.Fixt
         res = fetch_node(h, tmp_path / "d", topo, 1)
     assert res.exit_code == 0, res.output
     assert tree(tmp_path / "d") == tree(tmp_path / "o" / "node-00001")
+
+
+def test_a_single_file_checkpoint_fetches_the_reshard_node(k3_tiny: Path, tmp_path: Path) -> None:
+    """Without an index the marker's ``source_index_sha256`` is the sha256 of the file's header,
+    for both producers."""
+    import shutil
+
+    from k3ckpt.format.header import TensorSpec, build_header
+    from k3ckpt.testing.hub import LoopbackHub
+
+    src = tmp_path / "single"
+    src.mkdir()
+    specs, data = [], []
+    for f in sorted(k3_tiny.glob("*.safetensors")):
+        hdr, raw = read_header(f), f.read_bytes()
+        for t in sorted(hdr.tensors.values(), key=lambda t: t.begin):
+            specs.append(TensorSpec(t.name, t.dtype, t.shape))
+            data.append(raw[hdr.data_start + t.begin:hdr.data_start + t.end])
+    prefix, _ = build_header(specs, {"format": "pt"})
+    (src / "model.safetensors").write_bytes(prefix + b"".join(data))
+    assert open_checkpoint(src).tensors.keys() == open_checkpoint(k3_tiny).tensors.keys()
+    for f in k3_tiny.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_NAME:
+            shutil.copy(f, src / f.name)
+    topo = ("--tp", "2", "--dp", "4", "--gpus-per-node", "4")
+    assert run("reshard", str(src), "-o", str(tmp_path / "o"), *topo, "--node", "0").exit_code == 0
+    with LoopbackHub({REPO: src}, cache_dir=tmp_path / "hub-cache") as h:
+        res = fetch_node(h, tmp_path / "d", topo, 0)
+    assert res.exit_code == 0, res.output
+    ref = tmp_path / "o" / "node-00000"
+    assert tree(tmp_path / "d") == tree(ref)
+    header = read_header(src / "model.safetensors").data_start
+    digest = hashlib.sha256((src / "model.safetensors").read_bytes()[:header]).hexdigest()
+    assert json.loads((ref / "k3ckpt-node.json").read_text())["source_index_sha256"] == digest
