@@ -1,5 +1,6 @@
 """Rank-aware fetch (k3ckpt/rankfetch.py, ``k3ckpt fetch --ep/--tp/--ranks/--node``) against the
-loopback hub: only the selected ranks' share moves (counted by the emulator), the output is a
+loopback hub, in ``--format partial`` (the hub's shards rewritten; ``tests/test_nodefetch.py``
+has ``--format node``): only the selected ranks' share moves (counted by the emulator), the output is a
 checkpoint that verify accepts and that reshards byte-for-byte like the full one, tensor-hash
 manifests catch corruption and refuse a manifest of other headers, SIGKILL + resume.
 
@@ -42,7 +43,7 @@ CHUNK = 16 * 1024  # small enough that the shards need several requests, and big
 
 def fetch(h: Any, dest: Path, *extra: str, source: str = "hf") -> Any:
     return run("fetch", "--source", source, "--repo", REPO, "--dest", str(dest), "--endpoint", h.url,
-               "--chunk-size", str(CHUNK), "--workers", "3", *NODE0, *extra)
+               "--chunk-size", str(CHUNK), "--workers", "3", *NODE0, "--format", "partial", *extra)
 
 
 def sha(p: Path) -> str:
@@ -607,7 +608,7 @@ def test_a_whole_shard_listed_with_another_sha256_is_refused_before_any_byte(k3_
     whole.write_bytes(bytes(data))
     with LoopbackHub({REPO: served}, cache_dir=tmp_path / "hc") as h:
         res = run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(tmp_path / "b"), "--endpoint", h.url,
-                  *NODE0, "--manifest", str(tensor_manifest))
+                  *NODE0, "--format", "partial", "--manifest", str(tensor_manifest))
         assert res.exit_code == 2
         assert "model-00001-of-000008.safetensors" in res.output and "another checkpoint or revision" in res.output
         assert h.bytes_sent(whole.name) <= hdr.data_start  # its header was read to plan; no data moved

@@ -23,13 +23,21 @@ from ._output import ByteProgress, emit_json
               help="Concurrent requests (files and chunks of large files).")
 @size_option("--chunk-size", default="64MiB", help="Large files are fetched in chunks of this size, in parallel.")
 @click.option("--endpoint", help="Hub endpoint [default: HF_ENDPOINT / MODELSCOPE_ENDPOINT, else the public hub].")
-@topology_options(ep="Rank-aware: expert-parallel degree.",
+@topology_options(ep="Rank-aware: expert-parallel degree (--format node: the world size, its default).",
                   tp="Rank-aware: tensor-parallel degree of dense weights.",
-                  world_size="Rank-aware: ranks in all [default: max(ep, tp)].",
+                  dp="Rank-aware: data-parallel degree: world size = tp x dp (vLLM's expert parallel: ep = tp x dp).",
+                  world_size="Rank-aware: ranks in all [default: tp x dp with --dp, else max(ep, tp)].",
                   placement="Rank-aware: expert placement [default: linear].",
                   ranks="Rank-aware: fetch only what these ranks need, e.g. 0-3,8.",
                   node="Rank-aware: fetch only what this node's ranks need.",
-                  gpus_per_node="Rank-aware: ranks per node (for --node).")
+                  gpus_per_node="Rank-aware: ranks per node (for --node) [default with --format node: the world "
+                                "size, one node].")
+@click.option("--format", "layout", type=click.Choice(["node", "partial"]),
+              help="Rank-aware: node: write the node directory reshard writes (its node-NNNNN/: same files, same "
+                   "bytes) [default with --node]; partial: the hub's shards with only the selected tensors, plus "
+                   "k3ckpt-partial.json [default with --ranks].")
+@size_option("--max-file-size", default="5GiB", help="--format node: node files of at most this size, header "
+                                                     "included (reshard's default, so both write the same files).")
 @click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False, path_type=str),
               help="Rank-aware: verify every fetched tensor against this tensor-hash manifest.")
 @click.option("--dry-run", is_flag=True, help="List what would be downloaded and how many bytes; download nothing.")
@@ -37,8 +45,8 @@ from ._output import ByteProgress, emit_json
 @click.option("-v", "--verbose", is_flag=True, help="Name every file as it completes.")
 @handle_errors
 def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[str, ...], exclude: tuple[str, ...],
-          workers: int, chunk_size: int, endpoint: str | None, selection: RankSelection, manifest_path: str | None,
-          dry_run: bool, as_json: bool, verbose: bool) -> None:
+          workers: int, chunk_size: int, endpoint: str | None, selection: RankSelection, layout: str | None,
+          max_file_size: int, manifest_path: str | None, dry_run: bool, as_json: bool, verbose: bool) -> None:
     """Download a checkpoint from Hugging Face or ModelScope: resumable, parallel, verified.
 
     Metadata comes through the real client (HF_ENDPOINT, HF_TOKEN or a saved login,
@@ -48,13 +56,18 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
     it stopped, every file's sha256 checked before it is renamed into place. Files already
     present and verified are skipped. Exits 1 and lists every file it could not fetch.
 
-    Rank-aware (--ranks or --node with --ep/--tp): reads every shard's header, then downloads
-    only the tensors those ranks need (whole tensors; the saving is the routed experts other
-    ranks own), each shard rewritten with just those tensors under its own name, plus a
-    matching index, the non-weight files and k3ckpt-partial.json (what was selected, written
-    last). reshard and verify accept the result. The hub's sha256 covers whole files, so
-    rewritten shards are verified tensor by tensor against --manifest (from `k3ckpt manifest
-    build --tensor-hashes`); without it only structure and sizes are checked, and it says so.
+    Rank-aware (--node or --ranks with --tp/--dp/--ep): reads every shard's header, then
+    downloads only the tensors those ranks need (whole tensors; the saving is the routed
+    experts other ranks own). --format node (the default with --node) writes DEST as the node
+    directory `reshard --node N` writes as OUT/node-NNNNN/ - same files, same bytes: dense
+    files, each rank's expert files, the index, the non-weight files, k3ckpt-node.json and
+    READY last - ready for vLLM --enable-expert-parallel --enable-ep-weight-filter, with the
+    topology read as vLLM's expert parallel (ep = tp x dp). --format partial (the default with
+    --ranks) rewrites each hub shard with just the selected tensors under its own name, plus a
+    matching index, the non-weight files and k3ckpt-partial.json (written last); reshard and
+    verify accept it. The hub's sha256 covers whole files, so new files are verified tensor by
+    tensor against --manifest (from `k3ckpt manifest build --tensor-hashes`); without it only
+    structure and sizes are checked, and it says so.
 
     \b
     Examples:
@@ -62,7 +75,7 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
       k3ckpt fetch --source modelscope --repo moonshotai/Kimi-K3 --dest /nvme/Kimi-K3 --workers 16
       k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest ./k3 --include '*.json' --include 'tokenizer*'
       k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest ./k3 --dry-run
-      k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest /nvme/k3-node0 --ep 8 --tp 2 --node 0 --gpus-per-node 4
+      k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest /nvme/k3-node1 --tp 8 --dp 2 --node 1 --gpus-per-node 8
       k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest ./k3-r0 --ep 8 --ranks 0 --manifest kimi-k3.json
     """
     from ..hub.fetch import fetch_json, plan_fetch, render_fetch, render_fetch_plan, run_fetch
@@ -72,11 +85,19 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
         if sel.ranks is None and sel.node is None:
             raise click.UsageError("rank-aware fetch needs --ranks or --node (all ranks need the whole checkpoint: "
                                    "drop --ep/--tp/--world-size for a full fetch)")
+        layout = layout or ("partial" if sel.ranks is not None else "node")
+        if layout == "node":
+            if sel.ranks is not None:
+                raise click.UsageError("--format node writes whole nodes: give --node N (or --format partial for "
+                                       "--ranks)")
+            _fetch_node(hub, repo, revision, dest, include, exclude, workers, chunk_size, endpoint, sel, manifest_path,
+                        max_file_size, dry_run, as_json, verbose)
+            return
         _fetch_ranks(hub, repo, revision, dest, include, exclude, workers, chunk_size, endpoint, sel, manifest_path,
                      dry_run, as_json, verbose)
         return
     for flag, given in (("--placement", sel.placement), ("--gpus-per-node", sel.gpus_per_node),
-                        ("--manifest", manifest_path)):
+                        ("--manifest", manifest_path), ("--format", layout)):
         if given is not None:
             raise click.UsageError(f"{flag} is for a rank-aware fetch: add --ranks or --node with --ep/--tp")
 
@@ -120,6 +141,31 @@ def _fetch_ranks(hub: str, repo: str, revision: str | None, dest: str, include: 
         emit_json(rank_fetch_json(plan, res))
     else:
         click.echo(render_rank_fetch(plan, res, verbose=verbose))
+    if not res.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
+def _fetch_node(hub: str, repo: str, revision: str | None, dest: str, include: tuple[str, ...],
+                exclude: tuple[str, ...], workers: int, chunk_size: int, endpoint: str | None, selection: RankSelection,
+                manifest_path: str | None, max_file_size: int, dry_run: bool, as_json: bool, verbose: bool) -> None:
+    """``k3ckpt fetch --node N`` (``--format node``): see :mod:`k3ckpt.hub.nodefetch`."""
+    from ..hub.nodefetch import node_fetch_json, plan_node_fetch, render_node_fetch, render_node_fetch_plan, run_node_fetch
+
+    plan = plan_node_fetch(hub, repo, dest, selection, revision=revision, endpoint=endpoint, manifest=manifest_path,
+                           include=include, exclude=exclude, chunk_size=chunk_size, max_file_size=max_file_size,
+                           jobs=workers)
+    if dry_run:
+        if as_json:
+            emit_json(plan.to_json())
+        else:
+            click.echo(render_node_fetch_plan(plan))
+        return
+    with ByteProgress(not as_json, "fetching") as bar:
+        res = run_node_fetch(plan, workers=workers, progress=bar, on_plan=bar.plan)
+    if as_json:
+        emit_json(node_fetch_json(plan, res))
+    else:
+        click.echo(render_node_fetch(plan, res, verbose=verbose))
     if not res.ok:
         sys.exit(EXIT_PROBLEMS)
 

@@ -106,7 +106,7 @@ from ..format.layout import (
     part_name,
     rank_dir_name,
 )
-from ..format.nodedir import NodeDir, plan_node_dir
+from ..format.nodedir import NODE_MAX_FILE_SIZE, NodeDir, plan_node_dir
 from ..format.topology import (
     ExpertSlice,
     InventoryIndex,
@@ -123,7 +123,7 @@ from .bytecopy import Copier, FdCache, Run, copy_files, tmp_name
 
 #: Alignment of each output file's data buffer.
 ALIGN = 4096
-DEFAULT_MAX_FILE_SIZE = 5 * 1024**3
+DEFAULT_MAX_FILE_SIZE = NODE_MAX_FILE_SIZE
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,6 +46,9 @@ from .topology import InventoryIndex, Topology, index_of, ranks_of_node
 
 #: Alignment of each file's data buffer (the rank layout's too; BENCHMARKS.md has the measurement).
 NODE_ALIGN = 4096
+#: ``--max-file-size``'s default for node files (``reshard`` and a node ``fetch`` share it, so
+#: both plan the same files).
+NODE_MAX_FILE_SIZE = 5 * 1024**3
 #: The safetensors ``__metadata__`` of every node file.
 NODE_METADATA = {"format": "pt"}
 # Header bytes a tensor entry can need beyond its name, dtype and shape (JSON punctuation, the

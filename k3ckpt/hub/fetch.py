@@ -152,9 +152,14 @@ def _forget_partial(plan: FetchPlan) -> None:
     (which tells ``verify`` and ``inspect`` to require only some experts) must go first, so that
     the directory is never whole-but-marked-partial, nor partial-and-unmarked after a failure of
     this run (then ``verify`` reports the experts still missing, which is the truth)."""
-    from ..format.layout import PARTIAL_MARKER
+    from ..errors import LayoutError
+    from ..format.layout import NODE_MARKER, PARTIAL_MARKER
 
     shards = {p for p in plan.listing.files if p.endswith(".safetensors")}
+    if shards & set(plan.paths) and (plan.dest / NODE_MARKER).exists():
+        # a node directory's files are not the hub's shards: mixing both would leave tensors twice
+        raise LayoutError(f"{plan.dest} is a node directory ({NODE_MARKER}); a whole fetch would add the hub's "
+                          "shards to it: fetch into another --dest")
     marker = plan.dest / PARTIAL_MARKER
     if shards and shards <= set(plan.paths) and marker.is_file():
         marker.unlink()

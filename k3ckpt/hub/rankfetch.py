@@ -1,5 +1,9 @@
 """Rank-aware fetch: download only the tensors that some ranks of a TP/EP topology need.
 
+This module writes ``--format partial`` (the hub's shards, each with only the selected tensors)
+and holds the download machinery (pieces, tasks, journals, workers) that
+:mod:`k3ckpt.hub.nodefetch` shares to write ``--format node`` (``reshard``'s node directory).
+
 ``k3ckpt fetch --ep 8 --tp 2 --node 0 --gpus-per-node 4`` reads the config, the index and every
 shard's header with Range requests (about 60 MB for the full K3), works out with
 :func:`k3ckpt.topology.tensors_for_ranks` which tensors the selected ranks hold, and downloads
@@ -67,7 +71,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import ConfigError, K3ckptError, RankFetchError
 from ..format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, bulk_allocation
@@ -109,7 +113,7 @@ VERIFIED_TENSORS = "tensor-sha256"
 VERIFIED_STRUCTURE = "structure-and-sizes"
 VERIFIED_FILES = "file-sha256"
 #: Said plainly whenever no manifest was given.
-STRUCTURE_ONLY_NOTE = ("no --manifest: the rewritten shards were checked for structure and sizes only (the hub's "
+STRUCTURE_ONLY_NOTE = ("no --manifest: the files assembled from tensors were checked for structure and sizes only (the hub's "
                        "sha256 covers whole files); pass a tensor-hash manifest (k3ckpt manifest build "
                        "--tensor-hashes) to verify every tensor")
 
@@ -124,11 +128,14 @@ _READ_BACK = 1 << 20  # bytes per pread when re-hashing a resumed large tensor
 @dataclass(frozen=True)
 class Piece:
     """One ranged GET: ``length`` bytes at absolute offset ``src`` of the source shard, written
-    at absolute offset ``dst`` of the output shard."""
+    at absolute offset ``dst`` of the output file. ``file``: the source shard's path when the
+    output gathers from several (a node directory's files); empty when the output has one source
+    (a rewritten shard), so a rewritten shard's fingerprint is what it always was."""
 
     src: int
     dst: int
     length: int
+    file: str = ""
 
 
 @dataclass(frozen=True)
@@ -196,6 +203,28 @@ class ShardPlan:
         h.update(json.dumps([[p.src, p.dst, p.length] for p in self.pieces]).encode())
         return h.hexdigest()
 
+    def source_of(self, piece: Piece) -> HubFile:
+        """The hub file ``piece`` reads: this shard's one source."""
+        return self.source
+
+
+class OutputPlan(Protocol):
+    """What the download machinery needs of an output file: a rewritten shard
+    (:class:`ShardPlan`) or a node directory's file (:class:`k3ckpt.hub.nodefetch.NodeFilePlan`)."""
+
+    path: str
+    names: list[str]
+    prefix: bytes
+    size: int
+    pieces: list[Piece]
+    tasks: list[Task]
+
+    def fingerprint(self) -> str: ...
+
+    def content_key(self) -> str: ...
+
+    def source_of(self, piece: Piece) -> HubFile: ...
+
 
 def plan_shard(header: ShardHeader, source: HubFile, wanted: set[str] | frozenset[str], chunk_size: int) -> ShardPlan | None:
     """The output of one source shard for the ``wanted`` tensors, or ``None`` if it holds none.
@@ -215,43 +244,51 @@ def plan_shard(header: ShardHeader, source: HubFile, wanted: set[str] | frozense
                          True)
     prefix, offsets = build_header([TensorSpec(t.name, t.dtype, t.shape) for t in kept], header.metadata)
     base = len(prefix)
-    spans = [(t.name, header.data_start + t.begin, base + b, base + e) for t, (b, e) in zip(kept, offsets)]
+    spans = [(t.name, "", header.data_start + t.begin, base + b, base + e) for t, (b, e) in zip(kept, offsets)]
     pieces, tasks = _pieces_and_tasks(spans, chunk_size)
     size = base + (offsets[-1][1] if offsets else 0)
     return ShardPlan(source.path, source, len(header.tensors), [t.name for t in kept], prefix, size, nbytes, False,
                      pieces, tasks)
 
 
-def _pieces_and_tasks(spans: list[tuple[str, int, int, int]], chunk_size: int) -> tuple[list[Piece], list[Task]]:
-    """Coalesce ``(name, src_start, dst_start, dst_stop)`` spans (in source order) into pieces
-    of at most ``chunk_size`` bytes and group them into tasks (see :class:`Task`)."""
+#: ``(name, source file, src_start, dst_start, dst_stop)`` of one tensor to fetch.
+Span5 = tuple[str, str, int, int, int]
+
+
+def _pieces_and_tasks(spans: list[Span5], chunk_size: int) -> tuple[list[Piece], list[Task]]:
+    """Coalesce ``(name, file, src_start, dst_start, dst_stop)`` spans (in output order) into
+    pieces of at most ``chunk_size`` bytes and group them into tasks (see :class:`Task`). Spans
+    are coalesced only when adjacent in the same source file *and* in the output: one Range
+    request reads one file."""
     pieces: list[Piece] = []
     tasks: list[Task] = []
-    group: list[tuple[str, int, int, int]] = []
+    group: list[Span5] = []
 
     def flush() -> None:
         if not group:
             return
-        src, dst, stop = group[0][1], group[0][2], group[-1][3]
+        file, src, dst, stop = group[0][1], group[0][2], group[0][3], group[-1][4]
         ids: tuple[int, ...] = ()
         if stop > dst:  # a group of zero-byte tensors needs no request
-            pieces.append(Piece(src, dst, stop - dst))
+            pieces.append(Piece(src, dst, stop - dst, file))
             ids = (len(pieces) - 1,)
-        tasks.append(Task(tuple((n, b, e) for n, _, b, e in group), ids))
+        tasks.append(Task(tuple((n, b, e) for n, _, _, b, e in group), ids))
         group.clear()
 
     for span in spans:
-        name, src, dst, stop = span
+        name, file, src, dst, stop = span
         nbytes = stop - dst
         if nbytes > chunk_size:
             flush()
             first = len(pieces)
-            pieces.extend(Piece(src + off, dst + off, min(chunk_size, nbytes - off)) for off in range(0, nbytes, chunk_size))
+            pieces.extend(Piece(src + off, dst + off, min(chunk_size, nbytes - off), file)
+                          for off in range(0, nbytes, chunk_size))
             tasks.append(Task(((name, dst, stop),), tuple(range(first, len(pieces)))))
             continue
         if group:
-            g_src_end = group[-1][1] + (group[-1][3] - group[-1][2])
-            if g_src_end != src or stop - group[0][2] > chunk_size:
+            last = group[-1]
+            adjacent = last[1] == file and last[2] + (last[4] - last[3]) == src and last[4] == dst
+            if not adjacent or stop - group[0][3] > chunk_size:
                 flush()
         group.append(span)
     flush()
@@ -443,15 +480,15 @@ def _check_manifest_files(manifest: Manifest, label: str, listing: HubListing, w
                                  f"manifest, {listed} on {hub}; it describes another checkpoint or revision")
 
 
-def _check_against_manifest(plan: RankFetchPlan, dest_real: str, paths: list[str]) -> dict[str, str]:
+def _check_against_manifest(manifest: Manifest, listing: HubListing, dest_real: str,
+                            paths: list[str]) -> dict[str, str]:
     """Whole files the hub lists without a sha256 (small files: git blob id only) were checked by
     the downloader against that id; hash them here against the manifest's sha256. A mismatch is
     removed and reported: the manifest, not the hub, is what vouches for the bytes."""
-    assert plan.manifest is not None
     failed: dict[str, str] = {}
     for path in paths:
-        want = plan.manifest.files[path].sha256
-        if plan.listing.files[path].sha256 is not None or want is None:
+        want = manifest.files[path].sha256
+        if listing.files[path].sha256 is not None or want is None:
             continue  # the listing's sha256 was compared with the manifest's at plan time
         final = os.path.join(dest_real, path)
         try:
@@ -468,6 +505,42 @@ def _check_against_manifest(plan: RankFetchPlan, dest_real: str, paths: list[str
 
 def _show(v: Any) -> str:
     return json.dumps(list(v)) if isinstance(v, tuple) else str(v)
+
+
+@dataclass
+class RemoteSource:
+    """A hub checkpoint as planning sees it: listing, index, config and every shard's header.
+
+    Attributes:
+        index_sha256: sha256 of the index file; for a single-file checkpoint, of its header
+            prefix (the 8-byte length and the JSON), as ``reshard`` records a local source.
+    """
+
+    listing: HubListing
+    weight_map: dict[str, str] | None
+    shard_paths: list[str]
+    index_sha256: str | None
+    config: ModelConfig | None
+    headers: list[ShardHeader]
+    tensors: dict[str, TensorInfo]
+
+
+def read_source(hub: str, repo: str, revision: str | None, *, endpoint: str | None, token: str | None,
+                jobs: int) -> RemoteSource:
+    """Read what planning needs from the hub (listing, index, config, headers; no tensor data).
+
+    Raises:
+        RankFetchError: No checkpoint in the repo, or headers that disagree with the index.
+    """
+    listing = hubclient.list_repo(hub, repo, revision, endpoint=endpoint, token=token)
+    weight_map, shard_paths, index_sha = _remote_index(listing, token)
+    cfg = _remote_config(listing, token)
+    headers = [c.to_header() for c in hubclient.fetch_headers(listing, shard_paths, token=token, jobs=jobs)]
+    _check_headers(headers, weight_map, listing)
+    tensors = {name: t for h in headers for name, t in h.tensors.items()}
+    if not tensors:
+        raise RankFetchError(f"{listing.hub}:{listing.repo}@{listing.revision}: the shards hold no tensors")
+    return RemoteSource(listing, weight_map, shard_paths, index_sha, cfg, headers, tensors)
 
 
 def select_tensors(
@@ -538,14 +611,9 @@ def plan_rank_fetch(
     if manifest is not None and not isinstance(manifest, Manifest):
         label = os.fspath(manifest)
         manifest = Manifest.load(manifest)
-    listing = hubclient.list_repo(hub, repo, revision, endpoint=endpoint, token=token)
-    weight_map, shard_paths, index_sha = _remote_index(listing, token)
-    cfg = _remote_config(listing, token)
-    headers = [c.to_header() for c in hubclient.fetch_headers(listing, shard_paths, token=token, jobs=jobs)]
-    _check_headers(headers, weight_map, listing)
-    tensors = {name: t for h in headers for name, t in h.tensors.items()}
-    if not tensors:
-        raise RankFetchError(f"{listing.hub}:{listing.repo}@{listing.revision}: the shards hold no tensors")
+    src = read_source(hub, repo, revision, endpoint=endpoint, token=token, jobs=jobs)
+    listing, weight_map, shard_paths, index_sha = src.listing, src.weight_map, src.shard_paths, src.index_sha256
+    cfg, headers, tensors = src.config, src.headers, src.tensors
 
     # ~10^6 fresh acyclic tuples at the full K3 scale: without pausing the cyclic GC this
     # takes 2-3x longer (see checkpoint.bulk_allocation)
@@ -660,9 +728,10 @@ class _TensorHasher:
 
 
 class _ShardJob:
-    """One rewritten shard being written: its ``.part``, journal and outstanding tasks."""
+    """One output file being written (a rewritten shard, a node directory's file): its
+    ``.part``, journal and outstanding tasks."""
 
-    def __init__(self, plan: ShardPlan, final: str, dest_real: str) -> None:
+    def __init__(self, plan: OutputPlan, final: str, dest_real: str) -> None:
         self.plan = plan
         self.final = final
         self.dest_real = dest_real
@@ -747,11 +816,18 @@ def _complete(sp: ShardPlan, final: str, manifest: Manifest | None, written_from
 
 
 class _Run:
-    """Shared state of the rewritten shards' download: a task queue and ``workers`` threads."""
+    """Shared state of the output files' download: a task queue and ``workers`` threads.
 
-    def __init__(self, plan: RankFetchPlan, result: RankFetchResult, headers: dict[str, str], retry: RetryPolicy,
-                 progress: Callable[[int], None] | None) -> None:
-        self.plan = plan
+    ``before_rename(job)``, when given, runs once a ``.part`` is complete and checked, before its
+    rename (a node directory's writer hashes the file there: raising :class:`_PieceFailed` fails
+    the file, which then never gets its final name)."""
+
+    def __init__(self, listing: HubListing, manifest: Manifest | None, dest: Path, result: RankFetchResult,
+                 headers: dict[str, str], retry: RetryPolicy, progress: Callable[[int], None] | None,
+                 before_rename: Callable[[_ShardJob], None] | None = None) -> None:
+        self.listing = listing
+        self.manifest = manifest
+        self.before_rename = before_rename
         self.result = result
         self.headers = headers
         self.retry = retry
@@ -763,7 +839,7 @@ class _Run:
         self.count_lock = threading.Lock()
         self.pieces_journaled = 0
         self.record_lock = threading.Lock()
-        self.dest_real = os.path.realpath(plan.dest)
+        self.dest_real = os.path.realpath(dest)
 
     def count(self, n: int) -> None:
         with self.count_lock:
@@ -786,7 +862,7 @@ class _Run:
                 return
             if job.fd is None:
                 job.open()
-        manifest = self.plan.manifest
+        manifest = self.manifest
         for attempt in (1, 2):
             hasher = _TensorHasher(task.tensors) if manifest is not None else None
             for k, i in enumerate(task.pieces):
@@ -851,7 +927,7 @@ class _Run:
                 raise _transfer.Cancelled()
             snap = hasher.snapshot() if hasher is not None else None
             try:
-                _transfer.stream_range(self.plan.listing, job.plan.source, piece.src, piece.length, job.fd,  # type: ignore[arg-type]  # fd is open here
+                _transfer.stream_range(self.listing, job.plan.source_of(piece), piece.src, piece.length, job.fd,  # type: ignore[arg-type]  # fd is open here
                                        piece.dst, self.headers, download.TIMEOUT, self.cancel, self.count,
                                        sink=hasher.feed if hasher is not None else None)
                 return
@@ -878,6 +954,8 @@ class _Run:
         if head != sp.prefix:
             raise _PieceFailed(f"{job.part}: the header on disk is not the one written")
         parse_header_bytes(head[8:], file=sp.path, path=job.part, file_size=sp.size)  # valid safetensors
+        if self.before_rename is not None:
+            self.before_rename(job)
         _transfer.pause_point("before_shard_rename")  # test hook
         with job.lock:
             job.close()
@@ -888,7 +966,7 @@ class _Run:
         with self.cond:
             self.result.written.append(sp.path)
 
-    def record_written(self, sp: ShardPlan) -> None:
+    def record_written(self, sp: OutputPlan) -> None:
         """Add ``sp`` to :data:`SHARD_RECORD` (after its rename: a crash in between only costs a
         re-fetch of that shard)."""
         with self.record_lock:
@@ -1057,11 +1135,13 @@ def run_rank_fetch(
             result.failed.update(fr.failed)
             result.bytes_downloaded += fr.bytes_downloaded
             if plan.manifest is not None:
-                result.failed.update(_check_against_manifest(plan, dest_real, fr.fetched + fr.skipped))
+                result.failed.update(_check_against_manifest(plan.manifest, plan.listing, dest_real,
+                                                             fr.fetched + fr.skipped))
         elif report is not None:
             report(0)
 
-        run = _Run(plan, result, hubclient.auth_headers(plan.listing, token), policy, progress)
+        run = _Run(plan.listing, plan.manifest, plan.dest, result, hubclient.auth_headers(plan.listing, token), policy,
+                   progress)
         for job in jobs:
             run.submit(job)
         try:

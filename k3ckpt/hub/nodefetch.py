@@ -1,0 +1,570 @@
+"""Node fetch: ``k3ckpt fetch --node N --gpus-per-node G`` writes node N's directory straight
+from the hub - the same directory ``k3ckpt reshard`` writes as ``OUT/node-0000N/``.
+
+Both producers follow one plan, :func:`k3ckpt.format.nodedir.plan_node_dir`: it fixes every
+file's name, header bytes and tensor offsets, the index and the marker. ``reshard`` copies each
+tensor from a local shard; this module fetches it by HTTP Range from the hub's shard (source
+offset = the shard's data start + the tensor's begin) into its planned offset. So a node goes
+from hub to servable in one command, without a second write of the whole checkpoint.
+
+What is written, in order:
+
+- every planned file (dense files, then each rank's expert files) as a ``.part``: the planned
+  header first, then the tensors' bytes. Tensors adjacent in one source shard *and* in the
+  output are coalesced into one request of at most ``chunk_size`` bytes, never across source
+  shards (:func:`k3ckpt.hub.rankfetch._pieces_and_tasks`). Journaling, resume and retries are
+  the rank-aware fetch's (:mod:`k3ckpt.hub.rankfetch`); with ``--manifest`` every tensor's
+  sha256 is checked while it streams;
+- when a ``.part`` is complete it is read back once to compute the file's and its tensors'
+  sha256 (the marker records them, as ``reshard``'s does; pieces arrive out of order, so the
+  file digest cannot be computed while streaming). With a manifest the tensor digests read back
+  must match it too, so only verified bytes get the final name. The digests are kept in
+  :data:`DIGEST_DIR` so a resumed run need not read complete files again;
+- the non-weight files (config, tokenizer, licence, code), fetched whole and checked against
+  the hub's sha256 by the downloader;
+- ``model.safetensors.index.json``, ``k3ckpt-node.json`` and ``READY``, in that order, only
+  when everything else succeeded: the bytes :meth:`NodeDir.index_bytes` and
+  :meth:`NodeDir.marker_bytes` give every producer (``source_index_sha256`` is the sha256 of
+  the hub's index file, which is the local index ``reshard`` hashes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import RankFetchError
+from ..format.checkpoint import INDEX_NAME, SINGLE_NAME, bulk_allocation
+from ..format.layout import NODE_MARKER, PARTIAL_MARKER, READY_NAME
+from ..format.nodedir import NODE_ALIGN, NODE_MAX_FILE_SIZE, NodeDir, NodeFile, plan_node_dir
+from ..format.topology import RankSelection, Topology, build_index, fp8_block_of
+from ..integrity.hashing import HashError, Span, hash_file
+from ..integrity.manifest import Manifest
+from ..utils import format_ranges, human_bytes, write_atomic
+from . import _dest, download
+from . import client as hubclient
+from .client import HubFile, HubListing, RetryPolicy
+from .fetch import record_source, select_paths
+from .rankfetch import (
+    STRUCTURE_ONLY_NOTE,
+    VERIFIED_STRUCTURE,
+    VERIFIED_TENSORS,
+    Piece,
+    RankFetchResult,
+    Task,
+    _check_against_manifest,
+    _check_manifest,
+    _check_manifest_files,
+    _PieceFailed,
+    _pieces_and_tasks,
+    _Run,
+    _ShardJob,
+    read_source,
+)
+
+__all__ = [
+    "DIGEST_DIR",
+    "NodeFetchPlan",
+    "NodeFilePlan",
+    "node_fetch_json",
+    "plan_node_fetch",
+    "render_node_fetch",
+    "render_node_fetch_plan",
+    "run_node_fetch",
+]
+
+#: Per output file, the sha256 of the file and of its tensors, with the content key they were
+#: computed for: ``<DIGEST_DIR>/<file>.json``. The marker needs them; without them a resumed run
+#: would read every complete file again. Hidden, like every working record of a fetch.
+DIGEST_DIR = ".cache/k3ckpt/node-digests"
+
+
+@dataclass
+class NodeFilePlan:
+    """One planned file of the node directory and the Range requests that fill it.
+
+    Attributes:
+        path: The file's name (:class:`~k3ckpt.format.nodedir.NodeFile`'s).
+        rank: Whose experts it holds (None: dense tensors).
+        sources: The hub entries of the source shards its tensors come from, by path.
+        names: Its tensors, in file order.
+        prefix: Its header bytes, as planned.
+        size: Its size.
+        tensor_bytes: Bytes of its tensors' data.
+        pieces, tasks: The ranged GETs and their hashing units (see :class:`~k3ckpt.hub.rankfetch.Task`).
+    """
+
+    path: str
+    rank: int | None
+    sources: dict[str, HubFile]
+    names: list[str]
+    prefix: bytes
+    size: int
+    tensor_bytes: int
+    pieces: list[Piece] = field(default_factory=list)
+    tasks: list[Task] = field(default_factory=list)
+
+    def source_of(self, piece: Piece) -> HubFile:
+        return self.sources[piece.file]
+
+    def _sources_json(self) -> bytes:
+        return json.dumps([[p, f.size, f.sha256, f.git_sha1] for p, f in sorted(self.sources.items())]).encode()
+
+    def content_key(self) -> str:
+        """Identifies the file's content: its sources (path, size, digests), its header and where
+        each byte comes from. A new hub revision changes a source digest, so a file written from
+        the old one is not kept."""
+        h = hashlib.sha256(self.path.encode() + b"\0" + self._sources_json())
+        h.update(self.prefix)
+        h.update(json.dumps([[p.file, p.src, p.length] for p in self.pieces]).encode())
+        return h.hexdigest()
+
+    def fingerprint(self) -> str:
+        """Identifies the exact ``.part`` (content and request layout: a journal of another
+        chunk size is never adopted)."""
+        h = hashlib.sha256(self.content_key().encode())
+        h.update(json.dumps([[p.file, p.src, p.dst, p.length] for p in self.pieces]).encode())
+        return h.hexdigest()
+
+    def spans(self) -> list[Span]:
+        """Each tensor's absolute ``[start, stop)`` in the file."""
+        return [Span(name, start, stop) for task in self.tasks for name, start, stop in task.tensors]
+
+
+def plan_file(f: NodeFile, sources: dict[str, HubFile], data_start: dict[str, int], chunk_size: int) -> NodeFilePlan:
+    """The requests that fill the planned file ``f``: each tensor's bytes from its source shard
+    (``data_start`` of its shard + its begin) to ``len(prefix)`` + its planned offset."""
+    base = len(f.prefix)
+    spans = [(t.name, t.file, data_start[t.file] + t.begin, base + b, base + e) for t, (b, e) in zip(f.tensors, f.offsets)]
+    pieces, tasks = _pieces_and_tasks(spans, chunk_size)
+    used = {t.file for t in f.tensors}
+    return NodeFilePlan(f.name, f.rank, {p: sources[p] for p in sorted(used)}, [t.name for t in f.tensors], f.prefix,
+                        f.size, sum(t.nbytes for t in f.tensors), pieces, tasks)
+
+
+@dataclass
+class NodeFetchPlan:
+    """Everything a node fetch will do, decided from hub metadata and headers alone.
+
+    Attributes:
+        listing: The hub listing (pinned to the resolved commit).
+        dest: Destination directory (the node directory itself).
+        nd: The node directory's plan (files, index, marker).
+        outputs: One request plan per planned file, in the plan's order.
+        files: Non-weight files fetched whole; excluded: those ``--include``/``--exclude`` left out.
+        chunk_size: Largest ranged GET.
+        header_bytes: Bytes read to plan (every shard's header).
+        source_bytes: Bytes a full fetch would move.
+        source_index_sha256: What the marker records as ``source_index_sha256``.
+        manifest, manifest_label: The tensor-hash manifest to verify against, if any.
+    """
+
+    listing: HubListing
+    dest: Path
+    nd: NodeDir
+    outputs: list[NodeFilePlan]
+    files: list[str]
+    excluded: list[str]
+    chunk_size: int
+    header_bytes: int
+    source_bytes: int
+    source_index_sha256: str
+    manifest: Manifest | None = None
+    manifest_label: str | None = None
+
+    @property
+    def topology(self) -> Topology:
+        return self.nd.topology
+
+    @property
+    def tensors(self) -> int:
+        return sum(len(o.names) for o in self.outputs)
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes the fetch moves when nothing is present yet (planning headers excluded)."""
+        return sum(o.tensor_bytes for o in self.outputs) + sum(self.listing.files[f].size for f in self.files)
+
+    @property
+    def verification(self) -> str:
+        return VERIFIED_TENSORS if self.manifest is not None else VERIFIED_STRUCTURE
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--dry-run --json`` output."""
+        return {
+            "hub": self.listing.hub, "repo": self.listing.repo, "revision": self.listing.revision,
+            "dest": str(self.dest), "format": "node", "topology": self.topology.to_json(), "dp": self.topology.dp,
+            "node": self.nd.node, "gpus_per_node": self.nd.gpus_per_node, "ranks": list(self.nd.ranks),
+            "experts": self.nd.experts,
+            "node_files": {o.path: {"rank": o.rank, "tensors": len(o.names), "size": o.size, "bytes": o.tensor_bytes,
+                                    "sources": sorted(o.sources), "requests": len(o.pieces)} for o in self.outputs},
+            "files": {f: self.listing.files[f].size for f in self.files}, "excluded": self.excluded,
+            "bytes_total": self.bytes_total, "source_bytes": self.source_bytes, "header_bytes": self.header_bytes,
+            "tensors": self.tensors, "verification": self.verification,
+        }
+
+
+def plan_node_fetch(
+    hub: str,
+    repo: str,
+    dest: str | os.PathLike[str],
+    selection: RankSelection,
+    *,
+    revision: str | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    manifest: Manifest | str | os.PathLike[str] | None = None,
+    include: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (),
+    chunk_size: int = download.DEFAULT_CHUNK,
+    max_file_size: int = NODE_MAX_FILE_SIZE,
+    jobs: int = 8,
+) -> NodeFetchPlan:
+    """Plan node ``selection.node``'s directory from the hub's headers (no tensor data): the
+    topology in vLLM's expert-parallel reading (``ep = tp x dp``, as ``reshard``'s node format),
+    :func:`~k3ckpt.format.nodedir.plan_node_dir` with ``reshard``'s defaults, and the requests.
+
+    Raises:
+        RankFetchError: No checkpoint, headers that disagree with the index, a manifest of other
+            headers, experts the hub's checkpoint lacks.
+        TopologyError: An impossible topology, or one the engine format refuses.
+    """
+    if chunk_size < 1:
+        raise RankFetchError(f"chunk size {chunk_size} must be positive")
+    if selection.node is None or selection.ranks is not None:
+        raise RankFetchError("the node format writes whole nodes: give --node N (--format partial for --ranks)")
+    label = None
+    if manifest is not None and not isinstance(manifest, Manifest):
+        label = os.fspath(manifest)
+        manifest = Manifest.load(manifest)
+    src = read_source(hub, repo, revision, endpoint=endpoint, token=token, jobs=jobs)
+    listing = src.listing
+    with bulk_allocation():  # ~10^6 fresh acyclic tuples at the full K3 scale
+        idx = build_index(src.tensors, fp8_block=fp8_block_of(src.config))
+        topo = selection.topology_for(idx, src.config, engine=True)
+        # without --gpus-per-node one node holds the whole world, as reshard reads it
+        gpn = selection.gpus_per_node if selection.gpus_per_node is not None else topo.world_size
+        nd = plan_node_dir(src.tensors, topo, selection.node, gpn, max_file_size=max_file_size, index=idx,
+                           align=NODE_ALIGN)
+        _require_experts(listing, idx.expert_names, nd)
+        wanted = {t.name for f in nd.files for t in f.tensors}
+        if manifest is not None:
+            _check_manifest(manifest, label or "(given)", src.headers, wanted, listing)
+        starts = {h.file: h.data_start for h in src.headers}
+        outputs = [plan_file(f, {p: listing.files[p] for p in starts}, starts, chunk_size) for f in nd.files]
+    skip = set(src.shard_paths) | {INDEX_NAME, NODE_MARKER, PARTIAL_MARKER, READY_NAME}
+    others = [f for f in listing.files if f not in skip and not f.endswith(".safetensors")]
+    files, excluded = select_paths(others, include, exclude)
+    if manifest is not None:
+        _check_manifest_files(manifest, label or "(given)", listing, files)
+    index_sha = src.index_sha256 or _single_header_sha(listing, src.headers[0].data_start, token)
+    return NodeFetchPlan(
+        listing=listing, dest=Path(dest), nd=nd, outputs=outputs, files=files, excluded=excluded,
+        chunk_size=chunk_size, header_bytes=sum(h.data_start for h in src.headers),
+        source_bytes=sum(listing.files[p].size for p in src.shard_paths + others
+                         + ([INDEX_NAME] if src.weight_map else [])),
+        source_index_sha256=index_sha, manifest=manifest, manifest_label=label)
+
+
+def _single_header_sha(listing: HubListing, data_start: int, token: str | None) -> str:
+    """A single-file checkpoint has no index: ``reshard`` records the sha256 of its header
+    prefix instead, so this does too."""
+    return hashlib.sha256(hubclient.read_range(listing, SINGLE_NAME, 0, data_start, token=token)).hexdigest()
+
+
+def _require_experts(listing: HubListing, expert_names: dict[int, Any], nd: NodeDir) -> None:
+    """Refuse a node whose routed experts the hub's checkpoint lacks entirely (a partial
+    checkpoint uploaded as a repo), as ``reshard`` refuses it, rather than write it without."""
+    if not expert_names:
+        return  # a dense model, or gpt-oss stacked experts
+    missing = [e for e in nd.experts if e not in expert_names]
+    if missing:
+        raise RankFetchError(f"{listing.hub}:{listing.repo}@{listing.revision}: node {nd.node} needs routed experts "
+                             f"{format_ranges(missing)}, which this checkpoint does not hold")
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def _digest_path(dest_real: str, name: str) -> Path:
+    return Path(dest_real, DIGEST_DIR, name + ".json")
+
+
+def _read_back(op: NodeFilePlan, path: str, manifest: Manifest | None) -> dict[str, Any]:
+    """The sha256 of the file at ``path`` and of each of its tensors, in one read; with a
+    manifest every tensor digest must match it.
+
+    Raises:
+        _PieceFailed: unreadable, or a tensor whose bytes are not the manifest's.
+    """
+    try:
+        d = hash_file(path, spans=op.spans())
+    except (HashError, OSError) as e:
+        raise _PieceFailed(f"{path}: cannot hash it: {e}") from None
+    tensors = dict(d.spans or {})
+    for name in op.names:  # zero-byte tensors: no span bytes, the empty digest
+        tensors.setdefault(name, hashlib.sha256().hexdigest())
+    if manifest is not None:
+        bad = next((n for n in op.names if manifest.tensors[n].sha256 != tensors[n]), None)
+        if bad is not None:
+            raise _PieceFailed(f"tensor {bad!r}: sha256 {tensors[bad]} on disk but the manifest says "
+                               f"{manifest.tensors[bad].sha256}")
+    return {"key": op.content_key(), "sha256": d.sha256, "tensors": tensors}
+
+
+def _complete(op: NodeFilePlan, final: str, manifest: Manifest | None, dest_real: str) -> dict[str, Any] | None:
+    """The digests of ``final`` if it already is this file - size and header bytes, then with a
+    manifest every tensor's sha256 (read locally), without one the digest record written for this
+    very content - else None."""
+    try:
+        if os.path.islink(final) or not os.path.isfile(final) or os.path.getsize(final) != op.size:
+            return None
+        with open(final, "rb") as f:
+            if f.read(len(op.prefix)) != op.prefix:
+                return None
+    except OSError:
+        return None
+    if manifest is not None:
+        try:
+            return _read_back(op, final, manifest)
+        except _PieceFailed:
+            return None
+    try:
+        rec = json.loads(_digest_path(dest_real, op.path).read_bytes())
+    except (OSError, ValueError):
+        return None
+    ok = (isinstance(rec, dict) and rec.get("key") == op.content_key() and isinstance(rec.get("sha256"), str)
+          and isinstance(rec.get("tensors"), dict) and set(rec["tensors"]) == set(op.names))
+    return rec if ok else None
+
+
+def _prepare_dest(dest_real: str, plan: NodeFetchPlan) -> None:
+    """Refuse a destination holding another kind of checkpoint; then make sure it cannot look
+    complete until this run succeeds (READY first), and remove the files of an earlier node
+    fetch of another plan (another topology or node), which the new index would not name."""
+    has_index = os.path.isfile(os.path.join(dest_real, INDEX_NAME))
+    if os.path.lexists(os.path.join(dest_real, PARTIAL_MARKER)) or (
+            has_index and not os.path.lexists(os.path.join(dest_real, NODE_MARKER))):
+        raise RankFetchError(f"{dest_real} holds a checkpoint that is not a node directory ({INDEX_NAME} without "
+                             f"{NODE_MARKER}, or a {PARTIAL_MARKER}); fetch into another --dest")
+    planned = {o.path for o in plan.outputs}
+    try:
+        old = json.loads(Path(dest_real, NODE_MARKER).read_bytes()).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        old = {}
+    for name in (READY_NAME, NODE_MARKER, INDEX_NAME):
+        _dest.unlink(os.path.join(dest_real, name))
+    for name in old if isinstance(old, dict) else ():
+        if isinstance(name, str) and name not in planned and name.endswith(".safetensors") and "/" not in name:
+            _dest.unlink(os.path.join(dest_real, name))
+
+
+def run_node_fetch(
+    plan: NodeFetchPlan,
+    *,
+    workers: int = 8,
+    token: str | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
+    retry: RetryPolicy | None = None,
+    check_space: bool = True,
+) -> RankFetchResult:
+    """Write ``plan``'s node directory into its destination: resumable, parallel, checked (see
+    the module doc). Arguments as :func:`k3ckpt.hub.rankfetch.run_rank_fetch`.
+
+    Returns:
+        `RankFetchResult`: ``ok`` only if every file is present and checked; the index, the
+        marker and ``READY`` are written only then.
+
+    Raises:
+        FetchLockedError: Another live fetch holds the destination's lock.
+        DiskSpaceError: Not enough free space.
+        RankFetchError: The destination holds another kind of checkpoint.
+    """
+    if workers < 1:
+        raise ValueError("workers must be >= 1")
+    t0 = time.monotonic()
+    policy = retry or download.FETCH_RETRY
+    result = RankFetchResult(dest=plan.dest, verification=plan.verification, bytes_total=plan.bytes_total)
+    os.makedirs(plan.dest, exist_ok=True)
+    dest_real = os.path.realpath(plan.dest)
+    lock = _dest.DestLock(dest_real)
+    lock.acquire()
+    try:
+        _prepare_dest(dest_real, plan)
+        digests = _fetch_node_files(plan, result, dest_real, workers, token, progress, on_plan, policy, check_space)
+        if result.ok:
+            _finish_node(plan, dest_real, digests)
+    finally:
+        lock.release()
+    result.written.sort()
+    result.skipped.sort()
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def _fetch_node_files(plan: NodeFetchPlan, result: RankFetchResult, dest_real: str, workers: int, token: str | None,
+                      progress: Callable[[int], None] | None, on_plan: Callable[[int], None] | None,
+                      policy: RetryPolicy, check_space: bool) -> dict[str, dict[str, Any]]:
+    """Fetch the planned files and the non-weight files into ``dest_real``, recording failures in
+    ``result``; returns the digests of every planned file present and checked."""
+    targets: list[tuple[NodeFilePlan, str]] = []
+    for op in plan.outputs:
+        try:
+            targets.append((op, _dest.target(dest_real, op.path)))
+        except ValueError as e:
+            result.failed[op.path] = str(e)
+    # with a manifest this reads every present file: in parallel, as the downloader does
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        present = list(pool.map(lambda t: _complete(t[0], t[1], plan.manifest, dest_real), targets))
+    digests: dict[str, dict[str, Any]] = {}
+    jobs: list[_ShardJob] = []
+    for (op, final), done in zip(targets, present):
+        if done is not None:
+            digests[op.path] = done
+            result.skipped.append(op.path)
+            _dest.unlink(final + ".part.journal")
+            continue
+        job = _ShardJob(op, final, dest_real)
+        job.load_resume()
+        jobs.append(job)
+    todo = sum(job.todo_bytes() for job in jobs)
+    if check_space:
+        absent = [f for f in plan.files if not os.path.lexists(os.path.join(dest_real, f))]
+        # a resumed .part is allocated already
+        needed = sum(job.plan.size for job in jobs if not job.done) + sum(plan.listing.files[f].size for f in absent)
+        free = shutil.disk_usage(dest_real).free
+        if needed > free:
+            raise download.DiskSpaceError(
+                f"{dest_real}: not enough free space for {len(jobs)} node file(s) and {len(absent)} file(s): need "
+                f"{needed} bytes ({human_bytes(needed)}), only {free} bytes ({human_bytes(free)}) free")
+    report = (lambda n: on_plan(n + todo)) if on_plan is not None else None
+    if plan.files:
+        fr = download.fetch_files(plan.listing, plan.dest, plan.files, workers=workers, chunk_size=plan.chunk_size,
+                                  token=token, progress=progress, on_plan=report, retry=policy,
+                                  check_space=check_space, take_lock=False)
+        result.fetched, result.files_skipped = list(fr.fetched), list(fr.skipped)
+        result.failed.update(fr.failed)
+        result.bytes_downloaded += fr.bytes_downloaded
+        if plan.manifest is not None:
+            result.failed.update(_check_against_manifest(plan.manifest, plan.listing, dest_real,
+                                                         fr.fetched + fr.skipped))
+    elif report is not None:
+        report(0)
+
+    def before_rename(job: _ShardJob) -> None:
+        # read back once: the marker's digests (and, with a manifest, a last check of the bytes on disk)
+        op = job.plan
+        assert isinstance(op, NodeFilePlan)
+        try:
+            rec = _read_back(op, job.part, plan.manifest)
+        except _PieceFailed:
+            # the bytes on disk are not what streamed in and was checked: a re-run must fetch
+            # them again, not adopt the journal that says they are complete
+            _dest.unlink(job.journal)
+            raise
+        path = _digest_path(dest_real, op.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(rec).encode())
+        digests[op.path] = rec
+
+    run = _Run(plan.listing, plan.manifest, plan.dest, result, hubclient.auth_headers(plan.listing, token), policy,
+               progress, before_rename)
+    for job in jobs:
+        run.submit(job)
+    try:
+        if jobs:
+            run.run(workers)
+    finally:
+        for job in jobs:
+            job.close()
+    for job in jobs:  # nothing may end neither written nor failed
+        if job.plan.path not in result.written and job.plan.path not in result.failed:
+            result.failed[job.plan.path] = "not completed"
+    return digests
+
+
+def _finish_node(plan: NodeFetchPlan, dest_real: str, digests: dict[str, dict[str, Any]]) -> None:
+    """The index, the marker, then READY (as ``reshard`` finishes a node), each durable."""
+    tensor_sha = {name: d for rec in digests.values() for name, d in rec["tensors"].items()}
+    file_sha = {name: rec["sha256"] for name, rec in digests.items()}
+    write_atomic(os.path.join(dest_real, INDEX_NAME), plan.nd.index_bytes())
+    write_atomic(os.path.join(dest_real, NODE_MARKER),
+                 plan.nd.marker_bytes(plan.source_index_sha256, tensor_sha, file_sha))
+    write_atomic(os.path.join(dest_real, READY_NAME), b"")
+    try:
+        record_source(dest_real, plan.listing)
+    except OSError:
+        pass  # provenance only
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering (``k3ckpt fetch --node``)
+
+
+def _selection_text(plan: NodeFetchPlan) -> str:
+    t, nd = plan.topology, plan.nd
+    return (f"node {nd.node} (rank{'s' if len(nd.ranks) > 1 else ''} {format_ranges(list(nd.ranks))} of ep {t.ep} = "
+            f"tp {t.tp} x dp {t.dp}, {t.placement} placement)")
+
+
+def _source_text(plan: NodeFetchPlan) -> str:
+    return f"{plan.listing.hub}:{plan.listing.repo}@{plan.listing.revision}"
+
+
+def render_node_fetch_plan(plan: NodeFetchPlan) -> str:
+    """What a dry run prints: per node file its bytes, sources and requests; the other files; the total."""
+    lines = []
+    for o in plan.outputs:
+        n = len(o.sources)
+        lines.append(f"{human_bytes(o.tensor_bytes):>10}  {o.path}  ({len(o.names)} tensors from {n} shard"
+                     f"{'s' if n != 1 else ''}, {len(o.pieces)} request{'s' if len(o.pieces) != 1 else ''})")
+    for f in plan.files:
+        lines.append(f"{human_bytes(plan.listing.files[f].size):>10}  {f}")
+    share = plan.bytes_total / plan.source_bytes if plan.source_bytes else 1.0
+    lines.append(f"would fetch {human_bytes(plan.bytes_total)} of {human_bytes(plan.source_bytes)} ({share:.1%}) "
+                 f"from {_source_text(plan)} into {plan.dest} for {_selection_text(plan)}: {plan.tensors:,} tensors "
+                 f"in {len(plan.outputs)} node files and {len(plan.files)} other files; headers read: "
+                 f"{human_bytes(plan.header_bytes)}")
+    if plan.verification == VERIFIED_STRUCTURE:
+        lines.append(f"note: {STRUCTURE_ONLY_NOTE}")
+    return "\n".join(lines)
+
+
+def render_node_fetch(plan: NodeFetchPlan, res: RankFetchResult, *, verbose: bool = False) -> str:
+    """The summary of a node fetch; ``verbose`` names every file first."""
+    lines = []
+    if verbose:
+        lines += [f"wrote    {p}" for p in res.written]
+        lines += [f"fetched  {p}" for p in res.fetched]
+        lines += [f"verified {p} (already present)" for p in res.skipped + res.files_skipped]
+    rate = f" at {human_bytes(res.bytes_downloaded / res.seconds)}/s" if res.seconds and res.bytes_downloaded else ""
+    checked = f", {res.tensors_verified:,} tensors verified against the manifest" if plan.manifest is not None else ""
+    lines.append(f"{'ok' if res.ok else 'FAILED'}: {_source_text(plan)} -> {plan.dest}: {_selection_text(plan)}: "
+                 f"{len(res.written)} node files written, {len(res.fetched)} files fetched "
+                 f"({human_bytes(res.bytes_downloaded)}{rate}; the node is {human_bytes(plan.bytes_total)} of "
+                 f"{human_bytes(plan.source_bytes)}), {len(res.skipped) + len(res.files_skipped)} already present"
+                 f"{checked}, {len(res.failed)} failed")
+    lines += [f"  could not fetch {p}: {why}" for p, why in sorted(res.failed.items())]
+    if res.verification == VERIFIED_STRUCTURE:
+        lines.append(f"note: {STRUCTURE_ONLY_NOTE}")
+    return "\n".join(lines)
+
+
+def node_fetch_json(plan: NodeFetchPlan, res: RankFetchResult) -> dict[str, Any]:
+    """``fetch --json``'s document for a node fetch."""
+    d = res.to_json()
+    d.update(hub=plan.listing.hub, repo=plan.listing.repo, revision=plan.listing.revision, format="node",
+             node=plan.nd.node, ranks=list(plan.nd.ranks), topology=plan.topology.to_json(),
+             source_bytes=plan.source_bytes)
+    return d
+

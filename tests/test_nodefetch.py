@@ -1,0 +1,303 @@
+"""``k3ckpt fetch --node N --gpus-per-node G`` (``--format node``, the default with ``--node``)
+writes the node directory ``k3ckpt reshard`` writes as ``OUT/node-0000N/``: the same file names
+and the same bytes for every file (weight files, index, marker, READY, config, tokenizer,
+licence), from the loopback hub serving the same checkpoint, through the real hub clients.
+Only the node's bytes move; verify, inspect and preflight accept the result; SIGKILL + resume
+gives the same directory; a manifest catches corruption before a file gets its final name."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import REPO, run
+from k3ckpt.format.checkpoint import INDEX_NAME, iter_checkpoint_files, open_checkpoint
+from k3ckpt.format.header import read_header
+from k3ckpt.hub import download
+from k3ckpt.integrity.manifest import build_manifest
+
+CHUNK = 16 * 1024  # several requests per file, and large tensors cut into several pieces
+
+#: (topology flags, node, file size flags, the same topology in preflight's flags): one node
+#: holding the whole world (default file size); node 1 of 2 x 4 GPUs with round_robin placement
+#: and small files (several files per rank); node 1 of an uneven split (16 experts over 6 ranks:
+#: ranks 0-3 hold 3 each, ranks 4-5 hold 2).
+CASES = [
+    (("--tp", "2", "--dp", "4"), 0, (), ("--ep", "8", "--tp", "2", "--gpus-per-node", "8")),
+    (("--tp", "2", "--dp", "4", "--gpus-per-node", "4", "--placement", "round_robin"), 1,
+     ("--max-file-size", "300000"), ("--ep", "8", "--tp", "2", "--gpus-per-node", "4")),
+    (("--ep", "6", "--tp", "2", "--gpus-per-node", "4"), 1, ("--max-file-size", "1MiB"),
+     ("--ep", "6", "--tp", "2", "--gpus-per-node", "4")),
+]
+
+
+def tree(d: Path) -> dict[str, str]:
+    """sha256 of every file of the checkpoint directory ``d`` (hidden directories - a fetch's
+    ``.cache`` working records - are not part of a checkpoint; hidden files such as a lock are)."""
+    return {rel: hashlib.sha256((d / rel).read_bytes()).hexdigest() for rel in iter_checkpoint_files(d)}
+
+
+def fetch_node(h: Any, dest: Path, topo: tuple[str, ...], node: int, *extra: str, source: str = "hf") -> Any:
+    return run("fetch", "--source", source, "--repo", REPO, "--dest", str(dest), "--endpoint", h.url,
+               "--chunk-size", str(CHUNK), "--workers", "3", *topo, "--node", str(node), *extra)
+
+
+@pytest.fixture(scope="module")
+def resharded(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Case index -> reshard's node directory for that case (the reference)."""
+    out: dict[int, Path] = {}
+    for i, (topo, node, sizes, _) in enumerate(CASES):
+        o = tmp_path_factory.mktemp(f"reshard-{i}")
+        res = run("reshard", str(k3_tiny), "-o", str(o), *topo, *sizes, "--node", str(node))
+        assert res.exit_code == 0, res.output
+        out[i] = o / f"node-{node:05d}"
+    return out
+
+
+def planning_bytes(served: Path) -> int:
+    return (sum(read_header(p).data_start for p in served.glob("*.safetensors"))
+            + (served / INDEX_NAME).stat().st_size + (served / "config.json").stat().st_size)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_fetch_node_equals_reshard_node(case: int, served_hub: Any, resharded: dict[int, Path], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    h, served = served_hub
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    topo, node, sizes, pre = CASES[case]
+    ref = resharded[case]
+    h.reset_counters()
+    dest = tmp_path / "node"
+    res = fetch_node(h, dest, topo, node, *sizes)
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith("ok: ") and f"node {node} (" in res.output
+    want = tree(ref)
+    assert any(f.startswith("model-rank-") for f in want) and "READY" in want and "LICENSE" in want
+    assert tree(dest) == want  # same names, same bytes: weight files, index, marker, READY, config...
+    # only the node's bytes moved: planning, each of its tensors once, the other files once
+    tensors = sum(t.nbytes for t in open_checkpoint(ref).tensors.values())
+    others = sum((served / f).stat().st_size for f in want if not f.endswith(".safetensors")
+                 and f not in (INDEX_NAME, "k3ckpt-node.json", "READY"))
+    assert h.total_bytes_sent() == planning_bytes(served) + tensors + others
+    # what reads a reshard node directory reads this one the same way
+    assert run("verify", str(dest)).exit_code == 0
+    # (inspect also names the hub revision a fetch recorded, which a local reshard cannot know)
+    fetched = [x for x in run("inspect", str(dest)).output.splitlines() if not x.startswith("source ")]
+    assert fetched == run("inspect", str(ref)).output.replace(str(ref), str(dest)).splitlines()
+    a = run("preflight", str(dest), "--node", str(node), *pre)
+    b = run("preflight", str(ref), "--node", str(node), *pre)
+    # (preflight has no --placement yet and checks linear placement: a round_robin node fails
+    # there whoever wrote it; the same verdict is what this test asks for)
+    assert a.exit_code == b.exit_code == (1 if "round_robin" in topo else 0), a.output
+    # every check says the same, except that the fetched node knows its hub revision (PASS, not
+    # WARN; and a fix names it)
+
+    def checks(out: str, d: Path) -> list[str]:
+        machine = (["source"], ["disk"], ["host", "memory"], ["gpu"])  # and free disk changes between runs
+        return [x for x in out.replace(str(d), "DIR").splitlines() if not any(x.split()[1:1 + len(m)] == m
+                                                                             for m in machine)
+                and not x.startswith("result") and not x.lstrip().startswith("fix: k3ckpt fetch")]
+
+    assert checks(a.output, dest) == checks(b.output, ref)
+    assert {"structure", "experts"} <= {x.split()[1] for x in checks(a.output, dest) if x[:4] in ("PASS", "FAIL")}
+    assert "PASS  source        from moonshotai/Kimi-K3@" in a.output
+    # a second run moves nothing (digests come from the fetch's records) and changes nothing
+    h.reset_counters()
+    again = fetch_node(h, dest, topo, node, *sizes, "--json")
+    data = json.loads(again.output)
+    assert again.exit_code == 0 and data["written"] == [] and data["bytes_downloaded"] == 0
+    assert len(data["skipped"]) == sum(f.endswith(".safetensors") for f in want)
+    assert tree(dest) == want
+
+
+def test_modelscope_writes_the_same_node(served_hub: Any, resharded: dict[int, Path], tmp_path: Path) -> None:
+    h, _ = served_hub
+    topo, node, sizes, _ = CASES[1]
+    res = fetch_node(h, tmp_path / "ms", topo, node, *sizes, "--json", source="modelscope")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["hub"] == "modelscope"
+    assert tree(tmp_path / "ms") == tree(resharded[1])
+
+
+def test_manifest_checks_every_tensor_and_a_bad_one_never_gets_a_final_name(
+        served_hub: Any, k3_tiny: Path, resharded: dict[int, Path], tmp_path: Path) -> None:
+    h, served = served_hub
+    manifest = tmp_path / "m.json"
+    build_manifest(k3_tiny, tensor_hashes=True).save(manifest)
+    topo, node, sizes, _ = CASES[1]
+    res = fetch_node(h, tmp_path / "ok", topo, node, *sizes, "--manifest", str(manifest), "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["verification"] == "tensor-sha256" and "note" not in data
+    assert data["tensors_verified"] == len(open_checkpoint(resharded[1]).tensors)
+    assert tree(tmp_path / "ok") == tree(resharded[1])
+    # a byte of a rank 5 expert corrupted on every response: that file fails, named, never final
+    shard = "model-00003-of-000008.safetensors"
+    hdr = read_header(served / shard)
+    expert = next(n for n in hdr.tensors if ".experts.5.w2.weight_packed" in n)
+    h.inject("corrupt_byte", shard, times=None, offset=hdr.absolute_range(expert)[0] + 1)
+    dest = tmp_path / "bad"
+    res = fetch_node(h, dest, topo, node, *sizes, "--manifest", str(manifest))
+    assert res.exit_code == 1 and res.output.startswith("FAILED: ")
+    line = next(x for x in res.output.splitlines() if x.startswith("  could not fetch model-rank-00005-experts-"))
+    assert f"tensor {expert!r}: sha256" in line
+    bad = line.split()[3].rstrip(":")
+    assert not (dest / bad).exists()
+    assert not any((dest / f).exists() for f in (INDEX_NAME, "k3ckpt-node.json", "READY"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--tp", "2", "--dp", "4", "--ranks", "0-3", "--format", "node"), "--format node writes whole nodes"),
+    (("--format", "node"), "--format is for a rank-aware fetch"),
+])
+def test_usage_errors(args: tuple[str, ...], message: str, tmp_path: Path) -> None:
+    res = run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(tmp_path / "d"), *args)
+    assert res.exit_code == 2 and message in res.output
+
+
+def test_other_checkpoints_in_dest_are_refused(served_hub: Any, resharded: dict[int, Path], tmp_path: Path) -> None:
+    """A node fetch never mixes its files into another checkpoint, nor a whole fetch the hub's
+    shards into a node directory; a node fetch of another topology replaces the old plan's files."""
+    h, _ = served_hub
+    topo, node, sizes, _ = CASES[1]
+    partial = tmp_path / "partial"
+    assert run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(partial), "--endpoint", h.url, "--ep", "8",
+               "--tp", "2", "--gpus-per-node", "4", "--node", str(node), "--format", "partial").exit_code == 0
+    res = fetch_node(h, partial, topo, node, *sizes)
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "is not a node directory" in res.output
+    dest = tmp_path / "node"
+    assert fetch_node(h, dest, topo, node, *sizes).exit_code == 0
+    res = run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(dest), "--endpoint", h.url)
+    assert res.exit_code == 2 and "is a node directory" in res.output and res.output.count("\n") == 1
+    assert tree(dest) == tree(resharded[1])
+    # the same directory re-fetched as node 0 of one 8-GPU node: node 1's rank files go
+    assert fetch_node(h, dest, *CASES[0][:2]).exit_code == 0
+    assert tree(dest) == tree(resharded[0])
+
+
+def test_engine_topology_refused_in_one_line(served_hub: Any, tmp_path: Path) -> None:
+    h, _ = served_hub
+    res = fetch_node(h, tmp_path / "d", ("--ep", "4", "--tp", "2", "--world-size", "8", "--gpus-per-node", "4"), 0)
+    assert res.exit_code == 2 and res.output.count("\n") == 1
+    assert "the engine format needs --ep equal to the world size" in res.output
+    assert not (tmp_path / "d").exists()
+
+
+def test_dry_run_lists_node_files_and_reads_only_headers(served_hub: Any, resharded: dict[int, Path],
+                                                         tmp_path: Path) -> None:
+    h, served = served_hub
+    topo, node, sizes, _ = CASES[1]
+    h.reset_counters()
+    res = fetch_node(h, tmp_path / "d", topo, node, *sizes, "--dry-run", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert sorted(data["node_files"]) == sorted(f for f in tree(resharded[1]) if f.endswith(".safetensors"))
+    assert data["ranks"] == [4, 5, 6, 7] and data["format"] == "node"
+    assert h.total_bytes_sent() == planning_bytes(served) and not (tmp_path / "d").exists()
+
+
+_CHILD = """
+import sys
+from k3ckpt.format.topology import RankSelection
+from k3ckpt.hub.nodefetch import plan_node_fetch, run_node_fetch
+url, repo, dest, chunk = sys.argv[1:5]
+sel = RankSelection(tp=2, dp=4, gpus_per_node=4, node=1, placement="round_robin")
+plan = plan_node_fetch("hf", repo, dest, sel, endpoint=url, token="", chunk_size=int(chunk), max_file_size=300000)
+sys.exit(0 if run_node_fetch(plan, workers=3, token="").ok else 1)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["after_piece:5", "before_shard_rename"])
+def test_sigkill_then_resume_gives_the_same_node(point: str, served_hub: Any, resharded: dict[int, Path],
+                                                 tmp_path: Path) -> None:
+    h, _ = served_hub
+    dest = tmp_path / "d"
+    paused = tmp_path / "paused"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MODELSCOPE_", "K3CKPT_"))}
+    env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_IMPLICIT_TOKEN="1",
+               K3CKPT_TEST_PAUSE_AT=point, K3CKPT_TEST_PAUSE_FILE=str(paused))
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, h.url, REPO, str(dest), str(CHUNK)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not paused.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"child exited ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "the child never reached its pause point"
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    assert not any((dest / f).exists() for f in (INDEX_NAME, "k3ckpt-node.json", "READY"))
+    parts = [p for p in dest.glob("*.safetensors.part") if Path(f"{p}.journal").exists()]
+    assert parts  # interrupted files wait as .part, never under their final names
+    if point == "before_shard_rename":
+        assert any(json.loads(Path(f"{p}.journal").read_text())["done"] for p in parts)
+
+    h.reset_counters()
+    topo, node, sizes, _ = CASES[1]
+    res = fetch_node(h, dest, topo, node, *sizes, "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    tensors = sum(t.nbytes for t in open_checkpoint(resharded[1]).tensors.values())
+    fetched_whole = sum(h.files(REPO)[f].size for f in data["fetched"])
+    assert data["bytes_downloaded"] - fetched_whole < tensors  # journaled pieces were not fetched again
+    assert not list(dest.glob("*.part")) and not list(dest.glob("*.journal"))
+    assert not (dest / download.LOCK_NAME).exists()
+    assert tree(dest) == tree(resharded[1])
+
+
+@pytest.mark.parametrize("family", ["k2_tiny", "gptoss_tiny"])
+def test_other_families_fetch_the_reshard_node(family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Kimi-K2 (per-expert FP8 with block scales) and gpt-oss (experts stacked in one tensor per
+    projection: all in the dense files) give the same node directory both ways too."""
+    from k3ckpt.testing.hub import LoopbackHub
+
+    src: Path = request.getfixturevalue(family)
+    topo = ("--tp", "1", "--dp", "4", "--gpus-per-node", "2")  # (gpt-oss-tiny has one KV head: tp 1)
+    assert run("reshard", str(src), "-o", str(tmp_path / "o"), *topo, "--node", "1").exit_code == 0
+    with LoopbackHub({REPO: src}, cache_dir=tmp_path / "hub-cache") as h:
+        res = fetch_node(h, tmp_path / "d", topo, 1)
+    assert res.exit_code == 0, res.output
+    assert tree(tmp_path / "d") == tree(tmp_path / "o" / "node-00001")
+
+
+def test_a_single_file_checkpoint_fetches_the_reshard_node(k3_tiny: Path, tmp_path: Path) -> None:
+    """Without an index the marker's ``source_index_sha256`` is the sha256 of the file's header,
+    for both producers."""
+    import shutil
+
+    from k3ckpt.format.header import TensorSpec, build_header
+    from k3ckpt.testing.hub import LoopbackHub
+
+    src = tmp_path / "single"
+    src.mkdir()
+    specs, data = [], []
+    for f in sorted(k3_tiny.glob("*.safetensors")):
+        hdr, raw = read_header(f), f.read_bytes()
+        for t in sorted(hdr.tensors.values(), key=lambda t: t.begin):
+            specs.append(TensorSpec(t.name, t.dtype, t.shape))
+            data.append(raw[hdr.data_start + t.begin:hdr.data_start + t.end])
+    prefix, _ = build_header(specs, {"format": "pt"})
+    (src / "model.safetensors").write_bytes(prefix + b"".join(data))
+    assert open_checkpoint(src).tensors.keys() == open_checkpoint(k3_tiny).tensors.keys()
+    for f in k3_tiny.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_NAME:
+            shutil.copy(f, src / f.name)
+    topo = ("--tp", "2", "--dp", "4", "--gpus-per-node", "4")
+    assert run("reshard", str(src), "-o", str(tmp_path / "o"), *topo, "--node", "0").exit_code == 0
+    with LoopbackHub({REPO: src}, cache_dir=tmp_path / "hub-cache") as h:
+        res = fetch_node(h, tmp_path / "d", topo, 0)
+    assert res.exit_code == 0, res.output
+    ref = tmp_path / "o" / "node-00000"
+    assert tree(tmp_path / "d") == tree(ref)
+    header = read_header(src / "model.safetensors").data_start
+    digest = hashlib.sha256((src / "model.safetensors").read_bytes()[:header]).hexdigest()
+    assert json.loads((ref / "k3ckpt-node.json").read_text())["source_index_sha256"] == digest
