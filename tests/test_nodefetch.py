@@ -94,9 +94,8 @@ def test_fetch_node_equals_reshard_node(case: int, served_hub: Any, resharded: d
     assert fetched == run("inspect", str(ref)).output.replace(str(ref), str(dest)).splitlines()
     a = run("preflight", str(dest), "--node", str(node), *pre)
     b = run("preflight", str(ref), "--node", str(node), *pre)
-    # (preflight has no --placement yet and checks linear placement: a round_robin node fails
-    # there whoever wrote it; the same verdict is what this test asks for)
-    assert a.exit_code == b.exit_code == (1 if "round_robin" in topo else 0), a.output
+    # (preflight reads the launch - placement included - from k3ckpt-node.json: both are ready)
+    assert a.exit_code == b.exit_code == 0, a.output
     # every check says the same, except that the fetched node knows its hub revision (PASS, not
     # WARN; and a fix names it)
 
