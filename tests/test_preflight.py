@@ -764,8 +764,8 @@ def test_engine_cli_json_text_and_exit_codes(nodes_pristine: Path, pristine: Pat
 def test_engine_rank_aware_fetch_is_fixed_by_fetching_the_launchs_share(served_hub, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A `fetch --node` copy checked for another node: the fix is the rank-aware fetch of that
-    node into the same directory (from the source its k3ckpt-partial.json records), and after
-    it the directory is exactly that node's."""
+    node into the same directory (from the hub its fetch recorded), and after it the directory
+    is exactly that node's."""
     h, _ = served_hub
     monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
     dest = tmp_path / "node"
@@ -775,7 +775,7 @@ def test_engine_rank_aware_fetch_is_fixed_by_fetching_the_launchs_share(served_h
     assert pf.preflight(dest, launch(0), engine="vllm", environ=NO_GPU).ok
     rep = pf.preflight(dest, launch(1), engine="vllm", environ=NO_GPU)
     r = rows(rep)
-    assert "--node 1 (k3ckpt-partial.json has 0)" in r["launch"].reason
+    assert "--node 1 (k3ckpt-node.json has 0)" in r["launch"].reason
     fix = r["launch"].fix or ""
     assert fix.startswith("k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --revision ")
     assert fix.endswith(f"--dest {dest} --ep 4 --tp 2 --placement linear --node 1 --gpus-per-node 2")

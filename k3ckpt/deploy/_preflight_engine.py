@@ -36,6 +36,7 @@ class EngineNodeDir(PlainCheckpoint):
         self.leader = leader_address
         self.rpc_port = rpc_port
         self.served_model_name = served_model_name
+        self.fetched_from: dict[str, Any] | None = None  # the hub a `fetch` recorded, set by run()
 
     def run(self) -> PreflightReport:
         ask = self.ask
@@ -48,6 +49,11 @@ class EngineNodeDir(PlainCheckpoint):
         except LayoutError as e:
             raise PreflightError(str(e)) from None
         self.node_marker = (self.root / NODE_MARKER).is_file()
+        # A hub download records where it came from (``fetch``'s source record); a reshard output
+        # does not: that decides whether the fix is a fetch or a reshard.
+        src = ckpt.source
+        self.fetched_from = ({"hub": src.hub, "repo": src.repo, "revision": src.revision}
+                             if src.hub and src.repo else None)
         topo = self._launch(ckpt)
         per_node, node, how = self._node(topo)
         ranks = ranks_of_node(node, per_node, topo.world_size)
@@ -253,6 +259,8 @@ class EngineNodeDir(PlainCheckpoint):
         source = marker.get("source") if isinstance(marker.get("source"), dict) else None
         if not self.node_marker and source is not None:
             return node_fetch_command(source, self.root, topo, node, per_node)
+        if self.fetched_from is not None:  # a `fetch --node` directory: fetch the launch's share
+            return node_fetch_command(self.fetched_from, self.root, topo, node, per_node)
         return node_reshard_command(self._source_path(), self.root.parent, topo, node, per_node)
 
     def _source_path(self) -> str | None:
