@@ -10,11 +10,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
 ensure_venv ""
+# vLLM's pinned wheel, read (never installed) by the last step to check the node directories with
+# vLLM's own functions; a cache outside the repository, instant once there.
+bash scripts/engines.sh .venv/bin/python
 
 WORK="$(mkdir -p "${1:-work/demo}" && cd "${1:-work/demo}" && pwd)"
 HUBDIR="$WORK/hub/Kimi-K3"          # what the (loopback) hub serves
 NODE="$WORK/node/Kimi-K3"           # what a node downloads
-NODE1="$WORK/node1/Kimi-K3"         # what a second node downloads: only its ranks' experts
+NODE1="$WORK/node1/Kimi-K3-tp2-dp4"  # what a second node downloads: its node directory, straight from the hub
 FULL="$WORK/k3-full"
 NODES="$WORK/node/Kimi-K3-tp2-dp4"   # node directories for vLLM TP2 x DP4 (EP8) on two 4-GPU nodes
 MANIFEST="$WORK/kimi-k3.manifest.json"
@@ -70,12 +73,14 @@ step "8. plan and reshard the node's copy into node directories: vLLM TP2 x DP4 
 k3ckpt plan "$NODE" --tp 2 --dp 4 --gpus-per-node 4
 k3ckpt reshard "$NODE" -o "$NODES" --tp 2 --dp 4 --gpus-per-node 4
 
-step "9. a second node fetches only its share: node 1 of 4-GPU nodes (ranks 4-7), from ModelScope"
+step "9. a second node fetches only its share, as its node directory: node 1 (ranks 4-7), from ModelScope"
 # the operator publishes per-tensor digests (the hub's sha256 covers whole files only)
 [ -f "$WORK/kimi-k3.tensors.json" ] || k3ckpt manifest build "$HUBDIR" --tensor-hashes -o "$WORK/kimi-k3.tensors.json"
-k3ckpt fetch --source modelscope --repo "$REPO" --dest "$NODE1" --ep 8 --tp 2 --node 1 --gpus-per-node 4 \
+k3ckpt fetch --source modelscope --repo "$REPO" --dest "$NODE1" --tp 2 --dp 4 --node 1 --gpus-per-node 4 \
   --manifest "$WORK/kimi-k3.tensors.json"
-k3ckpt preflight "$NODE1" --node 1 --gpus-per-node 4 --ep 8 --tp 2 --no-env
+# the same directory reshard wrote for node 1 in step 8, byte for byte (fetch also keeps its source record)
+diff -r --exclude=.cache "$NODES/node-00001" "$NODE1" && echo "identical: $NODES/node-00001 and $NODE1"
+k3ckpt preflight "$NODE1" --engine vllm --tp 2 --dp 4 --node 1 --gpus-per-node 4 --no-env
 
 step "10. the full K3 inventory, headers only (96 shards, ~497k tensors, 1.56 TB apparent, sparse)"
 synth_once "$FULL" --preset k3-full --headers-only
@@ -87,7 +92,15 @@ k3ckpt plan "$FULL" --ep 8 --tp 8 --gpus-per-node 8
 step "11. preflight node 0's directory: the launcher's topology, its experts, read speed"
 # the launcher's variables, as torchrun would set them for this node's first worker
 RANK=0 WORLD_SIZE=8 LOCAL_RANK=0 LOCAL_WORLD_SIZE=4 GROUP_RANK=0 \
-  k3ckpt preflight "$NODES/node-00000" --node 0 --gpus-per-node 4 --ep 8 --tp 2 --full --io-test 3
+  k3ckpt preflight "$NODES/node-00000" --engine vllm --tp 2 --dp 4 --node 0 --gpus-per-node 4 --full --io-test 3
+
+step "12. vLLM's own functions (from its pinned wheel) on both nodes' directories"
+if [ -n "$(ls "${K3CKPT_ENGINE_CACHE:-$HOME/.cache/k3ckpt/engines}"/vllm-0.33.0-*.whl 2>/dev/null)" ]; then
+  python tests/engines.py check "$NODE" "$NODES/node-00000" 2 4 4 0
+  python tests/engines.py check "$NODE" "$NODE1" 2 4 4 1
+else
+  echo "skipped: vLLM's wheel could not be downloaded (scripts/engines.sh)"
+fi
 
 step "done"
 cat <<EOT

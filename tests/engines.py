@@ -25,7 +25,7 @@ import re
 import sys
 import types
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
@@ -424,11 +424,109 @@ def rank_read_bytes(vllm: VLLM, tensors: Mapping[str, int], *, tp: int, dp: int,
     return out
 
 
+# -- one node directory against vLLM's own functions (the conformance check, for the demo too) ------
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def _weight_map(root: Path) -> dict[str, str]:
+    import json
+
+    return json.loads((root / INDEX).read_text())["weight_map"]
+
+
+def local_experts(vllm: VLLM, *, tp: int, dp: int, rank: int, num_experts: int, placement: str) -> set[int]:
+    """The experts vLLM's global rank ``rank`` loads under expert parallelism: its own EP
+    size/rank (the flattened TP x DP), then its own ``compute_local_expert_ids``."""
+    ep_size, ep_rank = vllm.ep_size_and_rank(tp, dp, rank)
+    local = vllm.ep_filter.compute_local_expert_ids(num_experts, ep_size, ep_rank, placement)
+    return set(range(num_experts)) if local is None else local
+
+
+def node_problems(vllm: VLLM, source_names: Iterable[str], node_dir: Path, *, tp: int, dp: int, gpus_per_node: int,
+                  node: int, num_experts: int, placement: str) -> list[str]:
+    """What vLLM's ranks of node ``node`` would miss in ``node_dir``, or find there in excess
+    (test (a)): every tensor of each rank's experts present (scales too), the heavy expert
+    tensors ``should_skip_weight`` keeps exactly the rank's own, every dense tensor of the source
+    present, and no expert that no rank of the node loads. Empty: the directory is exactly the
+    node's."""
+    f = vllm.ep_filter
+    src = set(source_names)
+    dense = {n for n in src if f.parse_expert_id(n) is None}
+    names = set(_weight_map(node_dir))
+    experts = {n for n in names if f.parse_expert_id(n) is not None}
+    problems = []
+    if dense - names:
+        problems.append(f"node {node}: dense tensors missing: {sorted(dense - names)[:3]}")
+    if names - experts - dense:
+        problems.append(f"node {node}: tensors not in the source: {sorted(names - experts - dense)[:3]}")
+    needed_by_node: set[str] = set()
+    world = tp * dp
+    for rank in range(node * gpus_per_node, min((node + 1) * gpus_per_node, world)):
+        local = local_experts(vllm, tp=tp, dp=dp, rank=rank, num_experts=num_experts, placement=placement)
+        needed = {n for n in src if f.parse_expert_id(n) in local}  # every tensor of its experts, scales too
+        needed_by_node |= needed
+        if needed - names:
+            problems.append(f"node {node} rank {rank}: {len(needed - names)} expert tensors missing, "
+                            f"experts {sorted({f.parse_expert_id(n) for n in needed - names})}")
+        # what the filter lets this rank read of the directory's heavy expert tensors
+        kept = {n for n in experts if not f.should_skip_weight(n, local) and f.should_skip_weight(n, set())}
+        heavy = {n for n in needed if f.should_skip_weight(n, set())}
+        if kept != heavy:
+            problems.append(f"node {node} rank {rank}: filter keeps {len(kept)} heavy tensors, rank needs {len(heavy)}")
+    if experts - needed_by_node:
+        problems.append(f"node {node}: {len(experts - needed_by_node)} expert tensors no rank of it loads")
+    return problems
+
+
+def index_check(vllm: VLLM, folder: Path) -> list[str]:
+    """The files vLLM's DefaultModelLoader hands on for a local directory: ``glob("*.safetensors")``
+    (the first allow pattern of load formats auto/hf/safetensors), then its own
+    ``filter_duplicate_safetensors_files(files, folder, "model.safetensors.index.json")``,
+    which raises when the index names a file that is not there."""
+    import glob
+
+    files = glob.glob(os.path.join(str(folder), "*.safetensors"))
+    return vllm.filter_duplicate_safetensors_files(files, str(folder), INDEX)
+
+
+def _check(argv: list[str]) -> int:
+    """``python tests/engines.py check SOURCE NODE_DIR TP DP GPUS_PER_NODE NODE [PLACEMENT]``."""
+    vllm = load_vllm()
+    if vllm is None:
+        print(missing_reason("vllm"), file=sys.stderr)
+        return 2
+    source, ndir = Path(argv[0]), Path(argv[1])
+    tp, dp, gpn, node = (int(a) for a in argv[2:6])
+    placement = argv[6] if len(argv) > 6 else "linear"
+    names = _weight_map(source)
+    experts = 1 + max(e for n in names if (e := vllm.ep_filter.parse_expert_id(n)) is not None)
+    try:
+        kept = index_check(vllm, ndir)
+    except (FileNotFoundError, OSError) as e:
+        print(f"vLLM's index check refuses {ndir}: {e}")
+        return 1
+    problems = node_problems(vllm, names, ndir, tp=tp, dp=dp, gpus_per_node=gpn, node=node,
+                             num_experts=experts, placement=placement)
+    for p in problems:
+        print(p)
+    if problems:
+        return 1
+    first, last = node * gpn, min((node + 1) * gpn, tp * dp) - 1
+    print(f"vLLM 0.33.0's own functions accept {ndir}: the index check keeps its {len(kept)} weight files; "
+          f"under TP{tp} DP{dp} (EP{tp * dp}, {placement}) ranks {first}-{last} find every tensor of their "
+          f"experts, the weight filter keeps exactly their own, and no other expert is there")
+    return 0
+
+
 def _main(argv: list[str]) -> int:
     """``python tests/engines.py CHECKPOINT TP DP GPUS_PER_NODE [PLACEMENT]``: the per-rank load
     reads of :func:`rank_read_bytes` for a checkpoint's headers (e.g. ``k3ckpt synth k3-full
     --preset k3-full --headers-only``), ranks with equal figures folded into one line."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    if argv[:1] == ["check"]:
+        return _check(argv[1:])
     from k3ckpt.format import open_checkpoint
 
     vllm = load_vllm()

@@ -32,9 +32,12 @@ from engines import (
     V_MXFP4_MOE,
     V_WEIGHT_UTILS,
     LoggerStandIn,
+    index_check,
     load_sglang,
     load_vllm,
+    local_experts,
     missing_reason,
+    node_problems,
     rank_read_bytes,
 )
 from helpers import run
@@ -161,44 +164,19 @@ def node_dir(out: Path, node: int) -> Path:
 
 
 def vllm_local_experts(case: Case, rank: int) -> set[int]:
-    """The experts vLLM's rank ``rank`` loads under expert parallelism (vLLM's own arithmetic:
-    EP size/rank from the flattened TP x DP, then ``compute_local_expert_ids``)."""
+    """The experts vLLM's rank ``rank`` loads under expert parallelism (vLLM's own arithmetic)."""
     assert VLLM is not None
-    ep_size, ep_rank = VLLM.ep_size_and_rank(case.tp, case.dp, rank)
-    local = VLLM.ep_filter.compute_local_expert_ids(case.experts, ep_size, ep_rank, case.placement)
-    return set(range(case.experts)) if local is None else local
+    return local_experts(VLLM, tp=case.tp, dp=case.dp, rank=rank, num_experts=case.experts,
+                                 placement=case.placement)
 
 
 def filter_problems(case: Case, source: Path, out: Path) -> list[str]:
     """(a) for every node of ``out``: what vLLM's ranks on it would miss, or hold in excess."""
     assert VLLM is not None
-    parse, skip = VLLM.ep_filter.parse_expert_id, VLLM.ep_filter.should_skip_weight
-    src = weight_map(source)
-    dense = {n for n in src if parse(n) is None}
-    problems = []
-    for node in range(case.nodes):
-        names = set(weight_map(node_dir(out, node)))
-        experts = {n for n in names if parse(n) is not None}
-        if dense - names:
-            problems.append(f"node {node}: dense tensors missing: {sorted(dense - names)[:3]}")
-        if names - experts - dense:
-            problems.append(f"node {node}: tensors not in the source: {sorted(names - experts - dense)[:3]}")
-        needed_by_node: set[str] = set()
-        for rank in ranks_of_node(node, case.gpus_per_node, case.world_size):
-            local = vllm_local_experts(case, rank)
-            needed = {n for n in src if parse(n) in local}  # every tensor of its experts, scales too
-            needed_by_node |= needed
-            if needed - names:
-                problems.append(f"node {node} rank {rank}: {len(needed - names)} expert tensors missing, "
-                                f"experts {sorted({parse(n) for n in needed - names})}")
-            # what the filter lets this rank read of the directory's heavy expert tensors
-            kept = {n for n in experts if not skip(n, local) and skip(n, set())}
-            if kept != {n for n in needed if skip(n, set())}:
-                problems.append(f"node {node} rank {rank}: filter keeps {len(kept)} heavy tensors, "
-                                f"rank needs {len({n for n in needed if skip(n, set())})}")
-        if experts - needed_by_node:
-            problems.append(f"node {node}: {len(experts - needed_by_node)} expert tensors no rank of it loads")
-    return problems
+    return [p for node in range(case.nodes)
+            for p in node_problems(VLLM, weight_map(source), node_dir(out, node), tp=case.tp, dp=case.dp,
+                                           gpus_per_node=case.gpus_per_node, node=node, num_experts=case.experts,
+                                           placement=case.placement)]
 
 
 @needs_vllm
@@ -274,16 +252,9 @@ def test_read_bytes_helper_matches_the_written_directories(written: tuple[Case, 
 
 
 def vllm_weight_files(folder: Path) -> list[str]:
-    """The files vLLM's DefaultModelLoader._prepare_weights hands to the index check for a local
-    directory: ``glob(os.path.join(hf_folder, "*.safetensors"))`` (the first allow pattern of
-    load formats auto/hf/safetensors), then ``filter_duplicate_safetensors_files(files,
-    hf_folder, "model.safetensors.index.json")``."""
-    import glob
-    import os
-
+    """The files vLLM's loader hands on for a local directory, through its own index check."""
     assert VLLM is not None
-    files = glob.glob(os.path.join(str(folder), "*.safetensors"))
-    return VLLM.filter_duplicate_safetensors_files(files, str(folder), INDEX_NAME)
+    return index_check(VLLM, folder)
 
 
 @needs_vllm
