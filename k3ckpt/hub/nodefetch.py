@@ -67,6 +67,7 @@ from .rankfetch import (
     _pieces_and_tasks,
     _Run,
     _ShardJob,
+    fetch_summary,
     read_source,
 )
 
@@ -542,22 +543,9 @@ def render_node_fetch_plan(plan: NodeFetchPlan) -> str:
 
 def render_node_fetch(plan: NodeFetchPlan, res: RankFetchResult, *, verbose: bool = False) -> str:
     """The summary of a node fetch; ``verbose`` names every file first."""
-    lines = []
-    if verbose:
-        lines += [f"wrote    {p}" for p in res.written]
-        lines += [f"fetched  {p}" for p in res.fetched]
-        lines += [f"verified {p} (already present)" for p in res.skipped + res.files_skipped]
-    rate = f" at {human_bytes(res.bytes_downloaded / res.seconds)}/s" if res.seconds and res.bytes_downloaded else ""
-    checked = f", {res.tensors_verified:,} tensors verified against the manifest" if plan.manifest is not None else ""
-    lines.append(f"{'ok' if res.ok else 'FAILED'}: {_source_text(plan)} -> {plan.dest}: {_selection_text(plan)}: "
-                 f"{len(res.written)} node files written, {len(res.fetched)} files fetched "
-                 f"({human_bytes(res.bytes_downloaded)}{rate}; the node is {human_bytes(plan.bytes_total)} of "
-                 f"{human_bytes(plan.source_bytes)}), {len(res.skipped) + len(res.files_skipped)} already present"
-                 f"{checked}, {len(res.failed)} failed")
-    lines += [f"  could not fetch {p}: {why}" for p, why in sorted(res.failed.items())]
-    if res.verification == VERIFIED_STRUCTURE:
-        lines.append(f"note: {STRUCTURE_ONLY_NOTE}")
-    return "\n".join(lines)
+    return fetch_summary(res, source=_source_text(plan), dest=plan.dest, selection=_selection_text(plan),
+                         written="node files written", wrote_note="", whole="the node", bytes_total=plan.bytes_total,
+                         source_bytes=plan.source_bytes, manifest=plan.manifest is not None, verbose=verbose)
 
 
 def node_fetch_json(plan: NodeFetchPlan, res: RankFetchResult) -> dict[str, Any]:

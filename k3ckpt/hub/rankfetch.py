@@ -1203,17 +1203,28 @@ def render_rank_fetch_plan(plan: RankFetchPlan) -> str:
 
 def render_rank_fetch(plan: RankFetchPlan, res: RankFetchResult, *, verbose: bool = False) -> str:
     """The summary of a rank-aware fetch; ``verbose`` names every file first."""
+    return fetch_summary(res, source=_source_text(plan), dest=plan.dest, selection=_selection_text(plan),
+                         written="shards rewritten", wrote_note=" (selected tensors)", whole="the selection",
+                         bytes_total=plan.bytes_total, source_bytes=plan.source_bytes,
+                         manifest=plan.manifest is not None, verbose=verbose)
+
+
+def fetch_summary(res: RankFetchResult, *, source: str, dest: Path, selection: str, written: str, wrote_note: str,
+                  whole: str, bytes_total: int, source_bytes: int, manifest: bool, verbose: bool) -> str:
+    """The summary line (and failures, and the structure-only note) of a fetch that writes files of
+    its own from selected tensors: the rank-aware fetch (``written`` "shards rewritten") and the
+    node fetch ("node files written") say the same things in the same order."""
     lines = []
     if verbose:
-        lines += [f"wrote    {p} (selected tensors)" for p in res.written]
+        lines += [f"wrote    {p}{wrote_note}" for p in res.written]
         lines += [f"fetched  {p}" for p in res.fetched]
         lines += [f"verified {p} (already present)" for p in res.skipped + res.files_skipped]
     rate = f" at {human_bytes(res.bytes_downloaded / res.seconds)}/s" if res.seconds and res.bytes_downloaded else ""
-    checked = f", {res.tensors_verified:,} tensors verified against the manifest" if plan.manifest is not None else ""
-    lines.append(f"{'ok' if res.ok else 'FAILED'}: {_source_text(plan)} -> {plan.dest}: {_selection_text(plan)}: "
-                 f"{len(res.written)} shards rewritten, {len(res.fetched)} files fetched "
-                 f"({human_bytes(res.bytes_downloaded)}{rate}; the selection is {human_bytes(plan.bytes_total)} of "
-                 f"{human_bytes(plan.source_bytes)}), {len(res.skipped) + len(res.files_skipped)} already present"
+    checked = f", {res.tensors_verified:,} tensors verified against the manifest" if manifest else ""
+    lines.append(f"{'ok' if res.ok else 'FAILED'}: {source} -> {dest}: {selection}: "
+                 f"{len(res.written)} {written}, {len(res.fetched)} files fetched "
+                 f"({human_bytes(res.bytes_downloaded)}{rate}; {whole} is {human_bytes(bytes_total)} of "
+                 f"{human_bytes(source_bytes)}), {len(res.skipped) + len(res.files_skipped)} already present"
                  f"{checked}, {len(res.failed)} failed")
     lines += [f"  could not fetch {p}: {why}" for p, why in sorted(res.failed.items())]
     if res.verification == VERIFIED_STRUCTURE:
