@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -125,47 +127,44 @@ def _fetch_ranks(hub: str, repo: str, revision: str | None, dest: str, include: 
                  selection: RankSelection, manifest_path: str | None, dry_run: bool, as_json: bool,
                  verbose: bool) -> None:
     """``k3ckpt fetch`` with a rank selection: see :mod:`k3ckpt.hub.rankfetch`."""
-    from ..hub.rankfetch import plan_rank_fetch, rank_fetch_json, render_rank_fetch, render_rank_fetch_plan, run_rank_fetch
+    from ..hub import rankfetch as rf
 
-    plan = plan_rank_fetch(hub, repo, dest, selection, revision=revision, endpoint=endpoint, manifest=manifest_path,
-                           include=include, exclude=exclude, chunk_size=chunk_size, jobs=workers)
-    if dry_run:
-        if as_json:
-            emit_json(plan.to_json())
-        else:
-            click.echo(render_rank_fetch_plan(plan))
-        return
-    with ByteProgress(not as_json, "fetching") as bar:
-        res = run_rank_fetch(plan, workers=workers, progress=bar, on_plan=bar.plan)
-    if as_json:
-        emit_json(rank_fetch_json(plan, res))
-    else:
-        click.echo(render_rank_fetch(plan, res, verbose=verbose))
-    if not res.ok:
-        sys.exit(EXIT_PROBLEMS)
+    plan = rf.plan_rank_fetch(hub, repo, dest, selection, revision=revision, endpoint=endpoint, manifest=manifest_path,
+                              include=include, exclude=exclude, chunk_size=chunk_size, jobs=workers)
+    _run_planned(plan, rf.render_rank_fetch_plan, rf.run_rank_fetch, rf.render_rank_fetch, rf.rank_fetch_json,
+                 workers=workers, dry_run=dry_run, as_json=as_json, verbose=verbose)
 
 
 def _fetch_node(hub: str, repo: str, revision: str | None, dest: str, include: tuple[str, ...],
                 exclude: tuple[str, ...], workers: int, chunk_size: int, endpoint: str | None, selection: RankSelection,
                 manifest_path: str | None, max_file_size: int, dry_run: bool, as_json: bool, verbose: bool) -> None:
     """``k3ckpt fetch --node N`` (``--format node``): see :mod:`k3ckpt.hub.nodefetch`."""
-    from ..hub.nodefetch import node_fetch_json, plan_node_fetch, render_node_fetch, render_node_fetch_plan, run_node_fetch
+    from ..hub import nodefetch as nf
 
-    plan = plan_node_fetch(hub, repo, dest, selection, revision=revision, endpoint=endpoint, manifest=manifest_path,
-                           include=include, exclude=exclude, chunk_size=chunk_size, max_file_size=max_file_size,
-                           jobs=workers)
+    plan = nf.plan_node_fetch(hub, repo, dest, selection, revision=revision, endpoint=endpoint, manifest=manifest_path,
+                              include=include, exclude=exclude, chunk_size=chunk_size, max_file_size=max_file_size,
+                              jobs=workers)
+    _run_planned(plan, nf.render_node_fetch_plan, nf.run_node_fetch, nf.render_node_fetch, nf.node_fetch_json,
+                 workers=workers, dry_run=dry_run, as_json=as_json, verbose=verbose)
+
+
+def _run_planned(plan: Any, render_plan: Callable[[Any], str], run: Callable[..., Any],
+                 render: Callable[..., str], to_json: Callable[[Any, Any], dict[str, Any]], *, workers: int,
+                 dry_run: bool, as_json: bool, verbose: bool) -> None:
+    """The rank-aware and node fetches once planned: the dry run's plan, or the run with a
+    progress bar, then its summary (text or JSON); exit 1 when a file failed."""
     if dry_run:
         if as_json:
             emit_json(plan.to_json())
         else:
-            click.echo(render_node_fetch_plan(plan))
+            click.echo(render_plan(plan))
         return
     with ByteProgress(not as_json, "fetching") as bar:
-        res = run_node_fetch(plan, workers=workers, progress=bar, on_plan=bar.plan)
+        res = run(plan, workers=workers, progress=bar, on_plan=bar.plan)
     if as_json:
-        emit_json(node_fetch_json(plan, res))
+        emit_json(to_json(plan, res))
     else:
-        click.echo(render_node_fetch(plan, res, verbose=verbose))
+        click.echo(render(plan, res, verbose=verbose))
     if not res.ok:
         sys.exit(EXIT_PROBLEMS)
 
