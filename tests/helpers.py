@@ -7,6 +7,9 @@ Import them as ``from helpers import run`` (pytest puts ``tests/`` on ``sys.path
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,3 +65,23 @@ def settled(count: Callable[[], int], want: int, timeout: float = 5.0) -> int:
     while count() < want and time.monotonic() < deadline:
         time.sleep(0.01)
     return count()
+
+
+def kill_at_pause(code: str, args: list[str], point: str, tmp_path: Path) -> None:
+    """Run ``python -c code *args`` with the fetch test hook armed at ``point``
+    (``K3CKPT_TEST_PAUSE_AT``), wait until the child has frozen itself there, and SIGKILL it: a
+    crash at an exact moment. The child gets no hub or k3ckpt settings of this process's."""
+    paused = tmp_path / "paused"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MODELSCOPE_", "K3CKPT_"))}
+    env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_IMPLICIT_TOKEN="1",
+               K3CKPT_TEST_PAUSE_AT=point, K3CKPT_TEST_PAUSE_FILE=str(paused))
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not paused.exists():
+        if proc.poll() is not None:
+            assert proc.stderr is not None
+            raise AssertionError(f"child exited ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}")
+        assert time.monotonic() < deadline, "the child never reached its pause point"
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from helpers import REPO, run
+from helpers import REPO, kill_at_pause, run
 from k3ckpt.format.checkpoint import INDEX_NAME, iter_checkpoint_files, open_checkpoint
 from k3ckpt.format.header import read_header
 from k3ckpt.hub import download
@@ -220,20 +216,7 @@ def test_sigkill_then_resume_gives_the_same_node(point: str, served_hub: Any, re
                                                  tmp_path: Path) -> None:
     h, _ = served_hub
     dest = tmp_path / "d"
-    paused = tmp_path / "paused"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MODELSCOPE_", "K3CKPT_"))}
-    env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_IMPLICIT_TOKEN="1",
-               K3CKPT_TEST_PAUSE_AT=point, K3CKPT_TEST_PAUSE_FILE=str(paused))
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, h.url, REPO, str(dest), str(CHUNK)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while not paused.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"child exited ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-        assert time.monotonic() < deadline, "the child never reached its pause point"
-        time.sleep(0.01)
-    proc.kill()
-    proc.wait()
+    kill_at_pause(_CHILD, [h.url, REPO, str(dest), str(CHUNK)], point, tmp_path)
     assert not any((dest / f).exists() for f in (INDEX_NAME, "k3ckpt-node.json", "READY"))
     parts = [p for p in dest.glob("*.safetensors.part") if Path(f"{p}.journal").exists()]
     assert parts  # interrupted files wait as .part, never under their final names

@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from ckpt_edit import tree_digests
-from helpers import REPO, run
+from helpers import REPO, kill_at_pause, run
 from k3ckpt.cli import main
 from k3ckpt.deploy.reshard import reshard
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
@@ -444,20 +440,7 @@ sys.exit(0 if run_rank_fetch(plan, workers=3, token="").ok else 1)
 def test_sigkill_then_resume(point: str, served_hub: Any, node0_names: set[str], tmp_path: Path) -> None:
     h, served = served_hub
     dest = tmp_path / "d"
-    marker = tmp_path / "paused"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MODELSCOPE_", "K3CKPT_"))}
-    env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_IMPLICIT_TOKEN="1",
-               K3CKPT_TEST_PAUSE_AT=point, K3CKPT_TEST_PAUSE_FILE=str(marker))
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, h.url, REPO, str(dest), str(CHUNK)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while not marker.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"child exited ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-        assert time.monotonic() < deadline, "the child never reached its pause point"
-        time.sleep(0.01)
-    proc.kill()
-    proc.wait()
+    kill_at_pause(_CHILD, [h.url, REPO, str(dest), str(CHUNK)], point, tmp_path)
 
     assert not (dest / INDEX_NAME).exists() and not (dest / PARTIAL_NAME).exists()
     assert (dest / download.LOCK_NAME).exists()  # the dead run's lock: stale, must be recovered

@@ -68,7 +68,9 @@ from .rankfetch import (
     _Run,
     _ShardJob,
     fetch_summary,
+    load_manifest,
     read_source,
+    source_text,
 )
 
 __all__ = [
@@ -242,10 +244,7 @@ def plan_node_fetch(
         raise RankFetchError(f"chunk size {chunk_size} must be positive")
     if selection.node is None or selection.ranks is not None:
         raise RankFetchError("the node format writes whole nodes: give --node N (--format partial for --ranks)")
-    label = None
-    if manifest is not None and not isinstance(manifest, Manifest):
-        label = os.fspath(manifest)
-        manifest = Manifest.load(manifest)
+    manifest, label = load_manifest(manifest)
     src = read_source(hub, repo, revision, endpoint=endpoint, token=token, jobs=jobs)
     listing = src.listing
     with bulk_allocation():  # ~10^6 fresh acyclic tuples at the full K3 scale
@@ -519,7 +518,7 @@ def _selection_text(plan: NodeFetchPlan) -> str:
 
 
 def _source_text(plan: NodeFetchPlan) -> str:
-    return f"{plan.listing.hub}:{plan.listing.repo}@{plan.listing.revision}"
+    return source_text(plan.listing)
 
 
 def render_node_fetch_plan(plan: NodeFetchPlan) -> str:

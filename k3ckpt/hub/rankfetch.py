@@ -607,10 +607,7 @@ def plan_rank_fetch(
     """
     if chunk_size < 1:
         raise RankFetchError(f"chunk size {chunk_size} must be positive")
-    label = None
-    if manifest is not None and not isinstance(manifest, Manifest):
-        label = os.fspath(manifest)
-        manifest = Manifest.load(manifest)
+    manifest, label = load_manifest(manifest)
     src = read_source(hub, repo, revision, endpoint=endpoint, token=token, jobs=jobs)
     listing, weight_map, shard_paths, index_sha = src.listing, src.weight_map, src.shard_paths, src.index_sha256
     cfg, headers, tensors = src.config, src.headers, src.tensors
@@ -1179,7 +1176,19 @@ def _selection_text(plan: RankFetchPlan) -> str:
 
 
 def _source_text(plan: RankFetchPlan) -> str:
-    return f"{plan.listing.hub}:{plan.listing.repo}@{plan.listing.revision}"
+    return source_text(plan.listing)
+
+
+def source_text(listing: HubListing) -> str:
+    """``hub:repo@revision``, as the fetch summaries name their source."""
+    return f"{listing.hub}:{listing.repo}@{listing.revision}"
+
+
+def load_manifest(manifest: str | os.PathLike[str] | Manifest | None) -> tuple[Manifest | None, str | None]:
+    """A ``--manifest`` given as a path (loaded; the path is its label) or as a Manifest."""
+    if manifest is None or isinstance(manifest, Manifest):
+        return manifest, None
+    return Manifest.load(manifest), os.fspath(manifest)
 
 
 def render_rank_fetch_plan(plan: RankFetchPlan) -> str:
