@@ -31,7 +31,9 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
     │   ├── RangeNotSupportedError     the server ignores Range too far into the file
     │   ├── RangeMismatchError         the server answered another byte range
     │   └── HubShortReadError          a response body ended early (after retries)
-    ├── FetchLockedError               another live fetch holds the destination's lock
+    ├── OutputLockedError              another live run holds the output directory's lock
+    │   └── FetchLockedError           ... a fetch, on its destination
+    ├── OutputNotOwnedError            the output holds files k3ckpt did not write (or another command's)
     ├── DiskSpaceError                 the destination has less free space than needed
     ├── RankFetchError                 the repo or manifest does not allow a rank-aware fetch
     ├── MxSelectionError               no MX tensor matches the selection
@@ -76,6 +78,8 @@ __all__ = [
     "MxInspectError",
     "MxPlotUnavailableError",
     "MxSelectionError",
+    "OutputLockedError",
+    "OutputNotOwnedError",
     "PreflightError",
     "RangeMismatchError",
     "RangeNotSupportedError",
@@ -304,7 +308,17 @@ class HubShortReadError(HubError):
     Not :class:`SourceShortReadError`, which is a local file ending early."""
 
 
-class FetchLockedError(K3ckptError):
+class OutputLockedError(K3ckptError):
+    """Another live run (reshard, unshard, fetch) holds the output directory's lock (the message
+    names the lock file and its holder's host and pid)."""
+
+
+class OutputNotOwnedError(K3ckptError):
+    """The output directory (or file) holds something k3ckpt did not write, or another command's
+    output: nothing is written, ``--force`` included (the message names the first such file)."""
+
+
+class FetchLockedError(OutputLockedError):
     """Another live fetch holds the destination's lock (the message names its host and pid)."""
 
 

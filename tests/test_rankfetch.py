@@ -329,12 +329,11 @@ def test_disk_space_checked_before_any_tensor_byte(served_hub: Any, tmp_path: Pa
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from collections import namedtuple
 
-    from k3ckpt.hub import rankfetch
 
     h, served = served_hub
     plan = _plan(h, tmp_path / "d")
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(rankfetch.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
     h.reset_counters()
     with pytest.raises(download.DiskSpaceError) as ei:
         run_rank_fetch(plan, token="")

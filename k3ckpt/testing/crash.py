@@ -155,15 +155,19 @@ def scan_fetch(dest: Path, served: Path, stats: CrashStats) -> None:
         if any(d.startswith(".") for d in p.relative_to(dest).parts[:-1]):
             # hidden metadata (fetch's .cache/k3ckpt/source.json): not a source file, but never
             # half-written either
-            try:
-                json.loads(p.read_bytes())
-            except ValueError as e:
-                raise InvariantViolation(f"{p}: metadata under its final name is not whole JSON ({e})") from None
+            _whole_json(p)
             continue
         stats.files_checked += 1
         src = served / rel
         if not src.is_file() or p.stat().st_size != src.stat().st_size or _sha(p) != _sha(src):
             raise InvariantViolation(f"{p}: under its final name but not the source's bytes")
+
+
+def _whole_json(p: Path) -> None:
+    try:
+        json.loads(p.read_bytes())
+    except ValueError as e:
+        raise InvariantViolation(f"{p}: metadata under its final name is not whole JSON ({e})") from None
 
 
 def _check_journal(journal: Path, src: Path, stats: CrashStats) -> None:
@@ -327,6 +331,9 @@ def scan_reshard(out: Path, ref: dict[str, str], stats: CrashStats) -> None:
         if not p.is_file() or p.name.startswith("."):
             continue  # temporary names are hidden (".<name>.tmp")
         rel = p.relative_to(out).as_posix()
+        if any(d.startswith(".") for d in p.relative_to(out).parts[:-1]):
+            _whole_json(p)  # the ownership and stat records: never half-written
+            continue
         stats.files_checked += 1
         if rel not in ref or _sha(p) != ref[rel]:
             raise InvariantViolation(f"{p}: under its final name but not what a clean run writes")
