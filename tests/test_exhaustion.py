@@ -235,3 +235,16 @@ def test_unshard_hitting_a_full_tmpfs_removes_its_temporaries_and_names_the_shor
     small_tmpfs.resize(64 << 20)
     unshard(lay, out)
     assert tree_digests(out) != {} and (out / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_synth_out_of_space_names_the_file(small_tmpfs, jobs: str) -> None:
+    """Before, ``k3ckpt: error: No space left on device`` (no path): the write's OSError names no
+    file; :func:`k3ckpt.utils.atomic_output` now gives it the file it was writing."""
+    mnt = small_tmpfs.mount(1 << 20)
+    res = k3ckpt(["synth", str(mnt / "k3"), "--jobs", jobs])
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"k3ckpt: error: {mnt / 'k3'}/"), res.stderr
+    assert lines[0].endswith(": No space left on device"), res.stderr
+    assert temporaries(mnt) == []
