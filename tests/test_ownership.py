@@ -12,11 +12,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ckpt_edit import tree_digests
-from helpers import assert_one_line_error, run
+from helpers import REPO, assert_one_line_error, run
 from k3ckpt.deploy import reshard as rs
 from k3ckpt.errors import OutputNotOwnedError
 from k3ckpt.format.topology import RankSelection
@@ -240,3 +241,41 @@ def test_rerun_rewrites_a_unit_without_a_stat_record(k3_tiny: Path, tmp_path: Pa
     moved = tmp_path / "moved"
     shutil.copytree(out, moved, copy_function=shutil.copy2)
     assert rs.reshard(k3_tiny, moved, sel, layout="rank").written == [0, 1]
+
+
+# -- fetch ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", [[], ["--ep", "8", "--tp", "2", "--node", "0", "--gpus-per-node", "4",
+                                      "--format", "partial"],
+                                 ["--tp", "2", "--dp", "4", "--gpus-per-node", "4", "--node", "1"]])
+def test_fetch_refuses_a_directory_holding_files_it_did_not_write(served_hub: Any, tmp_path: Path,
+                                                                  how: list[str]) -> None:
+    """A whole fetch replaced same-named files it found (a hand-copied config.json with other
+    bytes was "repaired"); every kind of fetch now refuses a foreign directory, and resumes
+    its own."""
+    h, served = served_hub
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": true}\n')
+    args = ["fetch", "--source", "hf", "--repo", REPO, "--endpoint", h.url, "--workers", "2", *how]
+    res = run(*args, "--dest", str(mine))
+    assert_one_line_error(res, 2, f"{mine}: holds files k3ckpt did not write ({mine / 'config.json'})")
+    assert sorted(os.listdir(mine)) == ["config.json"] and (mine / "config.json").read_text() == '{"mine": true}\n'
+    dest = tmp_path / "dest"
+    assert run(*args, "--dest", str(dest)).exit_code == 0
+    res = run(*args, "--dest", str(dest))  # its own: re-run verifies and skips
+    assert res.exit_code == 0 and "0 failed" in res.output, res.output
+    assert json.loads((dest / OWNER_RECORD).read_text())["command"] == "fetch"
+
+
+def test_fetch_resumes_a_destination_an_earlier_version_left(served_hub: Any, tmp_path: Path) -> None:
+    """No ownership record, but fetch's own records under .cache/k3ckpt: adopted, not refused."""
+    h, served = served_hub
+    dest = tmp_path / "dest"
+    args = ["fetch", "--source", "hf", "--repo", REPO, "--endpoint", h.url, "--dest", str(dest)]
+    assert run(*args).exit_code == 0
+    (dest / OWNER_RECORD).unlink()
+    assert (dest / ".cache" / "k3ckpt" / "source.json").exists()
+    res = run(*args)
+    assert res.exit_code == 0 and "15 already present and verified" in res.output, res.output

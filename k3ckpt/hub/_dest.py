@@ -17,18 +17,20 @@ import json
 import os
 import re
 import stat
+from pathlib import Path
 from typing import Any
 
 from ..env import K3CKPT_LOCK_STALE_SECONDS
 from ..errors import FetchLockedError
 from ..utils import is_within, pwrite_all
 from ..utils.lock import LOCK_UNREADABLE_GRACE, DirLock
+from ..utils.ownership import OwnedDir, claim_output_dir
 
 #: Name of the lock file in the destination directory.
 LOCK_NAME = ".k3ckpt-fetch.lock"
 #: Another host's lock older than this (seconds) is considered abandoned (env overrides).
 LOCK_STALE_SECONDS = K3CKPT_LOCK_STALE_SECONDS.default
-__all__ = ["LOCK_NAME", "LOCK_STALE_SECONDS", "LOCK_UNREADABLE_GRACE", "DestLock", "create_part", "open_part",
+__all__ = ["LOCK_NAME", "LOCK_STALE_SECONDS", "LOCK_UNREADABLE_GRACE", "DestLock", "claim_dest", "create_part", "open_part",
            "resumable", "target", "unlink", "unsafe_reason"]
 #: Endings of the working files next to a file being fetched: a hub path may not take them.
 WORK_SUFFIXES = (".part", ".part.journal", ".part.journal.tmp")
@@ -172,3 +174,27 @@ class DestLock(DirLock):
         # a bad K3CKPT_LOCK_STALE_SECONDS fails here, before any download
         super().__init__(dest, LOCK_NAME, command="fetch", stale_seconds=K3CKPT_LOCK_STALE_SECONDS.get(),
                          error=FetchLockedError)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ownership
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_work_file(name: str) -> bool:
+    return name.endswith(WORK_SUFFIXES)
+
+
+def _fetched_before(dest: Path) -> bool:
+    """An earlier version's fetch destination: no ownership record, but fetch's own records
+    (``.cache/k3ckpt/``: the source revision, rewritten-shard and node digests) are there."""
+    recs = dest / ".cache" / "k3ckpt"
+    return recs.is_dir() and not recs.is_symlink() and any(recs.iterdir())
+
+
+def claim_dest(dest_real: str, paths: list[str]) -> OwnedDir:
+    """Claim a fetch destination (call it holding the lock): new, empty, or fetch's own
+    (:func:`k3ckpt.utils.ownership.claim_output_dir`); ``paths`` are what this run writes.
+    ``*.part`` files and journals are never foreign: fetch trusts no byte of them unchecked."""
+    safe = [p for p in paths if unsafe_reason(p) is None]  # a hostile name is refused later, per file
+    return claim_output_dir(dest_real, "fetch", safe, working=_is_work_file, adopt=_fetched_before)

@@ -400,6 +400,8 @@ def run_node_fetch(
     lock = _dest.DestLock(dest_real)
     lock.acquire()
     try:
+        _dest.claim_dest(dest_real, [o.path for o in plan.outputs] + list(plan.files)
+                         + [NODE_MARKER, INDEX_NAME, READY_NAME])
         _prepare_dest(dest_real, plan)
         digests = _fetch_node_files(plan, result, dest_real, workers, token, progress, on_plan, policy, check_space)
         if result.ok:

@@ -1078,6 +1078,7 @@ def run_rank_fetch(
     lock = _dest.DestLock(dest_real)
     lock.acquire()
     try:
+        _dest.claim_dest(dest_real, [sp.path for sp in plan.shards] + list(plan.files) + [PARTIAL_NAME, INDEX_NAME])
         if os.path.isfile(os.path.join(dest_real, INDEX_NAME)) and not os.path.lexists(os.path.join(dest_real, PARTIAL_NAME)):
             # an index without our marker: a whole checkpoint (or another tool's), whose shards
             # this run would replace with subsets

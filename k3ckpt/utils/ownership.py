@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -98,11 +98,11 @@ def _cache_is_bare(path: Path) -> bool:
     return True
 
 
-def _foreign(path: Path, entries: set[str] | None) -> list[str]:
+def _foreign(path: Path, entries: set[str] | None, working: Callable[[str], bool] | None) -> list[str]:
     """Top-level names in ``path`` that are not k3ckpt's (sorted); ``entries`` None: no record."""
     out = []
     for name in sorted(os.listdir(path)):
-        if is_lock_file(name):
+        if is_lock_file(name) or (working is not None and working(name)):
             continue
         if entries is None:
             if name == _CACHE and (path / name).is_dir() and not (path / name).is_symlink() and _cache_is_bare(path):
@@ -136,13 +136,22 @@ def _write_record(path: Path, command: str, entries: set[str], *, first: bool) -
     fsync_dir(rec.parent)
 
 
-def claim_output_dir(path: str | os.PathLike[str], command: str, entries: Iterable[str]) -> OwnedDir:
+def claim_output_dir(path: str | os.PathLike[str], command: str, entries: Iterable[str], *,
+                     working: Callable[[str], bool] | None = None,
+                     adopt: Callable[[Path], bool] | None = None) -> OwnedDir:
     """Make ``path`` (created if missing) the output of ``command`` before anything is written.
 
     Accepted: a new or empty directory, or one whose record is ``command``'s and that holds
     nothing else at the top level (see the module doc). The record then lists the earlier
     entries still there plus ``entries`` (relative paths the run will write; their first
     components are recorded). Call it while holding the output's lock, if the command takes one.
+
+    Args:
+        working: Names of the command's own working files (fetch's ``*.part``): never foreign,
+            record or not - the command validates them before trusting a byte.
+        adopt: For a directory without a record: True when an earlier version of the command
+            left it (fetch's ``.cache/k3ckpt/`` records); its entries are then recorded as the
+            command's.
 
     Raises:
         OutputNotOwnedError: a file k3ckpt did not write (named: the first in name order),
@@ -157,7 +166,9 @@ def claim_output_dir(path: str | os.PathLike[str], command: str, entries: Iterab
         raise OutputNotOwnedError(f"{out}: holds the output of k3ckpt {doc['command']} ({out / OWNER_RECORD}), "
                                   f"not of k3ckpt {command}; {_ADVICE}")
     old = set(doc["entries"]) if doc is not None else None
-    foreign = _foreign(out, old)
+    if old is None and adopt is not None and adopt(out):
+        old = set(os.listdir(out))
+    foreign = _foreign(out, old, working)
     if foreign:
         raise OutputNotOwnedError(f"{out}: holds files k3ckpt did not write ({out / foreign[0]}); {_ADVICE}")
     present = {e for e in old or () if os.path.lexists(out / e)}
