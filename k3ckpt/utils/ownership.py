@@ -117,7 +117,7 @@ def _write_record(path: Path, command: str, entries: set[str], *, first: bool) -
     rec = path / OWNER_RECORD
     rec.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps({"format": RECORD_FORMAT, "version": 1, "command": command,
-                        "entries": sorted(entries)}, indent=1) + "\n").encode()
+                        "entries": sorted(entries)}, indent=1, sort_keys=True) + "\n").encode()
     if not first:
         write_atomic(rec, data)
         return
