@@ -248,3 +248,14 @@ def test_synth_out_of_space_names_the_file(small_tmpfs, jobs: str) -> None:
     assert len(lines) == 1 and lines[0].startswith(f"k3ckpt: error: {mnt / 'k3'}/"), res.stderr
     assert lines[0].endswith(": No space left on device"), res.stderr
     assert temporaries(mnt) == []
+
+
+def test_force_over_another_layout_that_would_not_fit_keeps_the_old_one(k3_tiny: Path, small_tmpfs) -> None:
+    """--force replaces another topology only after the space check passed (counting what
+    removing the old layout frees): a refused run must not have removed it first."""
+    out = small_tmpfs.mount(16 << 20) / "out"
+    assert k3ckpt(["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "2"]).returncode == 0
+    before = tree_digests(out)
+    res = k3ckpt(["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "8", "--tp", "4", "--force"])
+    assert res.returncode == 2 and f"k3ckpt: error: {out}: not enough free space for 8 rank" in res.stderr, res.stderr
+    assert tree_digests(out) == before

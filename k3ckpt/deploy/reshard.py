@@ -43,11 +43,18 @@ Decisions the contract leaves open:
   ``model.safetensors.index.json`` (a stray safetensors file not in the index is not copied) and
   working files (:func:`~k3ckpt.checkpoint.is_working_file`: a fetch's ``*.part``, journals,
   lock, ``*.tmp``), copied in bounded chunks;
-- resuming: a rank whose ``READY`` exists and whose manifest matches what this run would write
-  (same tensors, shapes, splits, files and sizes, same source index digest) is skipped; any
-  other rank directory is cleared and rewritten. Files are written under temporary names
-  (``.*.tmp``) and renamed after ``fsync``; the manifest is renamed into place after its files,
-  ``READY`` after the manifest, each followed by an ``fsync`` of the directory;
+- resuming: a rank whose ``READY`` exists, whose manifest matches what this run would write
+  (same tensors, shapes, splits, files and sizes, same source index digest) and whose files
+  still have the stat recorded when they were written (size, mtime, inode, ctime in
+  ``OUT/.cache/k3ckpt/units/rank-NNNNN.json``: a byte changed in place shows in the ctime even
+  when the mtime is put back, and nothing is re-hashed) is skipped; any other rank directory is
+  cleared and rewritten. Files are written under temporary names (``.*.tmp``) and renamed after
+  ``fsync``; the manifest is renamed into place after its files, the stat record after the
+  manifest, ``READY`` last, each followed by an ``fsync`` of the directory;
+- the output: new, empty or an earlier reshard's (:func:`k3ckpt.utils.ownership.claim_output_dir`;
+  files k3ckpt did not write are refused, ``--force`` included), under ``OUT/.k3ckpt-output.lock``
+  for the whole run, with free space for the bytes still to write checked first; on ENOSPC the
+  run's temporary files are removed and the shortfall is named;
 - ``OUT/topology.json`` of a different topology or source is refused (exit 2) unless ``--force``.
 
 ``--format node`` (the CLI's default; ``hf-node`` is its older name) writes node directories
@@ -774,6 +781,7 @@ def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, f
                 fail_before: Callable[[str], None] | None) -> ReshardResult:
     topo_json = plan.topology_json()
     tpath = outp / TOPOLOGY_NAME
+    old_units: list[Path] | None = None  # the unit directories of another layout, to replace (--force)
     if tpath.exists():
         try:
             old = json.loads(tpath.read_text())
@@ -786,18 +794,21 @@ def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, f
             if not force:
                 raise ReshardError(f"{outp} holds a different topology or source ({TOPOLOGY_NAME}); "
                                    f"use another directory or --force")
-            _clear_old_layout(outp)
+            old_units = _old_units(outp)
 
     todo: list[RankPlan | NodePlan] = []
     skipped: list[int] = []
     for rp in plan.units:
-        if not force and _manifest_matches(outp / rp.dir_name, rp, plan.source_json):
+        if old_units is None and not force and _manifest_matches(outp / rp.dir_name, rp, plan.source_json):
             skipped.append(rp.unit)
         else:
             todo.append(rp)
     total = sum(f.size for rp in todo for f in rp.files)
-    if check_space:
-        _check_space(plan, outp, todo, total)
+    if check_space:  # before the old layout goes: a refused run keeps it
+        freed = old_units if old_units is not None else [outp / rp.dir_name for rp in todo]
+        _check_space(plan, outp, todo, sum(_allocated(d) for d in freed))
+    if old_units is not None:
+        _clear_old_layout(outp, old_units)
 
     try:
         write_atomic(tpath, (json.dumps(topo_json, indent=2) + "\n").encode())
@@ -844,13 +855,13 @@ def _to_write(plan: ReshardPlan, todo: Sequence[RankPlan | NodePlan]) -> int:
     return sum(rp.nbytes for rp in todo) + (extra * len(todo) if plan.layout == "node" else extra)
 
 
-def _check_space(plan: ReshardPlan, outp: Path, todo: Sequence[RankPlan | NodePlan], total: int) -> None:
-    """Refuse before any byte is written when the units to write (less what rewriting their
-    directories frees) do not fit, with :func:`~k3ckpt.utils.space.space_margin` to spare."""
+def _check_space(plan: ReshardPlan, outp: Path, todo: Sequence[RankPlan | NodePlan], reclaim: int) -> None:
+    """Refuse before any byte is written when the units to write (less ``reclaim``, what removing
+    the directories they replace frees) do not fit, with :func:`~k3ckpt.utils.space.space_margin`
+    to spare."""
     if not todo:
         return
     needed = _to_write(plan, todo)
-    reclaim = sum(_allocated(outp / rp.dir_name) for rp in todo)
     unit = "node" if plan.layout == "node" else "rank"
     require_free_space(outp, max(0, needed + space_margin(needed) - reclaim),
                        f"for {len(todo)} {unit} director{'y' if len(todo) == 1 else 'ies'} "
@@ -949,12 +960,17 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
 _UNIT_DIR = re.compile(r"(rank|node)-\d{5,}")
 
 
-def _clear_old_layout(outp: Path) -> None:
-    """Remove every rank/node directory of the layout ``outp`` held before (``--force`` with
-    another topology or source): they belong to that topology, whatever this run selects.
-    Every ``READY`` goes first (and durably), so a run killed mid-way never leaves a ``READY``
-    of the old layout under the new ``topology.json`` (written only after this returns)."""
-    dirs = sorted(p for p in outp.iterdir() if _UNIT_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+def _old_units(outp: Path) -> list[Path]:
+    """The rank/node directories of the layout ``outp`` holds."""
+    return sorted(p for p in outp.iterdir() if _UNIT_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+
+
+def _clear_old_layout(outp: Path, dirs: list[Path]) -> None:
+    """Remove every rank/node directory (``dirs``: :func:`_old_units`) of the layout ``outp``
+    held before (``--force`` with another topology or source): they belong to that topology,
+    whatever this run selects. Every ``READY`` goes first (and durably), so a run killed mid-way
+    never leaves a ``READY`` of the old layout under the new ``topology.json`` (written only
+    after this returns)."""
     for d in dirs:
         ready = d / READY_NAME
         if ready.exists() or ready.is_symlink():

@@ -30,9 +30,12 @@ Decisions:
   rows through bounded buffers (:meth:`~k3ckpt.bytecopy.Copier.interleave`);
 - atomicity: shards are written under temporary names, fsync'd and renamed only after every
   shard is complete and verified; the index is written last, so a directory without
-  ``model.safetensors.index.json`` is never a finished checkpoint. A directory that already has
-  an index is refused without ``force``; shards and temporary files of an earlier unfinished
-  run are replaced.
+  ``model.safetensors.index.json`` is never a finished checkpoint. The output must be new, empty
+  or an earlier unshard's (:func:`k3ckpt.utils.ownership.claim_output_dir`: files k3ckpt did
+  not write are refused, ``force`` included); it is locked (``.k3ckpt-output.lock``) for the
+  run and its free space checked first. One that already has an index is refused without
+  ``force``; shards and temporary files of an earlier unfinished run are replaced. On ENOSPC
+  the temporary shards are removed and the shortfall is named.
 """
 
 from __future__ import annotations
