@@ -483,7 +483,7 @@ def _node_plan(ckpt: Checkpoint, idx: InventoryIndex, topo: Topology, node: int,
     return NodePlan(nd, files)
 
 
-class OutOfSpace(ReshardError):
+class _OutOfSpace(ReshardError):
     """A write found the filesystem full (``ENOSPC``/``EDQUOT``); :func:`run_reshard` removes
     its temporary files and replaces the message with the shortfall."""
 
@@ -524,7 +524,7 @@ def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _Di
     except OSError as e:
         # copy_file_range/pwrite errors carry no file name; without it "File too large" is a riddle.
         if e.errno in NO_SPACE:
-            raise OutOfSpace(dest, e) from None
+            raise _OutOfSpace(dest, e) from None
         hint = ("; free space (or raise the limit) and re-run: completed ranks are kept"
                 if e.errno == errno.EFBIG else "")
         if e.errno in (errno.EMFILE, errno.ENFILE):
@@ -824,7 +824,7 @@ def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, f
         if on_plan is not None:
             on_plan(total)
         written = _write_units(plan, outp, todo, jobs=jobs, mode=mode, progress=progress, fail_before=fail_before)
-    except OutOfSpace as e:
+    except _OutOfSpace as e:
         raise _out_of_space(plan, outp, todo, e.path, e.strerror) from None
     except OSError as e:
         if e.errno not in NO_SPACE:
@@ -926,7 +926,7 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
                 _finish_rank(outp, rp, results, plan.source_json)
             except OSError as e:
                 if e.errno in NO_SPACE:
-                    first_error = first_error or OutOfSpace(outp / rp.dir_name, e)
+                    first_error = first_error or _OutOfSpace(outp / rp.dir_name, e)
                 else:
                     first_error = first_error or ReshardError(f"finishing {outp / rp.dir_name}: {e.strerror or e}")
                 return
