@@ -18,7 +18,6 @@ any failure (including Ctrl-C) removes the temporary file. Free disk space is ch
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterable
 from contextlib import suppress
@@ -41,6 +40,7 @@ from ..format.header import (
 from ..format.roles import Kind, classify
 from ..utils import atomic_output, pwrite_all
 from ..utils.ownership import refuse_foreign_file
+from ..utils.space import free_bytes
 from .codec import MX_BLOCK_SIZE, ScaleMode, dequantize_mxfp4, quantize_mxfp4
 from .select import CHUNK_BYTES, MxSource, find_mx_tensors
 
@@ -421,7 +421,7 @@ def _check_free_space(out: Path, needed: int) -> None:
     parent = out.absolute().parent
     if not parent.is_dir():
         raise MxConvertError(f"{parent}: no such directory")
-    free = shutil.disk_usage(parent).free
+    free = free_bytes(parent)
     if needed > free:
         from ..utils import human_bytes
 
