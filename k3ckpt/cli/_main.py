@@ -10,7 +10,6 @@ from .. import __version__
 from . import _deploy, _fetch, _inspect, _manifest, _mx
 from ._options import ARGV_META, CONTEXT, fail_usage
 
-
 # click >= 8.2 raises this (a UsageError) to show a group's help when it is given no command
 _NO_ARGS_IS_HELP: tuple[type[click.UsageError], ...] = tuple(
     c for c in (getattr(click.exceptions, "NoArgsIsHelpError", None),) if c is not None)
