@@ -75,23 +75,32 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 def fail_usage(e: click.UsageError, ctx: click.Context) -> NoReturn:
     """A usage error (bad or missing option, raised while parsing or by a command) as every other
     error: one line naming the help to read, the JSON error object (kind ``usage``) when the
-    command was given ``--json``, exit ``e.exit_code`` (2)."""
-    hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
-    fail(e.format_message() + hint, kind=USAGE_KIND, path=None, exit_code=e.exit_code,
-         as_json=_json_requested(e, ctx))
-
-
-def _json_requested(e: click.UsageError, ctx: click.Context) -> bool:
-    """Whether the failing command was given ``--json``: as its callback saw it, or - when
-    parsing failed before the callback ran - a ``--json`` among the arguments (before ``--``)
-    of a command that has the option."""
-    if JSON_META in ctx.meta:
-        return bool(ctx.meta[JSON_META])
-    command = e.ctx.command if e.ctx is not None else None
-    if command is None or not any(isinstance(p, JsonOption) for p in command.params):
-        return False
+    command was given ``--json``, exit ``e.exit_code`` (2). ``ctx`` is the root's context."""
     argv: list[str] = ctx.meta.get(ARGV_META, [])
-    return "--json" in (argv[:argv.index("--")] if "--" in argv else argv)
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    command, path = _command_of(ctx, argv)
+    if JSON_META in ctx.meta:  # the command's callback ran: it knew
+        as_json = bool(ctx.meta[JSON_META])
+    else:  # parsing failed first (perhaps before --json was processed): the arguments tell
+        as_json = "--json" in argv and any(isinstance(p, JsonOption) for p in command.params)
+    fail(f"{e.format_message()} (see '{path} --help')", kind=USAGE_KIND, path=None, exit_code=e.exit_code,
+         as_json=as_json)
+
+
+def _command_of(ctx: click.Context, argv: list[str]) -> tuple[click.Command, str]:
+    """The command ``argv`` names below the root (a usage error does not always carry its
+    context: click's parser raises some without) and its command path, ``k3ckpt manifest build``."""
+    command, path = ctx.command, ctx.command_path
+    for token in argv:
+        if not isinstance(command, click.Group):
+            break
+        if token.startswith("-"):  # a group's own option (--debug)
+            continue
+        sub = command.get_command(ctx, token)
+        if sub is None:
+            break
+        command, path = sub, f"{path} {token}"
+    return command, path
 
 
 class ByteSize(click.ParamType):
