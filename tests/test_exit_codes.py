@@ -242,3 +242,17 @@ def test_usage_errors_are_one_line_naming_the_help(inputs: Inputs) -> None:
     # a group without a command still shows its help (click's behaviour, exit 2)
     res = run("manifest")
     assert res.exit_code == 2 and "Commands:" in res.output
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_an_unwritable_stdout_still_gives_the_line_and_the_code(tmp_path: Path) -> None:
+    # the JSON object cannot be written (a full disk, a reader gone): the error is still told
+    # on stderr, with its own exit code, and no traceback about stdout
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "k3ckpt", "inspect", str(tmp_path / "missing"), "--json"],
+                              stdout=full, stderr=subprocess.PIPE, text=True, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"k3ckpt: error: {tmp_path / 'missing'}: no such directory"], proc.stderr

@@ -37,7 +37,11 @@ def fail(message: str, *, kind: str, path: str | None, exit_code: int, as_json: 
     """Exit ``exit_code`` after one ``k3ckpt: error: MESSAGE`` line on stderr and, with ``--json``,
     the JSON error object ``{"error": {"kind", "path", "message"}}`` on stdout (docs/errors.md)."""
     if as_json:
-        emit_json({"error": {"kind": kind, "path": path, "message": message}})
+        try:
+            emit_json({"error": {"kind": kind, "path": path, "message": message}})
+        except OSError:  # stdout is gone (a closed pipe) or full: the line and the exit code still
+            # tell; and the interpreter's last flush of stdout must not fail on it again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     click.echo(f"k3ckpt: error: {message}", err=True)
     sys.exit(exit_code)
 
