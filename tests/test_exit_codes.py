@@ -256,3 +256,17 @@ def test_an_unwritable_stdout_still_gives_the_line_and_the_code(tmp_path: Path) 
                               stdout=full, stderr=subprocess.PIPE, text=True, check=False)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [f"k3ckpt: error: {tmp_path / 'missing'}: no such directory"], proc.stderr
+
+
+def test_an_exit_1_error_is_an_error_object_too(inputs: Inputs, tmp_path: Path) -> None:
+    # a signature that does not verify exits 1 like a finding, but it is an error (nothing was
+    # verified): --json gives the error object, kind "signature", not a report
+    key, manifest = tmp_path / "release.key", tmp_path / "m.json"
+    assert run("manifest", "keygen", str(key)).exit_code == 0
+    assert run("manifest", "build", str(inputs.good), "-o", str(manifest), "--sign", str(key)).exit_code == 0
+    manifest.write_text(manifest.read_text() + "\n")  # still the same JSON, no longer the signed bytes
+    res = run("verify", str(inputs.good), "--manifest", str(manifest), "--signature", f"{manifest}.sig",
+              "--pubkey", f"{key}.pub", "--json")
+    assert res.exit_code == 1, res.output
+    err = _one_json_object(res.stdout)["error"]
+    assert err["kind"] == "signature" and _assert_error_line(res) == f"k3ckpt: error: {err['message']}"
