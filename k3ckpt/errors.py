@@ -224,7 +224,7 @@ class HashError(K3ckptError, OSError):
     def __init__(self, *args: object) -> None:
         super().__init__(*args)  # OSError's own arguments: (errno, strerror, filename)
         if self.filename is not None:
-            self.path = os.fspath(self.filename)
+            self.path = os.fsdecode(self.filename)
 
 
 class ManifestError(K3ckptError):
