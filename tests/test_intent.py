@@ -150,3 +150,14 @@ def test_a_glob_matching_some_files_is_accepted(fetch, served: Path) -> None:
     res = fetch("--include", "config.json", "--include", "*.gguf", "--dry-run")
     assert res.exit_code == 0, res.output
     assert res.output.splitlines()[-1].startswith("would fetch 1 file")
+
+
+def test_select_paths_refuses_globs_that_leave_nothing() -> None:
+    from k3ckpt.errors import EmptySelectionError
+    from k3ckpt.hub.fetch import select_paths
+
+    files = ["config.json", "model.safetensors"]
+    with pytest.raises(EmptySelectionError, match=r"--include '\*.gguf' leaves none of the 2 shards"):
+        select_paths(files, include=("*.gguf",), what="shards")
+    assert select_paths([], ()) == ([], [])  # no globs: an empty listing is not this refusal
+    assert select_paths(files, include=("*.gguf", "config.json")) == (["config.json"], ["model.safetensors"])
