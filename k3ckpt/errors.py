@@ -34,6 +34,7 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
     ├── FetchLockedError               another live fetch holds the destination's lock
     ├── DiskSpaceError                 the destination has less free space than needed
     ├── RankFetchError                 the repo or manifest does not allow a rank-aware fetch
+    ├── EmptySelectionError            --include/--exclude leave no file: nothing to do
     ├── MxSelectionError               no MX tensor matches the selection
     ├── MxInspectError                 an input cannot be inspected or measured
     ├── MxPlotUnavailableError         --plot without matplotlib installed
@@ -46,9 +47,19 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
 
 The modules that raise these re-export them (``from k3ckpt.hub.client import HubError`` works),
 but this module is their one definition.
+
+Every class also has a ``kind``, its stable name in the CLI's ``--json`` error object
+(``{"error": {"kind", "path", "message"}}``): the class name without ``Error``, in snake case
+(``CheckpointNotFoundError`` -> ``checkpoint_not_found``), derived for every subclass when it
+is defined (:func:`kind_of_name`), so a new class never lacks one; and a ``path``, the file or
+directory the error is about when it knows one (``None`` otherwise). ``docs/errors.md`` lists
+the kinds.
 """
 
 from __future__ import annotations
+
+import os
+import re
 
 __all__ = [
     "EXIT_CANNOT_RUN",
@@ -57,6 +68,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigError",
     "DiskSpaceError",
+    "EmptySelectionError",
     "EntryNotFoundError",
     "EnvError",
     "FetchLockedError",
@@ -98,10 +110,33 @@ EXIT_PROBLEMS = 1
 EXIT_CANNOT_RUN = 2
 
 
+_WORD_START = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+
+
+def kind_of_name(class_name: str) -> str:
+    """An error class's ``kind``: its name without ``Error``, in snake case
+    (``HubShortReadError`` -> ``hub_short_read``, ``K3ckptError`` -> ``k3ckpt``)."""
+    return _WORD_START.sub("_", class_name.removesuffix("Error")).lower()
+
+
 class K3ckptError(Exception):
-    """Base class. ``exit_code`` is what the CLI exits with when this reaches it."""
+    """Base class. ``exit_code`` is what the CLI exits with when this reaches it; ``kind`` the
+    class's stable name in the CLI's JSON error object (derived from the class name for every
+    subclass); ``path`` the file or directory the error is about, when known (pass ``path=``)."""
 
     exit_code: int = EXIT_CANNOT_RUN
+    kind: str = "k3ckpt"
+    path: str | None = None
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" not in cls.__dict__:  # a class may pin its own; every other one gets its name's
+            cls.kind = kind_of_name(cls.__name__)
+
+    def __init__(self, *args: object, path: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(*args)
+        if path is not None:  # an instance attribute: pickling (worker processes) keeps it
+            self.path = os.fspath(path)
 
 
 # -- environment ---------------------------------------------------------------------------------
@@ -185,6 +220,11 @@ class HashError(K3ckptError, OSError):
     """
 
     exit_code = EXIT_CANNOT_RUN
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # OSError's own arguments: (errno, strerror, filename)
+        if self.filename is not None:
+            self.path = os.fsdecode(self.filename)
 
 
 class ManifestError(K3ckptError):
@@ -314,6 +354,12 @@ class DiskSpaceError(K3ckptError):
 
 class RankFetchError(K3ckptError):
     """The repo, its headers or the manifest do not allow a rank-aware fetch (the message says why)."""
+
+
+class EmptySelectionError(K3ckptError):
+    """``--include``/``--exclude`` leave none of the files they filter: the command would do
+    nothing (or only part of what was meant), so it is refused before any byte moves. The
+    message names the patterns."""
 
 
 # -- MX (microscaling) tensors -----------------------------------------------------------------

@@ -168,7 +168,7 @@ def preflight(
     """
     root = Path(path).expanduser()
     if not root.is_dir():
-        raise PreflightError(f"{root}: no such directory")
+        raise PreflightError(f"{root}: no such directory", path=root)
     root = root.resolve()
     env = os.environ if environ is None else environ
     rank = one_rank(selection.ranks)

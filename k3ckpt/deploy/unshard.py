@@ -347,7 +347,7 @@ def plan_unshard(layout: str | os.PathLike[str]) -> UnshardPlan:
     """
     root = Path(layout)
     if not root.is_dir():
-        raise UnshardError(f"{root}: not a directory")
+        raise UnshardError(f"{root}: {'not a directory' if root.exists() else 'no such directory'}", path=root)
     tj, topo = _load_topology(root)
     source = tj.get("source")
     source_digest = source.get("index_sha256") if isinstance(source, dict) else None
