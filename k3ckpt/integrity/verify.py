@@ -31,7 +31,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..env import K3CKPT_CACHE_DIR
-from ..format.checkpoint import Checkpoint, iter_checkpoint_files, open_checkpoint, resolve_root
+from ..errors import CheckpointNotFoundError
+from ..format.checkpoint import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    Checkpoint,
+    is_working_file,
+    iter_checkpoint_files,
+    open_checkpoint,
+    resolve_root,
+)
 from ..utils import write_atomic
 from .hashing import FileDigest, HashError, Span, hash_files, scan_file
 from .manifest import Manifest, tensors_from_headers
@@ -227,6 +236,7 @@ def verify_checkpoint(
 
     t0 = time.perf_counter()
     root, _ = resolve_root(path)
+    _refuse_unfinished_fetch(root)
     if manifest is not None:
         expected = {f: Expected(e.size, e.sha256) for f, e in manifest.files.items()}
         ref = reference or f"manifest {manifest_label or ''}".strip()
@@ -396,6 +406,22 @@ def verify_checkpoint(
                 cache.record(f, stats[f], scan_ok=not flagged, flagged=flagged)
 
     return _finish(report, cache, t0)
+
+
+def _refuse_unfinished_fetch(root: Path) -> None:
+    """A directory a fetch is still writing (or was killed writing) has its working files and no
+    index yet (the index and a share's marker are written last): say so, not "no checkpoint".
+
+    Raises:
+        CheckpointNotFoundError: exit 2; nothing there can be verified yet.
+    """
+    if (root / INDEX_NAME).exists() or (root / SINGLE_NAME).exists():
+        return
+    working = sorted(f for f in os.listdir(root) if is_working_file(f))
+    if working:
+        raise CheckpointNotFoundError(
+            f"{root}: an unfinished fetch ({len(working)} working file{'s' if len(working) != 1 else ''} such as "
+            f"{working[0]}, no {INDEX_NAME} yet): run the same fetch again to resume it, then verify")
 
 
 def _finish(report: VerifyReport, cache: StatCache | None, t0: float) -> VerifyReport:
