@@ -268,3 +268,12 @@ def test_a_killed_rank_fetch_is_not_ok_until_resumed(served_hub: Any, manifests:
     res = verify(dest, "--manifest", str(manifests["tensors"]))
     assert res.exit_code == 0, res.output
     assert f"partial share ({PARTIAL_MARKER}; node 0, ranks 0-3)" in res.output
+
+
+def test_preflight_proposes_the_verify_command_that_works_on_a_share(resharded: Path, manifests: dict[str, Path]) -> None:
+    res = run("preflight", str(resharded), *NODE1, "--node", "1")
+    line = next(ln for ln in res.output.splitlines() if ln.startswith("PASS  structure"))
+    advice = line[line.index("k3ckpt verify "):].split(" for every tensor's sha256")[0]
+    assert advice == f"k3ckpt verify {resharded} --manifest <tensor-hash manifest>"
+    args = advice.replace("<tensor-hash manifest>", str(manifests["tensors"])).split()[2:]
+    assert run("verify", *args).exit_code == 0  # the command it proposes passes on a clean share

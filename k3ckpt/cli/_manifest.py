@@ -248,6 +248,12 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
     --signature and --pubkey the manifest must carry that key's signature: a bad one exits 1
     before anything is hashed.
 
+    A node directory or rank-aware copy (a share, by its k3ckpt-node.json / k3ckpt-partial.json)
+    is checked by what it holds: each tensor by the manifest's tensor sha256 at the share's own
+    offsets, the tensors its ranks need must be present, other nodes' experts are only counted.
+    That needs a tensor-hash manifest (manifest build|pull --tensor-hashes): with one that has no
+    tensor hashes it exits 2 saying so. --against on a share reads just its tensors from the hub.
+
     \b
     Examples:
       k3ckpt verify ./Kimi-K3 --manifest manifests/kimi-k3.json
@@ -255,6 +261,7 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
       k3ckpt verify ./Kimi-K3 --against hf --repo moonshotai/Kimi-K3 --revision f831ab66
       k3ckpt verify ./Kimi-K3 --manifest kimi-k3.json --quick
       k3ckpt verify ./Kimi-K3 --json | jq .issues
+      k3ckpt verify ./node-00001 --manifest kimi-k3.tensors.json
     """
     from ..integrity.verify import Expected, render_verify, verify_checkpoint
 
