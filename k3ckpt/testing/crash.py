@@ -440,6 +440,8 @@ def share_fetch_campaign(served: Path, work: Path, *, kills: int, seed: int, hub
         args = [*base, "--dest", str(dest)]
         verify = [sys.executable, "-m", "k3ckpt", "verify", str(dest), "--manifest", str(manifest), "--no-cache"]
         while stats.kills < kills:
+            if (dest / ".k3ckpt-fetch.lock").exists():
+                stats.stale_locks_recovered += 1
             marker = work / "paused"
             marker.unlink(missing_ok=True)
             at_point = rng.random() < 0.5
