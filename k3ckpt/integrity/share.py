@@ -27,7 +27,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from .manifest import Manifest, TensorEntry, tensors_from_headers
 from .verify import (
     Expected,
     Issue,
+    StatCache,
     VerifyReport,
     _cached_digest_known,
     _cached_digest_matches,
@@ -122,7 +123,7 @@ def verify_share(
     quick: bool,
     scan: bool,
     jobs: int | None,
-    cache: Any,
+    cache: StatCache | None,
     progress: Callable[[int], None] | None,
     on_plan: Callable[[int], None] | None,
 ) -> None:
@@ -207,7 +208,7 @@ def verify_share(
     # -- content: one parallel read hashes files and tensors and scans the scales ---------------------
     want_sha = _tensor_digests(tensor_ref, node_tensors)
     ref_key = _reference_key(manifest, node_tensors, scan)
-    spans = {f: [] for f in weight}  # type: dict[str, list[Span]]
+    spans: dict[str, list[Span]] = {f: [] for f in weight}
     for name, t in actual.items():
         spans[t.file].append(Span(name, *t.offsets))
     header_scan = scale_spans(ckpt) if scan else {}
@@ -227,15 +228,13 @@ def verify_share(
         if f in weight:
             if quick:
                 if hit and hit.get("share_ref") == ref_key:
-                    report.files_trusted.append(f)
-                    issues += _cached_tensor_issues(f, hit, want_sha)
+                    report.files_trusted.append(f)  # and what the full run found in it, again
+                    issues += [Issue(**i) for i in hit.get("share_issues") or []]
                     facts.tensors_checked += sum(1 for s in spans[f] if s.name in want_sha)
                 else:
                     report.files_size_only.append(f)
                 if scan and f in header_scan and not (hit and hit.get("scan_ok") is True):
                     to_scan.append(f)
-                elif scan and hit and hit.get("scan_ok") is True:
-                    issues += _nan_issues(f, hit.get("flagged") or [])
             else:
                 to_hash.append(f)
         elif (exp := expected.get(f)) is not None and f not in OWN_FILES and exp.sha256:
@@ -258,13 +257,13 @@ def verify_share(
         for f, d in sorted(digests.items()):
             report.files_hashed += 1
             report.bytes_hashed += d.size
-            issues += _file_content_issues(f, d, file_ref(f), want_sha, whole_candidates, node_files, facts,
-                                           expected, weight)
+            found = _file_content_issues(f, d, file_ref(f), want_sha, whole_candidates, node_files, facts,
+                                         expected, weight)
+            issues += found
             if scan:
                 issues += _nan_issues(f, d.flagged or [])
             if cache is not None:
-                bad = {i.tensor: i.actual for i in issues if i.kind == "tensor-sha256" and i.file == f}
-                extra = {"share_ref": ref_key, "bad_tensors": bad} if f in weight else {}
+                extra = {"share_ref": ref_key, "share_issues": [asdict(i) for i in found]} if f in weight else {}
                 scanned = {"scan_ok": not d.flagged, "flagged": d.flagged or []} if scan and f in weight else {}
                 cache.record(f, stats[f], sha256=d.sha256, **extra, **scanned)
     if to_scan:
@@ -328,12 +327,6 @@ def _reference_key(manifest: Manifest | None, node_tensors: dict[str, Any], scan
     h.update(str(len(node_tensors)).encode())
     h.update(b"scan" if scan else b"noscan")
     return h.hexdigest()
-
-
-def _cached_tensor_issues(f: str, hit: dict[str, Any], want: dict[str, tuple[str, str]]) -> list[Issue]:
-    return [Issue("tensor-sha256", f, "tensor bytes differ" + want.get(n, ("", ""))[1], tensor=n,
-                  expected=want.get(n, (None, ""))[0], actual=got)
-            for n, got in sorted((hit.get("bad_tensors") or {}).items())]
 
 
 def _file_content_issues(f: str, d: FileDigest, want_file: str | None, want_tensors: dict[str, tuple[str, str]],
