@@ -20,6 +20,7 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
     ├── ManifestHashError              files could not be read while building a manifest
     ├── KeyFileError                   a key file is missing, unreadable or not an ed25519 key
     ├── SignatureError                 a signature does not verify (exit 1)
+    ├── ShareReferenceError            a share's rewritten shards cannot be checked against this reference
     ├── HubError                       a hub could not give us what we asked for
     │   ├── HubUnreachableError        the endpoint cannot be connected to
     │   ├── HubAuthError               credentials refused or required (401/403, gated)
@@ -30,7 +31,8 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
     │   │   └── UnsafePathError        a listed path could escape a local directory
     │   ├── RangeNotSupportedError     the server ignores Range too far into the file
     │   ├── RangeMismatchError         the server answered another byte range
-    │   └── HubShortReadError          a response body ended early (after retries)
+    │   ├── HubShortReadError          a response body ended early (after retries)
+    │   └── HubDigestMismatchError     a file's bytes disagree with the listing's sha256 (exit 1)
     ├── FetchLockedError               another live fetch holds the destination's lock
     ├── DiskSpaceError                 the destination has less free space than needed
     ├── RankFetchError                 the repo or manifest does not allow a rank-aware fetch
@@ -74,6 +76,7 @@ __all__ = [
     "FetchLockedError",
     "HashError",
     "HubAuthError",
+    "HubDigestMismatchError",
     "HubError",
     "HubListingError",
     "HubShortReadError",
@@ -96,6 +99,7 @@ __all__ = [
     "ReshardError",
     "RevisionNotFoundError",
     "SafetensorsHeaderError",
+    "ShareReferenceError",
     "SignatureError",
     "SourceShortReadError",
     "SplitError",
@@ -245,6 +249,12 @@ class SignatureError(K3ckptError):
     exit_code = EXIT_PROBLEMS
 
 
+class ShareReferenceError(K3ckptError):
+    """A node directory or rank-aware copy (a share) has rewritten shards, and the reference
+    (a manifest without tensor hashes, a hub listing) knows only whole source files: nothing
+    content-level could be checked (exit 2)."""
+
+
 # -- hubs --------------------------------------------------------------------------------------
 
 
@@ -342,6 +352,13 @@ class RangeMismatchError(HubError):
 class HubShortReadError(HubError):
     """A hub's response body ended before the requested bytes were all received (after retries).
     Not :class:`SourceShortReadError`, which is a local file ending early."""
+
+
+class HubDigestMismatchError(HubError):
+    """The bytes a hub served for a file do not hash to the sha256 (or git blob id) its own
+    listing publishes (exit 1: what was read is not what the hub says it holds)."""
+
+    exit_code = EXIT_PROBLEMS
 
 
 class FetchLockedError(K3ckptError):

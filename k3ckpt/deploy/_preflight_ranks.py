@@ -481,6 +481,16 @@ class RankLayout:
         return out
 
 
+def verify_advice(root: Path) -> str:
+    """The ``k3ckpt verify`` command that checks this directory's bytes: a share (node directory,
+    rank-aware copy) holds rewritten shards, which only a tensor-hash manifest can check."""
+    from ..integrity.share import share_marker
+
+    if share_marker(root) is not None:
+        return f"no digests checked here: use k3ckpt verify {root} --manifest <tensor-hash manifest> for every tensor's sha256"
+    return "no per-file digests to compare: use k3ckpt verify --manifest for sha256"
+
+
 def _size_of(path: Path) -> int | None:
     try:
         return path.stat().st_size
@@ -580,8 +590,7 @@ class PlainCheckpoint:
             scanned = "; E8M0 scales scanned for NaN"
         n = f"{len(ckpt.shards)} shard(s), {len(ckpt.tensors):,} tensors"
         if not issues:
-            return Check("structure", PASS, f"{n}: headers, index and config agree{scanned} (no per-file digests "
-                                            f"to compare: use k3ckpt verify --manifest for sha256)")
+            return Check("structure", PASS, f"{n}: headers, index and config agree{scanned} ({verify_advice(ckpt.root)})")
         missing = sorted(i.file for i in issues if i.kind == "missing-file" and i.file)
         fix = fetch_command(ckpt, self.root, missing) if missing else None
         first = str(issues[0])
