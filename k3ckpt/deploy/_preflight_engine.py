@@ -289,8 +289,16 @@ class EngineNodeDir(PlainCheckpoint):
         if self.fetched_from is not None:  # a `fetch --node` directory, or a full download
             dest = self.root if own and self.marker is not None else new_output_dir(self.root, f"node{node}-{suffix}")
             return node_fetch_command(self.fetched_from, dest, topo, node, per_node)
-        out = self.root.parent if own else new_output_dir(self.root.parent, suffix)
+        # reshard's output holds node directories of one topology: another node of it goes beside
+        # this one (a complete one is skipped), another topology into a new output
+        same = self._is_recorded_topology(topo, per_node)
+        out = self.root.parent if same else new_output_dir(self.root.parent, suffix)
         return node_reshard_command(self._source_path(), out, topo, node, per_node, force=own)
+
+    def _is_recorded_topology(self, topo: Topology, per_node: int) -> bool:
+        """``topo`` with ``per_node`` GPUs per node is the topology the marker records."""
+        rec, m = self._recorded_topology(), self.marker or {}
+        return rec is not None and rec.to_json() == topo.to_json() and _int(m.get("gpus_per_node")) in (None, per_node)
 
     def _restorer(self, ckpt: Checkpoint) -> Callable[[list[str]], str | None]:
         """A reshard node's config, tokenizer and licence come from its source: copied back from
@@ -302,11 +310,10 @@ class EngineNodeDir(PlainCheckpoint):
 
     def _is_recorded_launch(self, topo: Topology, node: int, per_node: int) -> bool:
         """``topo``, ``node`` and ``per_node`` are what the marker says the directory holds."""
-        rec, m = self._recorded_topology(), self.marker or {}
-        if rec is None or rec.to_json() != topo.to_json():
+        m = self.marker or {}
+        if not self._is_recorded_topology(topo, per_node):
             return False
-        if _int(m.get("gpus_per_node")) not in (None, per_node):
-            return False
+
         if m.get("node") is not None:
             return _int(m.get("node")) == node
         return m.get("ranks") == ranks_of_node(node, per_node, topo.world_size)
