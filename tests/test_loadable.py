@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -211,9 +214,10 @@ def test_every_command_on_a_garbage_config(k3_tiny: Path, clone_checkpoint, tmp_
 
 
 @pytest.fixture
-def hf_cache(k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, str]:
+def hf_cache(k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, Path, str]]:
     """``(repo folder, snapshot, commit)`` of k3-tiny downloaded by huggingface_hub's own client
-    from the loopback hub: blobs/, refs/main and snapshots/<commit>/ of relative symlinks."""
+    from the loopback hub (still serving, as ``HF_ENDPOINT``): blobs/, refs/main and
+    snapshots/<commit>/ of relative symlinks."""
     import huggingface_hub.constants as hc
     from huggingface_hub import snapshot_download
 
@@ -227,9 +231,10 @@ def hf_cache(k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     with LoopbackHub({REPO: served}, cache_dir=tmp_path / "hub-hashes") as hub:
         snap = Path(snapshot_download(REPO, cache_dir=tmp_path / "hub", endpoint=hub.url, token=False))
         commit = hub.commit(REPO)
-    repo_dir = tmp_path / "hub" / "models--moonshotai--Kimi-K3"
-    assert (snap / "LICENSE").is_symlink() and snap == repo_dir / "snapshots" / commit
-    return repo_dir, snap, commit
+        repo_dir = tmp_path / "hub" / "models--moonshotai--Kimi-K3"
+        assert (snap / "LICENSE").is_symlink() and snap == repo_dir / "snapshots" / commit
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        yield repo_dir, snap, commit
 
 
 def _fix_outputs(rep: pf.PreflightReport) -> list[Path]:
@@ -274,6 +279,12 @@ def test_fixes_never_write_into_the_cache(hf_cache: tuple[Path, Path, str], whic
     outs = _fix_outputs(rep) + _fix_outputs(engine)
     assert outs and all(not is_within(o, repo_dir) and not o.exists() for o in outs), outs
     assert rows(engine)["exact"].fix.split("--dest ")[1].startswith(f"{repo_dir.parent}-Kimi-K3-node1-tp2-dp2 ")
+    # the hub client's fix repairs the cache its own way: the snapshot loads again
+    for fix in (r["license"].fix, r["structure"].fix):
+        hf = Path(sys.executable).with_name("hf")
+        res = subprocess.run([str(hf), *shlex.split(fix)[1:]], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+    assert (snap / "LICENSE").is_symlink() and pf.preflight(target, environ=NO_GPU).ok
 
 
 def test_topology_mismatch_fix_writes_a_new_directory_and_keeps_the_old(k3_tiny: Path, tmp_path: Path) -> None:
