@@ -204,6 +204,13 @@ def test_every_command_on_a_garbage_config(k3_tiny: Path, clone_checkpoint, tmp_
     ]
     for args in cannot_run:
         assert_one_line_error(run(*args), 2, line)
+    layout = tmp_path / "layout"  # unshard reads a rank layout: its copy of the config
+    reshard(k3_tiny, layout, RankSelection(ep=2), layout="rank")
+    (layout / "config.json").write_text(content)
+    assert_one_line_error(run("unshard", str(layout), "-o", str(tmp_path / "un")), 2,
+                          f"{layout / 'config.json'}: {problem}")
+    assert not (tmp_path / "un").exists()
+
     for args in (["verify", str(root)], ["preflight", str(root)]):
         res = run(*args)
         assert res.exit_code == 1, (args, res.output)

@@ -217,7 +217,22 @@ def loadable_findings(root: Path) -> tuple[ModelConfig | None, list[Finding]]:
     return cfg, [*found, *tokenizer_findings(root), *license_findings(root)]
 
 
+def require_config(root: Path) -> ModelConfig:
+    """The config of ``root``.
+
+    Raises:
+        ConfigError: ``config.json`` missing or invalid, or a module its ``auto_map`` names
+            for ``AutoConfig`` missing (naming the file).
+    """
+    cfg, found = config_findings(root)
+    if found:
+        raise found[0].error()
+    assert cfg is not None  # no finding means it parsed
+    return cfg
+
+
 def require_loadable(root: Path) -> ModelConfig:
+
     """The config of ``root``, when an engine could load the directory's non-weight files.
 
     Raises:
