@@ -313,7 +313,6 @@ class EngineNodeDir(PlainCheckpoint):
         m = self.marker or {}
         if not self._is_recorded_topology(topo, per_node):
             return False
-
         if m.get("node") is not None:
             return _int(m.get("node")) == node
         return m.get("ranks") == ranks_of_node(node, per_node, topo.world_size)
