@@ -11,6 +11,7 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
     ├── SafetensorsHeaderError         a shard's header is malformed (names file and tensor)
     ├── IndexFileError                 model.safetensors.index.json unreadable or inconsistent
     ├── ConfigError                    config.json unreadable or lacking what is needed
+    ├── EngineFilesError               a tokenizer file or the licence an engine needs is missing
     ├── LayoutError                    a rank/node layout marker file cannot be read
     ├── TopologyError                  a topology, rank selection or split that cannot work
     │   └── SplitError                 a tensor that cannot be split as the topology asks
@@ -71,6 +72,7 @@ __all__ = [
     "ConfigError",
     "DiskSpaceError",
     "EmptySelectionError",
+    "EngineFilesError",
     "EntryNotFoundError",
     "EnvError",
     "FetchLockedError",
@@ -189,6 +191,11 @@ class IndexFileError(K3ckptError):
 
 class ConfigError(K3ckptError):
     """``config.json`` is unreadable or lacks what is needed."""
+
+
+class EngineFilesError(K3ckptError):
+    """A file an engine reads beside the weights (tokenizer, licence) is missing or unreadable:
+    the rule of :mod:`k3ckpt.format.loadable`. Names the file."""
 
 
 class LayoutError(K3ckptError):

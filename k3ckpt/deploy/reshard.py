@@ -106,6 +106,7 @@ from ..format.layout import (
     part_name,
     rank_dir_name,
 )
+from ..format.loadable import require_loadable
 from ..format.nodedir import NODE_MAX_FILE_SIZE, NodeDir, plan_node_dir
 from ..format.topology import (
     ExpertSlice,
@@ -387,11 +388,16 @@ def plan_reshard(
 
     Raises:
         TopologyError / SplitError: impossible topology or rank selection, uneven split.
+        ConfigError / EngineFilesError: the source lacks a readable ``config.json``, a tokenizer
+            file or its licence (:func:`~k3ckpt.format.loadable.require_loadable`).
     """
 
     ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
     if not ckpt.tensors:
         raise ReshardError(f"{ckpt.root}: no tensors to reshard")
+    # Every output directory carries the source's config, tokenizer and licence: a source an
+    # engine could not load would give outputs that preflight fails, so refuse it up front.
+    require_loadable(ckpt.root)
     if max_file_size < 1:
         raise ReshardError(f"--max-file-size {max_file_size} must be positive")
     if align < 8 or align & (align - 1):

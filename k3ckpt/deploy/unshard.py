@@ -53,6 +53,7 @@ from ..errors import UnshardError
 from ..format.checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
 from ..format.header import DTYPE_BITS, TensorSpec, build_header, read_header
 from ..format.layout import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, hf_shard_name, rank_dir_name
+from ..format.loadable import require_config
 from ..format.roles import classify
 from ..format.topology import Topology, TopologyError
 from ..utils import fsync_dir, is_within, load_json, write_atomic
@@ -344,11 +345,15 @@ def plan_unshard(layout: str | os.PathLike[str]) -> UnshardPlan:
     Raises:
         UnshardError: a rank, READY, manifest or file is missing, a manifest disagrees with
             topology.json or with a header, or a tensor's parts do not tile it.
+        ConfigError: the layout's ``config.json`` is missing or invalid.
     """
+
     root = Path(layout)
     if not root.is_dir():
         raise UnshardError(f"{root}: {'not a directory' if root.exists() else 'no such directory'}", path=root)
     tj, topo = _load_topology(root)
+    # the checkpoint written is loaded by an engine: its config (copied from here) must parse
+    require_config(root)
     source = tj.get("source")
     source_digest = source.get("index_sha256") if isinstance(source, dict) else None
     if source_digest is not None and not isinstance(source_digest, str):
