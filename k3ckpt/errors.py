@@ -11,6 +11,7 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
     ├── SafetensorsHeaderError         a shard's header is malformed (names file and tensor)
     ├── IndexFileError                 model.safetensors.index.json unreadable or inconsistent
     ├── ConfigError                    config.json unreadable or lacking what is needed
+    ├── EngineFilesError               a tokenizer file or the licence an engine needs is missing
     ├── LayoutError                    a rank/node layout marker file cannot be read
     ├── TopologyError                  a topology, rank selection or split that cannot work
     │   └── SplitError                 a tensor that cannot be split as the topology asks
@@ -20,6 +21,7 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
     ├── ManifestHashError              files could not be read while building a manifest
     ├── KeyFileError                   a key file is missing, unreadable or not an ed25519 key
     ├── SignatureError                 a signature does not verify (exit 1)
+    ├── ShareReferenceError            a share's rewritten shards cannot be checked against this reference
     ├── HubError                       a hub could not give us what we asked for
     │   ├── HubUnreachableError        the endpoint cannot be connected to
     │   ├── HubAuthError               credentials refused or required (401/403, gated)
@@ -30,12 +32,14 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
     │   │   └── UnsafePathError        a listed path could escape a local directory
     │   ├── RangeNotSupportedError     the server ignores Range too far into the file
     │   ├── RangeMismatchError         the server answered another byte range
-    │   └── HubShortReadError          a response body ended early (after retries)
+    │   ├── HubShortReadError          a response body ended early (after retries)
+    │   └── HubDigestMismatchError     a file's bytes disagree with the listing's sha256 (exit 1)
     ├── OutputLockedError              another live run holds the output directory's lock
     │   └── FetchLockedError           ... a fetch, on its destination
     ├── OutputNotOwnedError            the output holds files k3ckpt did not write (or another command's)
     ├── DiskSpaceError                 the destination has less free space than needed
     ├── RankFetchError                 the repo or manifest does not allow a rank-aware fetch
+    ├── EmptySelectionError            --include/--exclude leave no file: nothing to do
     ├── MxSelectionError               no MX tensor matches the selection
     ├── MxInspectError                 an input cannot be inspected or measured
     ├── MxPlotUnavailableError         --plot without matplotlib installed
@@ -48,9 +52,19 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
 
 The modules that raise these re-export them (``from k3ckpt.hub.client import HubError`` works),
 but this module is their one definition.
+
+Every class also has a ``kind``, its stable name in the CLI's ``--json`` error object
+(``{"error": {"kind", "path", "message"}}``): the class name without ``Error``, in snake case
+(``CheckpointNotFoundError`` -> ``checkpoint_not_found``), derived for every subclass when it
+is defined (:func:`kind_of_name`), so a new class never lacks one; and a ``path``, the file or
+directory the error is about when it knows one (``None`` otherwise). ``docs/errors.md`` lists
+the kinds.
 """
 
 from __future__ import annotations
+
+import os
+import re
 
 __all__ = [
     "EXIT_CANNOT_RUN",
@@ -59,11 +73,14 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigError",
     "DiskSpaceError",
+    "EmptySelectionError",
+    "EngineFilesError",
     "EntryNotFoundError",
     "EnvError",
     "FetchLockedError",
     "HashError",
     "HubAuthError",
+    "HubDigestMismatchError",
     "HubError",
     "HubListingError",
     "HubShortReadError",
@@ -88,6 +105,7 @@ __all__ = [
     "ReshardError",
     "RevisionNotFoundError",
     "SafetensorsHeaderError",
+    "ShareReferenceError",
     "SignatureError",
     "SourceShortReadError",
     "SplitError",
@@ -102,10 +120,33 @@ EXIT_PROBLEMS = 1
 EXIT_CANNOT_RUN = 2
 
 
+_WORD_START = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+
+
+def kind_of_name(class_name: str) -> str:
+    """An error class's ``kind``: its name without ``Error``, in snake case
+    (``HubShortReadError`` -> ``hub_short_read``, ``K3ckptError`` -> ``k3ckpt``)."""
+    return _WORD_START.sub("_", class_name.removesuffix("Error")).lower()
+
+
 class K3ckptError(Exception):
-    """Base class. ``exit_code`` is what the CLI exits with when this reaches it."""
+    """Base class. ``exit_code`` is what the CLI exits with when this reaches it; ``kind`` the
+    class's stable name in the CLI's JSON error object (derived from the class name for every
+    subclass); ``path`` the file or directory the error is about, when known (pass ``path=``)."""
 
     exit_code: int = EXIT_CANNOT_RUN
+    kind: str = "k3ckpt"
+    path: str | None = None
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" not in cls.__dict__:  # a class may pin its own; every other one gets its name's
+            cls.kind = kind_of_name(cls.__name__)
+
+    def __init__(self, *args: object, path: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(*args)
+        if path is not None:  # an instance attribute: pickling (worker processes) keeps it
+            self.path = os.fspath(path)
 
 
 # -- environment ---------------------------------------------------------------------------------
@@ -156,6 +197,11 @@ class ConfigError(K3ckptError):
     """``config.json`` is unreadable or lacks what is needed."""
 
 
+class EngineFilesError(K3ckptError):
+    """A file an engine reads beside the weights (tokenizer, licence) is missing or unreadable:
+    the rule of :mod:`k3ckpt.format.loadable`. Names the file."""
+
+
 class LayoutError(K3ckptError):
     """A layout marker file exists but cannot be read."""
 
@@ -190,6 +236,11 @@ class HashError(K3ckptError, OSError):
 
     exit_code = EXIT_CANNOT_RUN
 
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # OSError's own arguments: (errno, strerror, filename)
+        if self.filename is not None:
+            self.path = os.fsdecode(self.filename)
+
 
 class ManifestError(K3ckptError):
     """A manifest file is unreadable, of another format or version, or unsafe."""
@@ -207,6 +258,12 @@ class SignatureError(K3ckptError):
     """A signature does not verify, or is not an ed25519 signature at all (exit 1)."""
 
     exit_code = EXIT_PROBLEMS
+
+
+class ShareReferenceError(K3ckptError):
+    """A node directory or rank-aware copy (a share) has rewritten shards, and the reference
+    (a manifest without tensor hashes, a hub listing) knows only whole source files: nothing
+    content-level could be checked (exit 2)."""
 
 
 # -- hubs --------------------------------------------------------------------------------------
@@ -308,6 +365,13 @@ class HubShortReadError(HubError):
     Not :class:`SourceShortReadError`, which is a local file ending early."""
 
 
+class HubDigestMismatchError(HubError):
+    """The bytes a hub served for a file do not hash to the sha256 (or git blob id) its own
+    listing publishes (exit 1: what was read is not what the hub says it holds)."""
+
+    exit_code = EXIT_PROBLEMS
+
+
 class OutputLockedError(K3ckptError):
     """Another live run (reshard, unshard, fetch) holds the output directory's lock (the message
     names the lock file and its holder's host and pid)."""
@@ -328,6 +392,12 @@ class DiskSpaceError(K3ckptError):
 
 class RankFetchError(K3ckptError):
     """The repo, its headers or the manifest do not allow a rank-aware fetch (the message says why)."""
+
+
+class EmptySelectionError(K3ckptError):
+    """``--include``/``--exclude`` leave none of the files they filter: the command would do
+    nothing (or only part of what was meant), so it is refused before any byte moves. The
+    message names the patterns."""
 
 
 # -- MX (microscaling) tensors -----------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The long security campaign: crash consistency and fuzzing, with counts for SECURITY.md.
 
-    scripts/campaign.py                          # 20 kills each for fetch and reshard, 60 s of fuzz per target
+    scripts/campaign.py                          # 20 kills each for fetch, reshard and a share fetch, 60 s of fuzz per target
     scripts/campaign.py --kills 50 --fuzz-seconds 300 --seed 7 --json campaign.json
     scripts/campaign.py --kills 0 --fuzz-seconds 30 --engine atheris
     scripts/campaign.py --kills 0 --fuzz-seconds 0 --output-rounds 30   # outputs only
@@ -9,8 +9,10 @@
 Crash part (see k3ckpt.testing.crash): a synthetic k3-tiny checkpoint is fetched through the
 loopback hub and resharded, each under ``--kills`` SIGKILLs at seeded random points, with
 power-loss damage injected between runs; every kill is followed by a scan for incomplete
-final-named files, and every byte is compared at the end. Several seeds are run until the
-kill count is reached (each seed picks a hub and a topology).
+final-named files, and every byte is compared at the end. A rank-aware fetch (a node directory
+or a partial copy) is killed too, and after every kill ``k3ckpt verify`` of the share must not
+pass unless it is exactly what a clean fetch writes; after the resume it must pass. Several
+seeds are run until the kill count is reached (each seed picks a hub and a topology).
 
 Output part (``--output-rounds``, see k3ckpt.testing.crash): per round, a second reshard into
 an output a first one holds (refused by the lock; the first then finishes exactly), a writing
@@ -59,7 +61,8 @@ def run_crash(kind: str, source: Path, work: Path, kills: int, seed: int) -> dic
                              "stale_locks_recovered": 0, "scans": 0, "files_checked": 0, "bytes_verified": 0,
                              "fault_kinds": {}}
     s = seed
-    campaign = crash.fetch_campaign if kind == "fetch" else crash.reshard_campaign
+    campaign = {"fetch": crash.fetch_campaign, "reshard": crash.reshard_campaign,
+                "share-fetch": crash.share_fetch_campaign}[kind]
     while total["kills"] < kills:
         d = work / f"{kind}-{s}"
         d.mkdir()
@@ -70,7 +73,7 @@ def run_crash(kind: str, source: Path, work: Path, kills: int, seed: int) -> dic
                 for fk, n in v.items():
                     total["fault_kinds"][fk] = total["fault_kinds"].get(fk, 0) + n
             elif isinstance(v, int) and k != "seed":
-                total[k] += v
+                total[k] = total.get(k, 0) + v
         s += 1
         print(f"  {kind} seed {stats['seed']}: {stats['kills']} kills, {stats['power_loss_faults']} power-loss "
               f"faults, {stats['files_checked']} final-named files checked", flush=True)
@@ -176,7 +179,7 @@ def _save_finding(findings: Path, target: str, raw: bytes) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kills", type=int, default=20, help="SIGKILLs for fetch and for reshard (each) [20]")
+    ap.add_argument("--kills", type=int, default=20, help="SIGKILLs for fetch, reshard and a share fetch (each) [20]")
     ap.add_argument("--output-rounds", type=int, default=10,
                     help="rounds of each output campaign: lock, foreign directory, full tmpfs [10]")
     ap.add_argument("--fuzz-seconds", type=float, default=60.0, help="seconds of fuzzing per target [60]")
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             source = work / "k3-tiny"
             synthesize(spec_from_preset("k3-tiny"), source)
             report["source_bytes"] = sum(p.stat().st_size for p in source.iterdir())
-            for kind in ("fetch", "reshard"):
+            for kind in ("fetch", "reshard", "share-fetch"):
                 print(f"crash: {kind}, {args.kills} kills", flush=True)
                 try:
                     report[f"crash_{kind}"] = run_crash(kind, source, work, args.kills, args.seed)

@@ -7,6 +7,7 @@ Import them as ``from helpers import run`` (pytest puts ``tests/`` on ``sys.path
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -29,14 +30,19 @@ def run(*args: str, env: dict[str, str] | None = None) -> Result:
 
 
 def assert_one_line_error(res: Result, code: int, *needles: str) -> None:
-    """The command failed with exit ``code`` and said so in one ``k3ckpt: error: ...`` line
-    (no traceback) that contains every one of ``needles``."""
+    """The command failed with exit ``code`` and said so in one ``k3ckpt: error: ...`` line on
+    stderr (no traceback) that contains every one of ``needles``; stdout holds nothing or - under
+    ``--json`` - exactly the JSON error object carrying the same message (docs/errors.md)."""
     assert res.exit_code == code, res.output
-    lines = [line for line in res.output.splitlines() if line.strip()]
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("k3ckpt: error: "), res.output
     assert "Traceback" not in res.output
     for n in needles:
         assert n in lines[0], lines[0]
+    if res.stdout.strip():
+        error = json.loads(res.stdout)["error"]
+        assert set(error) == {"kind", "path", "message"}, error
+        assert lines[0] == f"k3ckpt: error: {error['message']}", res.output
 
 
 def shard_of(root: Path, tensor: str) -> str:

@@ -65,6 +65,16 @@ def test_the_scans_catch_what_they_look_for(k3_tiny: Path, tmp_path: Path) -> No
         scan_reshard(out, {"rank-00000/model-rank-0-part-0.safetensors": "0" * 64}, CrashStats("reshard", 0))
 
 
+@pytest.mark.parametrize("seed", [31, 32])
+def test_verify_never_passes_a_killed_share_and_passes_the_resumed_one(k3_tiny: Path, tmp_path: Path,
+                                                                        seed: int) -> None:
+    from k3ckpt.testing.crash import share_fetch_campaign
+
+    stats = share_fetch_campaign(k3_tiny, tmp_path, kills=3, seed=seed)
+    assert stats.kills == 3 and stats.verify_refused >= 1
+    assert stats.verify_passed >= 1 and stats.bytes_verified > 0  # the final run's share, byte for byte
+
+
 # -- outputs: the lock, foreign directories, a full disk (issue 14) -----------------------------
 
 

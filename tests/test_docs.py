@@ -27,6 +27,7 @@ Record or refresh a page's output (runs in /tmp/docs-work/<page>, the path the d
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -48,6 +49,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RECORD_ROOT = Path("/tmp/docs-work")
 README_LIMIT = 12 * 1024
 
+#: Digest of the code that writes the served synthetic checkpoints.
+SYNTH_DIGEST = hashlib.sha256((ROOT / "k3ckpt" / "testing" / "synth.py").read_bytes()).hexdigest()[:12]
 NO_TEST = re.compile(r"^\s*<!--\s*no-test:\s*(.*?)\s*-->\s*$")
 SERVE = re.compile(r"^\s*<!--\s*docs-test:\s*serve\s+(\S+)\s+as\s+(\S+)\s*-->\s*$", re.MULTILINE)
 FENCE = re.compile(r"^```(\S*)\s*$")
@@ -209,7 +212,9 @@ class Hubs:
     def env(self, preset: str, repo: str) -> dict[str, str]:
         with self._lock:
             if (preset, repo) not in self._hubs:
-                src = self.scratch / f"hub-{preset}"
+                # named by synth's source: a recording scratch outlives a change to what synth
+                # writes, and must not serve the stale checkpoint
+                src = self.scratch / f"hub-{preset}-{SYNTH_DIGEST}"
                 if not (src / "config.json").exists():
                     subprocess.run(["k3ckpt", "synth", str(src), "--preset", preset, "--force"], check=True,
                                    env=_env(self.scratch, {}), stdout=subprocess.DEVNULL)

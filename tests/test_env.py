@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import helpers
 import k3ckpt
 from k3ckpt import env
 from k3ckpt.cli import main
@@ -33,11 +34,7 @@ def run(*args: str, env_vars: dict[str, str] | None = None):
 
 
 def assert_one_line_error(res, *needles: str) -> None:
-    assert res.exit_code == 2, res.output
-    lines = [line for line in res.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("k3ckpt: error: "), res.output
-    for n in needles:
-        assert n in lines[0], res.output
+    helpers.assert_one_line_error(res, 2, *needles)
 
 
 # -- the registry and its docs -----------------------------------------------------------------

@@ -22,7 +22,7 @@ from k3ckpt.errors import EXIT_CANNOT_RUN, EXIT_PROBLEMS, K3ckptError
 NOT_USER_VISIBLE = {"k3ckpt.testing.crash.InvariantViolation"}
 
 #: Exit codes other than "could not run" (2). Pinned: changing one changes the CLI's contract.
-EXIT_CODES = {"SignatureError": EXIT_PROBLEMS}
+EXIT_CODES = {"SignatureError": EXIT_PROBLEMS, "HubDigestMismatchError": EXIT_PROBLEMS}
 
 
 def _package_exceptions() -> dict[str, type[BaseException]]:
@@ -102,3 +102,41 @@ def test_errors_cross_process_boundaries(make) -> None:
     e = make()
     again = pickle.loads(pickle.dumps(e))
     assert type(again) is type(e) and str(again) == str(e)
+
+
+def test_every_class_has_a_unique_kind_derived_from_its_name() -> None:
+    # the kind is the JSON error object's stable name: a class added later (in any module, by
+    # anyone) gets one without doing anything, and no two classes share one
+    classes = [c for c in _user_visible().values() if issubclass(c, K3ckptError)]
+    kinds = {c.kind: c.__name__ for c in classes}
+    assert len(kinds) == len(classes), sorted(c.kind for c in classes)
+    for cls in classes:
+        assert re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)*", cls.kind), cls.kind
+        assert cls.kind == errors.kind_of_name(cls.__name__), cls.__name__
+    assert errors.CheckpointNotFoundError.kind == "checkpoint_not_found"
+    assert errors.HubShortReadError.kind == "hub_short_read"
+
+    class LaterAddedError(errors.HubError):
+        pass
+
+    assert LaterAddedError.kind == "later_added"
+
+
+def test_the_docs_list_every_kind() -> None:
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "docs" / "errors.md").read_text()
+    missing = sorted(c.kind for c in _user_visible().values() if f"`{c.kind}`" not in page)
+    assert missing == [], "docs/errors.md lists every kind"
+
+
+@pytest.mark.parametrize("make, path", [
+    (lambda: errors.ConfigError("x: bad", path="/a/config.json"), "/a/config.json"),
+    (lambda: errors.SafetensorsHeaderError("/a/m.safetensors", "bad", tensor="t"), "/a/m.safetensors"),
+    (lambda: errors.HashError(5, "read failed", "/x"), "/x"),
+    (lambda: errors.TopologyError("--ep 3 does not divide 8"), None),
+])
+def test_path_is_known_where_the_error_has_one_and_survives_pickling(make, path) -> None:
+    e = make()
+    assert e.path == path
+    assert pickle.loads(pickle.dumps(e)).path == path

@@ -356,7 +356,7 @@ def test_cli_build_writes_atomically_and_prints_a_json_summary(k3_tiny: Path, tm
     summary = json.loads(res.output)
     assert summary == {"output": str(target), "files": len(expected.files), "tensors": len(expected.tensors),
                        "bytes": expected.total_bytes, "tensor_hashes": True, "source": {}}
-    assert summary["files"] == 15
+    assert summary["files"] == 17
 
     res = run("manifest", "build", str(k3_tiny), "-o", str(out / "plain.json"))
     assert res.exit_code == 0 and res.output == ""  # quiet success

@@ -97,8 +97,8 @@ def test_pass_path_node_of_a_rank_layout(layout: Path, source: Path, tmp_path: P
     assert rep.ok and rep.ranks == [2, 3] and rep.layout == "rank-layout"
     assert statuses(rep) == {
         "topology": "PASS", "environment": "PASS", "rank 2": "PASS", "rank 3": "PASS", "disk": "PASS",
-        "host memory": "PASS", "gpu": "PASS", "mxfp4": "PASS", "quantization": "PASS", "license": "PASS",
-        "source": "PASS",
+        "host memory": "PASS", "gpu": "PASS", "mxfp4": "PASS", "quantization": "PASS", "config": "PASS",
+        "tokenizer": "PASS", "license": "PASS", "source": "PASS",
     }
     r = rows(rep)
     assert "ep 4 x tp 2, world size 4" in r["topology"].reason and "as requested" in r["topology"].reason
@@ -110,7 +110,8 @@ def test_pass_path_node_of_a_rank_layout(layout: Path, source: Path, tmp_path: P
     assert r["rank 2"].details["bytes"] == sum(f["size"] for f in manifest["files"].values())
     assert not any(c.fix for c in rep.checks)
     text = pf.render_preflight(rep)
-    assert text.splitlines()[-1] == "result     0 FAIL, 0 WARN, 11 PASS: ready to load"
+    assert text.splitlines()[-1] == "result     0 FAIL, 0 WARN, 13 PASS: ready to load"
+
 
 
 def test_default_ranks_are_all_and_full_hashes_every_file(layout: Path) -> None:
@@ -207,13 +208,15 @@ def test_topology_mismatch(layout: Path, source: Path) -> None:
     r = rows(rep)["topology"]
     assert r.status == "FAIL"
     assert "requested --ep 8 (layout has 4), --world-size 8 (layout has 4)" in r.reason
-    # the fix reshards this node's ranks of the requested topology
-    assert r.fix == f"k3ckpt reshard {source} -o {layout} --format rank --ep 8 --tp 2 --ranks 0-3 --force"
+    # the fix reshards this node's ranks of the requested topology into a new directory: the
+    # layout here is another topology's, which other nodes may load (never --force over it)
+    assert r.fix == f"k3ckpt reshard {source} -o {layout}-ep8-tp2 --format rank --ep 8 --tp 2 --ranks 0-3"
+    assert not Path(f"{layout}-ep8-tp2").exists()
     r = rows(pf.preflight(layout, RankSelection(tp=1), environ=NO_GPU))["topology"]
     assert r.status == "FAIL" and "--tp 1 (layout has 2)" in r.reason
     r = rows(pf.preflight(layout, RankSelection(placement="round_robin"), environ=NO_GPU))["topology"]
     assert r.status == "FAIL" and "--placement round_robin (layout has linear)" in r.reason
-    assert r.fix == f"k3ckpt reshard {source} -o {layout} --format rank --ep 4 --tp 2 --placement round_robin --force"
+    assert r.fix == f"k3ckpt reshard {source} -o {layout}-ep4-tp2-round-robin --format rank --ep 4 --tp 2 --placement round_robin"
 
 
 def test_preflight_checks_one_rank_or_one_node(layout: Path) -> None:
@@ -235,7 +238,10 @@ def test_broken_topology_json(layout: Path, source: Path, edit, needle: str) -> 
     rep = pf.preflight(layout, environ=NO_GPU)
     r = rows(rep)["topology"]
     assert r.status == "FAIL" and needle in r.reason and not rep.ok
-    assert r.fix.startswith("k3ckpt reshard ") and r.fix.endswith("--force")
+    # rewritten into a new directory: --force here would delete ranks that are not ours to judge
+    out = Path(shlex.split(r.fix)[shlex.split(r.fix).index("-o") + 1])
+    assert r.fix.startswith("k3ckpt reshard ") and "--force" not in r.fix
+    assert out.parent == layout.parent and out.name.startswith("layout-") and not out.exists()
 
 
 def test_missing_topology_json_with_rank_dirs(layout: Path) -> None:
@@ -243,7 +249,8 @@ def test_missing_topology_json_with_rank_dirs(layout: Path) -> None:
     rep = pf.preflight(layout, environ=NO_GPU)
     r = rows(rep)["topology"]
     assert r.status == "FAIL" and "topology.json: not found" in r.reason
-    assert r.fix == f"k3ckpt reshard SRC -o {layout} --format rank --ep E --tp T --force"  # the source is not recorded anywhere
+    # the source is not recorded anywhere; a new directory, not --force over the rank dirs here
+    assert r.fix == f"k3ckpt reshard SRC -o {layout}-resharded --format rank --ep E --tp T"
 
 
 def test_unrecorded_source_path_is_a_placeholder(layout: Path) -> None:
@@ -371,14 +378,16 @@ def test_license_kind(text: str, kind: str, status: str) -> None:
     assert got.startswith(kind) and st == status
 
 
-def test_missing_license_and_quantization_mismatch(layout: Path) -> None:
+def test_missing_license_and_quantization_mismatch(layout: Path, source: Path) -> None:
     (layout / "LICENSE").unlink()
     cfg = json.loads((layout / "config.json").read_text())
     cfg.pop("quantization_config")
     (layout / "config.json").write_text(json.dumps(cfg))
     rep = pf.preflight(layout, environ=NO_GPU)
     r = rows(rep)
-    assert r["license"].status == "WARN" and "no LICENSE" in r["license"].reason
+    assert r["license"].status == "FAIL" and r["license"].reason.startswith(f"{layout / 'LICENSE'}: not found")
+    # reshard copied the licence from its source: copying it back is the fix (-n: replaces nothing)
+    assert r["license"].fix == f"cp -n {source}/LICENSE {layout}/"
     assert r["quantization"].status == "FAIL"
     assert "says no quantization_config but the tensors have" in r["quantization"].reason
     assert "MXFP4 weights" in r["quantization"].reason
@@ -622,14 +631,17 @@ def test_engine_wrong_tp_or_dp_fails_with_the_reshard_that_fixes_it(nodes: Path,
     rep = pf.preflight(d, launch(0, tp=tp, dp=dp), engine="vllm", environ=NO_GPU)
     r = rows(rep)
     assert not rep.ok and r["launch"].status == "FAIL" and why in r["launch"].reason
-    fix = f"k3ckpt reshard {source} -o {nodes} --tp {tp} --dp {dp} --gpus-per-node 2 --node 0 --force"
-    assert r["launch"].fix == fix
+    # another topology: a new output directory (never --force over the one other nodes load)
+    fix = f"k3ckpt reshard {source} -o {nodes}-tp{tp}-dp{dp} --tp {tp} --dp {dp} --gpus-per-node 2 --node 0"
+    assert r["launch"].fix == fix and not Path(f"{nodes}-tp{tp}-dp{dp}").exists()
     if tp * dp == 8:
         assert r["exact"].status == "FAIL" and "experts 4-7" in r["exact"].reason
     else:
         assert r["experts"].status == r["exact"].status == "PASS"
     run_fix(fix)
-    assert pf.preflight(d, launch(0, tp=tp, dp=dp), engine="vllm", environ=NO_GPU).ok
+    assert pf.preflight(Path(f"{nodes}-tp{tp}-dp{dp}") / "node-00000", launch(0, tp=tp, dp=dp), engine="vllm",
+                        environ=NO_GPU).ok
+    assert pf.preflight(d, launch(0), engine="vllm", environ=NO_GPU).ok  # the old layout is untouched
 
 
 def test_engine_wrong_node(nodes_pristine: Path, source: Path) -> None:
@@ -639,7 +651,8 @@ def test_engine_wrong_node(nodes_pristine: Path, source: Path) -> None:
     assert "--node 1 (k3ckpt-node.json has 0)" in r["launch"].reason
     assert r["experts"].reason.startswith("rank 2 lacks (all or some tensors of) experts 8-11")
     assert "holds experts 0-7 that no rank of node 1 owns" in r["exact"].reason
-    assert r["exact"].fix == f"k3ckpt reshard {source} -o {nodes_pristine} --tp 2 --dp 2 --gpus-per-node 2 --node 1 --force"
+    # the same topology's node 1 belongs beside node 0 (reshard skips it when complete): no --force
+    assert r["exact"].fix == f"k3ckpt reshard {source} -o {nodes_pristine} --tp 2 --dp 2 --gpus-per-node 2 --node 1"
 
 
 def test_engine_missing_expert_file(nodes: Path, source: Path) -> None:
@@ -694,7 +707,7 @@ def test_engine_sglang_refuses_round_robin_and_says_its_flags(source: Path, node
     rep = pf.preflight(rr / "node-00000", launch(0), engine="sglang", environ=NO_GPU)
     r = rows(rep)["sglang"]
     assert r.status == "FAIL" and "round_robin placement" in r.reason and not rep.ok
-    assert r.fix == f"k3ckpt reshard {source} -o {rr} --tp 2 --dp 2 --gpus-per-node 2 --node 0 --force"
+    assert r.fix == f"k3ckpt reshard {source} -o {rr}-tp2-dp2 --tp 2 --dp 2 --gpus-per-node 2 --node 0"
     ok = pf.preflight(nodes_pristine / "node-00001", launch(1), engine="sglang", leader_address="10.0.0.1",
                       environ=NO_GPU)
     assert ok.ok and rows(ok)["sglang"].status == "PASS"
@@ -764,8 +777,8 @@ def test_engine_cli_json_text_and_exit_codes(nodes_pristine: Path, pristine: Pat
 def test_engine_rank_aware_fetch_is_fixed_by_fetching_the_launchs_share(served_hub, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A `fetch --node` copy checked for another node: the fix is the rank-aware fetch of that
-    node into the same directory (from the hub its fetch recorded), and after it the directory
-    is exactly that node's."""
+    node (from the hub its fetch recorded) into a new directory - never over node 0's share -
+    and that directory is exactly node 1's."""
     h, _ = served_hub
     monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
     dest = tmp_path / "node"
@@ -778,6 +791,7 @@ def test_engine_rank_aware_fetch_is_fixed_by_fetching_the_launchs_share(served_h
     assert "--node 1 (k3ckpt-node.json has 0)" in r["launch"].reason
     fix = r["launch"].fix or ""
     assert fix.startswith("k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --revision ")
-    assert fix.endswith(f"--dest {dest} --ep 4 --tp 2 --placement linear --node 1 --gpus-per-node 2")
+    assert fix.endswith(f"--dest {dest}-node1-tp2-dp2 --ep 4 --tp 2 --placement linear --node 1 --gpus-per-node 2")
     run_fix(f"{fix} --endpoint {h.url}")
-    assert pf.preflight(dest, launch(1), engine="vllm", environ=NO_GPU).ok
+    assert pf.preflight(Path(f"{dest}-node1-tp2-dp2"), launch(1), engine="vllm", environ=NO_GPU).ok
+    assert pf.preflight(dest, launch(0), engine="vllm", environ=NO_GPU).ok

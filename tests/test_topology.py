@@ -404,13 +404,47 @@ def test_rank_selection_defaults_and_resolution() -> None:
     (RankSelection(ep=0), "--ep 0 must be at least 1"),
     (RankSelection(ep=3, tp=2), "--tp 2 does not divide world size 3"),
     (RankSelection(placement="random"), "unknown expert placement 'random'"),
-    (RankSelection(ranks="0-1", node=0, gpus_per_node=2), "give --ranks or --node, not both"),
-    (RankSelection(node=0), "--node needs --gpus-per-node"),
-    (RankSelection(ranks=[]), "no ranks selected"),
+    (RankSelection(ep=2, ranks="0-1", node=0, gpus_per_node=2), "give --ranks or --node, not both"),
+    (RankSelection(ep=2, node=0), "--node needs --gpus-per-node"),
+    (RankSelection(ep=2, ranks=[]), "no ranks selected"),
+    # ranks of no topology: the world would be one rank holding everything - refused, not guessed
+    (RankSelection(ranks="0"), "--ranks 0 selects ranks of a topology but none was given"),
+    (RankSelection(node=0, gpus_per_node=4), "--node 0 selects ranks of a topology but none was given"),
 ])
 def test_rank_selection_errors(sel: RankSelection, message: str) -> None:
     with pytest.raises(TopologyError, match=message):
         sel.select(sel.topology(16))
+
+
+@pytest.mark.parametrize(("sel", "engine", "message"), [
+    (RankSelection(ranks="0"), False, "--ranks 0 selects ranks of a topology but none was given"),
+    (RankSelection(ranks=[0, 1]), False, "--ranks 0,1 selects ranks"),
+    (RankSelection(node=1), True, "--node 1 selects ranks of a topology but none was given"),
+    (RankSelection(ep=8, ranks="8"), False, r"rank 8 out of range 0\.\.7"),
+    (RankSelection(tp=2, dp=2, node=1), True, "--node 1 out of range"),  # one node of 4 GPUs by default
+    (RankSelection(ep=8, node=2, gpus_per_node=4), False, "--node 2 out of range"),
+    (RankSelection(ep=8, tp=3), False, "--tp 3 does not divide world size 8"),
+    (RankSelection(ep=4, tp=2, ranks="0", node=0), False, "give --ranks or --node, not both"),
+    (RankSelection(ep=2, tp=2, world_size=4), True, "the engine format needs --ep equal to the world size"),
+])
+def test_check_refuses_before_the_checkpoint_is_read(sel: RankSelection, engine: bool, message: str) -> None:
+    # check() needs no expert count: fetch calls it before its first request
+    with pytest.raises(TopologyError, match=message):
+        sel.check(engine=engine)
+
+
+@pytest.mark.parametrize(("sel", "engine"), [
+    (RankSelection(), False),  # nothing selected: everything, the ordinary whole fetch/reshard
+    (RankSelection(ep=1, ranks="0"), False),  # an explicit --ep 1 is a topology (the default, said aloud)
+    (RankSelection(tp=2, ranks="1"), False),  # --tp alone is one too
+    (RankSelection(world_size=4, ranks="3"), False),
+    (RankSelection(tp=2, dp=2, node=0), True),
+    (RankSelection(tp=2, dp=4, node=1, gpus_per_node=4), True),
+    (RankSelection(ep=8, tp=2, node=1, gpus_per_node=4), False),
+    (RankSelection(ep=1 << 20), False),  # more ep ranks than any real model's experts: checked later
+])
+def test_check_accepts_what_can_work(sel: RankSelection, engine: bool) -> None:
+    sel.check(engine=engine)
 
 
 @pytest.mark.parametrize(("sel", "rank_layout", "engine"), [

@@ -98,10 +98,10 @@ def test_clean_checkpoint_passes_structure_only_and_against_a_manifest(k3_tiny: 
                                                                         manifests) -> None:
     rep = verify(k3_tiny, tmp_path, use_cache=False)
     assert rep.ok and rep.issues == [] and rep.reference == "none (structure only)"
-    assert rep.files == 15 and rep.mode == "full"
+    assert rep.files == 17 and rep.mode == "full"
     rep = verify(k3_tiny, tmp_path, manifest=manifests["tensors"], manifest_label="m.json")
     assert rep.ok and rep.issues == [] and rep.reference == "manifest m.json"
-    assert rep.files_hashed == 15 and rep.bytes_hashed == manifests["tensors"].total_bytes
+    assert rep.files_hashed == 17 and rep.bytes_hashed == manifests["tensors"].total_bytes
 
 
 # -- structure: headers -------------------------------------------------------------------------
@@ -518,7 +518,7 @@ def test_quick_after_a_full_run_trusts_every_file(ckpt: Path, tmp_path: Path, ma
     m = manifests["tensors"]
     before = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*"))
     full = verify(ckpt, tmp_path, manifest=m)
-    assert full.ok and full.files_hashed == 15 and not full.structure_cached
+    assert full.ok and full.files_hashed == 17 and not full.structure_cached
     cache_files = list((tmp_path / "cache").rglob("*.json"))
     assert len(cache_files) == 1 and cache_files[0].parent == tmp_path / "cache" / "verify"
     assert json.loads(cache_files[0].read_text())["root"] == str(ckpt.resolve())
@@ -537,7 +537,7 @@ def test_quick_after_a_full_run_trusts_every_file(ckpt: Path, tmp_path: Path, ma
     assert res.exit_code == 0, res.output
     head = res.output.splitlines()[0]
     assert head.startswith("ok: ") and "(quick; reference: manifest " in head
-    assert "15 files, 0 hashed" in head and "15 trusted from the stat cache" in head
+    assert "17 files, 0 hashed" in head and "17 trusted from the stat cache" in head
     assert "structure unchanged since the last check" in head
 
 
@@ -552,7 +552,7 @@ def test_quick_remembers_nan_and_sha256_problems_from_the_last_full_run(ckpt: Pa
         quick = verify(ckpt, tmp_path, manifest=m, quick=True)
         assert quick.structure_cached and quick.files_hashed == 0
         assert quick.issues == full.issues
-        assert f not in quick.files_trusted and len(quick.files_trusted) == 14
+        assert f not in quick.files_trusted and len(quick.files_trusted) == 16
 
 
 def test_quick_stops_trusting_a_file_whose_content_changed_at_the_same_size(ckpt: Path, tmp_path: Path,
@@ -566,7 +566,7 @@ def test_quick_stops_trusting_a_file_whose_content_changed_at_the_same_size(ckpt
     assert (ckpt / f).stat().st_size == st.st_size and (ckpt / f).stat().st_ino == st.st_ino
     quick = verify(ckpt, tmp_path, manifest=m, quick=True)
     assert quick.files_size_only == [f] and f not in quick.files_trusted
-    assert len(quick.files_trusted) == 14 and quick.files_hashed == 0
+    assert len(quick.files_trusted) == 16 and quick.files_hashed == 0
     assert not quick.structure_cached and quick.ok  # size is all quick mode can say about it
     full = verify(ckpt, tmp_path, manifest=m)
     assert summary(full.issues) == [("sha256", f, None), ("tensor-sha256", f, PACKED)]
@@ -580,7 +580,7 @@ def test_quick_on_a_never_verified_checkpoint_is_size_only(ckpt: Path, tmp_path:
     monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "other-cache"))
     res = run("verify", str(ckpt), "--manifest", str(manifests["files_path"]), "--quick")
     assert res.exit_code == 0
-    assert "15 checked by size only (no cached digest)" in res.output.splitlines()[0]
+    assert "17 checked by size only (no cached digest)" in res.output.splitlines()[0]
 
 
 def test_quick_still_catches_a_size_change_and_a_new_nan(ckpt: Path, tmp_path: Path, manifests) -> None:
@@ -643,7 +643,7 @@ def test_json_and_text_output_group_issues_by_kind(ckpt: Path, tmp_path: Path, m
     assert (t["file"], t["tensor"], t["expected"]) == (f, PACKED, m.tensors[PACKED].sha256)
     assert out["issues"]["missing-file"][0]["file"] == "LICENSE"
     assert out["issues"]["extra-file"][0]["file"] == "stray.bin"
-    assert out["files_hashed"] == 14 and out["files"] == 15
+    assert out["files_hashed"] == 16 and out["files"] == 17
 
     res = run("verify", str(ckpt), "--manifest", str(manifests["tensors_path"]))
     assert res.exit_code == 1

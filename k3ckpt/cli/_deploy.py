@@ -41,7 +41,7 @@ def _engine_topology(**extra: str) -> Decorator:
 
 
 @click.command(context_settings=CONTEXT)
-@click.argument("source", type=click.Path(exists=True, path_type=str))
+@click.argument("source", type=click.Path(path_type=str))
 @click.option("--format", "layout", type=click.Choice(["node", "rank", "hf-node"]), default="node", show_default=True,
               help=_FORMAT)
 @_engine_topology()
@@ -78,7 +78,7 @@ def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, l
 
 
 @click.command(context_settings=CONTEXT)
-@click.argument("source", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("source", type=click.Path(file_okay=False, path_type=str))
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Output directory (node-NNNNN/ or rank-NNNNN/ directories and topology.json).")
 @click.option("--format", "layout", type=click.Choice(["node", "rank", "hf-node"]), default="node", show_default=True,
@@ -140,7 +140,7 @@ def reshard(source: str, out: str, selection: RankSelection, max_file_size: int,
 
 
 @click.command(context_settings=CONTEXT)
-@click.argument("layout", metavar="OUT", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("layout", metavar="OUT", type=click.Path(file_okay=False, path_type=str))
 @click.option("-o", "--output", "dest", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Directory for the reassembled checkpoint.")
 @size_option("--max-shard-size", default="5GiB",

@@ -19,7 +19,8 @@ from ._output import ByteProgress, emit_json
 @click.option("--repo", required=True, help="Repository id, e.g. moonshotai/Kimi-K3.")
 @click.option("--revision", help="Branch, tag or commit [default: main]; the download is pinned to the resolved commit.")
 @click.option("--dest", required=True, type=click.Path(file_okay=False, path_type=str), help="Local directory.")
-@click.option("--include", multiple=True, help="Only files matching this glob (repeatable).")
+@click.option("--include", multiple=True, help="Only files matching this glob (repeatable; rank-aware: filters the "
+                                               "non-weight files). Globs leaving no file are refused.")
 @click.option("--exclude", multiple=True, help="Skip files matching this glob (repeatable).")
 @click.option("--workers", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Concurrent requests (files and chunks of large files).")
@@ -58,7 +59,8 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
     it stopped, every file's sha256 checked before it is renamed into place. Files already
     present and verified are skipped. Exits 1 and lists every file it could not fetch.
 
-    Rank-aware (--node or --ranks with --tp/--dp/--ep): reads every shard's header, then
+    Rank-aware (--node or --ranks with --tp/--dp/--ep; --ranks or --node without a topology
+    is refused, not read as one rank holding everything): reads every shard's header, then
     downloads only the tensors those ranks need (whole tensors; the saving is the routed
     experts other ranks own). --format node (the default with --node) writes DEST as the node
     directory `reshard --node N` writes as OUT/node-NNNNN/ - same files, same bytes: dense

@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from .. import __version__
 from . import _deploy, _fetch, _inspect, _manifest, _mx
-from ._options import CONTEXT
+from ._options import ARGV_META, CONTEXT, fail_usage
+
+# click >= 8.2 raises this (a UsageError) to show a group's help when it is given no command
+_NO_ARGS_IS_HELP: tuple[type[click.UsageError], ...] = tuple(
+    c for c in (getattr(click.exceptions, "NoArgsIsHelpError", None),) if c is not None)
 
 
-@click.group(context_settings=CONTEXT)
+class RootGroup(click.Group):
+    """The root group: usage errors of any command (bad option values, missing arguments,
+    refusals a command raises as ``click.UsageError``) are reported like every other error
+    (:func:`~k3ckpt.cli._options.fail_usage`), not as click's usage block."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[ARGV_META] = list(args)  # for --json in a command whose own parsing fails
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except _NO_ARGS_IS_HELP:
+            raise  # a group given no command: click shows its help, which is what was asked
+        except click.UsageError as e:
+            fail_usage(e, ctx)
+
+
+@click.group(cls=RootGroup, context_settings=CONTEXT)
 @click.version_option(__version__, "--version", prog_name="k3ckpt")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 def main(debug: bool) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ..errors import EXIT_PROBLEMS
+from ..errors import EXIT_PROBLEMS, K3ckptError
 from ._options import CONTEXT, handle_errors, jobs_option, json_option
 from ._output import ByteProgress, emit_json
 
@@ -89,34 +89,46 @@ def _sign_output(output: str, key: str | None) -> dict[str, str]:
 @click.option("--endpoint", help="Hub endpoint [default: HF_ENDPOINT / MODELSCOPE_ENDPOINT, else the public hub].")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str),
               help="Where to write the manifest (JSON).")
-@jobs_option("Concurrent header requests.", default=8)
+@click.option("--tensor-hashes", is_flag=True,
+              help="Also a sha256 per tensor: streams every weight file once (nothing stored), each checked "
+                   "against the hub's published sha256.")
+@jobs_option("Concurrent header requests (and files streamed with --tensor-hashes).", default=8)
 @click.option("--sign", "sign_key", type=click.Path(dir_okay=False, path_type=str),
               help="Also sign the manifest with this ed25519 private key (writes OUTPUT.sig).")
 @json_option("Print a summary as JSON.")
 @handle_errors
-def manifest_pull(hub: str, repo: str, revision: str | None, endpoint: str | None, output: str, jobs: int,
-                  sign_key: str | None, as_json: bool) -> None:
+def manifest_pull(hub: str, repo: str, revision: str | None, endpoint: str | None, output: str,
+                  tensor_hashes: bool, jobs: int, sign_key: str | None, as_json: bool) -> None:
     """Build a manifest from hub metadata alone, before downloading anything.
 
     Sizes and sha256 come from the hub API; each shard's safetensors header is fetched with
     HTTP Range requests (length first, then the header), so a 1.56 TB checkpoint costs about
     60 MB of traffic. Use it to plan, and to pin what a fleet verifies against.
 
+    With --tensor-hashes it also hashes every tensor: each weight file is streamed once (the
+    whole checkpoint's bytes cross the network, nothing is written) and must hash to the hub's
+    published sha256, so the tensor hashes are those of what the hub publishes. That manifest
+    verifies a node's share (k3ckpt verify NODE_DIR --manifest M), equal to `manifest build
+    --tensor-hashes` of the same checkpoint but for its source.
+
     \b
     Examples:
       k3ckpt manifest pull --source hf --repo moonshotai/Kimi-K3 -o kimi-k3.json
       k3ckpt manifest pull --source modelscope --repo moonshotai/Kimi-K3 --revision master -o ms.json
+      k3ckpt manifest pull --source hf --repo moonshotai/Kimi-K3 -o kimi-k3.tensors.json --tensor-hashes
     """
     from ..hub.pull import pull_manifest
 
     if sign_key:
         _check_signing_key(sign_key)
-    m = pull_manifest(hub, repo, revision, endpoint=endpoint, jobs=jobs)
+    with ByteProgress(not as_json and tensor_hashes, "hashing") as bar:
+        m = pull_manifest(hub, repo, revision, endpoint=endpoint, jobs=jobs, tensor_hashes=tensor_hashes,
+                          progress=bar, on_plan=bar.plan)
     m.save(output)
     signed = _sign_output(output, sign_key)
     if as_json:
         emit_json({"output": output, "files": len(m.files), "tensors": len(m.tensors),
-                    "bytes": m.total_bytes, "source": m.source, **signed})
+                    "bytes": m.total_bytes, "tensor_hashes": m.tensor_hashes, "source": m.source, **signed})
 
 
 @manifest.command("diff", context_settings=CONTEXT)
@@ -236,6 +248,12 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
     --signature and --pubkey the manifest must carry that key's signature: a bad one exits 1
     before anything is hashed.
 
+    A node directory or rank-aware copy (a share, by its k3ckpt-node.json / k3ckpt-partial.json)
+    is checked by what it holds: each tensor by the manifest's tensor sha256 at the share's own
+    offsets, the tensors its ranks need must be present, other nodes' experts are only counted.
+    That needs a tensor-hash manifest (manifest build|pull --tensor-hashes): with one that has no
+    tensor hashes it exits 2 saying so. --against on a share reads just its tensors from the hub.
+
     \b
     Examples:
       k3ckpt verify ./Kimi-K3 --manifest manifests/kimi-k3.json
@@ -243,6 +261,7 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
       k3ckpt verify ./Kimi-K3 --against hf --repo moonshotai/Kimi-K3 --revision f831ab66
       k3ckpt verify ./Kimi-K3 --manifest kimi-k3.json --quick
       k3ckpt verify ./Kimi-K3 --json | jq .issues
+      k3ckpt verify ./node-00001 --manifest kimi-k3.tensors.json
     """
     from ..integrity.verify import Expected, render_verify, verify_checkpoint
 
@@ -264,7 +283,16 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
         from ..integrity.manifest import Manifest
 
         kwargs.update(manifest=Manifest.load(manifest_path), manifest_label=manifest_path)
-    elif against and repo:  # (--against without --repo was refused above)
+    elif against and repo and _is_share(path):  # (--against without --repo was refused above)
+        from ..hub.pull import pull_share_manifest
+
+        # rewritten shards: the present tensors' bytes, read from the hub with ranged requests
+        with ByteProgress(not as_json, "reading tensors from the hub") as bar:
+            pulled = pull_share_manifest(path, against, repo, revision, endpoint=endpoint, progress=bar,
+                                         on_plan=bar.plan)
+        kwargs.update(manifest=pulled, reference=f"{against}:{pulled.source['repo']}@{pulled.source['revision']}, "
+                                                 "tensors as the hub serves them now (ranged reads)")
+    elif against and repo:
         from ..hub.client import list_repo
 
         listing = list_repo(against, repo, revision, endpoint=endpoint)
@@ -281,6 +309,18 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
         click.echo(render_verify(rep))
     if not rep.ok:
         sys.exit(EXIT_PROBLEMS)
+
+
+def _is_share(path: str) -> bool:
+    """A node directory or a rank-aware copy (by its marker)."""
+    from ..format.checkpoint import resolve_root
+    from ..integrity.share import share_marker
+
+    try:
+        root, _ = resolve_root(path)
+    except K3ckptError:
+        return False  # verify itself says what is wrong with the path
+    return share_marker(root) is not None
 
 
 COMMANDS = [manifest, verify]

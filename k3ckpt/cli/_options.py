@@ -1,38 +1,67 @@
-"""What several commands share: click settings, the error handler, and option declarations
-(``--json``, ``--jobs``, sizes, the topology selection) written once, so that the same option
-means and checks the same thing everywhere."""
+"""What several commands share: click settings, the error handlers (library errors in a command,
+usage errors; both print one line, and the JSON error object under ``--json``), and option
+declarations (``--json``, ``--jobs``, sizes, the topology selection) written once, so that the
+same option means and checks the same thing everywhere."""
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
 from ..errors import EXIT_CANNOT_RUN, K3ckptError
 from ..format.topology import PLACEMENTS, RankSelection
 from ..utils import parse_size
+from ._output import emit_json
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
+#: ``ctx.meta`` key: whether the running command was given ``--json`` (set by :func:`handle_errors`
+#: before the command runs; :func:`fail_usage` reads it for usage errors the command raises)
+JSON_META = "k3ckpt.json"
+#: ``ctx.meta`` key: the root's argument list, for usage errors raised while options are parsed
+ARGV_META = "k3ckpt.argv"
+#: the JSON error object's ``kind`` for errors that are not :class:`K3ckptError`
+USAGE_KIND = "usage"
+OS_KIND = "os"
+
+
+def fail(message: str, *, kind: str, path: str | None, exit_code: int, as_json: bool) -> NoReturn:
+    """Exit ``exit_code`` after one ``k3ckpt: error: MESSAGE`` line on stderr and, with ``--json``,
+    the JSON error object ``{"error": {"kind", "path", "message"}}`` on stdout (docs/errors.md)."""
+    if as_json:
+        try:
+            emit_json({"error": {"kind": kind, "path": path, "message": message}})
+        except OSError:  # stdout is gone (a closed pipe) or full: the line and the exit code still
+            # tell; and the interpreter's last flush of stdout must not fail on it again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    click.echo(f"k3ckpt: error: {message}", err=True)
+    sys.exit(exit_code)
+
+
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn library errors into one line on stderr and the right exit code; ``--debug`` re-raises."""
+    """Turn library errors into one line on stderr (and, with ``--json``, a JSON error object on
+    stdout) and the right exit code; ``--debug`` re-raises."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        debug = bool(click.get_current_context().find_root().params.get("debug"))
+        ctx = click.get_current_context()
+        debug = bool(ctx.find_root().params.get("debug"))
+        as_json = bool(kwargs.get("as_json"))
+        ctx.meta[JSON_META] = as_json
         try:
             return fn(*args, **kwargs)
         except K3ckptError as e:
             if debug:
                 raise
-            click.echo(f"k3ckpt: error: {e}", err=True)
-            sys.exit(e.exit_code)
+            fail(str(e), kind=e.kind, path=e.path, exit_code=e.exit_code, as_json=as_json)
         except KeyboardInterrupt:
             click.echo("k3ckpt: interrupted", err=True)
             sys.exit(130)
@@ -40,10 +69,42 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             if debug:
                 raise
             where = f"{e.filename}: " if e.filename else ""
-            click.echo(f"k3ckpt: error: {where}{e.strerror or e}", err=True)
-            sys.exit(EXIT_CANNOT_RUN)
+            # a reader that closed stdout gets no JSON either: writing it would only fail again
+            fail(f"{where}{e.strerror or e}", kind=OS_KIND, path=None if e.filename is None else os.fsdecode(e.filename),
+                 exit_code=EXIT_CANNOT_RUN, as_json=as_json and not isinstance(e, BrokenPipeError))
 
     return wrapper
+
+
+def fail_usage(e: click.UsageError, ctx: click.Context) -> NoReturn:
+    """A usage error (bad or missing option, raised while parsing or by a command) as every other
+    error: one line naming the help to read, the JSON error object (kind ``usage``) when the
+    command was given ``--json``, exit ``e.exit_code`` (2). ``ctx`` is the root's context."""
+    argv: list[str] = ctx.meta.get(ARGV_META, [])
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    command, path = _command_of(ctx, argv)
+    if JSON_META in ctx.meta:  # the command's callback ran: it knew
+        as_json = bool(ctx.meta[JSON_META])
+    else:  # parsing failed first (perhaps before --json was processed): the arguments tell
+        as_json = "--json" in argv and any(isinstance(p, JsonOption) for p in command.params)
+    fail(f"{e.format_message()} (see '{path} --help')", kind=USAGE_KIND, path=None, exit_code=e.exit_code,
+         as_json=as_json)
+
+
+def _command_of(ctx: click.Context, argv: list[str]) -> tuple[click.Command, str]:
+    """The command ``argv`` names below the root (a usage error does not always carry its
+    context: click's parser raises some without) and its command path, ``k3ckpt manifest build``."""
+    command, path = ctx.command, ctx.command_path
+    for token in argv:
+        if not isinstance(command, click.Group):
+            break
+        if token.startswith("-"):  # a group's own option (--debug)
+            continue
+        sub = command.get_command(ctx, token)
+        if sub is None:
+            break
+        command, path = sub, f"{path} {token}"
+    return command, path
 
 
 class ByteSize(click.ParamType):

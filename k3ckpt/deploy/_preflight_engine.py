@@ -10,18 +10,30 @@ proves equal to what vLLM's ``should_skip_weight`` keeps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, LayoutError, PreflightError
 from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..format.layout import NODE_LAYOUT_FORMAT, NODE_MARKER, TOPOLOGY_NAME, read_node_marker
+from ..format.loadable import CONFIG_NAME
 from ..format.roles import Kind, classify
 from ..format.topology import Topology, TopologyError, ranks_of_node
 from ..utils import format_ranges, load_json
 from ._preflight_host import device_slots, disk_check, gpu_checks, memory_check, provenance_files, quant_check
 from ._preflight_ranks import PlainCheckpoint, Request, _checkpoint_quant_counts
-from ._preflight_report import FAIL, PASS, WARN, Check, PreflightReport, node_fetch_command, node_reshard_command
+from ._preflight_report import (
+    FAIL,
+    PASS,
+    WARN,
+    Check,
+    PreflightReport,
+    copy_command,
+    new_output_dir,
+    node_fetch_command,
+    node_reshard_command,
+)
 from .serve import serve_command
 
 
@@ -71,8 +83,8 @@ class EngineNodeDir(PlainCheckpoint):
         self.checks += gpu_checks(need, device_slots(ranks, per_node, ask.env), ask.kv_budget, ask.environ,
                                   mxfp4=mx > 0)
         self.checks.append(quant_check(ckpt.config, mx, fp8))
-        self.checks += provenance_files(self.root, {"repo": ckpt.source.repo, "revision": ckpt.source.revision},
-                                         ckpt)
+        self.checks += provenance_files(ckpt.root, {"repo": ckpt.source.repo, "revision": ckpt.source.revision},
+                                        self._restorer(ckpt))
         serve = self._serve(topo, node, per_node)
         summary = {k: v for k, v in topo.to_json().items() if k != "experts_by_rank"}
         summary.update(dp=topo.dp, gpus_per_node=per_node, node=node)
@@ -200,7 +212,7 @@ class EngineNodeDir(PlainCheckpoint):
                     lacking.setdefault(r, {})[e] = bad[0]
         needed = {e for r in ranks for e in topo.rank_info(r).experts}
         extra = sorted({e for lay in present for e in present[lay]} - needed)
-        out = [self._dense_check(dense)]
+        out = [self._dense_check(dense, cfg is not None)]
         if lacking:
             r = min(lacking)
             first = min(lacking[r])
@@ -209,6 +221,11 @@ class EngineNodeDir(PlainCheckpoint):
                                               f"{format_ranges(sorted(lacking[r]))}, e.g. expert {first} in layer "
                                               f"{lacking[r][first]}{more}", fix=fix,
                              details={"lacking": {str(k): format_ranges(sorted(v)) for k, v in lacking.items()}}))
+        elif cfg is None:  # the layers come from the tensors present: a layer absent entirely goes unseen
+            out.append(Check("experts", WARN, f"the {len(needed)} experts ranks {format_ranges(ranks)} read are in "
+                                              f"each of the {len(layers)} layers holding experts; not checked "
+                                              f"against {CONFIG_NAME} (missing or unreadable)",
+                             details={"needed": format_ranges(sorted(needed))}))
         else:
             out.append(Check("experts", PASS, f"every tensor of the {len(needed)} experts ranks "
                                               f"{format_ranges(ranks)} read is present, in {len(layers)} MoE layers",
@@ -224,9 +241,12 @@ class EngineNodeDir(PlainCheckpoint):
             out.append(Check("exact", PASS, f"no expert outside ranks {format_ranges(ranks)}"))
         return out
 
-    def _dense_check(self, dense: set[str]) -> Check:
+    def _dense_check(self, dense: set[str], config_read: bool) -> Check:
         listed = (self.marker or {}).get("tensors")
         if not (self.node_marker and isinstance(listed, dict)):
+            if not config_read:  # structure compares them with the config, which is unreadable
+                return Check("dense", WARN, f"{len(dense)} non-expert tensors, not checked: no tensor list to "
+                                            f"compare and {CONFIG_NAME} missing or unreadable")
             return Check("dense", PASS, f"{len(dense)} non-expert tensors (no tensor list to compare: "
                                         f"structure checks them against config.json)")
         want = {n for n in listed if classify(n).kind != Kind.ROUTED_EXPERT or classify(n).expert is None}
@@ -248,20 +268,54 @@ class EngineNodeDir(PlainCheckpoint):
     # -- the fix ------------------------------------------------------------------------------------
 
     def _fix(self, topo: Topology | None, node: int | None, per_node: int | None) -> str:
-        """Rewrite the node for the launch (``None``: the one already recorded): a rank-aware
-        fetch's directory by fetching, a reshard node by resharding into its output."""
+        """Write the node for the launch (``None``: the one already recorded). The directory's own
+        launch is repaired in place - a fetched share by fetching it again, a reshard node by
+        resharding it with ``--force``; any other launch (or a full download, which a node
+        fetch would cut down) is written into a new directory: a fix never overwrites another
+        topology's files, which other nodes may still load."""
         topo = topo or self._recorded_topology()
         marker = self.marker or {}
         node = node if node is not None else (_int(marker.get("node")) or 0)
         per_node = per_node or _int(marker.get("gpus_per_node")) or (topo.world_size if topo else 1)
         if topo is None:
-            return node_reshard_command(None, self.root.parent, Topology.make(1, 1, num_experts=1), node, per_node)
+            return node_reshard_command(None, new_output_dir(self.root.parent, "resharded"),
+                                        Topology.make(1, 1, num_experts=1), node, per_node, force=False)
+        own = self._is_recorded_launch(topo, node, per_node)
+        suffix = f"tp{topo.tp}-dp{topo.dp}" + (f"-{topo.placement.replace('_', '-')}" if topo.placement != "linear" else "")
         source = marker.get("source") if isinstance(marker.get("source"), dict) else None
         if not self.node_marker and source is not None:
-            return node_fetch_command(source, self.root, topo, node, per_node)
-        if self.fetched_from is not None:  # a `fetch --node` directory: fetch the launch's share
-            return node_fetch_command(self.fetched_from, self.root, topo, node, per_node)
-        return node_reshard_command(self._source_path(), self.root.parent, topo, node, per_node)
+            return node_fetch_command(source, self.root if own else new_output_dir(self.root, f"node{node}-{suffix}"),
+                                      topo, node, per_node)
+        if self.fetched_from is not None:  # a `fetch --node` directory, or a full download
+            dest = self.root if own and self.marker is not None else new_output_dir(self.root, f"node{node}-{suffix}")
+            return node_fetch_command(self.fetched_from, dest, topo, node, per_node)
+        # reshard's output holds node directories of one topology: another node of it goes beside
+        # this one (a complete one is skipped), another topology into a new output
+        same = self._is_recorded_topology(topo, per_node)
+        out = self.root.parent if same else new_output_dir(self.root.parent, suffix)
+        return node_reshard_command(self._source_path(), out, topo, node, per_node, force=own)
+
+    def _is_recorded_topology(self, topo: Topology, per_node: int) -> bool:
+        """``topo`` with ``per_node`` GPUs per node is the topology the marker records."""
+        rec, m = self._recorded_topology(), self.marker or {}
+        return rec is not None and rec.to_json() == topo.to_json() and _int(m.get("gpus_per_node")) in (None, per_node)
+
+    def _restorer(self, ckpt: Checkpoint) -> Callable[[list[str]], str | None]:
+        """A reshard node's config, tokenizer and licence come from its source: copied back from
+        there; a download's are fetched (``hf download`` in an HF cache)."""
+        source = self._source_path()
+        if self.fetched_from is None and source is not None:
+            return lambda files: copy_command(source, files, ckpt.root)
+        return super()._restorer(ckpt)
+
+    def _is_recorded_launch(self, topo: Topology, node: int, per_node: int) -> bool:
+        """``topo``, ``node`` and ``per_node`` are what the marker says the directory holds."""
+        m = self.marker or {}
+        if not self._is_recorded_topology(topo, per_node):
+            return False
+        if m.get("node") is not None:
+            return _int(m.get("node")) == node
+        return m.get("ranks") == ranks_of_node(node, per_node, topo.world_size)
 
     def _source_path(self) -> str | None:
         """The source ``reshard`` recorded in its output's ``topology.json``."""

@@ -11,14 +11,22 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..env import K3CKPT_PREFLIGHT_FREE_BYTES, K3CKPT_PREFLIGHT_MEM_BYTES
-from ..errors import ConfigError
-from ..format.checkpoint import Checkpoint
-from ..format.config import ModelConfig, load_config
+from ..format.config import ModelConfig
+from ..format.loadable import (
+    CONFIG_NAME,
+    README_NAME,
+    Finding,
+    config_findings,
+    license_findings,
+    license_source,
+    readme_license,
+    tokenizer_files,
+)
 from ..format.topology import (
     RankEnv,
 )
@@ -31,7 +39,6 @@ from ._preflight_report import (
     GpuDevice,
     PreflightReport,
     ReadSpeed,
-    fetch_command,
 )
 from .plan import WEIGHT_OVERHEAD
 
@@ -44,7 +51,6 @@ DEFAULT_MIN_FREE_DISK = 1024**3
 GPU_QUERY_TIMEOUT = 15.0
 #: Bytes per read of the read-speed test (a multiple of every O_DIRECT alignment).
 IO_BUFFER = 16 * 1024 * 1024
-LICENSE_NAMES = ("LICENSE", "LICENSE.md", "LICENSE.txt", "LICENCE", "COPYING")
 
 #: GPU name fragments -> how MXFP4 weights run there (k3-checkpoint.md: Hopper has no FP4).
 MXFP4_NATIVE = ("B200", "B300", "GB200", "GB300", "BLACKWELL", "MI355", "MI350")
@@ -266,18 +272,27 @@ def license_kind(text: str) -> tuple[str, str]:
     return "unrecognized license text (read it)", WARN
 
 
-def provenance_files(root: Path, source: dict[str, Any] | None, ckpt: Checkpoint | None) -> list[Check]:
-    out = []
-    lic = next((root / n for n in LICENSE_NAMES if (root / n).is_file()), None)
-    if lic is None:
-        out.append(Check("license", WARN, f"no LICENSE in {root}: the weights must be redistributed with their "
-                                          f"license", fix=fetch_command(ckpt, root, ["LICENSE"]) if ckpt else None))
-    else:
-        try:
-            kind, status = license_kind(lic.read_text(errors="replace")[:20000])
-        except OSError as e:
-            kind, status = f"unreadable ({e.strerror})", WARN
-        out.append(Check("license", status, f"{lic.name}: {kind}"))
+#: Builds the command that restores the named files (relative to the directory), or ``None``.
+Restorer = Callable[[list[str]], "str | None"]
+
+
+def provenance_files(root: Path, source: dict[str, Any] | None, restore: Restorer | None) -> list[Check]:
+    """What an engine reads beside the weights (:mod:`k3ckpt.format.loadable`: config.json, the
+    tokenizer, the licence; each missing or unreadable file is a FAIL naming it, with
+    ``restore``'s command as its fix) and where the checkpoint came from."""
+    cfg, config_found = config_findings(root)
+    tok_present, tok_found = tokenizer_files(root)
+
+    def row(name: str, found: list[Finding], ok: str) -> Check:
+        if not found:
+            return Check(name, PASS, ok)
+        more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
+        fix = restore(sorted({_rel(root, f.path) for f in found})) if restore else None
+        return Check(name, FAIL, f"{found[0]}{more}", fix=fix, details={"missing": [str(f) for f in found]})
+
+    out = [row("config", config_found, _describe_config(cfg) if cfg else ""),
+           row("tokenizer", tok_found, ", ".join(_rel(root, p) for p in tok_present) + " present"),
+           _license_row(root, restore)]
     src = source or {}
     repo, rev = src.get("repo"), src.get("revision")
     digest = src.get("index_sha256")
@@ -294,11 +309,30 @@ def provenance_files(root: Path, source: dict[str, Any] | None, ckpt: Checkpoint
     return out
 
 
-def config_or_none(root: Path) -> ModelConfig | None:
+def _rel(root: Path, path: Path) -> str:
     try:
-        return load_config(root / "config.json")
-    except ConfigError:
-        return None
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _describe_config(cfg: ModelConfig) -> str:
+    experts = f", {cfg.num_experts} routed experts in {len(cfg.moe_layers)} MoE layers" if cfg.moe_layers else ""
+    return f"{CONFIG_NAME}: {cfg.model_type or cfg.family}, {cfg.num_layers} layers{experts}"
+
+
+def _license_row(root: Path, restore: Restorer | None) -> Check:
+    lic = license_source(root)
+    if lic is None:
+        found = license_findings(root)
+        return Check("license", FAIL, str(found[0]), fix=restore([_rel(root, found[0].path)]) if restore else None)
+    if lic.name == README_NAME:
+        return Check("license", PASS, f"{README_NAME} metadata: license {readme_license(lic)}")
+    try:
+        kind, status = license_kind(lic.read_text(errors="replace")[:20000])
+    except OSError as e:
+        kind, status = f"unreadable ({e.strerror})", WARN
+    return Check("license", status, f"{lic.name}: {kind}")
 
 
 def quant_check(cfg: ModelConfig | None, mx: int, fp8: int) -> Check:

@@ -4,7 +4,7 @@ agrees), and the checks of a per-rank layout or of a plain checkpoint."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from ..format.layout import (
     TOPOLOGY_NAME,
     rank_dir_name,
 )
+from ..format.loadable import CONFIG_NAME, config_findings
 from ..format.roles import Kind, classify
 from ..format.topology import (
     RankEnv,
@@ -33,7 +34,6 @@ from ..format.topology import (
 from ..integrity.hashing import hash_files
 from ..utils import format_ranges, human_bytes, load_json
 from ._preflight_host import (
-    config_or_none,
     device_slots,
     disk_check,
     gpu_checks,
@@ -47,9 +47,13 @@ from ._preflight_report import (
     WARN,
     Check,
     PreflightReport,
+    copy_command,
     describe_topology,
     fetch_command,
+    new_output_dir,
     reshard_command,
+    restore_command,
+    topology_suffix,
 )
 
 
@@ -261,7 +265,7 @@ class RankLayout:
         self._topology()
         if self.topo is None:  # nothing says which ranks exist: what can be checked still is
             self.checks.append(ask.check_environment(ask.selection.world_size, []))
-            self.checks += provenance_files(self.root, None, None)
+            self.checks += provenance_files(self.root, None, self._restore)
             return PreflightReport(str(self.root), "rank-layout", None, [], "none: no usable topology.json",
                                    self.checks)
         topo = self.topo
@@ -288,13 +292,13 @@ class RankLayout:
         try:
             tj, _ = load_json(path, PreflightError)
         except PreflightError as e:
-            self.checks.append(Check("topology", FAIL, str(e), fix=self._fix(None, [], force=True)))
+            self.checks.append(Check("topology", FAIL, str(e), fix=self._new_layout_fix(None)))
             return
         if isinstance(tj, dict):
             self.tj = tj  # even an invalid one may name the source the fix needs
         if not isinstance(tj, dict) or tj.get("format") != FORMAT:
             self.checks.append(Check("topology", FAIL, f"{path}: not a {FORMAT} topology.json",
-                                     fix=self._fix(None, [], force=True)))
+                                     fix=self._new_layout_fix(None)))
             return
         self.tj = tj
         try:
@@ -302,12 +306,12 @@ class RankLayout:
             topo = Topology(tj.get("ep"), tj.get("tp"), tj.get("world_size"), tj.get("expert_placement"),  # type: ignore[arg-type]
                             tj.get("num_experts"))  # type: ignore[arg-type]
         except TopologyError as e:
-            self.checks.append(Check("topology", FAIL, f"{path}: {e}", fix=self._fix(None, [], force=True)))
+            self.checks.append(Check("topology", FAIL, f"{path}: {e}", fix=self._new_layout_fix(None)))
             return
         if tj.get("experts_by_rank") != topo.experts_by_ep_rank():
             self.checks.append(Check("topology", FAIL, f"{path}: experts_by_rank is not the {topo.placement} "
                                      f"placement of {topo.num_experts} experts over ep {topo.ep}",
-                                     fix=self._fix(topo, [], force=True)))
+                                     fix=self._new_layout_fix(topo)))
             return
         self.topo = topo
         desc = describe_topology(topo)
@@ -326,7 +330,8 @@ class RankLayout:
         self.checks.append(Check("topology", PASS, f"{TOPOLOGY_NAME}: {desc}{asked}"))
 
     def _requested_fix(self, topo: Topology) -> str | None:
-        """Reshard this node's ranks for the requested topology, replacing the layout."""
+        """Reshard this node's ranks for the requested topology into a new directory: the layout
+        here is another topology's, which a fix never overwrites (other nodes may load it)."""
         ask = self.ask
         try:
             sel = ask.selection
@@ -335,11 +340,26 @@ class RankLayout:
             ranks, _ = ask.select(want.world_size)
         except TopologyError:
             return None
-        return self._fix(want, ranks, force=True)
+        return reshard_command(self._source(), new_output_dir(self.root, topology_suffix(want)), want, ranks,
+                               force=False)
+
+    def _new_layout_fix(self, topo: Topology | None) -> str:
+        """A layout whose topology.json is unreadable or inconsistent is rewritten into a new
+        directory: what is here is not ours to discard (``--force`` would delete its ranks)."""
+        suffix = topology_suffix(topo) if topo is not None else "resharded"
+        return reshard_command(self._source(), new_output_dir(self.root, suffix), topo, [], force=False)
 
     def _fix(self, topo: Topology | None, ranks: list[int], *, force: bool) -> str:
-        src = (self.tj.get("source") or {}).get("path") if isinstance(self.tj.get("source"), dict) else None
-        return reshard_command(src, self.root, topo, ranks, force=force)
+        """Rewrite ``ranks`` of the layout's own topology in place (``force``: even where sizes match)."""
+        return reshard_command(self._source(), self.root, topo, ranks, force=force)
+
+    def _source(self) -> str | None:
+        """The source path ``topology.json`` records."""
+        return (self.tj.get("source") or {}).get("path") if isinstance(self.tj.get("source"), dict) else None
+
+    def _restore(self, files: list[str]) -> str:
+        """Copy files reshard copies from the source (config, tokenizer, licence) back in."""
+        return copy_command(self._source(), files, self.root)
 
     # -- ranks -------------------------------------------------------------------------------------
 
@@ -473,12 +493,22 @@ class RankLayout:
         return None
 
     def _provenance(self, states: list[_RankState]) -> list[Check]:
-        cfg = config_or_none(self.root)
+        cfg, _ = config_findings(self.root)
         counted = [s.quant for s in states if s.quant is not None]
         out = [quant_check(cfg, sum(q[0] for q in counted), sum(q[1] for q in counted))] if counted else []
         src = self.tj.get("source") if isinstance(self.tj.get("source"), dict) else {}
-        out += provenance_files(self.root, src, None)
+        out += provenance_files(self.root, src, self._restore)
         return out
+
+
+def verify_advice(root: Path) -> str:
+    """The ``k3ckpt verify`` command that checks this directory's bytes: a share (node directory,
+    rank-aware copy) holds rewritten shards, which only a tensor-hash manifest can check."""
+    from ..integrity.share import share_marker
+
+    if share_marker(root) is not None:
+        return f"no digests checked here: use k3ckpt verify {root} --manifest <tensor-hash manifest> for every tensor's sha256"
+    return "no per-file digests to compare: use k3ckpt verify --manifest for sha256"
 
 
 def _size_of(path: Path) -> int | None:
@@ -549,8 +579,8 @@ class PlainCheckpoint:
         slots = device_slots(ranks, ask.per_node, ask.env)
         self.checks += gpu_checks(need, slots, ask.kv_budget, ask.environ, mxfp4=mx > 0)
         self.checks.append(quant_check(ckpt.config, mx, fp8))
-        self.checks += provenance_files(self.root, {"repo": ckpt.source.repo, "revision": ckpt.source.revision},
-                                         ckpt)
+        self.checks += provenance_files(ckpt.root, {"repo": ckpt.source.repo, "revision": ckpt.source.revision},
+                                        self._restorer(ckpt))
         # every shard holds some dense tensor of every rank, so the node reads all of them
         return PreflightReport(str(self.root), "checkpoint", _topology_json(topo), ranks, how, self.checks,
                                load_files=[ckpt.path_of(f) for f in sorted(ckpt.shards)],
@@ -568,7 +598,9 @@ class PlainCheckpoint:
     def _structure(self, ckpt: Checkpoint) -> Check:
         from ..integrity.verify import scale_spans, scan_files, structure_issues
 
-        issues = [i for i in structure_issues(ckpt, None) if MISSING_EXPERTS not in i.message]
+        # an unreadable config.json is the config row's FAIL: saying it here too would count it twice
+        issues = [i for i in structure_issues(ckpt, None) if MISSING_EXPERTS not in i.message
+                  and not (i.kind == "config" and i.file == CONFIG_NAME and ckpt.config is None)]
         scanned = ""
         if self.ask.full:
             spans = scale_spans(ckpt)
@@ -579,19 +611,23 @@ class PlainCheckpoint:
                     issues += [_issue("nan-scale", f, "E8M0 scale byte 0xFF (NaN)", n) for n in flagged]
             scanned = "; E8M0 scales scanned for NaN"
         n = f"{len(ckpt.shards)} shard(s), {len(ckpt.tensors):,} tensors"
+        agree = "headers, index and config agree" if ckpt.config else \
+            f"headers and index agree ({CONFIG_NAME} missing or unreadable: not compared)"
         if not issues:
-            return Check("structure", PASS, f"{n}: headers, index and config agree{scanned} (no per-file digests "
-                                            f"to compare: use k3ckpt verify --manifest for sha256)")
+            return Check("structure", PASS, f"{n}: {agree}{scanned} ({verify_advice(ckpt.root)})")
         missing = sorted(i.file for i in issues if i.kind == "missing-file" and i.file)
-        fix = fetch_command(ckpt, self.root, missing) if missing else None
+        fix = restore_command(ckpt, ckpt.root, missing) if missing else None
         first = str(issues[0])
         more = f" (+{len(issues) - 1} more)" if len(issues) > 1 else ""
         return Check("structure", FAIL, first + more, fix=fix, details={"issues": [str(i) for i in issues]})
 
     def _coverage(self, ckpt: Checkpoint, topo: Topology | None, ranks: list[int]) -> Check:
         cfg = ckpt.config
-        if cfg is None or not cfg.moe_layers:
-            return Check("experts", PASS, "no MoE layers in config.json: no routed experts to cover")
+        if cfg is None:  # which layers hold experts is the config's to say: nothing was checked
+            return Check("experts", WARN, f"not checked: {CONFIG_NAME} is missing or unreadable, so which layers "
+                                          f"need which experts is unknown")
+        if not cfg.moe_layers:
+            return Check("experts", PASS, f"no MoE layers in {CONFIG_NAME}: no routed experts to cover")
         needed = sorted({e for r in ranks for e in topo.rank_info(r).experts}) if topo else list(range(cfg.num_experts))
         present: dict[int, set[int]] = {}
         for layer, expert in ckpt.stats.expert_parts:
@@ -621,9 +657,13 @@ class PlainCheckpoint:
         a rank-aware fetch refuses to turn a whole checkpoint into subsets."""
         from ..format.layout import PARTIAL_MARKER
 
-        if (self.root / PARTIAL_MARKER).is_file():
-            return fetch_command(ckpt, self.root, [], topo, ranks)
-        return fetch_command(ckpt, self.root, [])
+        if (ckpt.root / PARTIAL_MARKER).is_file():
+            return fetch_command(ckpt, ckpt.root, [], topo, ranks)
+        return restore_command(ckpt, ckpt.root, [])
+
+    def _restorer(self, ckpt: Checkpoint) -> Callable[[list[str]], str | None]:
+        """Restores named files of the checkpoint from its hub (``hf download`` in an HF cache)."""
+        return lambda files: restore_command(ckpt, ckpt.root, files)
 
     def _rank_bytes(self, ckpt: Checkpoint, topo: Topology | None, ranks: list[int]) -> dict[int, int | None] | None:
         if topo is None:

@@ -142,14 +142,88 @@ def fetch_command(ckpt: Checkpoint, dest: Path, files: list[str], topo: Topology
     return " ".join(a if a == "REPO" else shlex.quote(a) for a in args)
 
 
-def node_reshard_command(src: str | None, out: Path, topo: Topology, node: int, gpus_per_node: int) -> str:
+def hf_cache_repo(path: Path) -> Path | None:
+    """The Hugging Face cache repo folder (``.../models--org--name``, holding ``blobs/``,
+    ``snapshots/``, ``refs/``) that ``path`` is or lies in, else ``None``. Only the cache's own
+    client writes there: a fix command never names it (or a snapshot) as an output."""
+    for p in (path, *path.parents):
+        if p.name.startswith(("models--", "datasets--", "spaces--")) and (p / "snapshots").is_dir():
+            return p
+    return None
+
+
+def unused_sibling(path: Path, suffix: str) -> Path:
+    """``<path>-<suffix>``, or ``-2``, ``-3``... after it: a directory that does not exist yet, so
+    that a command writing there can overwrite nothing."""
+    candidate = path.with_name(f"{path.name}-{suffix}")
+    n = 2
+    while candidate.exists() or candidate.is_symlink():
+        candidate = path.with_name(f"{path.name}-{suffix}-{n}")
+        n += 1
+    return candidate
+
+
+def new_output_dir(root: Path, suffix: str) -> Path:
+    """Where a fix writes what ``root`` is not: a directory that does not exist yet, beside
+    ``root`` (:func:`unused_sibling`) - or, when ``root`` is in a Hugging Face cache, beside the
+    cache directory, never inside it (``<cache>-<name>-<suffix>``)."""
+    cache = hf_cache_repo(root)
+    if cache is not None:
+        return unused_sibling(cache.parent, f"{cache.name.split('--')[-1]}-{suffix}")
+    return unused_sibling(root, suffix)
+
+
+def topology_suffix(topo: Topology) -> str:
+    """A directory-name suffix naming ``topo`` (the options that differ from the defaults)."""
+    parts = [f"ep{topo.ep}", f"tp{topo.tp}"]
+    if topo.world_size != max(topo.ep, topo.tp):
+        parts.append(f"ws{topo.world_size}")
+    if topo.placement != "linear":
+        parts.append(topo.placement.replace("_", "-"))
+    return "-".join(parts)
+
+
+def hf_download_command(repo: str | None, revision: str | None, cache_repo: Path, files: list[str]) -> str:
+    """The Hugging Face client's own command that adds ``files`` (every missing file when empty)
+    to the snapshot of a cache repo folder: it writes blobs and symlinks the cache's way and
+    never replaces a file it has (k3ckpt never writes into a cache)."""
+    args = ["hf", "download", repo or "REPO", *files]
+    if revision:
+        args += ["--revision", revision]
+    args += ["--cache-dir", str(cache_repo.parent)]
+    return " ".join(a if a == "REPO" else shlex.quote(a) for a in args)
+
+
+def restore_command(ckpt: Checkpoint, root: Path, files: list[str]) -> str:
+    """The command that adds the missing ``files`` (every missing file when empty) to the
+    checkpoint at ``root``: ``hf download`` into a Hugging Face cache, else :func:`fetch_command`
+    into ``root`` (a fetch adds what is missing and keeps what verifies)."""
+    cache = hf_cache_repo(root)
+    if cache is not None:
+        return hf_download_command(ckpt.source.repo, ckpt.source.revision, cache, files)
+    return fetch_command(ckpt, root, files)
+
+
+def copy_command(source_dir: str | None, files: list[str], dest: Path) -> str:
+    """``cp -n`` of ``files`` from the source checkpoint into ``dest`` (``-n``: never replaces a
+    file already there); ``SRC`` stands for the source when its path is unknown."""
+    src = [f"{source_dir}/{f}" if source_dir else f"SRC/{f}" for f in files]
+    return " ".join(["cp", "-n", *(a if a.startswith("SRC/") else shlex.quote(a) for a in src),
+                     shlex.quote(str(dest)) + "/"])
+
+
+def node_reshard_command(src: str | None, out: Path, topo: Topology, node: int, gpus_per_node: int, *,
+                         force: bool) -> str:
     """The ``k3ckpt reshard`` (node format, in vLLM's --tp/--dp vocabulary) that writes node
-    ``node`` of ``topo`` under ``out``; ``--force`` replaces whatever topology ``out`` holds.
-    ``SRC`` stands for the source checkpoint when its path is unknown."""
+    ``node`` of ``topo`` under ``out``; ``force`` (only for ``out`` holding this very topology)
+    rewrites the node even where sizes match. ``SRC`` stands for the source checkpoint when its
+    path is unknown."""
     args = ["k3ckpt", "reshard", src or "SRC", "-o", str(out), "--tp", str(topo.tp), "--dp", str(topo.dp)]
     if topo.placement != "linear":
         args += ["--placement", topo.placement]
-    args += ["--gpus-per-node", str(gpus_per_node), "--node", str(node), "--force"]
+    args += ["--gpus-per-node", str(gpus_per_node), "--node", str(node)]
+    if force:
+        args.append("--force")
     return " ".join(a if a == "SRC" else shlex.quote(a) for a in args)
 
 

@@ -23,7 +23,18 @@ Decisions the issue leaves open:
   (an ``hf-node`` copy lacks other nodes' experts by design) and a coverage check of the
   experts this node's ranks need; with no ``--ep``/``--tp`` every expert is needed. They carry
   no per-file digests, so ``--full`` scans their E8M0 scales for NaN bytes instead;
-- capacity: the GPU need of a rank is :func:`k3ckpt.plan` 's rule (weights x 1.15 + KV budget)
+- "ready to load" needs what an engine reads beside the weights, by the rule ``reshard``
+  applies to its source (:mod:`k3ckpt.format.loadable`): a readable ``config.json``, the
+  tokenizer files ``tokenizer_config.json`` names, a licence - each missing one a FAIL naming
+  it, following symlinks (an HF cache snapshot); a check that could not run (expert coverage
+  without a config) is a WARN "not checked", never a PASS;
+- a fix never overwrites another topology or another node's share, and never names a path in
+  a Hugging Face cache repo folder: those go to a new directory (``new_output_dir``); only
+  the directory's own ranks or node are rewritten in place; a missing side file is ``cp -n``
+  from the recorded source, fetched, or (in an HF cache) ``hf download``-ed by the cache's
+  client;
+- capacity: the GPU need of a rank is
+ :func:`k3ckpt.plan` 's rule (weights x 1.15 + KV budget)
   against the device's free memory (total - used); host RAM is checked against one weight
   file per local rank (loaders stage a file at a time) and only WARNs; the disk must keep
   ``--min-free-disk`` free plus whatever the node's incomplete ranks still need;
@@ -168,7 +179,7 @@ def preflight(
     """
     root = Path(path).expanduser()
     if not root.is_dir():
-        raise PreflightError(f"{root}: no such directory")
+        raise PreflightError(f"{root}: no such directory", path=root)
     root = root.resolve()
     env = os.environ if environ is None else environ
     rank = one_rank(selection.ranks)

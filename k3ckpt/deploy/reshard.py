@@ -115,6 +115,7 @@ from ..format.layout import (
     part_name,
     rank_dir_name,
 )
+from ..format.loadable import require_loadable
 from ..format.nodedir import NODE_MAX_FILE_SIZE, NodeDir, plan_node_dir
 from ..format.topology import (
     ExpertSlice,
@@ -398,11 +399,16 @@ def plan_reshard(
 
     Raises:
         TopologyError / SplitError: impossible topology or rank selection, uneven split.
+        ConfigError / EngineFilesError: the source lacks a readable ``config.json``, a tokenizer
+            file or its licence (:func:`~k3ckpt.format.loadable.require_loadable`).
     """
 
     ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
     if not ckpt.tensors:
         raise ReshardError(f"{ckpt.root}: no tensors to reshard")
+    # Every output directory carries the source's config, tokenizer and licence: a source an
+    # engine could not load would give outputs that preflight fails, so refuse it up front.
+    require_loadable(ckpt.root)
     if max_file_size < 1:
         raise ReshardError(f"--max-file-size {max_file_size} must be positive")
     if align < 8 or align & (align - 1):
@@ -488,8 +494,8 @@ class _OutOfSpace(ReshardError):
     its temporary files and replaces the message with the shortfall."""
 
     def __init__(self, path: Path, err: OSError) -> None:
-        super().__init__(f"writing {path}: {err.strerror or err}")
-        self.path = path
+        super().__init__(f"writing {path}: {err.strerror or err}", path=path)
+        self.where = path
         self.strerror = err.strerror or str(err)
 
 
@@ -825,7 +831,7 @@ def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, f
             on_plan(total)
         written = _write_units(plan, outp, todo, jobs=jobs, mode=mode, progress=progress, fail_before=fail_before)
     except _OutOfSpace as e:
-        raise _out_of_space(plan, outp, todo, e.path, e.strerror) from None
+        raise _out_of_space(plan, outp, todo, e.where, e.strerror) from None
     except OSError as e:
         if e.errno not in NO_SPACE:
             raise
@@ -888,7 +894,8 @@ def _out_of_space(plan: ReshardPlan, outp: Path, todo: Sequence[RankPlan | NodeP
                 f"({needed} bytes needed, {free} free; temporary files removed)")
     else:
         tail = f"{what} need {needed} bytes, {free} are free now (temporary files removed)"
-    return ReshardError(f"writing {where}: {why}; {tail}: free space and re-run: completed {unit} are kept")
+    return ReshardError(f"writing {where}: {why}; {tail}: free space and re-run: completed {unit} are kept",
+                        path=where)
 
 
 def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan], *, jobs: int | None, mode: str,

@@ -57,6 +57,7 @@ from ..errors import UnshardError
 from ..format.checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
 from ..format.header import DTYPE_BITS, TensorSpec, build_header, read_header
 from ..format.layout import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, hf_shard_name, rank_dir_name
+from ..format.loadable import require_config
 from ..format.roles import classify
 from ..format.topology import Topology, TopologyError
 from ..utils import fsync_dir, human_bytes, is_within, load_json, write_atomic
@@ -350,11 +351,15 @@ def plan_unshard(layout: str | os.PathLike[str]) -> UnshardPlan:
     Raises:
         UnshardError: a rank, READY, manifest or file is missing, a manifest disagrees with
             topology.json or with a header, or a tensor's parts do not tile it.
+        ConfigError: the layout's ``config.json`` is missing or invalid.
     """
+
     root = Path(layout)
     if not root.is_dir():
-        raise UnshardError(f"{root}: not a directory")
+        raise UnshardError(f"{root}: {'not a directory' if root.exists() else 'no such directory'}", path=root)
     tj, topo = _load_topology(root)
+    # the checkpoint written is loaded by an engine: its config (copied from here) must parse
+    require_config(root)
     source = tj.get("source")
     source_digest = source.get("index_sha256") if isinstance(source, dict) else None
     if source_digest is not None and not isinstance(source_digest, str):
@@ -497,8 +502,8 @@ class _OutOfSpace(UnshardError):
     replaces the message with the shortfall."""
 
     def __init__(self, path: Path, err: OSError) -> None:
-        super().__init__(f"writing {path}: {err.strerror or err}")
-        self.path = path
+        super().__init__(f"writing {path}: {err.strerror or err}", path=path)
+        self.where = path
         self.strerror = err.strerror or str(err)
 
 
@@ -628,7 +633,7 @@ def run_unshard(
         try:
             _write_all(plan, outp, shards, jobs, mode, progress)
         except _OutOfSpace as e:
-            raise _no_space_error(outp, e.path, e.strerror, needed) from None
+            raise _no_space_error(outp, e.where, e.strerror, needed) from None
         except OSError as e:
             if e.errno not in NO_SPACE:
                 raise
@@ -649,7 +654,7 @@ def _no_space_error(outp: Path, where: Path, why: str, needed: int) -> UnshardEr
                 f"({needed} bytes needed, {free} free; temporary files removed)")
     else:
         tail = f"the checkpoint needs {needed} bytes, {free} are free now (temporary files removed)"
-    return UnshardError(f"writing {where}: {why}; {tail}: free space and re-run")
+    return UnshardError(f"writing {where}: {why}; {tail}: free space and re-run", path=where)
 
 
 def _write_all(plan: UnshardPlan, outp: Path, shards: list[_OutShard], jobs: int | None, mode: str,

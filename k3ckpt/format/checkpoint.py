@@ -213,9 +213,9 @@ def resolve_root(path: str | os.PathLike[str]) -> tuple[Path, Source]:
     """Find the directory holding the files, and what the layout says about its origin."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise CheckpointNotFoundError(f"{p}: no such directory")
+        raise CheckpointNotFoundError(f"{p}: no such directory", path=p)
     if p.is_file():
-        raise CheckpointNotFoundError(f"{p}: is a file; pass the checkpoint directory")
+        raise CheckpointNotFoundError(f"{p}: is a file; pass the checkpoint directory", path=p)
     p = p.resolve()
     # The repo folder of an HF cache: models--org--name/{refs,snapshots,blobs}
     if p.name.startswith("models--") and (p / "snapshots").is_dir():
@@ -228,8 +228,8 @@ def resolve_root(path: str | os.PathLike[str]) -> tuple[Path, Source]:
             p = snaps[0]
         else:
             raise CheckpointNotFoundError(
-                f"{p}: HF cache repo with {len(snaps)} snapshots and no refs/main; pass one snapshots/<commit> folder"
-            )
+                f"{p}: HF cache repo with {len(snaps)} snapshots and no refs/main; pass one snapshots/<commit> folder",
+                path=p)
     if _is_hf_snapshot(p):
         repo_dir = p.parent.parent.name  # models--org--name
         repo = "/".join(repo_dir.split("--")[1:])
@@ -288,10 +288,10 @@ def read_index(root: Path, unsafe: list[str] | None = None) -> tuple[dict[str, s
         data, _ = load_json(index_path, IndexFileError)
         wm = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wm, dict) or not wm:
-            raise IndexFileError(f"{index_path}: no weight_map (or it is empty)")
+            raise IndexFileError(f"{index_path}: no weight_map (or it is empty)", path=index_path)
         for name, file in wm.items():
             if not isinstance(file, str):
-                raise IndexFileError(f"{index_path}: tensor {name!r} maps to {file!r}, not a file name")
+                raise IndexFileError(f"{index_path}: tensor {name!r} maps to {file!r}, not a file name", path=index_path)
         files: dict[str, str | None] = {}
         for f in set(wm.values()):
             try:
@@ -307,8 +307,7 @@ def read_index(root: Path, unsafe: list[str] | None = None) -> tuple[dict[str, s
     if (root / SINGLE_NAME).is_file():
         return {}, SINGLE_NAME
     raise CheckpointNotFoundError(
-        f"{root}: no {INDEX_NAME} and no {SINGLE_NAME}; is this a safetensors checkpoint?"
-    )
+        f"{root}: no {INDEX_NAME} and no {SINGLE_NAME}; is this a safetensors checkpoint?", path=root)
 
 
 @contextmanager
@@ -376,7 +375,7 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool, 
         for f in list(files):
             if not (root / f).is_file():
                 if strict:
-                    raise IndexFileError(f"{root / f}: listed in {index_file} but missing")
+                    raise IndexFileError(f"{root / f}: listed in {index_file} but missing", path=root / f)
                 problems.append(Problem(f, f"listed in {index_file} but missing", "missing-file"))
                 files.remove(f)
     except BaseException:

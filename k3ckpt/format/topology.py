@@ -336,6 +336,11 @@ def ranks_of_node(node: int, gpus_per_node: int, world_size: int) -> list[int]:
     return list(range(node * gpus_per_node, min((node + 1) * gpus_per_node, world_size)))
 
 
+# more routed experts than any topology places: lets RankSelection.check validate the options
+# before the checkpoint (and its expert count) is read
+_ANY_EXPERTS = 1 << 40
+
+
 @dataclass(frozen=True)
 class RankSelection:
     """Which topology, and which of its ranks, an operation works on: the ``--ep``, ``--tp``,
@@ -380,6 +385,43 @@ class RankSelection:
         """Whether ``ep``, ``tp``, ``dp`` or ``world_size`` was given."""
         return any(v is not None for v in (self.ep, self.tp, self.dp, self.world_size))
 
+    def check(self, *, engine: bool = False) -> None:
+        """Refuse, before any checkpoint or hub is read, a selection that cannot mean what it
+        says: ``ranks`` or ``node`` without a topology, both of them, an impossible topology,
+        ranks outside the world, a node past the last. ``engine``: the node directory's reading
+        (:meth:`topology`), where GPUs per node default to the world size (one node).
+
+        Raises:
+            TopologyError: with the one-line reason.
+        """
+        self._require_topology()
+        if self.ranks is not None and self.node is not None:
+            raise TopologyError("give --ranks or --node, not both")
+        if not self.names_topology:
+            return
+        # The expert count is not known before the checkpoint is: with "more than any topology
+        # places", only the checks that do not depend on it run (no placement is computed).
+        topo = self.topology(_ANY_EXPERTS, engine=engine)
+        if engine and self.node is not None and self.gpus_per_node is None:
+            ranks_of_node(self.node, topo.world_size, topo.world_size)
+        else:
+            self.select(topo)
+
+    def _require_topology(self) -> None:
+        """``--ranks``/``--node`` name ranks of a topology; without ``ep``/``tp``/``dp``/
+        ``world_size`` the world is one rank holding everything, so ``--ranks 0`` would quietly
+        mean "the whole checkpoint" (1.56 TB for K3): refused rather than guessed."""
+        if self.names_topology or (self.ranks is None and self.node is None):
+            return
+        if self.node is not None:
+            flag = f"--node {self.node}"
+        else:
+            spec = self.ranks if isinstance(self.ranks, str) else ",".join(map(str, self.ranks or ()))
+            flag = f"--ranks {spec}"
+        raise TopologyError(f"{flag} selects ranks of a topology but none was given: add --tp/--dp or "
+                            f"--ep/--world-size (without them one rank holds the whole checkpoint; drop "
+                            f"{flag.split()[0]} for all of it)")
+
     def topology(self, num_experts: int, *, engine: bool = False) -> Topology:
         """The :class:`Topology` over ``num_experts`` routed experts, defaults filled in.
 
@@ -390,8 +432,10 @@ class RankSelection:
         nearest command the engine can run.
 
         Raises:
-            TopologyError: an impossible topology, with a one-line reason.
+            TopologyError: an impossible topology, or ranks or a node selected without one
+                (:meth:`check`), with a one-line reason.
         """
+        self._require_topology()
         tp = 1 if self.tp is None else self.tp
         world_size = self._world_size(tp)
         if not engine:

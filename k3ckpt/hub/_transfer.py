@@ -113,6 +113,13 @@ def copy_body(resp: Any, fd: int, start: int, dest_offset: int, length: int, can
     ``dest_offset``, reading ``piece`` bytes at a time; returns how many arrived. ``sink`` sees
     every written piece in order (to hash while streaming); ``on_offset`` is told the offset
     reached after each piece (the sequential fallback journals with it)."""
+    return _copy_body(resp, fd, start, dest_offset, length, cancel, count, sink, on_offset, piece)
+
+
+def _copy_body(resp: Any, fd: int | None, start: int, dest_offset: int, length: int, cancel: threading.Event,
+               count: Callable[[int], None], sink: Callable[[memoryview], None] | None,
+               on_offset: Callable[[int], None] | None, piece: int) -> int:
+    """:func:`copy_body`; ``fd`` None writes nothing (only ``sink`` sees the bytes)."""
     raw = resp.raw
     received = 0
     offset = dest_offset
@@ -124,7 +131,8 @@ def copy_body(resp: Any, fd: int, start: int, dest_offset: int, length: int, can
             if not data:
                 break
             count(len(data))
-            pwrite_all(fd, data, offset)
+            if fd is not None:
+                pwrite_all(fd, data, offset)
             offset += len(data)
             if sink is not None:
                 sink(memoryview(data))
@@ -142,8 +150,24 @@ def stream_range(listing: HubListing, entry: HubFile, start: int, length: int, f
                  sink: Callable[[memoryview], None] | None = None) -> None:
     """One ranged GET of bytes ``[start, start + length)`` of ``entry``, written to ``fd`` at
     ``dest_offset`` (the rank-aware fetch writes a tensor at another offset than the source's);
-    ``sink`` sees every written piece in order. Raises Retryable/Fatal/Cancelled (after one of
-    them, what ``sink`` saw is void), or RangeIgnored.
+    ``sink`` sees every written piece in order. See :func:`_stream_range`."""
+    _stream_range(listing, entry, start, length, fd, dest_offset, headers, timeout, cancel, count, sink)
+
+
+def hash_range(listing: HubListing, entry: HubFile, start: int, length: int, headers: dict[str, str],
+               timeout: float, cancel: threading.Event, count: Callable[[int], None],
+               sink: Callable[[memoryview], None]) -> None:
+    """:func:`stream_range` that stores nothing: ``sink`` (a hasher) sees every piece in order
+    (``manifest pull --tensor-hashes``: a hub file's tensor digests in bounded memory)."""
+    _stream_range(listing, entry, start, length, None, 0, headers, timeout, cancel, count, sink)
+
+
+def _stream_range(listing: HubListing, entry: HubFile, start: int, length: int, fd: int | None, dest_offset: int,
+                  headers: dict[str, str], timeout: float, cancel: threading.Event, count: Callable[[int], None],
+                  sink: Callable[[memoryview], None] | None) -> None:
+    """One ranged GET into ``fd`` (None: nowhere) and ``sink``. Raises Retryable/Fatal/Cancelled
+    (after one of them, what ``sink`` saw is void for a writer that journals whole requests; it
+    was every byte received, in order), or RangeIgnored.
 
     The response checks mirror :func:`~k3ckpt.hub.client.read_range`'s: a body is only written when its
     ``Content-Range`` is exactly the requested range, or when there is none and the range asked
@@ -178,7 +202,7 @@ def stream_range(listing: HubListing, entry: HubFile, start: int, length: int, f
                 raise Retryable(f"server sent {what} (HTTP 200) for a {entry.size}-byte file")
             if start != 0 or length != entry.size:
                 raise RangeIgnored(f"the server ignores Range (HTTP 200 with the whole file for bytes {start}-{end})")
-        received = copy_body(resp, fd, start, dest_offset, length, cancel, count, sink)
+        received = _copy_body(resp, fd, start, dest_offset, length, cancel, count, sink, None, PIECE)
         extra = b""
         if received == length and announced is None:
             try:

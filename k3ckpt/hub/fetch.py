@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import EmptySelectionError
 from .client import HubListing, list_repo
 
 
@@ -51,16 +52,31 @@ class FetchPlan:
         }
 
 
-def select_paths(files: list[str], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+def select_paths(files: list[str], include: tuple[str, ...] = (), exclude: tuple[str, ...] = (), *,
+                 what: str = "files") -> tuple[list[str], list[str]]:
     """``(selected, excluded)``: files matching any ``include`` glob (all when none is given) and
-    no ``exclude`` glob. Globs match the whole posix path (``*.safetensors``, ``tokenizer*``)."""
+    no ``exclude`` glob. Globs match the whole posix path (``*.safetensors``, ``tokenizer*``).
+
+    Raises:
+        EmptySelectionError: globs were given and leave none of the files (``what`` names them in
+            the message): a typo'd ``--include '*.gguf'`` must not "succeed" having fetched nothing.
+    """
     selected: list[str] = []
     dropped: list[str] = []
     for f in sorted(files):
         inc = not include or any(fnmatch.fnmatchcase(f, g) for g in include)
         exc = any(fnmatch.fnmatchcase(f, g) for g in exclude)
         (selected if inc and not exc else dropped).append(f)
+    if not selected and (include or exclude):
+        globs = " ".join([f"--include {g!r}" for g in include] + [f"--exclude {g!r}" for g in exclude])
+        raise EmptySelectionError(f"{globs} leave{'s' if len(include) + len(exclude) == 1 else ''} none of the "
+                                  f"{len(files)} {what}: nothing to fetch")
     return selected, dropped
+
+
+def source_text(listing: HubListing) -> str:
+    """``hub:repo@revision``, as the fetch summaries name their source."""
+    return f"{listing.hub}:{listing.repo}@{listing.revision}"
 
 
 def plan_fetch(
@@ -74,9 +90,14 @@ def plan_fetch(
     endpoint: str | None = None,
     token: str | None = None,
 ) -> FetchPlan:
-    """List the repo (pinned to its resolved commit) and choose the files to fetch."""
+    """List the repo (pinned to its resolved commit) and choose the files to fetch.
+
+    Raises:
+        EmptySelectionError: ``include``/``exclude`` leave no file (refused before any download).
+        HubError: As :func:`~k3ckpt.hub.client.list_repo` raises it.
+    """
     listing = list_repo(hub, repo, revision, endpoint=endpoint, token=token)
-    paths, excluded = select_paths(list(listing.files), include, exclude)
+    paths, excluded = select_paths(list(listing.files), include, exclude, what=f"files of {source_text(listing)}")
     return FetchPlan(listing, Path(dest), paths, excluded)
 
 

@@ -52,7 +52,7 @@ from ..utils.space import require_free_space
 from . import _dest, download
 from . import client as hubclient
 from .client import HubFile, HubListing, RetryPolicy
-from .fetch import record_source, select_paths
+from .fetch import record_source
 from .rankfetch import (
     STRUCTURE_ONLY_NOTE,
     VERIFIED_STRUCTURE,
@@ -69,6 +69,7 @@ from .rankfetch import (
     _ShardJob,
     fetch_summary,
     load_manifest,
+    other_files,
     read_source,
     source_text,
 )
@@ -244,8 +245,11 @@ def plan_node_fetch(
         raise RankFetchError(f"chunk size {chunk_size} must be positive")
     if selection.node is None or selection.ranks is not None:
         raise RankFetchError("the node format writes whole nodes: give --node N (--format partial for --ranks)")
+    selection.check(engine=True)  # before any request: a selection that means nothing must not cost a byte
+    marked = frozenset({NODE_MARKER, READY_NAME})  # the node directory's own files, written by this fetch
     manifest, label = load_manifest(manifest)
-    src = read_source(hub, repo, revision, endpoint=endpoint, token=token, jobs=jobs)
+    src = read_source(hub, repo, revision, endpoint=endpoint, token=token, jobs=jobs,
+                      on_listing=lambda listing: other_files(listing, include, exclude, skip=marked))
     listing = src.listing
     with bulk_allocation():  # ~10^6 fresh acyclic tuples at the full K3 scale
         idx = build_index(src.tensors, fp8_block=fp8_block_of(src.config))
@@ -260,16 +264,14 @@ def plan_node_fetch(
             _check_manifest(manifest, label or "(given)", src.headers, wanted, listing)
         starts = {h.file: h.data_start for h in src.headers}
         outputs = [plan_file(f, {p: listing.files[p] for p in starts}, starts, chunk_size) for f in nd.files]
-    skip = set(src.shard_paths) | {INDEX_NAME, NODE_MARKER, PARTIAL_MARKER, READY_NAME}
-    others = [f for f in listing.files if f not in skip and not f.endswith(".safetensors")]
-    files, excluded = select_paths(others, include, exclude)
+    files, excluded = other_files(listing, include, exclude, skip=marked | frozenset(src.shard_paths))
     if manifest is not None:
         _check_manifest_files(manifest, label or "(given)", listing, files)
     index_sha = src.index_sha256 or _single_header_sha(listing, src.headers[0].data_start, token)
     return NodeFetchPlan(
         listing=listing, dest=Path(dest), nd=nd, outputs=outputs, files=files, excluded=excluded,
         chunk_size=chunk_size, header_bytes=sum(h.data_start for h in src.headers),
-        source_bytes=sum(listing.files[p].size for p in src.shard_paths + others
+        source_bytes=sum(listing.files[p].size for p in src.shard_paths + files + excluded
                          + ([INDEX_NAME] if src.weight_map else [])),
         source_index_sha256=index_sha, manifest=manifest, manifest_label=label)
 

@@ -85,7 +85,7 @@ from ..utils.space import require_free_space
 from . import _dest, _http, _transfer, download
 from . import client as hubclient
 from .client import HubFile, HubListing, RetryPolicy
-from .fetch import record_source, select_paths
+from .fetch import record_source, select_paths, source_text
 
 __all__ = [
     "PARTIAL_NAME",
@@ -526,13 +526,16 @@ class RemoteSource:
 
 
 def read_source(hub: str, repo: str, revision: str | None, *, endpoint: str | None, token: str | None,
-                jobs: int) -> RemoteSource:
+                jobs: int, on_listing: Callable[[HubListing], object] | None = None) -> RemoteSource:
     """Read what planning needs from the hub (listing, index, config, headers; no tensor data).
+    ``on_listing`` sees the listing before anything else is read, and may refuse it by raising.
 
     Raises:
         RankFetchError: No checkpoint in the repo, or headers that disagree with the index.
     """
     listing = hubclient.list_repo(hub, repo, revision, endpoint=endpoint, token=token)
+    if on_listing is not None:
+        on_listing(listing)
     weight_map, shard_paths, index_sha = _remote_index(listing, token)
     cfg = _remote_config(listing, token)
     headers = [c.to_header() for c in hubclient.fetch_headers(listing, shard_paths, token=token, jobs=jobs)]
@@ -541,6 +544,21 @@ def read_source(hub: str, repo: str, revision: str | None, *, endpoint: str | No
     if not tensors:
         raise RankFetchError(f"{listing.hub}:{listing.repo}@{listing.revision}: the shards hold no tensors")
     return RemoteSource(listing, weight_map, shard_paths, index_sha, cfg, headers, tensors)
+
+
+def other_files(listing: HubListing, include: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
+                *, skip: frozenset[str] = frozenset()) -> tuple[list[str], list[str]]:
+    """``(files, excluded)``: the non-weight files of ``listing`` a rank-aware or node fetch
+    downloads whole (every ``.safetensors`` file, the index, the markers and ``skip`` are
+    planned apart), filtered by ``--include``/``--exclude``.
+
+    Raises:
+        EmptySelectionError: the globs leave none of them (:func:`~k3ckpt.hub.fetch.select_paths`).
+    """
+    drop = {INDEX_NAME, PARTIAL_NAME, *skip}
+    others = [f for f in listing.files if f not in drop and not f.endswith(".safetensors")]
+    return select_paths(others, include, exclude, what=f"non-weight files of {source_text(listing)} (a rank-aware "
+                                                       "fetch takes the weights its ranks need; the globs filter the rest)")
 
 
 def select_tensors(
@@ -607,8 +625,10 @@ def plan_rank_fetch(
     """
     if chunk_size < 1:
         raise RankFetchError(f"chunk size {chunk_size} must be positive")
+    selection.check()  # before any request: a selection that means nothing must not cost a byte
     manifest, label = load_manifest(manifest)
-    src = read_source(hub, repo, revision, endpoint=endpoint, token=token, jobs=jobs)
+    src = read_source(hub, repo, revision, endpoint=endpoint, token=token, jobs=jobs,
+                      on_listing=lambda listing: other_files(listing, include, exclude))
     listing, weight_map, shard_paths, index_sha = src.listing, src.weight_map, src.shard_paths, src.index_sha256
     cfg, headers, tensors = src.config, src.headers, src.tensors
 
@@ -619,9 +639,7 @@ def plan_rank_fetch(
         if manifest is not None:
             _check_manifest(manifest, label or "(given)", headers, wanted, listing)
         shards = [sp for h in headers if (sp := plan_shard(h, listing.files[h.file], wanted, chunk_size)) is not None]
-    skip = set(shard_paths) | {INDEX_NAME, PARTIAL_NAME}
-    others = [f for f in listing.files if f not in skip and not f.endswith(".safetensors")]
-    files, excluded = select_paths(others, include, exclude)
+    files, excluded = other_files(listing, include, exclude, skip=frozenset(shard_paths))
     if manifest is not None:
         _check_manifest_files(manifest, label or "(given)", listing, files + [sp.path for sp in shards if sp.whole])
     return RankFetchPlan(
@@ -630,7 +648,7 @@ def plan_rank_fetch(
         chunk_size=chunk_size, shards=shards, files=files, excluded=excluded,
         experts=sorted(experts),
         header_bytes=sum(h.data_start for h in headers),
-        source_bytes=sum(listing.files[p].size for p in shard_paths + others + ([INDEX_NAME] if weight_map else [])),
+        source_bytes=sum(listing.files[p].size for p in shard_paths + files + excluded + ([INDEX_NAME] if weight_map else [])),
         source_index_sha256=index_sha, manifest=manifest, manifest_label=label,
     )
 
@@ -1173,11 +1191,6 @@ def _selection_text(plan: RankFetchPlan) -> str:
 
 def _source_text(plan: RankFetchPlan) -> str:
     return source_text(plan.listing)
-
-
-def source_text(listing: HubListing) -> str:
-    """``hub:repo@revision``, as the fetch summaries name their source."""
-    return f"{listing.hub}:{listing.repo}@{listing.revision}"
 
 
 def load_manifest(manifest: str | os.PathLike[str] | Manifest | None) -> tuple[Manifest | None, str | None]:

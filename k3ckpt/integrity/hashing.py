@@ -71,20 +71,13 @@ def hash_file(
     # vanish next to hashing.
     buf = buffer if buffer is not None else bytearray(K3CKPT_HASH_BUFFER.get())
     view = memoryview(buf)
-    whole = hashlib.sha256()
-    ordered = sorted(spans, key=lambda s: s.start)
-    span_hashers = [hashlib.sha256() for _ in ordered]
     scan_cursor = _Cursor(sorted(scan, key=lambda s: s.start))
-    hash_cursor = _Cursor(ordered)
     flagged: set[str] = set()
-    blob = None
     with _reading(p) as fd:
         size = os.fstat(fd).st_size
-        if git_sha1:
-            blob = hashlib.sha1(b"blob %d\0" % size)
+        hasher = StreamHasher(spans, git_size=size if git_sha1 else None)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        pos = 0
         with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
             while True:
                 if cancel is not None and cancel.is_set():
@@ -92,29 +85,58 @@ def hash_file(
                 n = f.readinto(view)
                 if not n:
                     break
-                chunk = view[:n]
-                whole.update(chunk)
-                if blob is not None:
-                    blob.update(chunk)
-                end = pos + n
-                for k, lo, hi in hash_cursor.overlapping(pos, end):
-                    span_hashers[k].update(chunk[lo - pos: hi - pos])
-                for k, lo, hi in scan_cursor.overlapping(pos, end):
+                pos = hasher.pos
+                hasher.feed(view[:n])
+                for k, lo, hi in scan_cursor.overlapping(pos, pos + n):
                     if buf.find(needle, lo - pos, hi - pos) >= 0:
                         flagged.add(scan_cursor.spans[k].name)
-                pos = end
                 if progress is not None:
                     progress(n)
-        if pos != size:
-            raise HashError(0, f"read {pos} bytes but the file is {size} (changed while hashing?)", p)
-    return FileDigest(
-        path=rel if rel is not None else os.path.basename(p),
-        size=size,
-        sha256=whole.hexdigest(),
-        spans={s.name: h.hexdigest() for s, h in zip(ordered, span_hashers)} if ordered else None,
-        git_sha1=blob.hexdigest() if blob is not None else None,
-        flagged=sorted(flagged) if scan else None,
-    )
+        if hasher.pos != size:
+            raise HashError(0, f"read {hasher.pos} bytes but the file is {size} (changed while hashing?)", p)
+    d = hasher.digest(rel if rel is not None else os.path.basename(p))
+    d.flagged = sorted(flagged) if scan else None
+    return d
+
+
+class StreamHasher:
+    """sha256 of a byte stream and, in the same pass, of named spans of it (tensors' data):
+    what :func:`hash_file` computes over a local file, for bytes that arrive in pieces from
+    anywhere (a hub's response body). Feed the bytes in order, starting at offset ``start``
+    (a ranged read of a file hashes its spans; its ``whole`` digest then covers the range only).
+
+    ``git_size``: also the git blob id (``"blob <size>\\0" + bytes``) of a file of that size.
+    """
+
+    def __init__(self, spans: Sequence[Span] = (), *, start: int = 0, git_size: int | None = None) -> None:
+        self.start = self.pos = start
+        self.whole = hashlib.sha256()
+        self._ordered = sorted(spans, key=lambda s: s.start)
+        self._hashers = [hashlib.sha256() for _ in self._ordered]
+        self._cursor = _Cursor(self._ordered)
+        self._blob = hashlib.sha1(b"blob %d\0" % git_size) if git_size is not None else None
+
+    def feed(self, chunk: memoryview | bytes) -> None:
+        """Hash the next bytes of the stream (they start at :attr:`pos`)."""
+        pos, n = self.pos, len(chunk)
+        self.whole.update(chunk)
+        if self._blob is not None:
+            self._blob.update(chunk)
+        for k, lo, hi in self._cursor.overlapping(pos, pos + n):
+            self._hashers[k].update(chunk[lo - pos: hi - pos])
+        self.pos = pos + n
+
+    def span_digests(self) -> dict[str, str]:
+        """Span name -> sha256 (of what was fed of it)."""
+        return {s.name: h.hexdigest() for s, h in zip(self._ordered, self._hashers)}
+
+    def digest(self, rel: str) -> FileDigest:
+        """What was fed as a :class:`FileDigest` named ``rel`` (``spans`` None when none were asked for)."""
+        return FileDigest(
+            path=rel, size=self.pos - self.start, sha256=self.whole.hexdigest(),
+            spans=self.span_digests() if self._ordered else None,
+            git_sha1=self._blob.hexdigest() if self._blob is not None else None,
+        )
 
 
 class _Cursor:

@@ -28,17 +28,29 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..env import K3CKPT_CACHE_DIR
-from ..format.checkpoint import Checkpoint, iter_checkpoint_files, open_checkpoint, resolve_root
+from ..errors import CheckpointNotFoundError
+from ..format.checkpoint import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    Checkpoint,
+    is_working_file,
+    iter_checkpoint_files,
+    open_checkpoint,
+    resolve_root,
+)
 from ..utils import write_atomic
 from .hashing import FileDigest, HashError, Span, hash_files, scan_file
 from .manifest import Manifest, tensors_from_headers
 
+if TYPE_CHECKING:
+    from .share import ShareFacts
+
 #: Order in which kinds are reported (most fundamental first).
 KINDS = (
-    "missing-file", "unreadable", "size", "sha256", "tensor-sha256", "tensor-layout", "header",
+    "missing-file", "missing-tensor", "unreadable", "size", "sha256", "tensor-sha256", "tensor-layout", "header",
     "index", "path", "config", "mxfp4", "nan-scale", "extra-file",
 )
 #: Kinds that are warnings: reported, but do not fail verification.
@@ -88,6 +100,7 @@ class VerifyReport:
     structure_cached: bool = False
     seconds: float = 0.0
     issues: list[Issue] = field(default_factory=list)
+    share: ShareFacts | None = None  # a node directory or rank-aware copy: what it holds, what was checked
 
     @property
     def problems(self) -> list[Issue]:
@@ -212,11 +225,18 @@ def verify_checkpoint(
         scan: look for NaN (0xFF) scale bytes in E8M0 ``weight_scale`` tensors.
         progress: called with byte counts as files are hashed; ``on_plan`` first with the total.
 
+    A *share* (a node directory or a rank-aware fetch's copy, by its marker) is checked by what
+    it holds, tensor by tensor: see :mod:`k3ckpt.integrity.share`.
+
     Raises:
         CheckpointNotFoundError, IndexFileError: there is no checkpoint to verify (exit 2).
+        ShareReferenceError: a share's rewritten shards, and a reference without tensor hashes (exit 2).
     """
+    from .share import share_marker, verify_share
+
     t0 = time.perf_counter()
     root, _ = resolve_root(path)
+    _refuse_unfinished_fetch(root)
     if manifest is not None:
         expected = {f: Expected(e.size, e.sha256) for f, e in manifest.files.items()}
         ref = reference or f"manifest {manifest_label or ''}".strip()
@@ -229,6 +249,12 @@ def verify_checkpoint(
     report = VerifyReport(str(root), "quick" if quick else "full", ref)
     cache = StatCache(root, cache_directory) if use_cache else None
     issues = report.issues
+
+    share = share_marker(root)
+    if share is not None:
+        verify_share(root, *share, report, manifest=manifest, expected=expected, quick=quick, scan=scan, jobs=jobs,
+                     cache=cache, progress=progress, on_plan=on_plan)
+        return _finish(report, cache, t0)
 
     present = list(iter_checkpoint_files(root))
     report.files = len(present)
@@ -379,10 +405,31 @@ def verify_checkpoint(
             if cache is not None:
                 cache.record(f, stats[f], scan_ok=not flagged, flagged=flagged)
 
+    return _finish(report, cache, t0)
+
+
+def _refuse_unfinished_fetch(root: Path) -> None:
+    """A directory a fetch is still writing (or was killed writing) has its working files and no
+    index yet (the index and a share's marker are written last): say so, not "no checkpoint".
+
+    Raises:
+        CheckpointNotFoundError: exit 2; nothing there can be verified yet.
+    """
+    if (root / INDEX_NAME).exists() or (root / SINGLE_NAME).exists():
+        return
+    working = sorted(f for f in os.listdir(root) if is_working_file(f))
+    if working:
+        raise CheckpointNotFoundError(
+            f"{root}: an unfinished fetch ({len(working)} working file{'s' if len(working) != 1 else ''} such as "
+            f"{working[0]}, no {INDEX_NAME} yet): run the same fetch again to resume it, then verify")
+
+
+def _finish(report: VerifyReport, cache: StatCache | None, t0: float) -> VerifyReport:
+    """Save the stat cache, order the issues by kind, time the run."""
     if cache is not None:
         cache.save()
     order = {k: i for i, k in enumerate(KINDS)}
-    report.issues = sorted(issues, key=lambda i: (order.get(i.kind, 99), i.file or "", i.tensor or ""))
+    report.issues = sorted(report.issues, key=lambda i: (order.get(i.kind, 99), i.file or "", i.tensor or ""))
     report.seconds = round(time.perf_counter() - t0, 3)
     return report
 
@@ -563,6 +610,8 @@ def render_verify(rep: VerifyReport) -> str:
         head += ", structure unchanged since the last check"
     head += f", {rep.seconds:.1f} s"
     lines = [head]
+    if rep.share is not None:
+        lines.append(rep.share.summary())
     for kind, items in rep.grouped().items():
         label = "warning" if items[0].is_warning else "problem"
         lines.append(f"[{kind}] {len(items)} {label}{'s' if len(items) != 1 else ''}")

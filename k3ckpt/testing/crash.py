@@ -38,7 +38,7 @@ from typing import Any
 from ..env import K3CKPT_TEST_PAUSE_AT, K3CKPT_TEST_PAUSE_FILE
 
 __all__ = ["CrashStats", "InvariantViolation", "OutputStats", "Tmpfs", "contention_campaign", "exhaustion_campaign",
-           "fetch_campaign", "foreign_campaign", "reshard_campaign"]
+           "fetch_campaign", "foreign_campaign", "reshard_campaign", "share_fetch_campaign"]
 
 REPO = "moonshotai/Kimi-K3"
 #: Small chunks so a small checkpoint has many resume points.
@@ -66,6 +66,9 @@ class CrashStats:
         scans: invariant scans after kills (each compares every final-named file).
         files_checked: final-named files compared over all scans.
         bytes_verified: bytes compared with the reference at the end.
+        verify_refused: ``k3ckpt verify`` runs on a killed share that did not pass (share campaign).
+        verify_passed: ``k3ckpt verify`` runs on a share that passed; each is compared byte for
+            byte with a clean fetch (a pass on anything else is a violation).
     """
 
     what: str
@@ -79,6 +82,8 @@ class CrashStats:
     scans: int = 0
     files_checked: int = 0
     bytes_verified: int = 0
+    verify_refused: int = 0
+    verify_passed: int = 0
     fault_kinds: dict[str, int] = field(default_factory=dict)
 
     def fault(self, kind: str) -> None:
@@ -400,6 +405,91 @@ def reshard_campaign(source: Path, work: Path, *, kills: int, seed: int, power_l
     _complete(args, env, out, stats)
     _compare_trees(out, ref, stats)
     return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# a rank-aware fetch's share, and verify
+# ----------------------------------------------------------------------------------------------
+
+#: The rank-aware fetches the share campaign picks from, one per seed: node 1 of an EP-4 node
+#: directory over 2-GPU nodes, and node 0's partial copy under EP 8 x TP 2 over 4-GPU nodes.
+SHARE_FETCHES = (("--ep", "4", "--gpus-per-node", "2", "--node", "1"),
+                 ("--ep", "8", "--tp", "2", "--gpus-per-node", "4", "--node", "0", "--format", "partial"))
+#: Small requests, so a kill lands between many journaled pieces.
+SHARE_CHUNK = 16 * 1024
+
+
+def share_fetch_campaign(served: Path, work: Path, *, kills: int, seed: int, hub_cache: Path | None = None) -> CrashStats:
+    """A rank-aware fetch of ``served`` (a node directory or a partial copy, chosen by the seed)
+    under ``kills`` SIGKILLs at seeded random points, each followed by ``k3ckpt verify`` of the
+    destination against the checkpoint's tensor-hash manifest; then a run to completion, which
+    must verify clean.
+
+    The invariant: ``verify`` passes only on a share that is byte for byte what a clean fetch
+    writes - never on one a kill left unfinished (it has no marker yet: "an unfinished fetch").
+    Kill points: after the N-th journaled piece, before a shard's rename, or a random byte count.
+    """
+    from ..integrity.manifest import build_manifest
+    from .hub import LoopbackHub
+
+    rng = random.Random(seed)
+    stats = CrashStats("share-fetch", seed)
+    manifest = work / "tensors.json"
+    build_manifest(served, tensor_hashes=True).save(manifest)
+    topo = rng.choice(SHARE_FETCHES)
+    with LoopbackHub({REPO: served}, cache_dir=hub_cache or work / "hub-cache") as hub:
+        base = [sys.executable, "-m", "k3ckpt", "fetch", "--source", rng.choice(["hf", "modelscope"]), "--repo", REPO,
+                "--endpoint", hub.url, "--chunk-size", str(SHARE_CHUNK), "--workers", "3", *topo]
+        env = _child_env(hub.env_vars())
+        reference = work / "reference"
+        start = hub.total_bytes_sent()
+        _complete([*base, "--dest", str(reference)], env, reference, stats)
+        total = hub.total_bytes_sent() - start
+        ref = _digests(reference)
+        dest = work / "dest"
+        args = [*base, "--dest", str(dest)]
+        verify = [sys.executable, "-m", "k3ckpt", "verify", str(dest), "--manifest", str(manifest), "--no-cache"]
+        while stats.kills < kills:
+            if (dest / ".k3ckpt-fetch.lock").exists():
+                stats.stale_locks_recovered += 1
+            marker = work / "paused"
+            marker.unlink(missing_ok=True)
+            at_point = rng.random() < 0.5
+            child_env = dict(env)
+            ready: Callable[[], bool]
+            if at_point:
+                point = "before_shard_rename" if rng.random() < 0.2 else f"after_piece:{rng.randrange(1, 40)}"
+                child_env.update({K3CKPT_TEST_PAUSE_AT.name: point, K3CKPT_TEST_PAUSE_FILE.name: str(marker)})
+                ready = marker.exists
+            else:
+                threshold = hub.total_bytes_sent() + rng.randrange(1, max(2, total))
+
+                def ready(threshold: int = threshold) -> bool:  # a def: mypy cannot type a defaulted lambda
+                    return hub.total_bytes_sent() >= threshold
+
+            killed = _run_until_killed(args, child_env, ready, at_point, stats)
+            _verify_share(verify, env, dest, ref, stats, must_pass=not killed)
+            if not killed:  # finished before its kill point: start over, so the next kill lands mid-run
+                shutil.rmtree(dest)
+        _complete(args, env, dest, stats)
+        _verify_share(verify, env, dest, ref, stats, must_pass=True)
+    return stats
+
+
+def _verify_share(verify: list[str], env: dict[str, str], dest: Path, ref: dict[str, str], stats: CrashStats, *,
+                  must_pass: bool) -> None:
+    """Run ``k3ckpt verify`` on the share: a pass must be a complete, exact share; a refusal must
+    not happen on a finished one."""
+    res = subprocess.run(verify, env=env, capture_output=True, text=True, timeout=600)
+    passed = res.returncode == 0 and res.stdout.startswith("ok: ")
+    if passed:
+        stats.verify_passed += 1
+        _compare_trees(dest, ref, stats)  # "ok" on anything but a clean fetch's bytes is a violation
+    elif must_pass:
+        raise InvariantViolation(f"verify of the finished share {dest} did not pass ({res.returncode}): "
+                                 f"{res.stdout[-500:]} {res.stderr[-500:]}")
+    else:
+        stats.verify_refused += 1
 
 
 def main_selftest() -> None:  # pragma: no cover - a quick manual check

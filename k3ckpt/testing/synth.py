@@ -604,11 +604,53 @@ user interface.
 """
 
 
+_TOKENIZATION_KIMI = '''"""Tokenizer shim of the synthetic fixture (k3ckpt synth): the file layout of Kimi's
+tiktoken tokenizer (tokenization_kimi.py + tiktoken.model), not its code."""
+from transformers import PreTrainedTokenizer
+
+VOCAB_FILES_NAMES = {"vocab_file": "tiktoken.model"}
+
+
+class TikTokenTokenizer(PreTrainedTokenizer):
+    vocab_files_names = VOCAB_FILES_NAMES
+    model_input_names = ["input_ids", "attention_mask"]
+'''
+
+
+def _tiktoken_model() -> str:
+    """A tiktoken BPE file (``base64(token) rank`` per line) of the 256 byte-level tokens."""
+    import base64
+
+    return "".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256))
+
+
+def _tokenizer_json() -> str:
+    """A byte-level BPE ``tokenizer.json`` (the tokenizers library's format) of 256 tokens."""
+    vocab = {f"<0x{i:02X}>": i for i in range(256)}
+    return json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+                       "normalizer": None, "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
+                                                             "trim_offsets": True, "use_regex": True},
+                       "post_processor": None, "decoder": {"type": "ByteLevel"},
+                       "model": {"type": "BPE", "dropout": None, "unk_token": None, "byte_fallback": True,
+                                 "vocab": vocab, "merges": []}}, indent=2) + "\n"
+
+
+def _tokenizer_files(spec: SynthSpec) -> dict[str, str]:
+    """The tokenizer each family ships: Kimi (K3, K2) a tiktoken tokenizer as remote code, gpt-oss
+    a tokenizers ``tokenizer.json`` (what :mod:`k3ckpt.format.loadable` requires)."""
+    if spec.family == "gpt_oss":
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072}
+        return {"tokenizer_config.json": json.dumps(config, indent=2) + "\n", "tokenizer.json": _tokenizer_json()}
+    config = {"tokenizer_class": "TikTokenTokenizer", "model_max_length": 1048576,
+              "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}}
+    return {"tokenizer_config.json": json.dumps(config, indent=2) + "\n",
+            "tokenization_kimi.py": _TOKENIZATION_KIMI, "tiktoken.model": _tiktoken_model()}
+
+
 def _side_files(spec: SynthSpec) -> dict[str, str]:
     files = {
         "generation_config.json": json.dumps({"max_length": 1048576, "eos_token_id": 163586}, indent=2) + "\n",
-        "tokenizer_config.json": json.dumps({"tokenizer_class": "TikTokenTokenizer",
-                                             "model_max_length": 1048576}, indent=2) + "\n",
+        **_tokenizer_files(spec),
         "special_tokens_map.json": json.dumps({"bos_token": "[BOS]", "eos_token": "[EOS]"}, indent=2) + "\n",
     }
     if spec.family == "kimi_k3":

@@ -20,10 +20,10 @@ def load_json(path: Path, error: type[K3ckptError]) -> tuple[Any, bytes]:
         raw = path.read_bytes()
         return json.loads(raw), raw
     except FileNotFoundError:
-        raise error(f"{path}: not found") from None
+        raise error(f"{path}: not found", path=path) from None
     except json.JSONDecodeError as e:
-        raise error(f"{path}: not valid JSON ({e})") from None
+        raise error(f"{path}: not valid JSON ({e})", path=path) from None
     except (OSError, UnicodeDecodeError) as e:
-        raise error(f"{path}: cannot read ({e})") from None
+        raise error(f"{path}: cannot read ({e})", path=path) from None
     except RecursionError:  # hostile nesting ([[[[...) overflows the parser's stack
-        raise error(f"{path}: not valid JSON (nested too deeply)") from None
+        raise error(f"{path}: not valid JSON (nested too deeply)", path=path) from None

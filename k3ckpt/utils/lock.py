@@ -171,9 +171,9 @@ class DirLock:
             if self._stale_reason(info) is None:
                 raise self.error(f"{os.path.dirname(self.path)}: another {self.command} is running there: "
                                  f"{self._holder(info)}; lock file {self.path} (remove it only if "
-                                 "that process is gone)")
+                                 "that process is gone)", path=self.path)
             self._break(info)
-        raise self.error(f"{self.path}: could not take the lock (contended)")
+        raise self.error(f"{self.path}: could not take the lock (contended)", path=self.path)
 
     def _break(self, seen: dict[str, Any] | None) -> None:
         """Remove a stale lock, holding a second exclusive lock so that two breakers cannot both

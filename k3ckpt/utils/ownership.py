@@ -84,7 +84,7 @@ def _read_record(path: Path) -> dict[str, Any] | None:
         doc = None
     if (not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT or not isinstance(doc.get("command"), str)
             or not isinstance(doc.get("entries"), list) or not all(isinstance(e, str) for e in doc["entries"])):
-        raise OutputNotOwnedError(f"{path}: {rec} is not a k3ckpt ownership record; {_ADVICE}")
+        raise OutputNotOwnedError(f"{path}: {rec} is not a k3ckpt ownership record; {_ADVICE}", path=rec)
     return doc
 
 
@@ -129,7 +129,7 @@ def _write_record(path: Path, command: str, entries: set[str], *, first: bool) -
         os.link(tmp, rec)
     except FileExistsError:
         raise OutputNotOwnedError(f"{path}: another k3ckpt command claimed this directory just now "
-                                  f"({rec}); {_ADVICE}") from None
+                                  f"({rec}); {_ADVICE}", path=rec) from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -159,18 +159,19 @@ def claim_output_dir(path: str | os.PathLike[str], command: str, entries: Iterab
     """
     out = Path(path)
     if out.exists() and not out.is_dir():
-        raise OutputNotOwnedError(f"{out}: exists and is not a directory; {_ADVICE}")
+        raise OutputNotOwnedError(f"{out}: exists and is not a directory; {_ADVICE}", path=out)
     out.mkdir(parents=True, exist_ok=True)
     doc = _read_record(out)
     if doc is not None and doc["command"] != command:
         raise OutputNotOwnedError(f"{out}: holds the output of k3ckpt {doc['command']} ({out / OWNER_RECORD}), "
-                                  f"not of k3ckpt {command}; {_ADVICE}")
+                                  f"not of k3ckpt {command}; {_ADVICE}", path=out / OWNER_RECORD)
     old = set(doc["entries"]) if doc is not None else None
     if old is None and adopt is not None and adopt(out):
         old = set(os.listdir(out))
     foreign = _foreign(out, old, working)
     if foreign:
-        raise OutputNotOwnedError(f"{out}: holds files k3ckpt did not write ({out / foreign[0]}); {_ADVICE}")
+        raise OutputNotOwnedError(f"{out}: holds files k3ckpt did not write ({out / foreign[0]}); {_ADVICE}",
+                                  path=out / foreign[0])
     present = {e for e in old or () if os.path.lexists(out / e)}
     want = present | {_top(e) for e in entries} | {_CACHE}
     _write_record(out, command, want, first=doc is None)
@@ -188,4 +189,4 @@ def refuse_foreign_file(path: str | os.PathLike[str], is_own: bool, kind: str) -
     p = Path(path)
     if (p.exists() or p.is_symlink()) and not is_own:
         raise OutputNotOwnedError(f"{p}: exists and is not a {kind} k3ckpt wrote; choose a new file name "
-                                  "(k3ckpt replaces only its own output)")
+                                  "(k3ckpt replaces only its own output)", path=p)

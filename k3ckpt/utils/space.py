@@ -43,4 +43,4 @@ def require_free_space(path: str | os.PathLike[str], needed: int, what: str, *,
     free = free_bytes(path)
     if needed > free:
         raise error(f"{path}: not enough free space {what}: need {needed} bytes ({human_bytes(needed)}), "
-                    f"only {free} bytes ({human_bytes(free)}) free")
+                    f"only {free} bytes ({human_bytes(free)}) free", path=path)
