@@ -47,6 +47,7 @@ __all__ = [
     "SECONDS",
     "SIZE",
     "TEXT",
+    "pause_point",
 ]
 
 T = TypeVar("T")
@@ -218,11 +219,41 @@ K3CKPT_PREFLIGHT_MEM_BYTES: EnvVar[int | None] = _declare(EnvVar(
 
 K3CKPT_TEST_PAUSE_AT: EnvVar[str | None] = _declare(EnvVar(
     "K3CKPT_TEST_PAUSE_AT", TEXT, None,
-    "Test hook: a fetch stops itself (SIGSTOP) at this point (`after_chunk:N`, `before_rename`) "
-    "so crash tests can kill it there.",
+    "Test hook: a fetch, reshard or unshard stops itself (SIGSTOP) at this point (`after_chunk:N`, "
+    "`before_rename`, `reshard_file:N`, `unshard_shard:N`) so crash tests can kill it there.",
     _text))
 
 K3CKPT_TEST_PAUSE_FILE: EnvVar[Path | None] = _declare(EnvVar(
     "K3CKPT_TEST_PAUSE_FILE", PATH, None,
-    "Test hook: the file a fetch writes when it reaches K3CKPT_TEST_PAUSE_AT's point.",
+    "Test hook: the file a run writes when it reaches K3CKPT_TEST_PAUSE_AT's point (it goes on once "
+    "the file is removed and the process continued).",
     _path))
+
+
+def pause_point(name: str, n: int | None = None) -> None:
+    """Freeze the whole process at a named point when ``K3CKPT_TEST_PAUSE_AT`` names it.
+
+    Crash tests SIGKILL a run at exact moments (between chunks, just before a rename, after the
+    N-th reshard file). The hook writes ``K3CKPT_TEST_PAUSE_FILE`` (so the test knows the point
+    was reached) and sends itself SIGSTOP, freezing every thread at once. A test that removes
+    the file and sends SIGCONT lets the run go on (two runs into one directory: the second is
+    refused while the first is held here, then the first finishes). Unset (production), it is
+    one dict lookup.
+    """
+    import signal
+    import time
+
+    want = K3CKPT_TEST_PAUSE_AT.get()
+    if not want or want != (name if n is None else f"{name}:{n}"):
+        return
+    marker = K3CKPT_TEST_PAUSE_FILE.get()
+    if marker is not None:
+        with open(marker, "w") as f:
+            f.write(name)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    # The group stop can land a moment after kill() returns; this thread must not take another
+    # step past its pause point in that moment (a test SIGKILLs the process from here on, or
+    # removes the file first to let it go on).
+    while marker is None or marker.exists():
+        time.sleep(0.01)
+

@@ -34,7 +34,9 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
     │   ├── RangeMismatchError         the server answered another byte range
     │   ├── HubShortReadError          a response body ended early (after retries)
     │   └── HubDigestMismatchError     a file's bytes disagree with the listing's sha256 (exit 1)
-    ├── FetchLockedError               another live fetch holds the destination's lock
+    ├── OutputLockedError              another live run holds the output directory's lock
+    │   └── FetchLockedError           ... a fetch, on its destination
+    ├── OutputNotOwnedError            the output holds files k3ckpt did not write (or another command's)
     ├── DiskSpaceError                 the destination has less free space than needed
     ├── RankFetchError                 the repo or manifest does not allow a rank-aware fetch
     ├── EmptySelectionError            --include/--exclude leave no file: nothing to do
@@ -93,6 +95,8 @@ __all__ = [
     "MxInspectError",
     "MxPlotUnavailableError",
     "MxSelectionError",
+    "OutputLockedError",
+    "OutputNotOwnedError",
     "PreflightError",
     "RangeMismatchError",
     "RangeNotSupportedError",
@@ -368,7 +372,17 @@ class HubDigestMismatchError(HubError):
     exit_code = EXIT_PROBLEMS
 
 
-class FetchLockedError(K3ckptError):
+class OutputLockedError(K3ckptError):
+    """Another live run (reshard, unshard, fetch) holds the output directory's lock (the message
+    names the lock file and its holder's host and pid)."""
+
+
+class OutputNotOwnedError(K3ckptError):
+    """The output directory (or file) holds something k3ckpt did not write, or another command's
+    output: nothing is written, ``--force`` included (the message names the first such file)."""
+
+
+class FetchLockedError(OutputLockedError):
     """Another live fetch holds the destination's lock (the message names its host and pid)."""
 
 

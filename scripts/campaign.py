@@ -4,6 +4,7 @@
     scripts/campaign.py                          # 20 kills each for fetch, reshard and a share fetch, 60 s of fuzz per target
     scripts/campaign.py --kills 50 --fuzz-seconds 300 --seed 7 --json campaign.json
     scripts/campaign.py --kills 0 --fuzz-seconds 30 --engine atheris
+    scripts/campaign.py --kills 0 --fuzz-seconds 0 --output-rounds 30   # outputs only
 
 Crash part (see k3ckpt.testing.crash): a synthetic k3-tiny checkpoint is fetched through the
 loopback hub and resharded, each under ``--kills`` SIGKILLs at seeded random points, with
@@ -12,6 +13,13 @@ final-named files, and every byte is compared at the end. A rank-aware fetch (a 
 or a partial copy) is killed too, and after every kill ``k3ckpt verify`` of the share must not
 pass unless it is exactly what a clean fetch writes; after the resume it must pass. Several
 seeds are run until the kill count is reached (each seed picks a hub and a topology).
+
+Output part (``--output-rounds``, see k3ckpt.testing.crash): per round, a second reshard into
+an output a first one holds (refused by the lock; the first then finishes exactly), a writing
+command (reshard, unshard, synth; with or without --force) into a directory holding files
+k3ckpt did not write (refused, the directory unchanged), and reshard or unshard onto a tmpfs
+too small for the output (refused up front, or ENOSPC mid-run with no temporary file left; the
+re-run after the tmpfs grows is exact). The tmpfs part needs root; it is skipped otherwise.
 
 Fuzz part (see k3ckpt.testing.fuzz): every target gets ``--fuzz-seconds`` of inputs, mutated
 valid documents and raw bytes. ``--engine hypothesis`` (default) or ``atheris`` (coverage
@@ -70,6 +78,28 @@ def run_crash(kind: str, source: Path, work: Path, kills: int, seed: int) -> dic
         print(f"  {kind} seed {stats['seed']}: {stats['kills']} kills, {stats['power_loss_faults']} power-loss "
               f"faults, {stats['files_checked']} final-named files checked", flush=True)
     return total
+
+
+def run_outputs(work: Path, rounds: int, seed: int, report: dict[str, Any]) -> bool:
+    """The three output campaigns, ``rounds`` each, into ``report["outputs_*"]``; False on a violation."""
+    source = work / "k3-tiny"
+    if not source.exists():
+        synthesize(spec_from_preset("k3-tiny"), source)
+    ok = True
+    for name, campaign in (("contention", crash.contention_campaign), ("foreign", crash.foreign_campaign),
+                           ("exhaustion", crash.exhaustion_campaign)):
+        d = work / f"outputs-{name}"
+        d.mkdir()
+        print(f"outputs: {name}, {rounds} rounds", flush=True)
+        try:
+            report[f"outputs_{name}"] = campaign(source, d, rounds=rounds, seed=seed).to_json()
+        except crash.InvariantViolation as e:
+            report[f"outputs_{name}"] = {"violation": str(e)}
+            print(f"VIOLATION: {e}", flush=True)
+            ok = False
+        except OSError as e:  # no tmpfs without root
+            report[f"outputs_{name}"] = {"skipped": str(e)}
+    return ok
 
 
 def run_fuzz_hypothesis(target: str, seconds: float, findings: Path, seed: int) -> dict[str, Any]:
@@ -150,6 +180,8 @@ def _save_finding(findings: Path, target: str, raw: bytes) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=20, help="SIGKILLs for fetch, reshard and a share fetch (each) [20]")
+    ap.add_argument("--output-rounds", type=int, default=10,
+                    help="rounds of each output campaign: lock, foreign directory, full tmpfs [10]")
     ap.add_argument("--fuzz-seconds", type=float, default=60.0, help="seconds of fuzzing per target [60]")
     ap.add_argument("--engine", choices=["hypothesis", "atheris"], default="hypothesis")
     ap.add_argument("--seed", type=int, default=2026)
@@ -177,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                     report[f"crash_{kind}"] = {"violation": str(e)}
                     print(f"VIOLATION: {e}", flush=True)
                     ok = False
+        if args.output_rounds:
+            ok = run_outputs(work, args.output_rounds, args.seed, report) and ok
         if args.fuzz_seconds > 0:
             report["fuzz"] = {}
             engine = run_fuzz_atheris if args.engine == "atheris" else run_fuzz_hypothesis

@@ -135,7 +135,7 @@ def test_synth_cli_json_and_refusals(tmp_path: Path) -> None:
     data = json.loads(res.output)
     assert data["tensors"] > 0 and Path(data["path"]).is_dir()
     again = run("synth", str(tmp_path / "s"), "--preset", "k3-tiny")
-    assert_one_line_error(again, 2, "not empty")
+    assert_one_line_error(again, 2, "holds a synthetic checkpoint already (use --force to replace it)")
     bad = run("synth", str(tmp_path / "t"), "--moe-intermediate", "40")
     assert_one_line_error(bad, 2, "multiple of the MXFP4 block size")
 

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from k3ckpt.testing.crash import InvariantViolation, fetch_campaign, reshard_campaign, scan_fetch, scan_reshard
+from k3ckpt.testing.crash import (
+    InvariantViolation,
+    contention_campaign,
+    exhaustion_campaign,
+    fetch_campaign,
+    foreign_campaign,
+    reshard_campaign,
+    scan_fetch,
+    scan_reshard,
+)
 
 
 @pytest.mark.slow
@@ -64,3 +73,28 @@ def test_verify_never_passes_a_killed_share_and_passes_the_resumed_one(k3_tiny: 
     stats = share_fetch_campaign(k3_tiny, tmp_path, kills=3, seed=seed)
     assert stats.kills == 3 and stats.verify_refused >= 1
     assert stats.verify_passed >= 1 and stats.bytes_verified > 0  # the final run's share, byte for byte
+
+
+# -- outputs: the lock, foreign directories, a full disk (issue 14) -----------------------------
+
+
+@pytest.mark.slow
+def test_a_held_reshard_excludes_a_second_one_and_then_finishes(k3_tiny: Path, tmp_path: Path) -> None:
+    stats = contention_campaign(k3_tiny, tmp_path, rounds=3, seed=31)
+    assert stats.contended == stats.refused_by_lock == stats.held_finished == 3 and stats.bytes_verified > 0
+
+
+@pytest.mark.slow
+def test_no_command_writes_into_a_foreign_directory(k3_tiny: Path, tmp_path: Path) -> None:
+    stats = foreign_campaign(k3_tiny, tmp_path, rounds=8, seed=41)
+    assert stats.foreign_dirs == stats.refused_foreign == 8
+
+
+@pytest.mark.slow
+def test_a_full_tmpfs_during_reshard_and_unshard_leaves_no_temporaries(k3_tiny: Path, tmp_path: Path) -> None:
+    try:
+        stats = exhaustion_campaign(k3_tiny, tmp_path, rounds=6, seed=51)
+    except OSError as e:
+        pytest.skip(str(e))
+    assert stats.enospc == stats.enospc_clean and stats.enospc + stats.refused_up_front == 6
+    assert stats.resumed == 6 and stats.enospc > 0

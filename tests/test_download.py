@@ -395,7 +395,7 @@ def test_stale_locks(hub: LoopbackHub, hf_listing: HubListing, tmp_path: Path,
 def test_disk_space_checked_before_any_byte(hub: LoopbackHub, hf_listing: HubListing, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(download.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
     dest = tmp_path / "o"
     needed = sum(f.size for f in hf_listing.files.values() if f.size)
     with pytest.raises(DiskSpaceError) as ei:

@@ -40,6 +40,8 @@ def k3ckpt(args: list[str], *, env: dict[str, str] | None = None, fsize: int | N
 
 def final_names_are_complete(dest: Path, served: Path) -> None:
     for p in dest.rglob("*"):
+        if ".cache" in p.relative_to(dest).parts:
+            continue  # k3ckpt's records (ownership, source revision), not served files
         if p.is_file() and not p.name.endswith((".part", ".journal", ".tmp")) and not p.name.startswith(".k3ckpt"):
             assert p.read_bytes() == (served / p.relative_to(dest)).read_bytes(), f"{p} is final-named but wrong"
 
@@ -164,3 +166,98 @@ def test_reshard_out_of_space_or_descriptors_is_one_line_and_resumable(k3_tiny: 
     res = k3ckpt(args)
     assert res.returncode == 0, res.stderr
     assert tree_digests(out) == reshard_reference
+
+
+# -- a real full disk (tmpfs) under reshard and unshard: issue 14, observation 5 -------------------
+
+
+def temporaries(root: Path) -> list[str]:
+    """Hidden temporary files (``.<name>.tmp`` and ``.<name>.<pid>.<random>.tmp``) under ``root``."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob(".*.tmp"))
+
+
+@pytest.mark.parametrize("command", ["reshard", "unshard"])
+def test_too_small_a_disk_is_refused_before_any_byte(k3_tiny: Path, tmp_path: Path, small_tmpfs,
+                                                     command: str) -> None:
+    """Up front: one line naming the path, the bytes needed and the bytes free; no output file."""
+    src = k3_tiny
+    if command == "unshard":
+        src = tmp_path / "lay"
+        assert k3ckpt(["reshard", str(k3_tiny), "-o", str(src), "--format", "rank", "--ep", "2"]).returncode == 0
+    out = small_tmpfs.mount(4 << 20) / "out"
+    extra = ["--format", "rank", "--ep", "2"] if command == "reshard" else []
+    res = k3ckpt([command, str(src), "-o", str(out), *extra])
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"k3ckpt: error: {out}: not enough free space "), res.stderr
+    assert " bytes (" in lines[0] and "need " in lines[0] and " free" in lines[0]
+    assert sorted(p.name for p in out.iterdir()) == [".cache"]  # only the ownership record
+
+
+@pytest.mark.parametrize("layout", ["rank", "node"])
+def test_reshard_hitting_a_full_tmpfs_removes_its_temporaries_and_names_the_shortfall(
+        k3_tiny: Path, tmp_path: Path, small_tmpfs, layout: str) -> None:
+    """Mid-run ENOSPC (the up-front check off, as when another writer fills the disk): the
+    error names the file and how much more space is needed, no temporary file keeps the disk
+    full, and after the disk grows a plain re-run completes."""
+    from k3ckpt.deploy.reshard import ReshardError, reshard
+    from k3ckpt.format.topology import RankSelection
+
+    mnt = small_tmpfs.mount(6 << 20)
+    out = mnt / "out"
+    sel = RankSelection(ep=2, gpus_per_node=1) if layout == "node" else RankSelection(ep=2)
+    with pytest.raises(ReshardError) as ei:
+        reshard(k3_tiny, out, sel, layout=layout, check_space=False, jobs=1)
+    msg = str(ei.value)
+    assert msg.startswith(f"writing {out}/") and "No space left on device; " in msg, msg
+    assert f"{out} needs " in msg and " more free space for the " in msg, msg
+    assert "temporary files removed" in msg and f"completed {layout}s are kept" in msg
+    assert temporaries(mnt) == []
+    small_tmpfs.resize(64 << 20)
+    res = reshard(k3_tiny, out, sel, layout=layout)
+    assert sorted(res.skipped + res.written) == [0, 1] and res.written
+    reshard(k3_tiny, tmp_path / "ref", sel, layout=layout)
+    assert tree_digests(out) == tree_digests(tmp_path / "ref")
+
+
+def test_unshard_hitting_a_full_tmpfs_removes_its_temporaries_and_names_the_shortfall(
+        k3_tiny: Path, tmp_path: Path, small_tmpfs) -> None:
+    from k3ckpt.deploy.unshard import UnshardError, unshard
+
+    lay = tmp_path / "lay"
+    assert k3ckpt(["reshard", str(k3_tiny), "-o", str(lay), "--format", "rank", "--ep", "2"]).returncode == 0
+    mnt = small_tmpfs.mount(3 << 20)
+    out = mnt / "back"
+    with pytest.raises(UnshardError) as ei:
+        unshard(lay, out, check_space=False, jobs=1)
+    msg = str(ei.value)
+    assert msg.startswith(f"writing {out}/") and "No space left on device; " in msg, msg
+    assert f"{out} needs " in msg and " more free space" in msg and "temporary files removed" in msg, msg
+    assert temporaries(mnt) == [] and not list(out.glob("*.safetensors"))
+    small_tmpfs.resize(64 << 20)
+    unshard(lay, out)
+    assert tree_digests(out) != {} and (out / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_synth_out_of_space_names_the_file(small_tmpfs, jobs: str) -> None:
+    """Before, ``k3ckpt: error: No space left on device`` (no path): the write's OSError names no
+    file; :func:`k3ckpt.utils.atomic_output` now gives it the file it was writing."""
+    mnt = small_tmpfs.mount(1 << 20)
+    res = k3ckpt(["synth", str(mnt / "k3"), "--jobs", jobs])
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"k3ckpt: error: {mnt / 'k3'}/"), res.stderr
+    assert lines[0].endswith(": No space left on device"), res.stderr
+    assert temporaries(mnt) == []
+
+
+def test_force_over_another_layout_that_would_not_fit_keeps_the_old_one(k3_tiny: Path, small_tmpfs) -> None:
+    """--force replaces another topology only after the space check passed (counting what
+    removing the old layout frees): a refused run must not have removed it first."""
+    out = small_tmpfs.mount(16 << 20) / "out"
+    assert k3ckpt(["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "2"]).returncode == 0
+    before = tree_digests(out)
+    res = k3ckpt(["reshard", str(k3_tiny), "-o", str(out), "--format", "rank", "--ep", "8", "--tp", "4", "--force"])
+    assert res.returncode == 2 and f"k3ckpt: error: {out}: not enough free space for 8 rank" in res.stderr, res.stderr
+    assert tree_digests(out) == before

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_edit import edit_index, flip_byte, rewrite_shard
-from helpers import run, shard_of
+from helpers import assert_one_line_error, run, shard_of
 from k3ckpt.format.checkpoint import iter_checkpoint_files, open_checkpoint
 from k3ckpt.integrity.manifest import (
     FORMAT,
@@ -345,7 +345,7 @@ def test_cli_build_writes_atomically_and_prints_a_json_summary(k3_tiny: Path, tm
     out = tmp_path / "out"
     out.mkdir()
     target = out / "k3.json"
-    target.write_text("old contents\n")
+    target.write_text('{"format": "k3ckpt-manifest", "version": 1}\n')  # an earlier manifest: replaced
     old_inode = target.stat().st_ino
     res = run("manifest", "build", str(k3_tiny), "-o", str(target), "--tensor-hashes", "--json", "--jobs", "2")
     assert res.exit_code == 0, res.output
@@ -389,3 +389,13 @@ def test_other_families_build_and_verify_cleanly(family: str, request, tmp_path:
     rep = verify_checkpoint(root, manifest=Manifest.load(tmp_path / "m.json"), cache_directory=tmp_path / "cache")
     assert rep.ok and rep.issues == [], [str(i) for i in rep.issues]
     assert rep.files_hashed == len(m.files)
+
+
+def test_build_never_replaces_a_file_that_is_not_a_manifest(k3_tiny: Path, tmp_path: Path) -> None:
+    """manifest build/pull replace only a k3ckpt manifest: -o naming the checkpoint's own
+    config.json (or any other file) is refused, and the file is untouched."""
+    target = tmp_path / "config.json"
+    target.write_text('{"model_type": "kimi_k3"}\n')
+    res = run("manifest", "build", str(k3_tiny), "-o", str(target))
+    assert_one_line_error(res, 2, f"{target}: exists and is not a manifest k3ckpt wrote")
+    assert target.read_text() == '{"model_type": "kimi_k3"}\n'

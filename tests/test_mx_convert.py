@@ -3,6 +3,7 @@ selection, streaming with bounded memory, atomic output, one-line errors."""
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
@@ -360,18 +361,35 @@ def _fail_on_call(monkeypatch: pytest.MonkeyPatch, n: int, exc: BaseException) -
 @pytest.mark.parametrize("what", ["dequant", "quantize"])
 def test_failure_mid_write_leaves_no_partial_file(what: str, exc: BaseException, k3_tiny: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    exc = copy.copy(exc)  # a fresh one per test: the raise below gives it a file name
     inp, _ = _float_input(tmp_path)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     out = out_dir / "x.safetensors"
-    out.write_bytes(b"previous contents")
+    previous = build_header([], {"previous": "run"})[0]  # an earlier output: a safetensors file
+    out.write_bytes(previous)
     _fail_on_call(monkeypatch, 5, exc)
     with pytest.raises(type(exc)):
         if what == "dequant":
             dequantize_to_file(k3_tiny, out, layer=1, chunk_bytes=64)
         else:
             quantize_file(inp, out, chunk_bytes=64)
-    assert listing(out_dir) == {"x.safetensors"} and out.read_bytes() == b"previous contents"
+    assert listing(out_dir) == {"x.safetensors"} and out.read_bytes() == previous
+    if isinstance(exc, OSError):  # the file it was writing is named (no path: "where?")
+        assert exc.filename == str(out)
+
+
+@pytest.mark.parametrize("what", ["dequant", "quantize"])
+def test_an_output_name_holding_another_kind_of_file_is_refused(what: str, k3_tiny: Path, tmp_path: Path) -> None:
+    """Only a safetensors file (an earlier conversion's kind) is replaced; notes are not."""
+    inp, _ = _float_input(tmp_path)
+    out = tmp_path / "notes.safetensors"
+    out.write_text("my notes")
+    args = (["mx", "dequant", str(k3_tiny), "--layer", "1"] if what == "dequant"
+            else ["mx", "quantize", str(inp)])
+    res = run(*args, "-o", str(out))
+    assert_one_line_error(res, 2, f"{out}: exists and is not a safetensors file k3ckpt wrote")
+    assert out.read_text() == "my notes"
 
 
 def test_failure_through_the_cli_is_one_line(k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -108,7 +108,7 @@ def check_nodes(src: Path, out: Path, **kw: int | str) -> None:
     tensor byte for byte."""
     gpn, world = int(kw["gpus_per_node"]), int(kw["tp"]) * int(kw["dp"])
     nodes = -(-world // gpn)
-    assert sorted(p.name for p in out.iterdir()) == [f"node-{n:05d}" for n in range(nodes)] + ["topology.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".cache"] + [f"node-{n:05d}" for n in range(nodes)] + ["topology.json"]
     union: dict[str, bytes] = {}
     for n in range(nodes):
         for name, data in check_node(src, out / f"node-{n:05d}", node=n, **kw).items():  # type: ignore[arg-type]
@@ -284,7 +284,7 @@ def test_verify_checks_exactly_the_nodes_experts(nodes: Path, tmp_path: Path) ->
 
 def test_resume_skips_complete_nodes_and_rewrites_broken_ones(k3_tiny: Path, nodes: Path, tmp_path: Path) -> None:
     out = tmp_path / "o"
-    shutil.copytree(nodes, out)
+    rs.reshard(k3_tiny, out, RankSelection(ep=4, gpus_per_node=2), layout="node")
     res = rs.reshard(k3_tiny, out, RankSelection(ep=4, gpus_per_node=2), layout="node")
     assert res.written == [] and res.skipped == [0, 1]
     victim = next((out / "node-00001").glob("model-*.safetensors"))
@@ -306,7 +306,7 @@ def test_interrupted_node_has_no_index_marker_or_ready(k3_tiny: Path, tmp_path: 
         if name == last:
             raise OSError(28, "No space left on device")
 
-    with pytest.raises(rs.ReshardError, match="No space left on device; free space"):
+    with pytest.raises(rs.ReshardError, match="No space left on device; .*temporary files removed.*free space and re-run"):
         rs.run_reshard(plan, tmp_path / "o", jobs=1, _fail_before=boom)
     unfinished = [d for d in (tmp_path / "o").glob("node-*") if not (d / "READY").exists()]
     assert unfinished

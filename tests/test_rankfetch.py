@@ -329,18 +329,18 @@ def test_disk_space_checked_before_any_tensor_byte(served_hub: Any, tmp_path: Pa
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from collections import namedtuple
 
-    from k3ckpt.hub import rankfetch
 
     h, served = served_hub
     plan = _plan(h, tmp_path / "d")
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(rankfetch.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
     h.reset_counters()
     with pytest.raises(download.DiskSpaceError) as ei:
         run_rank_fetch(plan, token="")
     needed = sum(sp.size for sp in plan.shards) + sum(plan.listing.files[f].size for f in plan.files)
     assert f"need {needed} bytes" in str(ei.value) and "only 1000 bytes" in str(ei.value)
-    assert h.total_bytes_sent() == 0 and sorted(p.name for p in (tmp_path / "d").iterdir()) == []
+    # nothing but the ownership record (.cache/k3ckpt/owner.json)
+    assert h.total_bytes_sent() == 0 and sorted(p.name for p in (tmp_path / "d").iterdir()) == [".cache"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -604,9 +604,15 @@ def test_rank_fetch_refuses_a_whole_checkpoint_and_a_whole_fetch_clears_the_mark
     whole = tmp_path / "whole"
     shutil.copytree(served, whole)
     before = tree_digests(whole)
-    res = fetch(h, whole)
-    assert res.exit_code == 2 and "not a rank-aware fetch" in res.output
+    res = fetch(h, whole)  # a copy: files k3ckpt did not write
+    assert res.exit_code == 2 and f"holds files k3ckpt did not write ({whole / 'LICENSE'})" in res.output
     assert tree_digests(whole) == before  # nothing touched, the index included
+    fetched = tmp_path / "fetched"  # a whole fetch's own directory: fetch's, but not rank-aware
+    assert run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(fetched), "--endpoint", h.url).exit_code == 0
+    before = tree_digests(fetched)
+    res = fetch(h, fetched)
+    assert res.exit_code == 2 and "not a rank-aware fetch" in res.output
+    assert tree_digests(fetched) == before
     # a rank-aware fetch's directory made whole by a full fetch: its marker goes, verify passes
     dest = tmp_path / "d"
     assert fetch(h, dest).exit_code == 0 and (dest / PARTIAL_NAME).exists()

@@ -263,7 +263,27 @@ def test_signature_file_is_written_atomically(manifest_file: Path, tmp_path: Pat
     m = tmp_path / "m.json"
     shutil.copy(manifest_file, m)
     sigpath = tmp_path / "m.json.sig"
-    sigpath.write_bytes(b"old")
+    sigpath.write_bytes(bytes(64))  # an earlier signature: replaced
     sign_file(m, key)
-    assert len(sigpath.read_bytes()) == 64
+    assert len(sigpath.read_bytes()) == 64 and sigpath.read_bytes() != bytes(64)
     assert sorted(os.listdir(tmp_path)) == ["k", "k.pub", "m.json", "m.json.sig"]  # no temp files left
+
+
+def test_sign_and_keygen_replace_only_their_own_kind_of_file(manifest_file: Path, tmp_path: Path) -> None:
+    """A signature path or key path naming another file (the manifest itself, a document) is
+    refused, --force included for keygen; a key pair keygen wrote is replaced with --force."""
+    from k3ckpt.errors import OutputNotOwnedError
+
+    key = tmp_path / "k"
+    generate_key(key)
+    generate_key(key, force=True)  # its own kind: replaced
+    m = tmp_path / "m.json"
+    shutil.copy(manifest_file, m)
+    with pytest.raises(OutputNotOwnedError, match=f"{m}: exists and is not a signature k3ckpt wrote"):
+        sign_file(m, key, m)
+    assert m.read_bytes() == manifest_file.read_bytes()
+    doc = tmp_path / "notes.txt"
+    doc.write_text("mine")
+    with pytest.raises(OutputNotOwnedError, match="is not a PEM private key k3ckpt wrote"):
+        generate_key(doc, tmp_path / "fresh.pub", force=True)
+    assert doc.read_text() == "mine" and not (tmp_path / "fresh.pub").exists()

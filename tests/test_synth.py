@@ -160,10 +160,27 @@ def test_bad_specs_are_refused(tmp_path: Path, overrides: dict, message: str) ->
         synthesize(spec_from_preset("k3-tiny", **overrides), tmp_path / "x")
 
 
-def test_non_empty_destination_needs_force(tmp_path: Path) -> None:
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "keep.txt").write_text("x")
-    with pytest.raises(SynthError, match="not empty"):
-        synthesize(spec_from_preset("k3-tiny", num_layers=2, num_experts=4, experts_per_token=2), tmp_path / "d")
-    synthesize(spec_from_preset("k3-tiny", num_layers=2, num_experts=4, experts_per_token=2), tmp_path / "d", force=True)
-    assert not list((tmp_path / "d").glob("*.tmp"))
+def test_force_replaces_only_an_earlier_synthetic_checkpoint(tmp_path: Path) -> None:
+    """--force replaced same-named files of any non-empty directory (a real checkpoint's
+    config.json included); now only synth's own earlier output, and never a foreign file."""
+    from k3ckpt.errors import OutputNotOwnedError
+
+    small = spec_from_preset("k3-tiny", num_layers=2, num_experts=4, experts_per_token=2)
+    d = tmp_path / "d"
+    synthesize(spec_from_preset("k3-tiny", num_layers=3, num_experts=4, experts_per_token=2, num_shards=3), d)
+    with pytest.raises(SynthError, match="holds a synthetic checkpoint already .use --force"):
+        synthesize(small, d)
+    synthesize(small, d, force=True)
+    assert not list(d.glob("*.tmp"))
+    weight_map = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(p.name for p in d.glob("*.safetensors")) == sorted(set(weight_map.values()))  # no stale shard
+    (d / "keep.txt").write_text("x")
+    for force in (False, True):
+        with pytest.raises(OutputNotOwnedError, match=f"holds files k3ckpt did not write .{d / 'keep.txt'}"):
+            synthesize(small, d, force=force)
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "config.json").write_text("{}")
+    with pytest.raises(OutputNotOwnedError, match="config.json"):
+        synthesize(small, real, force=True)
+    assert (real / "config.json").read_text() == "{}"

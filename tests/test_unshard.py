@@ -46,7 +46,9 @@ def assert_round_trip(src: Path, back: Path) -> None:
     for f in src.iterdir():  # config, tokenizer, LICENSE ...
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_NAME:
             assert (back / f.name).read_bytes() == f.read_bytes(), f.name
-    assert not (back / "topology.json").exists() and not list(back.glob(".*"))
+    # nothing hidden but the ownership record (.cache/k3ckpt/owner.json): no temporary left
+    assert not (back / "topology.json").exists() and [p.name for p in back.glob(".*")] == [".cache"]
+    assert sorted(p.name for p in (back / ".cache").rglob("*") if p.is_file()) == ["owner.json"]
     assert not b.problems
 
 
@@ -262,7 +264,7 @@ def test_corrupt_data_fails_and_leaves_no_checkpoint(layout: Path, tmp_path: Pat
     out = tmp_path / "back"
     with pytest.raises(UnshardError, match=f"rank-00001/.*tensor {name!r}: sha256 .* does not match"):
         unshard(lay, out, max_shard_size=100_000, jobs=2)
-    assert list(out.iterdir()) and not list(out.glob("*.safetensors")) and not list(out.glob(".*"))
+    assert list(out.iterdir()) and not list(out.glob("*.safetensors")) and not list(out.glob(".*.tmp"))
     assert not (out / INDEX_NAME).exists()
 
 
@@ -344,7 +346,7 @@ def test_reshard_killed_at_random_points_resumes(k3_tiny: Path, tmp_path: Path) 
         assert res.skipped == ready and sorted(res.written + res.skipped) == list(range(4))
         check_layout(k3_tiny, out, ep=4, tp=2)
         for f in (tmp_path / "probe").rglob("*"):
-            if f.is_file():
+            if f.is_file() and ".cache" not in f.relative_to(tmp_path / "probe").parts:  # stat records differ
                 assert f.read_bytes() == (out / f.relative_to(tmp_path / "probe")).read_bytes(), f
 
 
@@ -353,8 +355,11 @@ def test_per_node_runs_add_up_to_the_full_run(k3_tiny: Path, tmp_path: Path) -> 
     for node in (2, 0, 3, 1):
         rs.reshard(k3_tiny, tmp_path / "nodes", RankSelection(ep=4, tp=2, world_size=8, placement="round_robin",
                                                               node=node, gpus_per_node=2), layout="rank")
-    full = sorted(p.relative_to(tmp_path / "full") for p in (tmp_path / "full").rglob("*") if p.is_file())
-    nodes = sorted(p.relative_to(tmp_path / "nodes") for p in (tmp_path / "nodes").rglob("*") if p.is_file())
+    # the hidden records (.cache/k3ckpt: ownership, the stat of each written file) are per directory
+    full = sorted(p.relative_to(tmp_path / "full") for p in (tmp_path / "full").rglob("*")
+                  if p.is_file() and ".cache" not in p.parts)
+    nodes = sorted(p.relative_to(tmp_path / "nodes") for p in (tmp_path / "nodes").rglob("*")
+                   if p.is_file() and ".cache" not in p.parts)
     assert full == nodes
     for rel in full:
         assert (tmp_path / "full" / rel).read_bytes() == (tmp_path / "nodes" / rel).read_bytes(), rel

@@ -88,7 +88,8 @@ def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, l
 @size_option("--max-file-size", default="5GiB",
              help="Files of at most this size (--format node: header included; --format rank: tensor bytes).")
 @jobs_option("Output files written in parallel [default: 2 per CPU, at most 16].")
-@click.option("--force", is_flag=True, help="Rewrite completed ranks too, and overwrite another topology in OUT.")
+@click.option("--force", is_flag=True, help="Rewrite completed ranks too, and replace another topology this command "
+              "wrote in OUT (never files k3ckpt did not write).")
 @json_option("Machine-readable summary.")
 @handle_errors
 def reshard(source: str, out: str, selection: RankSelection, max_file_size: int, jobs: int | None, layout: str,
@@ -111,8 +112,11 @@ def reshard(source: str, out: str, selection: RankSelection, max_file_size: int,
     --ep is below the world size.
 
     Streaming, bounded memory; contiguous byte runs are copied kernel-side. A node or rank whose
-    READY exists and whose marker or manifest matches is skipped on a re-run (--force redoes
-    it); any other is rewritten from scratch.
+    READY exists, whose marker or manifest matches and whose files have the stat recorded when
+    they were written is skipped on a re-run (--force redoes it); any other is rewritten from
+    scratch. OUT must be new, empty or an earlier reshard's output (a directory holding files
+    k3ckpt did not write is refused, --force included); the run holds OUT/.k3ckpt-output.lock
+    and checks free space before writing.
 
     \b
     Examples:
@@ -142,7 +146,8 @@ def reshard(source: str, out: str, selection: RankSelection, max_file_size: int,
 @size_option("--max-shard-size", default="5GiB",
              help="Tensor bytes per output shard (a larger tensor gets a shard of its own).")
 @jobs_option("Shards written in parallel [default: min(CPUs, 8)].")
-@click.option("--force", is_flag=True, help="Replace a checkpoint already in the output directory.")
+@click.option("--force", is_flag=True, help="Replace a checkpoint an earlier unshard wrote in the output directory "
+              "(never files k3ckpt did not write).")
 @json_option("Machine-readable summary.")
 @handle_errors
 def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force: bool, as_json: bool) -> None:
@@ -155,7 +160,8 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
     must match its manifest sha256. The output is a local-dir checkpoint
     (model-0000K-of-0000N.safetensors, model.safetensors.index.json written last, and the
     layout's config, tokenizer and other non-weight files) whose tensors are byte-identical to
-    the source's.
+    the source's. The output directory must be new, empty or an earlier unshard's output; the
+    run holds its lock and checks free space first.
 
     \b
     Examples:

@@ -80,7 +80,7 @@ def inspect(path: str, show_layers: bool, as_json: bool, jobs: int | None) -> No
 @click.option("--headers-only", is_flag=True, default=None,
               help="Real headers, data as sparse holes (what k3-full does): full-size inventories at no disk cost.")
 @jobs_option("Shards written in parallel [default: CPU count].")
-@click.option("--force", is_flag=True, help="Write into a non-empty directory.")
+@click.option("--force", is_flag=True, help="Replace an earlier synthetic checkpoint in DEST (never other files).")
 @json_option("Print what was written as JSON.")
 @handle_errors
 def synth(dest: str, preset: str, jobs: int | None, force: bool, as_json: bool, **overrides: Any) -> None:

@@ -21,8 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..env import K3CKPT_LOCK_STALE_SECONDS
 from ..errors import SourceShortReadError
 from ..utils import atomic_output, pwrite_all
+from ..utils.lock import OUTPUT_LOCK_NAME, DirLock
 
 #: Bytes per copy / hash step (and the size of each worker's buffers).
 CHUNK = 8 * 1024 * 1024
@@ -190,6 +192,17 @@ class Copier:
                 out[:, p, :] = np.frombuffer(data, dtype=np.uint8).reshape(n, length)
             pwrite_all(dst, memoryview(self.gbuf)[: n * width], do + first * width)
             start_writeback(dst, do + first * width, n * width)
+
+
+#: What a write answers when the filesystem (or the user's quota) is full.
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def output_lock(out: Path, command: str) -> DirLock:
+    """The exclusive lock ``reshard`` and ``unshard`` hold on their output directory for the whole
+    run (``OUT/.k3ckpt-output.lock``, the same kind as fetch's: a second run is refused with the
+    holder's host and pid)."""
+    return DirLock(out, OUTPUT_LOCK_NAME, command=command, stale_seconds=K3CKPT_LOCK_STALE_SECONDS.get())
 
 
 def tmp_name(final: Path) -> Path:

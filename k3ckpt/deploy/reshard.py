@@ -43,11 +43,18 @@ Decisions the contract leaves open:
   ``model.safetensors.index.json`` (a stray safetensors file not in the index is not copied) and
   working files (:func:`~k3ckpt.checkpoint.is_working_file`: a fetch's ``*.part``, journals,
   lock, ``*.tmp``), copied in bounded chunks;
-- resuming: a rank whose ``READY`` exists and whose manifest matches what this run would write
-  (same tensors, shapes, splits, files and sizes, same source index digest) is skipped; any
-  other rank directory is cleared and rewritten. Files are written under temporary names
-  (``.*.tmp``) and renamed after ``fsync``; the manifest is renamed into place after its files,
-  ``READY`` after the manifest, each followed by an ``fsync`` of the directory;
+- resuming: a rank whose ``READY`` exists, whose manifest matches what this run would write
+  (same tensors, shapes, splits, files and sizes, same source index digest) and whose files
+  still have the stat recorded when they were written (size, mtime, inode, ctime in
+  ``OUT/.cache/k3ckpt/units/rank-NNNNN.json``: a byte changed in place shows in the ctime even
+  when the mtime is put back, and nothing is re-hashed) is skipped; any other rank directory is
+  cleared and rewritten. Files are written under temporary names (``.*.tmp``) and renamed after
+  ``fsync``; the manifest is renamed into place after its files, the stat record after the
+  manifest, ``READY`` last, each followed by an ``fsync`` of the directory;
+- the output: new, empty or an earlier reshard's (:func:`k3ckpt.utils.ownership.claim_output_dir`;
+  files k3ckpt did not write are refused, ``--force`` included), under ``OUT/.k3ckpt-output.lock``
+  for the whole run, with free space for the bytes still to write checked first; on ENOSPC the
+  run's temporary files are removed and the shortfall is named;
 - ``OUT/topology.json`` of a different topology or source is refused (exit 2) unless ``--force``.
 
 ``--format node`` (the CLI's default; ``hf-node`` is its older name) writes node directories
@@ -73,6 +80,7 @@ The copying machinery (kernel-side copies, strided gathers, fd caches, atomic fi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -88,6 +96,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..env import pause_point
 from ..errors import ReshardError
 from ..format.checkpoint import INDEX_NAME, Checkpoint, is_working_file, open_checkpoint
 from ..format.header import DTYPE_BITS, TensorSpec, build_header
@@ -119,8 +128,10 @@ from ..format.topology import (
     num_nodes,
     tensors_for_ranks,
 )
-from ..utils import fsync_dir, is_within, write_atomic
-from .bytecopy import Copier, FdCache, Run, copy_files, tmp_name
+from ..utils import fsync_dir, human_bytes, is_within, write_atomic
+from ..utils.ownership import claim_output_dir
+from ..utils.space import free_bytes, require_free_space, space_margin
+from .bytecopy import NO_SPACE, Copier, FdCache, Run, copy_files, output_lock, tmp_name
 
 #: Alignment of each output file's data buffer.
 ALIGN = 4096
@@ -478,6 +489,16 @@ def _node_plan(ckpt: Checkpoint, idx: InventoryIndex, topo: Topology, node: int,
     return NodePlan(nd, files)
 
 
+class _OutOfSpace(ReshardError):
+    """A write found the filesystem full (``ENOSPC``/``EDQUOT``); :func:`run_reshard` removes
+    its temporary files and replaces the message with the shortfall."""
+
+    def __init__(self, path: Path, err: OSError) -> None:
+        super().__init__(f"writing {path}: {err.strerror or err}", path=path)
+        self.where = path
+        self.strerror = err.strerror or str(err)
+
+
 class _DigestCache:
     """Digests of byte slices several ranks hold identically, computed once per run."""
 
@@ -508,8 +529,10 @@ def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _Di
         return _write_file_with(plan, f, dest, mode, cache, progress, fds, fail_before)
     except OSError as e:
         # copy_file_range/pwrite errors carry no file name; without it "File too large" is a riddle.
+        if e.errno in NO_SPACE:
+            raise _OutOfSpace(dest, e) from None
         hint = ("; free space (or raise the limit) and re-run: completed ranks are kept"
-                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "")
+                if e.errno == errno.EFBIG else "")
         if e.errno in (errno.EMFILE, errno.ENFILE):
             hint = "; raise the open-files limit (ulimit -n) or use fewer --jobs"
         what = f"{e.filename}: " if e.filename else ""
@@ -650,6 +673,38 @@ def render_reshard(res: ReshardResult) -> str:
             f"{len(res.written)} {unit} written ({human_bytes(res.bytes_written)}{rate}){skipped}")
 
 
+#: Where a run records, per unit directory, the stat of each file it wrote (the re-run check).
+STAT_RECORD_DIR = ".cache/k3ckpt/units"
+
+
+def _stat_key(path: Path) -> list[int]:
+    """What identifies a file's bytes without reading them: size, mtime, inode and ctime (ns).
+    Rewriting bytes in place changes mtime and ctime; ``os.utime`` can put mtime back, not
+    ctime; replacing the file changes the inode."""
+    st = os.stat(path, follow_symlinks=False)
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
+
+
+def _unit_names(rp: RankPlan | NodePlan) -> list[str]:
+    """The files of a unit directory whose stat the run records: its weight files, then what
+    is written after them (manifest; a node's index and marker)."""
+    return [f.name for f in rp.files] + ([INDEX_NAME, NODE_MARKER] if isinstance(rp, NodePlan) else [MANIFEST_NAME])
+
+
+def _stat_record(outp: Path, rp: RankPlan | NodePlan) -> Path:
+    return outp / STAT_RECORD_DIR / f"{rp.dir_name}.json"
+
+
+def _stats_unchanged(outp: Path, rp: RankPlan | NodePlan) -> bool:
+    """Every file of the unit has the stat recorded when this tool wrote it: none was changed,
+    replaced or touched since (a flipped byte of the right size included)."""
+    try:
+        rec = json.loads(_stat_record(outp, rp).read_bytes())
+        return isinstance(rec, dict) and all(rec.get(n) == _stat_key(outp / rp.dir_name / n) for n in _unit_names(rp))
+    except (OSError, ValueError):
+        return False
+
+
 def _manifest_matches(rdir: Path, rp: RankPlan | NodePlan, source: dict[str, Any]) -> bool:
     if not (rdir / READY_NAME).is_file():
         return False
@@ -677,7 +732,7 @@ def _manifest_matches(rdir: Path, rp: RankPlan | NodePlan, source: dict[str, Any
         p = rdir / name
         if files[name].get("size") != w["size"] or not p.is_file() or p.stat().st_size != w["size"]:
             return False
-    return True
+    return _stats_unchanged(rdir.parent, rp)
 
 
 def run_reshard(
@@ -689,14 +744,23 @@ def run_reshard(
     mode: str = "kernel",
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
+    check_space: bool = True,
     _fail_before: Callable[[str], None] | None = None,
 ) -> ReshardResult:
     """Write the ranks (or nodes, with ``--format node``) of ``plan`` under ``out``.
     ``mode``: ``kernel`` (copy_file_range for contiguous runs, falling back as needed) or
-    ``buffered`` (pread/pwrite only).
+    ``buffered`` (pread/pwrite only). ``check_space``: refuse up front when the filesystem has
+    less free space than the bytes still to write plus a margin.
+
+    ``out`` must be new, empty, or an earlier reshard's output holding nothing else
+    (:func:`k3ckpt.utils.ownership.claim_output_dir`); the run holds ``out``'s lock throughout.
 
     Raises:
-        ReshardError: ``out`` holds another topology or source (without ``force``).
+        ReshardError: ``out`` holds another topology or source (without ``force``); a write
+            failed (disk full: the temporary files are removed and the shortfall named).
+        OutputNotOwnedError: ``out`` holds files k3ckpt did not write, or another command's.
+        OutputLockedError: another reshard or unshard is writing into ``out``.
+        DiskSpaceError: not enough free space (checked before any byte is written).
     """
     t0 = time.perf_counter()
     outp = Path(out)
@@ -706,9 +770,24 @@ def run_reshard(
         raise ReshardError(f"{outp}: the output directory {what} the source checkpoint {src}")
     if is_within(src, outp):
         raise ReshardError(f"{outp}: the output directory contains the source checkpoint {src}")
+    if outp.exists() and not outp.is_dir():
+        raise ReshardError(f"{outp}: exists and is not a directory")
     outp.mkdir(parents=True, exist_ok=True)
+    with output_lock(outp, "reshard"):
+        entries = [TOPOLOGY_NAME, *(rp.dir_name for rp in plan.units)]
+        if plan.layout == "rank":
+            entries += plan.extra_files
+        claim_output_dir(outp, "reshard", entries)
+        return _run_locked(plan, outp, t0, jobs=jobs, force=force, mode=mode, progress=progress, on_plan=on_plan,
+                           check_space=check_space, fail_before=_fail_before)
+
+
+def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, force: bool, mode: str,
+                progress: Callable[[int], None] | None, on_plan: Callable[[int], None] | None, check_space: bool,
+                fail_before: Callable[[str], None] | None) -> ReshardResult:
     topo_json = plan.topology_json()
     tpath = outp / TOPOLOGY_NAME
+    old_units: list[Path] | None = None  # the unit directories of another layout, to replace (--force)
     if tpath.exists():
         try:
             old = json.loads(tpath.read_text())
@@ -721,33 +800,114 @@ def run_reshard(
             if not force:
                 raise ReshardError(f"{outp} holds a different topology or source ({TOPOLOGY_NAME}); "
                                    f"use another directory or --force")
-            _clear_old_layout(outp)
-    write_atomic(tpath, (json.dumps(topo_json, indent=2) + "\n").encode())
-    if plan.layout == "rank":
-        copy_files(plan.ckpt.root, plan.extra_files, outp)
+            old_units = _old_units(outp)
 
     todo: list[RankPlan | NodePlan] = []
     skipped: list[int] = []
     for rp in plan.units:
-        rdir = outp / rp.dir_name
-        if not force and _manifest_matches(rdir, rp, plan.source_json):
+        if old_units is None and not force and _manifest_matches(outp / rp.dir_name, rp, plan.source_json):
             skipped.append(rp.unit)
-            continue
-        if rdir.exists():
-            shutil.rmtree(rdir)  # an incomplete or stale rank is rewritten from scratch
-        rdir.mkdir(parents=True)
-        if plan.layout == "node":  # each node directory is a checkpoint of its own
-            copy_files(plan.ckpt.root, plan.extra_files, rdir)
-        todo.append(rp)
+        else:
+            todo.append(rp)
     total = sum(f.size for rp in todo for f in rp.files)
-    if on_plan is not None:
-        on_plan(total)
+    if check_space:  # before the old layout goes: a refused run keeps it
+        freed = old_units if old_units is not None else [outp / rp.dir_name for rp in todo]
+        _check_space(plan, outp, todo, sum(_allocated(d) for d in freed))
+    if old_units is not None:
+        _clear_old_layout(outp, old_units)
 
+    try:
+        write_atomic(tpath, (json.dumps(topo_json, indent=2) + "\n").encode())
+        if plan.layout == "rank":
+            copy_files(plan.ckpt.root, plan.extra_files, outp)
+        for rp in todo:
+            rdir = outp / rp.dir_name
+            if rdir.exists():
+                shutil.rmtree(rdir)  # an incomplete or stale rank is rewritten from scratch
+            rdir.mkdir(parents=True)
+            if plan.layout == "node":  # each node directory is a checkpoint of its own
+                copy_files(plan.ckpt.root, plan.extra_files, rdir)
+        if on_plan is not None:
+            on_plan(total)
+        written = _write_units(plan, outp, todo, jobs=jobs, mode=mode, progress=progress, fail_before=fail_before)
+    except _OutOfSpace as e:
+        raise _out_of_space(plan, outp, todo, e.where, e.strerror) from None
+    except OSError as e:
+        if e.errno not in NO_SPACE:
+            raise
+        raise _out_of_space(plan, outp, todo, Path(e.filename or outp), e.strerror or str(e)) from None
+    fsync_dir(outp)
+    return ReshardResult(outp, topo_json, [rp.unit for rp in todo], skipped, written,
+                         time.perf_counter() - t0, list(plan.extra_files), plan.layout)
+
+
+def _extra_bytes(plan: ReshardPlan) -> int:
+    return sum(plan.ckpt.path_of(f).stat().st_size for f in plan.extra_files)
+
+
+def _allocated(path: Path) -> int:
+    """Bytes the files under ``path`` occupy (what removing them gives back)."""
+    n = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                n += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+    return n
+
+
+def _to_write(plan: ReshardPlan, todo: Sequence[RankPlan | NodePlan]) -> int:
+    """Bytes the ``todo`` units (and the non-weight files) take once written."""
+    extra = _extra_bytes(plan)
+    return sum(rp.nbytes for rp in todo) + (extra * len(todo) if plan.layout == "node" else extra)
+
+
+def _check_space(plan: ReshardPlan, outp: Path, todo: Sequence[RankPlan | NodePlan], reclaim: int) -> None:
+    """Refuse before any byte is written when the units to write (less ``reclaim``, what removing
+    the directories they replace frees) do not fit, with :func:`~k3ckpt.utils.space.space_margin`
+    to spare."""
+    if not todo:
+        return
+    needed = _to_write(plan, todo)
+    unit = "node" if plan.layout == "node" else "rank"
+    require_free_space(outp, max(0, needed + space_margin(needed) - reclaim),
+                       f"for {len(todo)} {unit} director{'y' if len(todo) == 1 else 'ies'} "
+                       f"({human_bytes(needed)} to write, with a margin)")
+
+
+def _out_of_space(plan: ReshardPlan, outp: Path, todo: Sequence[RankPlan | NodePlan], where: Path,
+                  why: str) -> ReshardError:
+    """The disk filled up mid-run: remove this run's temporary files (they would keep it full),
+    then say how much more space the unfinished units need."""
+    unfinished = [rp for rp in todo if not (outp / rp.dir_name / READY_NAME).exists()]
+    for rp in unfinished:
+        for f in rp.files:
+            tmp_name(outp / rp.dir_name / f.name).unlink(missing_ok=True)
+    for p in outp.glob(".*.tmp"):  # a non-weight file's copy cut short
+        p.unlink(missing_ok=True)
+    needed = _to_write(plan, unfinished) - sum(_allocated(outp / rp.dir_name) for rp in unfinished)
+    needed += space_margin(needed)
+    free = free_bytes(outp)
+    unit = "nodes" if plan.layout == "node" else "ranks"
+    what = f"the {len(unfinished)} unfinished {unit}"
+    if needed > free:
+        tail = (f"{outp} needs {needed - free} bytes ({human_bytes(needed - free)}) more free space for {what} "
+                f"({needed} bytes needed, {free} free; temporary files removed)")
+    else:
+        tail = f"{what} need {needed} bytes, {free} are free now (temporary files removed)"
+    return ReshardError(f"writing {where}: {why}; {tail}: free space and re-run: completed {unit} are kept",
+                        path=where)
+
+
+def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan], *, jobs: int | None, mode: str,
+                 progress: Callable[[int], None] | None, fail_before: Callable[[str], None] | None) -> int:
+    """Write every file of ``todo`` in parallel and finish each unit as its last file lands;
+    the bytes of the finished units."""
     cache = _DigestCache()
     # Two writers per core: a writer waits on its final fsync and on cold source reads, and
     # the other keeps the core hashing (measured: ~6% faster than one per core, BENCHMARKS.md).
     workers = jobs or min(16, 2 * (os.cpu_count() or 1))
     written = 0
+    files_done = 0
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard")
     try:
         # largest files first within the whole job keeps the pool busy to the end
@@ -757,7 +917,7 @@ def run_reshard(
         for _, r, k in order:
             f = by_unit[r].files[k]
             dest = outp / by_unit[r].dir_name / f.name
-            slots[(r, k)] = pool.submit(_write_file, plan, f, dest, mode, cache, progress, _fail_before)
+            slots[(r, k)] = pool.submit(_write_file, plan, f, dest, mode, cache, progress, fail_before)
         # A unit is finished (manifest, READY) as soon as its last file is written, whatever
         # order files complete in: a failed file costs only its own unit, and the first error
         # is raised once every other file is done ("completed ranks are kept").
@@ -770,9 +930,12 @@ def run_reshard(
             nonlocal written, first_error
             results = [slots[(rp.unit, k)].result() for k in range(len(rp.files))]
             try:
-                _finish_rank(outp / rp.dir_name, rp, results, plan.source_json)
+                _finish_rank(outp, rp, results, plan.source_json)
             except OSError as e:
-                first_error = first_error or ReshardError(f"finishing {outp / rp.dir_name}: {e.strerror or e}")
+                if e.errno in NO_SPACE:
+                    first_error = first_error or _OutOfSpace(outp / rp.dir_name, e)
+                else:
+                    first_error = first_error or ReshardError(f"finishing {outp / rp.dir_name}: {e.strerror or e}")
                 return
             written += rp.nbytes
 
@@ -785,6 +948,8 @@ def run_reshard(
                 first_error = first_error or fu.exception()
                 failed.add(r)
                 continue
+            files_done += 1
+            pause_point("reshard_file", files_done)  # test hook: the N-th file of the run written
             left[r] -= 1
             if left[r] == 0 and r not in failed:
                 finish(by_unit[r])
@@ -795,21 +960,24 @@ def run_reshard(
         raise
     finally:
         pool.shutdown(wait=True)
-    fsync_dir(outp)
-    return ReshardResult(outp, topo_json, [rp.unit for rp in todo], skipped, written,
-                         time.perf_counter() - t0, list(plan.extra_files), plan.layout)
+    return written
 
 
 #: The unit directories a layout may hold (``rank-NNNNN``, ``node-NNNNN`` with ``--format node``).
 _UNIT_DIR = re.compile(r"(rank|node)-\d{5,}")
 
 
-def _clear_old_layout(outp: Path) -> None:
-    """Remove every rank/node directory of the layout ``outp`` held before (``--force`` with
-    another topology or source): they belong to that topology, whatever this run selects.
-    Every ``READY`` goes first (and durably), so a run killed mid-way never leaves a ``READY``
-    of the old layout under the new ``topology.json`` (written only after this returns)."""
-    dirs = sorted(p for p in outp.iterdir() if _UNIT_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+def _old_units(outp: Path) -> list[Path]:
+    """The rank/node directories of the layout ``outp`` holds."""
+    return sorted(p for p in outp.iterdir() if _UNIT_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+
+
+def _clear_old_layout(outp: Path, dirs: list[Path]) -> None:
+    """Remove every rank/node directory (``dirs``: :func:`_old_units`) of the layout ``outp``
+    held before (``--force`` with another topology or source): they belong to that topology,
+    whatever this run selects. Every ``READY`` goes first (and durably), so a run killed mid-way
+    never leaves a ``READY`` of the old layout under the new ``topology.json`` (written only
+    after this returns)."""
     for d in dirs:
         ready = d / READY_NAME
         if ready.exists() or ready.is_symlink():
@@ -820,15 +988,20 @@ def _clear_old_layout(outp: Path) -> None:
     fsync_dir(outp)
 
 
-def _finish_rank(rdir: Path, rp: RankPlan | NodePlan, results: list[dict[str, Any]], source: dict[str, Any]) -> None:
+def _finish_rank(outp: Path, rp: RankPlan | NodePlan, results: list[dict[str, Any]], source: dict[str, Any]) -> None:
     """Rename the rank's (or node's) files into place, then its index (a node's), its manifest
-    (a node's marker), then READY - each durable first."""
+    (a node's marker), then the stat record of all of them (what a re-run trusts instead of
+    re-hashing), then READY - each durable first."""
+    rdir = outp / rp.dir_name
     for f in rp.files:
         os.replace(tmp_name(rdir / f.name), rdir / f.name)
     fsync_dir(rdir)
     for name, data in rp.final_files(results, source).items():
         write_atomic(rdir / name, data)
     fsync_dir(rdir)
+    record = _stat_record(outp, rp)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(record, json.dumps({n: _stat_key(rdir / n) for n in _unit_names(rp)}).encode())
     write_atomic(rdir / READY_NAME, b"")
     fsync_dir(rdir)
 
@@ -846,7 +1019,9 @@ def reshard(
     layout: str = "node",
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
+    check_space: bool = True,
 ) -> ReshardResult:
     """Plan and write: :func:`plan_reshard` then :func:`run_reshard`."""
     plan = plan_reshard(source, selection, max_file_size=max_file_size, align=align, layout=layout)
-    return run_reshard(plan, out, jobs=jobs, force=force, mode=mode, progress=progress, on_plan=on_plan)
+    return run_reshard(plan, out, jobs=jobs, force=force, mode=mode, progress=progress, on_plan=on_plan,
+                       check_space=check_space)

@@ -30,9 +30,12 @@ Decisions:
   rows through bounded buffers (:meth:`~k3ckpt.bytecopy.Copier.interleave`);
 - atomicity: shards are written under temporary names, fsync'd and renamed only after every
   shard is complete and verified; the index is written last, so a directory without
-  ``model.safetensors.index.json`` is never a finished checkpoint. A directory that already has
-  an index is refused without ``force``; shards and temporary files of an earlier unfinished
-  run are replaced.
+  ``model.safetensors.index.json`` is never a finished checkpoint. The output must be new, empty
+  or an earlier unshard's (:func:`k3ckpt.utils.ownership.claim_output_dir`: files k3ckpt did
+  not write are refused, ``force`` included); it is locked (``.k3ckpt-output.lock``) for the
+  run and its free space checked first. One that already has an index is refused without
+  ``force``; shards and temporary files of an earlier unfinished run are replaced. On ENOSPC
+  the temporary shards are removed and the shortfall is named.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from ..env import pause_point
 from ..errors import UnshardError
 from ..format.checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
 from ..format.header import DTYPE_BITS, TensorSpec, build_header, read_header
@@ -56,8 +60,10 @@ from ..format.layout import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, hf
 from ..format.loadable import require_config
 from ..format.roles import classify
 from ..format.topology import Topology, TopologyError
-from ..utils import fsync_dir, is_within, load_json, write_atomic
-from .bytecopy import Copier, FdCache, copy_files, tmp_name
+from ..utils import fsync_dir, human_bytes, is_within, load_json, write_atomic
+from ..utils.ownership import claim_output_dir
+from ..utils.space import free_bytes, require_free_space, space_margin
+from .bytecopy import NO_SPACE, Copier, FdCache, copy_files, output_lock, tmp_name
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 #: Shard names of the Hugging Face convention.
@@ -491,22 +497,42 @@ def _join(shape: tuple[int, ...], dim: int, item_bits: int, vs: list[_Verifier],
     copier.interleave(srcs, dst, do, outer, part_row, [sink(v) for v in vs])
 
 
+class _OutOfSpace(UnshardError):
+    """A write found the filesystem full; :func:`run_unshard` removes the temporary shards and
+    replaces the message with the shortfall."""
+
+    def __init__(self, path: Path, err: OSError) -> None:
+        super().__init__(f"writing {path}: {err.strerror or err}", path=path)
+        self.where = path
+        self.strerror = err.strerror or str(err)
+
+
 def _write_shard(plan: UnshardPlan, topo: Topology, shard: _OutShard, dest: Path, mode: str,
                  progress: Callable[[int], None] | None) -> None:
-    """Write one output shard under its temporary name and fsync it."""
+    """Write one output shard under its temporary name and fsync it.
+
+    Raises:
+        _OutOfSpace: the filesystem is full (naming the shard).
+    """
     copier = Copier(mode)
     fds = FdCache(lambda rel: plan.root / rel)
-    dst = os.open(tmp_name(dest), os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
-        os.pwrite(dst, shard.prefix, 0)
-        base = len(shard.prefix)
-        if shard.size > base:
-            os.ftruncate(dst, shard.size)
-        for name, (begin, _) in zip(shard.tensors, shard.offsets):
-            _copy_tensor(plan.root, name, plan.tensors[name], copier, fds, dst, base + begin, progress, topo)
-        os.fsync(dst)
+        dst = os.open(tmp_name(dest), os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            os.pwrite(dst, shard.prefix, 0)
+            base = len(shard.prefix)
+            if shard.size > base:
+                os.ftruncate(dst, shard.size)
+            for name, (begin, _) in zip(shard.tensors, shard.offsets):
+                _copy_tensor(plan.root, name, plan.tensors[name], copier, fds, dst, base + begin, progress, topo)
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+    except OSError as e:
+        if e.errno in NO_SPACE:
+            raise _OutOfSpace(dest, e) from None
+        raise
     finally:
-        os.close(dst)
         fds.close()
 
 
@@ -534,19 +560,25 @@ def render_unshard(plan: UnshardPlan, res: UnshardResult) -> str:
             f"from ep {t['ep']} x tp {t['tp']}, world size {t['world_size']}")
 
 
-def _prepare_out(out: Path, layout: Path, force: bool) -> None:
-    if is_within(out, layout):
-        raise UnshardError(f"{out}: the output must not be inside the rank layout {layout}")
-    out.mkdir(parents=True, exist_ok=True)
+def _prepare_out(out: Path, layout: Path, force: bool, check_space: bool, needed: int) -> None:
+    """Refuse an output holding a finished checkpoint (without ``force``) or too little space,
+    then remove the index (first: a run killed after this leaves no index over mixed shards),
+    the shards and the temporary files of an earlier run - all this command's own (the caller
+    claimed ``out``)."""
     index = out / INDEX_NAME
+    if index.exists() and not force:
+        raise UnshardError(f"{out} already holds a checkpoint ({INDEX_NAME}); use another directory or --force")
+    old = [p for p in out.iterdir()
+           if SHARD_PATTERN.fullmatch(p.name) or (p.name.startswith(".") and p.name.endswith(".tmp"))]
+    if check_space:
+        reclaim = sum(p.lstat().st_blocks * 512 for p in old)
+        require_free_space(out, max(0, needed + space_margin(needed) - reclaim),
+                           f"for the checkpoint ({human_bytes(needed)} to write, with a margin)")
     if index.exists():
-        if not force:
-            raise UnshardError(f"{out} already holds a checkpoint ({INDEX_NAME}); use another directory or --force")
-        index.unlink()  # first: a run killed after this leaves no index over mixed shards
+        index.unlink()
         fsync_dir(out)
-    for p in out.iterdir():  # shards and temporaries of an earlier run; nothing else is touched
-        if SHARD_PATTERN.fullmatch(p.name) or (p.name.startswith(".") and p.name.endswith(".tmp")):
-            p.unlink()
+    for p in old:  # shards and temporaries of an earlier run; nothing else is touched
+        p.unlink()
 
 
 def run_unshard(
@@ -559,35 +591,85 @@ def run_unshard(
     mode: str = "kernel",
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
+    check_space: bool = True,
 ) -> UnshardResult:
     """Write the checkpoint ``plan`` describes to ``out``.
+
+    ``out`` must be new, empty, or an earlier unshard's output holding nothing else
+    (:func:`k3ckpt.utils.ownership.claim_output_dir`); the run holds ``out``'s lock throughout.
 
     Args:
         max_shard_size: bytes of tensor data per output shard (a larger tensor gets its own).
         jobs: shards written in parallel [default: min(CPUs, 8)].
-        force: replace a checkpoint already in ``out``.
+        force: replace a checkpoint already in ``out`` (one this command wrote).
         mode: ``kernel`` (copy_file_range where possible) or ``buffered``.
+        check_space: refuse up front when the filesystem has less free space than the output
+            plus a margin.
 
     Raises:
-        UnshardError: ``out`` already holds a checkpoint (without ``force``), or a slice read
-            does not match its manifest digest (nothing is left under a final name).
+        UnshardError: ``out`` already holds a checkpoint (without ``force``), a slice read
+            does not match its manifest digest (nothing is left under a final name), or the
+            disk filled up (temporary shards removed, the shortfall named).
+        OutputNotOwnedError: ``out`` holds files k3ckpt did not write, or another command's.
+        OutputLockedError: another reshard or unshard is writing into ``out``.
+        DiskSpaceError: not enough free space (checked before any byte is written).
     """
     t0 = time.perf_counter()
     if max_shard_size < 1:
         raise UnshardError(f"--max-shard-size {max_shard_size} must be positive")
     outp = Path(out)
-    _prepare_out(outp, plan.root, force)
+    if is_within(outp, plan.root):
+        raise UnshardError(f"{outp}: the output must not be inside the rank layout {plan.root}")
+    if outp.exists() and not outp.is_dir():
+        raise UnshardError(f"{outp}: exists and is not a directory")
     shards = _pack(plan, max_shard_size)
-    if on_plan is not None:
-        on_plan(plan.total_size)
+    outp.mkdir(parents=True, exist_ok=True)
+    with output_lock(outp, "unshard"):
+        claim_output_dir(outp, "unshard", [INDEX_NAME, *(s.name for s in shards), *plan.extra_files])
+        needed = sum(s.size for s in shards) + sum((plan.root / f).stat().st_size for f in plan.extra_files)
+        _prepare_out(outp, plan.root, force, check_space, needed)
+        if on_plan is not None:
+            on_plan(plan.total_size)
+        try:
+            _write_all(plan, outp, shards, jobs, mode, progress)
+        except _OutOfSpace as e:
+            raise _no_space_error(outp, e.where, e.strerror, needed) from None
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise
+            raise _no_space_error(outp, Path(e.filename or outp), e.strerror or str(e), needed) from None
+    return UnshardResult(outp, [s.name for s in shards], len(plan.tensors), plan.total_size,
+                         time.perf_counter() - t0, list(plan.extra_files))
+
+
+def _no_space_error(outp: Path, where: Path, why: str, needed: int) -> UnshardError:
+    """The disk filled up: the temporary shards are gone by now (:func:`_write_all`); say how
+    much more free space the whole output needs (nothing of it is final yet)."""
+    for p in outp.glob(".*.tmp"):  # a non-weight file's copy cut short
+        p.unlink(missing_ok=True)
+    needed += space_margin(needed)
+    free = free_bytes(outp)
+    if needed > free:
+        tail = (f"{outp} needs {needed - free} bytes ({human_bytes(needed - free)}) more free space "
+                f"({needed} bytes needed, {free} free; temporary files removed)")
+    else:
+        tail = f"the checkpoint needs {needed} bytes, {free} are free now (temporary files removed)"
+    return UnshardError(f"writing {where}: {why}; {tail}: free space and re-run", path=where)
+
+
+def _write_all(plan: UnshardPlan, outp: Path, shards: list[_OutShard], jobs: int | None, mode: str,
+               progress: Callable[[int], None] | None) -> None:
+    """The non-weight files, then every shard under its temporary name (in parallel), then the
+    renames and the index: a failure leaves no temporary shard and no index."""
     copy_files(plan.root, plan.extra_files, outp)
     workers = jobs or min(8, os.cpu_count() or 1)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="unshard")
     try:
         futures = [pool.submit(_write_shard, plan, plan.topo, s, outp / s.name, mode, progress)
                    for s in sorted(shards, key=lambda s: -s.size)]
-        for fu in futures:
+        for n, fu in enumerate(futures, 1):
             fu.result()
+            pause_point("unshard_shard", n)  # test hook: the n-th shard written (not yet renamed)
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         for s in shards:
@@ -602,8 +684,6 @@ def run_unshard(
     index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(weight_map.items()))}
     write_atomic(outp / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
     fsync_dir(outp)
-    return UnshardResult(outp, [s.name for s in shards], len(plan.tensors), plan.total_size,
-                         time.perf_counter() - t0, list(plan.extra_files))
 
 
 def unshard(
@@ -616,8 +696,9 @@ def unshard(
     mode: str = "kernel",
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
+    check_space: bool = True,
 ) -> UnshardResult:
     """Check a rank layout and reassemble it: :func:`plan_unshard` then :func:`run_unshard`."""
     plan = plan_unshard(layout)
     return run_unshard(plan, out, max_shard_size=max_shard_size, jobs=jobs, force=force, mode=mode,
-                       progress=progress, on_plan=on_plan)
+                       progress=progress, on_plan=on_plan, check_space=check_space)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 from ..errors import CheckpointNotFoundError, ConfigError, IndexFileError, SafetensorsHeaderError
 from ..utils import load_json
+from ..utils.lock import is_lock_file
 from .config import ModelConfig, load_config
 from .header import HeaderColumns, ShardHeader, TensorInfo, read_header, read_header_columns
 from .roles import Kind, Role, classify
@@ -181,10 +182,11 @@ _FETCH_LOCK = ".k3ckpt-fetch.lock"
 
 def is_working_file(rel: str) -> bool:
     """True for a file that is a tool's temporary working state, not part of the checkpoint
-    (a fetch's ``*.part``/``*.part.journal``/lock, any ``*.tmp``): never copied as one of the
+    (a fetch's ``*.part``/``*.part.journal``/lock, reshard's and unshard's output lock, any
+    ``*.tmp``): never copied as one of the
     checkpoint's files."""
     base = rel.rsplit("/", 1)[-1]
-    return base.endswith(_WORK_SUFFIXES) or base.startswith(_FETCH_LOCK)
+    return base.endswith(_WORK_SUFFIXES) or base.startswith(_FETCH_LOCK) or is_lock_file(base)
 
 
 def numpy_dtype(dtype: str) -> np.dtype:

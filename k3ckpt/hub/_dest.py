@@ -4,13 +4,11 @@ files written in place, and the lock that keeps two fetches out of one directory
 Shared by the downloader (:mod:`k3ckpt.hub.download`) and the rank-aware fetch
 (:mod:`k3ckpt.hub.rankfetch`), which write into the same kind of destination under the same lock.
 
-The lock, ``dest/.k3ckpt-fetch.lock``, is created exclusively and with its content already in
-place (a hard link of a private temp file, else ``O_CREAT | O_EXCL``; both atomic on NFS v3+,
-unlike ``flock``).  It holds host, pid, start time and a random token.  A lock is stale when
-its host is this host and its pid is dead, or, for another host (whose pids we cannot check),
-when it is older than ``K3CKPT_LOCK_STALE_SECONDS`` (default 24 h).  A stale lock is broken
-under a second exclusive-create lock (``.k3ckpt-fetch.lock.break``) so that two processes
-breaking the same stale lock cannot delete each other's fresh one.
+The lock, ``dest/.k3ckpt-fetch.lock``, is :class:`k3ckpt.utils.lock.DirLock` (the one reshard
+and unshard take on their output too): created exclusively with its content in place (atomic
+on NFS v3+), holding host, pid, start time and a token; stale when its pid is dead (this host)
+or older than ``K3CKPT_LOCK_STALE_SECONDS`` (another host), and then broken under a second
+lock (``.k3ckpt-fetch.lock.break``).
 """
 
 from __future__ import annotations
@@ -18,23 +16,22 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import stat
-import time
-import uuid
+from pathlib import Path
 from typing import Any
 
 from ..env import K3CKPT_LOCK_STALE_SECONDS
 from ..errors import FetchLockedError
 from ..utils import is_within, pwrite_all
+from ..utils.lock import LOCK_UNREADABLE_GRACE, DirLock
+from ..utils.ownership import OwnedDir, claim_output_dir
 
 #: Name of the lock file in the destination directory.
 LOCK_NAME = ".k3ckpt-fetch.lock"
 #: Another host's lock older than this (seconds) is considered abandoned (env overrides).
 LOCK_STALE_SECONDS = K3CKPT_LOCK_STALE_SECONDS.default
-#: A lock file that exists but is still empty/unparseable after this many seconds was left by a
-#: process that died between creating and writing it.
-LOCK_UNREADABLE_GRACE = 30.0
+__all__ = ["LOCK_NAME", "LOCK_STALE_SECONDS", "LOCK_UNREADABLE_GRACE", "DestLock", "claim_dest", "create_part", "open_part",
+           "resumable", "target", "unlink", "unsafe_reason"]
 #: Endings of the working files next to a file being fetched: a hub path may not take them.
 WORK_SUFFIXES = (".part", ".part.journal", ".part.journal.tmp")
 #: ``open`` flag: never through a symlink planted at the name.
@@ -169,138 +166,35 @@ def resumable(journal: str, part: str, size: int, expect: dict[str, Any], count:
 # ----------------------------------------------------------------------------------------------
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    except OSError:
-        return True
-    return True
-
-
-def _read_lock(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, "rb") as f:
-            info = json.loads(f.read(4096) or b"null")
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None
-
-
-def _create_synced(path: str, data: bytes) -> None:
-    """Create ``path`` exclusively (never through a symlink) holding ``data``, fsync-ed.
-
-    Raises:
-        FileExistsError: ``path`` exists.
-    """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
-    try:
-        pwrite_all(fd, data, 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class DestLock:
-    """``dest/.k3ckpt-fetch.lock``: exclusive-create lock with stale-lock detection (see module doc)."""
+class DestLock(DirLock):
+    """``dest/.k3ckpt-fetch.lock``: :class:`k3ckpt.utils.lock.DirLock` under fetch's own name,
+    raising :class:`~k3ckpt.errors.FetchLockedError`."""
 
     def __init__(self, dest: str) -> None:
-        self.path = os.path.join(dest, LOCK_NAME)
-        self.token = uuid.uuid4().hex
-        self.held = False
-        self.stale_seconds = K3CKPT_LOCK_STALE_SECONDS.get()  # a bad value fails before any download
+        # a bad K3CKPT_LOCK_STALE_SECONDS fails here, before any download
+        super().__init__(dest, LOCK_NAME, command="fetch", stale_seconds=K3CKPT_LOCK_STALE_SECONDS.get(),
+                         error=FetchLockedError)
 
-    def _try_create(self) -> bool:
-        """Create the lock with its content already in it, or return False if it exists.
 
-        The content is written to a private temp file first and then hard-linked to the lock
-        name: ``link`` is an atomic exclusive create (also on NFS, where it is the classic
-        lock primitive), and nobody ever sees an empty lock file.  Filesystems without hard
-        links fall back to ``O_CREAT | O_EXCL`` followed by the write.
-        """
-        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-                           "token": self.token}).encode()
-        tmp = f"{self.path}.{self.token}.tmp"
-        _create_synced(tmp, info)
-        try:
-            os.link(tmp, self.path)
-            return True
-        except FileExistsError:
-            return False
-        except OSError:  # no hard links here (some FUSE/SMB mounts)
-            pass
-        finally:
-            unlink(tmp)
-        try:
-            _create_synced(self.path, info)
-        except FileExistsError:
-            return False
-        return True
+# ----------------------------------------------------------------------------------------------
+# Ownership
+# ----------------------------------------------------------------------------------------------
 
-    def _stale_reason(self, info: dict[str, Any] | None) -> str | None:
-        """Why the current lock may be broken, or None if it is (or may be) live."""
-        try:
-            age = time.time() - os.stat(self.path).st_mtime
-        except FileNotFoundError:
-            return "gone"
-        if info is None:
-            return "unreadable and old" if age > LOCK_UNREADABLE_GRACE else None
-        host, pid = info.get("host"), info.get("pid")
-        if host == socket.gethostname() and isinstance(pid, int):
-            return None if _pid_alive(pid) else f"pid {pid} is not running"
-        if age > self.stale_seconds:
-            return f"older than {self.stale_seconds:.0f} s"
-        return None
 
-    def _holder(self, info: dict[str, Any] | None) -> str:
-        if info is None:
-            return "an unknown process (the lock file is being written or is unreadable)"
-        started = info.get("started")
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
-        return f"pid {info.get('pid')} on host {info.get('host')} (since {when})"
+def _is_work_file(name: str) -> bool:
+    return name.endswith(WORK_SUFFIXES)
 
-    def acquire(self) -> None:
-        for _ in range(20):
-            if self._try_create():
-                self.held = True
-                return
-            info = _read_lock(self.path)
-            if self._stale_reason(info) is None:
-                raise FetchLockedError(f"{os.path.dirname(self.path)}: another fetch is running there: "
-                                       f"{self._holder(info)}; lock file {self.path} (remove it only if "
-                                       "that process is gone)")
-            self._break(info)
-        raise FetchLockedError(f"{self.path}: could not take the lock (contended)")
 
-    def _break(self, seen: dict[str, Any] | None) -> None:
-        """Remove a stale lock, holding a second exclusive lock so that two breakers cannot both
-        act on the same stale content (the slower one would delete the faster one's new lock)."""
-        breaker = self.path + ".break"
-        try:
-            fd = os.open(breaker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
-        except FileExistsError:
-            try:
-                if time.time() - os.stat(breaker).st_mtime > LOCK_UNREADABLE_GRACE:
-                    unlink(breaker)  # its owner died while breaking
-            except FileNotFoundError:
-                pass
-            time.sleep(0.05)
-            return
-        os.close(fd)
-        try:
-            now = _read_lock(self.path)
-            if now == seen and self._stale_reason(now) is not None:
-                unlink(self.path)
-        finally:
-            unlink(breaker)
+def _fetched_before(dest: Path) -> bool:
+    """An earlier version's fetch destination: no ownership record, but fetch's own records
+    (``.cache/k3ckpt/``: the source revision, rewritten-shard and node digests) are there."""
+    recs = dest / ".cache" / "k3ckpt"
+    return recs.is_dir() and not recs.is_symlink() and any(recs.iterdir())
 
-    def release(self) -> None:
-        if not self.held:
-            return
-        self.held = False
-        info = _read_lock(self.path)
-        if info is not None and info.get("token") == self.token:
-            unlink(self.path)
+
+def claim_dest(dest_real: str, paths: list[str]) -> OwnedDir:
+    """Claim a fetch destination (call it holding the lock): new, empty, or fetch's own
+    (:func:`k3ckpt.utils.ownership.claim_output_dir`); ``paths`` are what this run writes.
+    ``*.part`` files and journals are never foreign: fetch trusts no byte of them unchecked."""
+    safe = [p for p in paths if unsafe_reason(p) is None]  # a hostile name is refused later, per file
+    return claim_output_dir(dest_real, "fetch", safe, working=_is_work_file, adopt=_fetched_before)

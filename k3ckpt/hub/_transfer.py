@@ -11,9 +11,7 @@ hook that freezes a run at a named moment.
 from __future__ import annotations
 
 import collections
-import os
 import random
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +20,7 @@ from typing import Any
 import requests
 import urllib3.exceptions
 
-from ..env import K3CKPT_TEST_PAUSE_AT, K3CKPT_TEST_PAUSE_FILE
+from ..env import pause_point as env_pause_point
 from ..utils import pwrite_all
 from . import _http
 from .client import HubError, HubFile, HubListing, RetryPolicy, file_url
@@ -63,29 +61,8 @@ class RangeIgnored(Fatal):
 # ----------------------------------------------------------------------------------------------
 
 
-def pause_point(name: str, n: int | None = None) -> None:
-    """Freeze the whole process at a named point when ``K3CKPT_TEST_PAUSE_AT`` names it.
-
-    Crash tests SIGKILL a fetch at exact moments (between chunks, just before a rename).  The
-    hook writes ``K3CKPT_TEST_PAUSE_FILE`` (so the test knows the point was reached) and sends
-    itself SIGSTOP, freezing every thread at once.  ``after_chunk:N`` names the moment the N-th
-    chunk of the run was journaled; ``before_rename`` the moment a verified ``.part`` is about
-    to be renamed.  Unset (production), it is one dict lookup.
-    """
-    want = K3CKPT_TEST_PAUSE_AT.get()
-    if not want:
-        return
-    if want != (name if n is None else f"{name}:{n}"):
-        return
-    marker = K3CKPT_TEST_PAUSE_FILE.get()
-    if marker is not None:
-        with open(marker, "w") as f:
-            f.write(name)
-    os.kill(os.getpid(), signal.SIGSTOP)
-    # The group stop can land a moment after kill() returns; this thread must not take another
-    # step past its pause point in that moment (the test SIGKILLs the process from here on).
-    while True:
-        time.sleep(60)
+#: The test hook (:func:`k3ckpt.env.pause_point`), re-exported for the downloaders.
+pause_point = env_pause_point
 
 
 # ----------------------------------------------------------------------------------------------

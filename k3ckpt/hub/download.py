@@ -50,7 +50,6 @@ import errno
 import hashlib
 import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -62,7 +61,8 @@ import urllib3.exceptions
 
 from ..errors import DiskSpaceError, FetchLockedError
 from ..integrity.hashing import HashError, hash_file
-from ..utils import fsync_dir, human_bytes, write_atomic
+from ..utils import fsync_dir, write_atomic
+from ..utils.space import require_free_space
 from . import _dest, _http, _transfer
 from . import client as hubclient
 from ._dest import LOCK_NAME
@@ -705,11 +705,7 @@ def fetch_files(
         to_download = sum(job.entry.size - sum(job.chunk(i)[1] for i in job.done) for job in jobs)
         if check_space and jobs:
             needed = sum(job.entry.size - job.resumable_bytes() for job in jobs)
-            free = shutil.disk_usage(dest_real).free
-            if needed > free:
-                raise DiskSpaceError(f"{dest_real}: not enough free space to fetch {len(jobs)} file(s): "
-                                     f"need {needed} bytes ({human_bytes(needed)}), only {free} bytes "
-                                     f"({human_bytes(free)}) free")
+            require_free_space(dest_real, needed, f"to fetch {len(jobs)} file(s)")
         if on_plan is not None:
             on_plan(to_download)
 

@@ -112,11 +112,18 @@ def run_fetch(
 ) -> Any:
     """Download ``plan`` (see :func:`k3ckpt.download.fetch_files`); returns its ``FetchResult``."""
     from ..integrity.verify import record_verified
+    from . import _dest
     from .download import DEFAULT_CHUNK, fetch_files
 
-    _forget_partial(plan)
-    result = fetch_files(plan.listing, plan.dest, plan.paths, workers=workers,
-                         chunk_size=chunk_size or DEFAULT_CHUNK, token=token, progress=progress, on_plan=on_plan)
+    os.makedirs(plan.dest, exist_ok=True)
+    with _dest.DestLock(os.path.realpath(plan.dest)) as lock:
+        # never into a directory holding files k3ckpt did not write (fetch would replace
+        # same-named ones); a resumed fetch's own destination is accepted
+        _dest.claim_dest(os.path.dirname(lock.path), plan.paths)
+        _forget_partial(plan)
+        result = fetch_files(plan.listing, plan.dest, plan.paths, workers=workers,
+                             chunk_size=chunk_size or DEFAULT_CHUNK, token=token, progress=progress,
+                             on_plan=on_plan, take_lock=False)
     # Every file fetched or skipped had its digest checked against the hub's: let a later
     # ``verify --quick`` trust it while its stat is unchanged, instead of checking sizes only.
     files = plan.listing.files

@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +48,7 @@ from ..format.topology import RankSelection, Topology, build_index, fp8_block_of
 from ..integrity.hashing import HashError, Span, hash_file
 from ..integrity.manifest import Manifest
 from ..utils import format_ranges, human_bytes, write_atomic
+from ..utils.space import require_free_space
 from . import _dest, download
 from . import client as hubclient
 from .client import HubFile, HubListing, RetryPolicy
@@ -402,6 +402,8 @@ def run_node_fetch(
     lock = _dest.DestLock(dest_real)
     lock.acquire()
     try:
+        _dest.claim_dest(dest_real, [o.path for o in plan.outputs] + list(plan.files)
+                         + [NODE_MARKER, INDEX_NAME, READY_NAME])
         _prepare_dest(dest_real, plan)
         digests = _fetch_node_files(plan, result, dest_real, workers, token, progress, on_plan, policy, check_space)
         if result.ok:
@@ -444,11 +446,7 @@ def _fetch_node_files(plan: NodeFetchPlan, result: RankFetchResult, dest_real: s
         absent = [f for f in plan.files if not os.path.lexists(os.path.join(dest_real, f))]
         # a resumed .part is allocated already
         needed = sum(job.plan.size for job in jobs if not job.done) + sum(plan.listing.files[f].size for f in absent)
-        free = shutil.disk_usage(dest_real).free
-        if needed > free:
-            raise download.DiskSpaceError(
-                f"{dest_real}: not enough free space for {len(jobs)} node file(s) and {len(absent)} file(s): need "
-                f"{needed} bytes ({human_bytes(needed)}), only {free} bytes ({human_bytes(free)}) free")
+        require_free_space(dest_real, needed, f"for {len(jobs)} node file(s) and {len(absent)} file(s)")
     report = (lambda n: on_plan(n + todo)) if on_plan is not None else None
     if plan.files:
         fr = download.fetch_files(plan.listing, plan.dest, plan.files, workers=workers, chunk_size=plan.chunk_size,

@@ -64,7 +64,6 @@ import collections
 import hashlib
 import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +81,7 @@ from ..format.topology import RankSelection, Topology, build_index, fp8_block_of
 from ..integrity.hashing import HashError, Span, hash_file
 from ..integrity.manifest import Manifest, tensors_from_headers
 from ..utils import format_ranges, fsync_dir, human_bytes, write_atomic
+from ..utils.space import require_free_space
 from . import _dest, _http, _transfer, download
 from . import client as hubclient
 from .client import HubFile, HubListing, RetryPolicy
@@ -1096,6 +1096,7 @@ def run_rank_fetch(
     lock = _dest.DestLock(dest_real)
     lock.acquire()
     try:
+        _dest.claim_dest(dest_real, [sp.path for sp in plan.shards] + list(plan.files) + [PARTIAL_NAME, INDEX_NAME])
         if os.path.isfile(os.path.join(dest_real, INDEX_NAME)) and not os.path.lexists(os.path.join(dest_real, PARTIAL_NAME)):
             # an index without our marker: a whole checkpoint (or another tool's), whose shards
             # this run would replace with subsets
@@ -1134,12 +1135,7 @@ def run_rank_fetch(
             absent = [f for f in whole if not os.path.lexists(os.path.join(dest_real, f))]
             needed = (sum(job.plan.size for job in jobs if not job.done)
                       + sum(plan.listing.files[f].size for f in absent))
-            free = shutil.disk_usage(dest_real).free
-            if needed > free:
-                raise download.DiskSpaceError(
-                    f"{dest_real}: not enough free space for {len(jobs)} rewritten shard(s) and {len(absent)} "
-                    f"file(s): need {needed} bytes ({human_bytes(needed)}), only {free} bytes "
-                    f"({human_bytes(free)}) free")
+            require_free_space(dest_real, needed, f"for {len(jobs)} rewritten shard(s) and {len(absent)} file(s)")
 
         report = (lambda n: on_plan(n + partial_todo)) if on_plan is not None else None
         if whole:

@@ -40,6 +40,7 @@ from ..errors import ManifestError, ManifestHashError
 from ..format.checkpoint import Checkpoint, open_checkpoint
 from ..format.header import ShardHeader
 from ..utils import load_json, write_atomic
+from ..utils.ownership import refuse_foreign_file
 from .hashing import Span, hash_files
 
 FORMAT = "k3ckpt-manifest"
@@ -61,6 +62,21 @@ class TensorEntry(NamedTuple):
     offsets: tuple[int, int]  # absolute [start, stop) in the file
     sha256: str | None = None
 
+
+
+
+def is_manifest_file(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a regular file holding a k3ckpt manifest (any version): the only
+    kind of file ``manifest build``/``pull`` replace."""
+    p = Path(path)
+    if p.is_symlink() or not p.is_file():
+        return False
+    try:
+        with open(p, "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == FORMAT
 
 @dataclass
 class Manifest:
@@ -103,7 +119,13 @@ class Manifest:
         return "{\n" + ",\n".join(parts) + "\n}\n"
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically: a reader never sees a half-written manifest under the final name."""
+        """Write atomically: a reader never sees a half-written manifest under the final name.
+
+        Raises:
+            OutputNotOwnedError: ``path`` exists and is not a k3ckpt manifest (only a manifest
+                is ever replaced: :func:`k3ckpt.utils.ownership.refuse_foreign_file`).
+        """
+        refuse_foreign_file(path, is_manifest_file(path), "manifest")
         write_atomic(Path(path), self.to_json().encode("utf-8"))
 
     @classmethod

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from ..env import K3CKPT_KEY_PASSPHRASE
 from ..errors import K3ckptError, KeyFileError, SignatureError
 from ..utils import write_atomic
+from ..utils.ownership import refuse_foreign_file
 
 if TYPE_CHECKING:  # cryptography is imported where it is used: the CLI's other commands start faster
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -228,6 +229,23 @@ def verify_bytes(data: bytes, signature_path: str | os.PathLike[str], pubkey_pat
     return kid
 
 
+def _is_signature_file(path: Path) -> bool:
+    """A regular file of exactly one raw ed25519 signature: what :func:`sign_file` writes."""
+    return not path.is_symlink() and path.is_file() and path.stat().st_size == SIGNATURE_BYTES
+
+
+def _is_pem_file(path: Path, kind: bytes) -> bool:
+    """A regular file starting with a PEM ``-----BEGIN <kind>-----`` line: what :func:`generate_key`
+    writes (PKCS#8 private key, SubjectPublicKeyInfo public key)."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(64).startswith(b"-----BEGIN " + kind + b"-----")
+    except OSError:
+        return False
+
+
 def sign_file(path: str | os.PathLike[str], key_path: str | os.PathLike[str],
               signature_path: str | os.PathLike[str] | None = None) -> SignResult:
     """Sign the bytes of ``path`` and write the raw signature next to it.
@@ -248,6 +266,7 @@ def sign_file(path: str | os.PathLike[str], key_path: str | os.PathLike[str],
         raise K3ckptError(f"{path}: cannot read ({e.strerror or e})") from None
     signature, kid = sign_bytes(data, key_path)
     out = Path(signature_path) if signature_path is not None else Path(f"{path}.sig")
+    refuse_foreign_file(out, _is_signature_file(out), "signature")
     write_atomic(out, signature)
     return SignResult(str(path), str(out), hashlib.sha256(data).hexdigest(), kid)
 
@@ -298,9 +317,11 @@ def generate_key(private_path: str | os.PathLike[str], public_path: str | os.Pat
 
     priv = Path(private_path)
     pub = Path(public_path) if public_path is not None else Path(f"{private_path}.pub")
-    for p in (priv, pub):
+    for p, pem_kind in ((priv, b"PRIVATE KEY"), (pub, b"PUBLIC KEY")):
         if not force and os.path.lexists(p):
             raise KeyFileError(f"{p}: exists; not overwriting a key (--force to replace it)")
+        # --force replaces a key file of the kind keygen writes, never another file
+        refuse_foreign_file(p, _is_pem_file(p, pem_kind), f"PEM {pem_kind.decode().lower()}")
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())

@@ -18,7 +18,6 @@ any failure (including Ctrl-C) removes the temporary file. Free disk space is ch
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterable
 from contextlib import suppress
@@ -29,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from ..env import K3CKPT_MX_CHUNK_BYTES
-from ..errors import MxConvertError
+from ..errors import K3ckptError, MxConvertError
 from ..format.checkpoint import numpy_dtype
 from ..format.header import (
     DTYPE_BITS,
@@ -40,6 +39,8 @@ from ..format.header import (
 )
 from ..format.roles import Kind, classify
 from ..utils import atomic_output, pwrite_all
+from ..utils.ownership import refuse_foreign_file
+from ..utils.space import free_bytes
 from .codec import MX_BLOCK_SIZE, ScaleMode, dequantize_mxfp4, quantize_mxfp4
 from .select import CHUNK_BYTES, MxSource, find_mx_tensors
 
@@ -390,22 +391,37 @@ def _pread_exact(fd: int, n: int, offset: int, path: Path | None) -> bytes:
 
 
 def _refuse_overwriting_inputs(out: Path, inputs: Iterable[Path]) -> None:
-    """Renaming over a file still being read would replace a checkpoint shard with a conversion."""
+    """Renaming over a file still being read would replace a checkpoint shard with a conversion;
+    renaming over a file that is not a safetensors file would replace something k3ckpt did not
+    write."""
     if out.is_dir():
         raise MxConvertError(f"{out}: is a directory; pass the output file name")
-    if not out.exists():
+    if not out.exists() and not out.is_symlink():
         return
     for p in inputs:
         with suppress(OSError):
             if os.path.samefile(out, p):
                 raise MxConvertError(f"{out}: is an input of this conversion; write to another file")
+    refuse_foreign_file(out, _is_safetensors_file(out), "safetensors file")
+
+
+def _is_safetensors_file(path: Path) -> bool:
+    """A regular file with a readable safetensors header: the kind a conversion writes, so the
+    only kind it replaces (a user's notes or another format under that name are refused)."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        read_header(path)
+    except (OSError, K3ckptError):
+        return False
+    return True
 
 
 def _check_free_space(out: Path, needed: int) -> None:
     parent = out.absolute().parent
     if not parent.is_dir():
         raise MxConvertError(f"{parent}: no such directory")
-    free = shutil.disk_usage(parent).free
+    free = free_bytes(parent)
     if needed > free:
         from ..utils import human_bytes
 

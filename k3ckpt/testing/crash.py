@@ -1,5 +1,7 @@
 """Crash-consistency harness: ``k3ckpt fetch`` and ``k3ckpt reshard`` under SIGKILL at seeded
-random points, with power-loss style damage between runs, then re-run to completion.
+random points, with power-loss style damage between runs, then re-run to completion; and the
+output campaigns: two reshards into one directory, every writing command into a directory it
+does not own, reshard and unshard onto a full tmpfs.
 
 After every kill the harness scans the output and checks the invariant that matters: **no file
 under its final name is ever incomplete or wrong** (each is compared with the source, or with a
@@ -35,7 +37,8 @@ from typing import Any
 
 from ..env import K3CKPT_TEST_PAUSE_AT, K3CKPT_TEST_PAUSE_FILE
 
-__all__ = ["CrashStats", "InvariantViolation", "fetch_campaign", "reshard_campaign", "share_fetch_campaign"]
+__all__ = ["CrashStats", "InvariantViolation", "OutputStats", "Tmpfs", "contention_campaign", "exhaustion_campaign",
+           "fetch_campaign", "foreign_campaign", "reshard_campaign", "share_fetch_campaign"]
 
 REPO = "moonshotai/Kimi-K3"
 #: Small chunks so a small checkpoint has many resume points.
@@ -160,15 +163,19 @@ def scan_fetch(dest: Path, served: Path, stats: CrashStats) -> None:
         if any(d.startswith(".") for d in p.relative_to(dest).parts[:-1]):
             # hidden metadata (fetch's .cache/k3ckpt/source.json): not a source file, but never
             # half-written either
-            try:
-                json.loads(p.read_bytes())
-            except ValueError as e:
-                raise InvariantViolation(f"{p}: metadata under its final name is not whole JSON ({e})") from None
+            _whole_json(p)
             continue
         stats.files_checked += 1
         src = served / rel
         if not src.is_file() or p.stat().st_size != src.stat().st_size or _sha(p) != _sha(src):
             raise InvariantViolation(f"{p}: under its final name but not the source's bytes")
+
+
+def _whole_json(p: Path) -> None:
+    try:
+        json.loads(p.read_bytes())
+    except ValueError as e:
+        raise InvariantViolation(f"{p}: metadata under its final name is not whole JSON ({e})") from None
 
 
 def _check_journal(journal: Path, src: Path, stats: CrashStats) -> None:
@@ -332,6 +339,9 @@ def scan_reshard(out: Path, ref: dict[str, str], stats: CrashStats) -> None:
         if not p.is_file() or p.name.startswith("."):
             continue  # temporary names are hidden (".<name>.tmp")
         rel = p.relative_to(out).as_posix()
+        if any(d.startswith(".") for d in p.relative_to(out).parts[:-1]):
+            _whole_json(p)  # the ownership and stat records: never half-written
+            continue
         stats.files_checked += 1
         if rel not in ref or _sha(p) != ref[rel]:
             raise InvariantViolation(f"{p}: under its final name but not what a clean run writes")
@@ -497,3 +507,255 @@ def main_selftest() -> None:  # pragma: no cover - a quick manual check
 
 if __name__ == "__main__":  # pragma: no cover
     main_selftest()
+
+
+# ----------------------------------------------------------------------------------------------
+# output ownership, the output lock and a full disk (issue 14)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OutputStats:
+    """What an output campaign did (:func:`contention_campaign`, :func:`foreign_campaign`,
+    :func:`exhaustion_campaign`).
+
+    Attributes:
+        contended: second runs started into an output a first run held (paused mid-write).
+        refused_by_lock: ... refused (exit 2, naming the lock file and its holder).
+        held_finished: first runs that finished after the second was refused, output exact.
+        foreign_dirs: runs into a directory holding files k3ckpt did not write.
+        refused_foreign: ... refused (exit 2, naming a file), the directory byte-identical after.
+        forced: ... of which with ``--force``.
+        enospc: runs that hit a full tmpfs mid-write (up-front check off).
+        enospc_clean: ... that named the path and the shortfall and left no temporary file.
+        refused_up_front: runs refused by the space check before any byte (tmpfs too small).
+        resumed: runs completed after the tmpfs grew, output exact.
+        bytes_verified: output bytes compared with a clean reference run.
+    """
+
+    what: str
+    seed: int
+    contended: int = 0
+    refused_by_lock: int = 0
+    held_finished: int = 0
+    foreign_dirs: int = 0
+    refused_foreign: int = 0
+    forced: int = 0
+    enospc: int = 0
+    enospc_clean: int = 0
+    refused_up_front: int = 0
+    resumed: int = 0
+    bytes_verified: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "k3ckpt", *args]
+
+
+def _reshard_args(source: Path, out: Path, topo: list[str]) -> list[str]:
+    return _cli("reshard", str(source), "-o", str(out), "--format", "rank", *topo, "--max-file-size", "256KiB",
+                "--jobs", "2")
+
+
+def _verified(out: Path, ref: dict[str, str], stats: OutputStats) -> None:
+    got = _digests(out)
+    if got != ref:
+        raise InvariantViolation(f"{out}: differs from a clean run: {sorted(set(got.items()) ^ set(ref.items()))[:3]}")
+    stats.bytes_verified += sum((out / k).stat().st_size for k in got)
+
+
+def contention_campaign(source: Path, work: Path, *, rounds: int, seed: int) -> OutputStats:
+    """Two reshards into one output: the first is held at a seeded random point (after its K-th
+    file, ``K3CKPT_TEST_PAUSE_AT=reshard_file:K``), a second (with or without ``--force``) must
+    be refused by the output lock naming the holder, and the first, let go, must finish with a
+    clean run's bytes."""
+    rng = random.Random(seed)
+    stats = OutputStats("contention", seed)
+    topo = rng.choice([["--ep", "2"], ["--ep", "4"], ["--tp", "2"]])
+    ref_dir = work / "reference"
+    subprocess.run(_reshard_args(source, ref_dir, topo), check=True, capture_output=True, timeout=600)
+    ref = _digests(ref_dir)
+    parts = sum(1 for k in ref if k.endswith(".safetensors"))
+    for i in range(rounds):
+        out, marker = work / f"out-{i}", work / f"paused-{i}"
+        env = _child_env({K3CKPT_TEST_PAUSE_AT.name: f"reshard_file:{rng.randrange(1, parts + 1)}",
+                          K3CKPT_TEST_PAUSE_FILE.name: str(marker)})
+        first = subprocess.Popen(_reshard_args(source, out, topo), env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE)
+        deadline = time.monotonic() + _PAUSE_TIMEOUT
+        while not marker.exists():
+            if first.poll() is not None or time.monotonic() > deadline:
+                first.kill()
+                raise InvariantViolation(f"the held reshard never reached its pause point ({first.returncode})")
+            time.sleep(0.005)
+        try:
+            stats.contended += 1
+            second = subprocess.run(_reshard_args(source, out, topo) + (["--force"] if rng.random() < 0.5 else []),
+                                    env=_child_env({}), capture_output=True, text=True, timeout=600)
+            lock = out / ".k3ckpt-output.lock"
+            if second.returncode != 2 or f"another reshard is running there: pid {first.pid}" not in second.stderr \
+                    or str(lock) not in second.stderr:
+                raise InvariantViolation(f"a second reshard into {out} was not refused by the lock: "
+                                         f"{second.returncode} {second.stderr[-300:]}")
+            stats.refused_by_lock += 1
+        finally:
+            marker.unlink()
+            os.kill(first.pid, signal.SIGCONT)
+        _, err = first.communicate(timeout=600)
+        if first.returncode != 0:
+            raise InvariantViolation(f"the held reshard failed after the refusal: {err.decode()[-300:]}")
+        _verified(out, ref, stats)
+        stats.held_finished += 1
+        shutil.rmtree(out)
+    return stats
+
+
+#: What a foreign directory holds in :func:`foreign_campaign`: a user's files that happen to
+#: have the names the commands write (or a k3ckpt-looking marker k3ckpt did not write there).
+_FOREIGN = ["config.json", "notes.txt", "model-00001-of-00001.safetensors", "rank-00000/READY",
+            "node-00000/config.json", "topology.json", "model.safetensors.index.json", ".hidden.tmp",
+            ".cache/huggingface/download/config.json.metadata", "LICENSE"]
+
+
+def _all_bytes(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def foreign_campaign(source: Path, work: Path, *, rounds: int, seed: int) -> OutputStats:
+    """Every writing command into a directory holding files k3ckpt did not write (seeded random
+    names from :data:`_FOREIGN`, a copy of a checkpoint, or both), with or without ``--force``:
+    each must exit 2 naming a file there, and leave the directory byte for byte as it was."""
+    rng = random.Random(seed)
+    stats = OutputStats("foreign", seed)
+    layout = work / "layout"
+    subprocess.run(_reshard_args(source, layout, ["--ep", "2"]), check=True, capture_output=True, timeout=600)
+    for i in range(rounds):
+        d = work / f"foreign-{i}"
+        if rng.random() < 0.3:
+            shutil.copytree(source, d)
+        d.mkdir(exist_ok=True)
+        for rel in rng.sample(_FOREIGN, rng.randrange(1, 4)):
+            (d / rel).parent.mkdir(parents=True, exist_ok=True)
+            (d / rel).write_bytes(rng.randbytes(rng.randrange(1, 256)))
+        force = ["--force"] if rng.random() < 0.5 else []
+        commands = [_reshard_args(source, d, ["--ep", "2"]), _cli("reshard", str(source), "-o", str(d), "--tp", "2"),
+                    _cli("unshard", str(layout), "-o", str(d))]
+        license_ = d / "LICENSE"
+        if not (license_.is_file() and b"synthetic fixture generated by k3ckpt" in license_.read_bytes()):
+            # synth tells its own output by that LICENSE line alone: a synthetic checkpoint with
+            # files replaced is synth's to replace (SECURITY.md), so not a foreign case here
+            commands.append(_cli("synth", str(d), "--layers", "2"))
+        args = rng.choice(commands) + force
+        before = _all_bytes(d)
+        stats.foreign_dirs += 1
+        stats.forced += bool(force)
+        res = subprocess.run(args, env=_child_env({}), capture_output=True, text=True, timeout=600)
+        lines = res.stderr.strip().splitlines()
+        if (res.returncode != 2 or len(lines) != 1 or "k3ckpt did not write (" + str(d) not in lines[0]
+                or _all_bytes(d) != before or sorted(os.listdir(d)) != sorted({k.split("/")[0] for k in before})):
+            raise InvariantViolation(f"{' '.join(args[3:5])} into a foreign directory {d}: exit {res.returncode}, "
+                                     f"{res.stderr[-300:]!r}; unchanged: {_all_bytes(d) == before}")
+        stats.refused_foreign += 1
+        shutil.rmtree(d)
+    return stats
+
+
+class Tmpfs:
+    """A small tmpfs at ``path`` (root only): :meth:`mount`, :meth:`resize`, :meth:`umount`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.mounted = False
+
+    def mount(self, size: int) -> Path:
+        """Raises:
+            OSError: mounting is not allowed here."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(self.path)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise OSError(f"cannot mount a tmpfs at {self.path}: {r.stderr.strip()[:100]}")
+        self.mounted = True
+        return self.path
+
+    def resize(self, size: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], check=True)
+
+    def umount(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.path)], check=False)
+            self.mounted = False
+
+
+def exhaustion_campaign(source: Path, work: Path, *, rounds: int, seed: int) -> OutputStats:
+    """reshard (both formats) and unshard onto a tmpfs of a seeded random size below what the
+    output needs: with the up-front check, a refusal before any byte naming path, need and free;
+    without it (another writer filling the disk), ENOSPC mid-run that must name the path and the
+    shortfall and leave no temporary file. Then the tmpfs grows and a plain re-run must complete
+    with a clean run's bytes.
+
+    Raises:
+        OSError: a tmpfs cannot be mounted here (not root).
+    """
+    from ..deploy.reshard import reshard
+    from ..deploy.unshard import unshard
+    from ..errors import DiskSpaceError, K3ckptError
+    from ..format.topology import RankSelection
+
+    rng = random.Random(seed)
+    stats = OutputStats("exhaustion", seed)
+    layout = work / "layout"
+    reshard(source, layout, RankSelection(ep=2), layout="rank")
+    refs: dict[str, dict[str, str]] = {}
+    for kind in ("rank", "node"):
+        reshard(source, work / f"ref-{kind}", RankSelection(ep=2), layout=kind)
+        refs[kind] = _digests(work / f"ref-{kind}")
+    unshard(layout, work / "ref-unshard")
+    refs["unshard"] = _digests(work / "ref-unshard")
+    for i in range(rounds):
+        kind = rng.choice(["rank", "node", "unshard"])
+        total = sum((work / f"ref-{kind}" / k).stat().st_size for k in refs[kind])
+        fs = Tmpfs(work / f"mnt-{i}")
+        mnt = fs.mount(max(64 << 10, int(total * rng.uniform(0.1, 0.9))))
+        try:
+            out = mnt / "out"
+            check = rng.random() < 0.3
+
+            def run(check_space: bool, out: Path = out, kind: str = kind) -> None:
+                if kind == "unshard":
+                    unshard(layout, out, check_space=check_space, jobs=2)
+                else:
+                    reshard(source, out, RankSelection(ep=2), layout=kind, check_space=check_space, jobs=2)
+
+            try:
+                run(check)
+                raise InvariantViolation(f"{kind} onto a {mnt} too small for it succeeded")
+            except DiskSpaceError as e:
+                if not check or not str(e).startswith(f"{out}: not enough free space") or " free" not in str(e):
+                    raise InvariantViolation(f"{kind}: unexpected refusal {e}") from None
+                if sorted(p.name for p in out.iterdir()) != [".cache"]:
+                    raise InvariantViolation(f"{out}: refused up front but wrote {sorted(os.listdir(out))}") from None
+                stats.refused_up_front += 1
+            except K3ckptError as e:
+                msg = str(e)
+                stats.enospc += 1
+                if check or "No space left on device" not in msg or f"{out} needs " not in msg \
+                        or "temporary files removed" not in msg:
+                    raise InvariantViolation(f"{kind}: out-of-space error lacks the path or shortfall: {msg}") from None
+                left = sorted(p.relative_to(mnt).as_posix() for p in mnt.rglob(".*.tmp"))
+                if left:
+                    raise InvariantViolation(f"{kind}: temporary files left on the full disk: {left[:3]}") from None
+                stats.enospc_clean += 1
+            fs.resize(4 * total + (8 << 20))
+            run(True)  # a plain re-run: no --force (nothing of a failed unshard is final)
+            got = _digests(out)
+            if got != refs[kind]:
+                raise InvariantViolation(f"{kind}: the re-run after the disk grew differs from a clean run")
+            stats.bytes_verified += sum((out / k).stat().st_size for k in got)
+            stats.resumed += 1
+        finally:
+            fs.umount()
+    return stats

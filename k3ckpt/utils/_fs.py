@@ -65,7 +65,8 @@ def atomic_output(path: str | os.PathLike[str], *, mode: int = 0o644, size: int 
     without an error, the file is fsync-ed, renamed over ``path`` and the directory fsync-ed
     (:func:`fsync_dir`), so the new content survives a power loss. On any exception,
     ``KeyboardInterrupt`` included, the temporary file is removed and ``path`` is untouched:
-    ``path`` never holds a partial file.
+    ``path`` never holds a partial file. An ``OSError`` that names no file (a full disk during a
+    write) is given ``path`` as its file name, so every out-of-space error says where.
 
     Args:
         path: The final name.
@@ -95,9 +96,12 @@ def atomic_output(path: str | os.PathLike[str], *, mode: int = 0o644, size: int 
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:
+            # pwrite/fsync errors carry no name: "No space left on device" must say where
+            e.filename = str(path)
         raise
     fsync_dir(path.absolute().parent)
 
