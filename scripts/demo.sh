@@ -21,6 +21,18 @@ NODE1="$WORK/node1/Kimi-K3-tp2-dp4"  # what a second node downloads: its node di
 FULL="$WORK/k3-full"
 NODES="$WORK/node/Kimi-K3-tp2-dp4"   # node directories for vLLM TP2 x DP4 (EP8) on two 4-GPU nodes
 MANIFEST="$WORK/kimi-k3.manifest.json"
+TENSORS="$WORK/kimi-k3.tensors.json"
+
+# Re-runs reuse WORK, but only what this k3ckpt would write itself: when the package changed
+# since the last run (another version, another synthetic rule), the demo's own outputs - the
+# paths above and nothing else in WORK - are rebuilt rather than trusted.
+STAMP="$(python -c 'import hashlib, k3ckpt, k3ckpt.testing.synth as s; print(k3ckpt.__version__, hashlib.sha256(open(s.__file__, "rb").read()).hexdigest())')"
+if [ "$(cat "$WORK/.demo-stamp" 2>/dev/null)" != "$STAMP" ]; then
+  [ ! -e "$HUBDIR.done" ] || echo "k3ckpt changed since the last demo run: rebuilding the demo's outputs in $WORK"
+  rm -rf "$WORK/hub" "$HUBDIR.done" "$WORK/node" "$WORK/node1" "$FULL" "$FULL.done" "$WORK/hub-cache" "$WORK/cache" \
+    "$WORK/hf-home" "$MANIFEST" "$MANIFEST.sig" "$TENSORS"
+fi
+printf '%s\n' "$STAMP" > "$WORK/.demo-stamp"
 REPO="moonshotai/Kimi-K3"
 export K3CKPT_CACHE_DIR="$WORK/cache" HF_HUB_DISABLE_XET=1 HF_HUB_DISABLE_TELEMETRY=1 HF_HOME="$WORK/hf-home"
 step() { printf '\n== %s\n' "$*"; }
@@ -74,10 +86,13 @@ k3ckpt plan "$NODE" --tp 2 --dp 4 --gpus-per-node 4
 k3ckpt reshard "$NODE" -o "$NODES" --tp 2 --dp 4 --gpus-per-node 4
 
 step "9. a second node fetches only its share, as its node directory: node 1 (ranks 4-7), from ModelScope"
-# the operator publishes per-tensor digests (the hub's sha256 covers whole files only)
-[ -f "$WORK/kimi-k3.tensors.json" ] || k3ckpt manifest build "$HUBDIR" --tensor-hashes -o "$WORK/kimi-k3.tensors.json"
+# per-tensor digests pinned before the download (the hub's sha256 covers whole files only): one
+# streamed read of the hub's files, each checked against the hub's sha256 in the same pass
+[ -f "$TENSORS" ] || k3ckpt manifest pull --source hf --repo "$REPO" --tensor-hashes -o "$TENSORS"
 k3ckpt fetch --source modelscope --repo "$REPO" --dest "$NODE1" --tp 2 --dp 4 --node 1 --gpus-per-node 4 \
-  --manifest "$WORK/kimi-k3.tensors.json"
+  --manifest "$TENSORS"
+# the node proves its share later too: every tensor it holds, and that its ranks' experts are all there
+k3ckpt verify "$NODE1" --manifest "$TENSORS"
 # the same directory reshard wrote for node 1 in step 8, byte for byte (fetch also keeps its source record)
 diff -r --exclude=.cache "$NODES/node-00001" "$NODE1" && echo "identical: $NODES/node-00001 and $NODE1"
 k3ckpt preflight "$NODE1" --engine vllm --tp 2 --dp 4 --node 1 --gpus-per-node 4 --no-env

@@ -83,8 +83,8 @@ def test_node_dir_verifies_clean_against_the_tensor_manifest(resharded: Path, ma
     held = len(json.loads((resharded / NODE_MARKER).read_text())["tensors"])
     skipped = not_local(manifests["tensors"], set(range(8, 16)))
     assert lines[0].startswith("ok: ")
-    assert lines[1] == (f"node share ({NODE_MARKER}; node 1, ranks 2-3): {held} tensors checked, "
-                        f"{skipped} not local (other nodes' experts)")
+    assert lines[1] == (f"node share ({NODE_MARKER}; node 1, ranks 2-3): {held:,} tensors checked, "
+                        f"{skipped:,} not local (other nodes' experts)")
     assert len(lines) == 2 and skipped > 0  # nothing about the experts the node does not hold
 
     rep = json.loads(verify(resharded, "--manifest", str(manifests["tensors"]), "--json").output)

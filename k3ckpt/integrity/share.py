@@ -80,11 +80,11 @@ class ShareFacts:
     def summary(self) -> str:
         who = f"node {self.node}, " if self.node is not None else ""
         ranks = f"rank{'s' if len(self.ranks) != 1 else ''} {_ranges(self.ranks)}"
-        text = f"{self.kind} share ({self.marker}; {who}{ranks}): {self.tensors_checked} tensors checked"
+        text = f"{self.kind} share ({self.marker}; {who}{ranks}): {self.tensors_checked:,} tensors checked"
         if self.tensors_not_local is not None:
-            text += f", {self.tensors_not_local} not local (other nodes' experts)"
+            text += f", {self.tensors_not_local:,} not local (other nodes' experts)"
         if self.tensors_missing:
-            text += f", {self.tensors_missing} needed but absent"
+            text += f", {self.tensors_missing:,} needed but absent"
         return text
 
 
