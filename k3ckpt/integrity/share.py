@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LayoutError, ShareReferenceError
-from ..format.checkpoint import INDEX_NAME, Checkpoint, iter_checkpoint_files, open_checkpoint
+from ..format.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from ..format.layout import NODE_MARKER, PARTIAL_MARKER, READY_NAME, read_node_marker
 from ..format.roles import Kind, classify
 from ..utils import format_ranges
-from .hashing import FileDigest, HashError, Span, hash_files
+from .hashing import FileDigest, Span, hash_files
 from .manifest import Manifest, TensorEntry, tensors_from_headers
 from .verify import (
     Expected,
@@ -47,8 +47,9 @@ from .verify import (
     _cached_digest_matches,
     _content_issue,
     _nan_issues,
+    rescan_scales,
     scale_spans,
-    scan_files,
+    stat_present,
     structure_issues,
 )
 
@@ -141,14 +142,7 @@ def verify_share(
                        [int(r) for r in marker.get("ranks") or []], list(marker["experts"]))
     report.share = facts
 
-    present = list(iter_checkpoint_files(root))
-    report.files = len(present)
-    stats: dict[str, os.stat_result] = {}
-    for f in present:
-        try:
-            stats[f] = os.stat(root / f)
-        except OSError as e:
-            issues.append(Issue("unreadable", f, f"cannot stat ({e.strerror})"))
+    present, stats = stat_present(root, report)
     ckpt = open_checkpoint(root, jobs=jobs, strict=False)
     actual = tensors_from_headers(ckpt.shards.values())
     facts.tensors_present = len(actual)
@@ -266,14 +260,7 @@ def verify_share(
                 extra = {"share_ref": ref_key, "share_issues": [asdict(i) for i in found]} if f in weight else {}
                 scanned = {"scan_ok": not d.flagged, "flagged": d.flagged or []} if scan and f in weight else {}
                 cache.record(f, stats[f], sha256=d.sha256, **extra, **scanned)
-    if to_scan:
-        for f, flagged in scan_files(root, to_scan, header_scan, jobs).items():
-            if isinstance(flagged, HashError):
-                issues.append(Issue("unreadable", f, str(flagged.strerror)))
-                continue
-            issues += _nan_issues(f, flagged)
-            if cache is not None:
-                cache.record(f, stats[f], scan_ok=not flagged, flagged=flagged)
+    issues += rescan_scales(root, to_scan, header_scan, jobs, stats, cache)
 
 
 def _marker_map(marker: dict[str, Any], marker_name: str, key: str) -> dict[str, Any]:

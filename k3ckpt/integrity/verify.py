@@ -256,14 +256,7 @@ def verify_checkpoint(
                      cache=cache, progress=progress, on_plan=on_plan)
         return _finish(report, cache, t0)
 
-    present = list(iter_checkpoint_files(root))
-    report.files = len(present)
-    stats: dict[str, os.stat_result] = {}
-    for f in present:
-        try:
-            stats[f] = os.stat(root / f)
-        except OSError as e:
-            issues.append(Issue("unreadable", f, f"cannot stat ({e.strerror})"))
+    present, stats = stat_present(root, report)
     hits = {f: cache.lookup(f, st) for f, st in stats.items()} if cache is not None else {}
 
     # In quick mode an unchanged directory (same stat for every file) keeps its previous
@@ -396,14 +389,7 @@ def verify_checkpoint(
     except BaseException:
         cancel.set()  # stop the background hashing too: an error or Ctrl-C ends the run now
         raise
-    if to_scan:
-        for f, flagged in scan_files(root, to_scan, header_scan_spans, jobs).items():
-            if isinstance(flagged, HashError):
-                issues.append(Issue("unreadable", f, str(flagged.strerror)))
-                continue
-            issues += _nan_issues(f, flagged)
-            if cache is not None:
-                cache.record(f, stats[f], scan_ok=not flagged, flagged=flagged)
+    issues += rescan_scales(root, to_scan, header_scan_spans, jobs, stats, cache)
 
     return _finish(report, cache, t0)
 
@@ -432,6 +418,37 @@ def _finish(report: VerifyReport, cache: StatCache | None, t0: float) -> VerifyR
     report.issues = sorted(report.issues, key=lambda i: (order.get(i.kind, 99), i.file or "", i.tensor or ""))
     report.seconds = round(time.perf_counter() - t0, 3)
     return report
+
+
+def stat_present(root: Path, report: VerifyReport) -> tuple[list[str], dict[str, os.stat_result]]:
+    """The checkpoint's files (``report.files`` set to their count) and the stat of each; a file
+    that cannot be stat-ed is an ``unreadable`` issue of the report and has no stat."""
+    present = list(iter_checkpoint_files(root))
+    report.files = len(present)
+    stats: dict[str, os.stat_result] = {}
+    for f in present:
+        try:
+            stats[f] = os.stat(root / f)
+        except OSError as e:
+            report.issues.append(Issue("unreadable", f, f"cannot stat ({e.strerror})"))
+    return present, stats
+
+
+def rescan_scales(root: Path, files: list[str], spans: dict[str, list[Span]], jobs: int | None,
+                  stats: dict[str, os.stat_result], cache: StatCache | None) -> list[Issue]:
+    """The NaN-scale scan of ``files`` that the hashing read could not cover (the stat cache's
+    verdict was stale, or the manifest's spans disagreed with the headers), recorded in the cache."""
+    issues: list[Issue] = []
+    if not files:
+        return issues
+    for f, flagged in scan_files(root, files, spans, jobs).items():
+        if isinstance(flagged, HashError):
+            issues.append(Issue("unreadable", f, str(flagged.strerror)))
+            continue
+        issues += _nan_issues(f, flagged)
+        if cache is not None:
+            cache.record(f, stats[f], scan_ok=not flagged, flagged=flagged)
+    return issues
 
 
 def _structure_key(stats: dict[str, os.stat_result], manifest: Manifest | None, scan: bool) -> str:

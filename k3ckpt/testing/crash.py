@@ -33,9 +33,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..env import K3CKPT_TEST_PAUSE_AT, K3CKPT_TEST_PAUSE_FILE
+
+if TYPE_CHECKING:  # imported where used: the hub emulator is only needed by the fetch campaigns
+    from .hub import LoopbackHub
 
 __all__ = ["CrashStats", "InvariantViolation", "OutputStats", "Tmpfs", "contention_campaign", "exhaustion_campaign",
            "fetch_campaign", "foreign_campaign", "reshard_campaign", "share_fetch_campaign"]
@@ -245,31 +248,34 @@ def fetch_campaign(served: Path, work: Path, *, kills: int, seed: int, power_los
                 "--dest", str(dest), "--endpoint", hub.url, "--chunk-size", str(CHUNK), "--workers", "3"]
         env = _child_env(hub.env_vars())
         while stats.kills < kills:
-            if (dest / ".k3ckpt-fetch.lock").exists():
-                stats.stale_locks_recovered += 1
-            marker = work / "paused"
-            marker.unlink(missing_ok=True)
-            at_point = rng.random() < 0.5
-            child_env = dict(env)
-            ready: Callable[[], bool]
-            if at_point:
-                point = "before_rename" if rng.random() < 0.2 else f"after_chunk:{rng.randrange(1, max(2, nchunks // 2))}"
-                child_env.update({K3CKPT_TEST_PAUSE_AT.name: point, K3CKPT_TEST_PAUSE_FILE.name: str(marker)})
-                ready = marker.exists
-            else:
-                start = hub.total_bytes_sent()
-                threshold = start + rng.randrange(1, max(2, total))
-
-                # a def, not a lambda: mypy cannot type a lambda with a default argument as Callable[[], bool]
-                def ready(threshold: int = threshold) -> bool:
-                    return hub.total_bytes_sent() >= threshold
-
+            child_env, ready, at_point = _arm_fetch_kill(
+                rng, hub, env, dest, work / "paused", stats, total,
+                lambda: "before_rename" if rng.random() < 0.2 else f"after_chunk:{rng.randrange(1, max(2, nchunks // 2))}")
             killed = _run_until_killed(args, child_env, ready, at_point, stats)
             _after_kill(killed, args, env, dest, stats, scan=lambda: scan_fetch(dest, served, stats),
                         damage=lambda: rng.random() < power_loss and _damage_fetch(dest, rng, stats), reference=served)
         _complete(args, env, dest, stats)
     _compare_trees(dest, served, stats)
     return stats
+
+
+def _arm_fetch_kill(rng: random.Random, hub: LoopbackHub, env: dict[str, str], dest: Path, marker: Path,
+                    stats: CrashStats, total: int, pause_point: Callable[[], str],
+                    ) -> tuple[dict[str, str], Callable[[], bool], bool]:
+    """Where the next fetch run is killed: half the time at an exact point of the downloader
+    (``pause_point()``, e.g. after the N-th journaled chunk; the child pauses there and touches
+    ``marker``), half at a random number of bytes the hub has sent. Returns the child's
+    environment, the "kill now" test and whether it is a pause point. Counts the stale lock a
+    previous kill left, which the next run must recover."""
+    if (dest / ".k3ckpt-fetch.lock").exists():
+        stats.stale_locks_recovered += 1
+    marker.unlink(missing_ok=True)
+    child_env = dict(env)
+    if rng.random() < 0.5:
+        child_env.update({K3CKPT_TEST_PAUSE_AT.name: pause_point(), K3CKPT_TEST_PAUSE_FILE.name: str(marker)})
+        return child_env, marker.exists, True
+    threshold = hub.total_bytes_sent() + rng.randrange(1, max(2, total))
+    return child_env, lambda: hub.total_bytes_sent() >= threshold, False
 
 
 def _after_kill(killed: bool, args: list[str], env: dict[str, str], out: Path, stats: CrashStats, *,
@@ -450,23 +456,9 @@ def share_fetch_campaign(served: Path, work: Path, *, kills: int, seed: int, hub
         args = [*base, "--dest", str(dest)]
         verify = [sys.executable, "-m", "k3ckpt", "verify", str(dest), "--manifest", str(manifest), "--no-cache"]
         while stats.kills < kills:
-            if (dest / ".k3ckpt-fetch.lock").exists():
-                stats.stale_locks_recovered += 1
-            marker = work / "paused"
-            marker.unlink(missing_ok=True)
-            at_point = rng.random() < 0.5
-            child_env = dict(env)
-            ready: Callable[[], bool]
-            if at_point:
-                point = "before_shard_rename" if rng.random() < 0.2 else f"after_piece:{rng.randrange(1, 40)}"
-                child_env.update({K3CKPT_TEST_PAUSE_AT.name: point, K3CKPT_TEST_PAUSE_FILE.name: str(marker)})
-                ready = marker.exists
-            else:
-                threshold = hub.total_bytes_sent() + rng.randrange(1, max(2, total))
-
-                def ready(threshold: int = threshold) -> bool:  # a def: mypy cannot type a defaulted lambda
-                    return hub.total_bytes_sent() >= threshold
-
+            child_env, ready, at_point = _arm_fetch_kill(
+                rng, hub, env, dest, work / "paused", stats, total,
+                lambda: "before_shard_rename" if rng.random() < 0.2 else f"after_piece:{rng.randrange(1, 40)}")
             killed = _run_until_killed(args, child_env, ready, at_point, stats)
             _verify_share(verify, env, dest, ref, stats, must_pass=not killed)
             if not killed:  # finished before its kill point: start over, so the next kill lands mid-run
