@@ -95,6 +95,7 @@ __all__ = [
     "MxInspectError",
     "MxPlotUnavailableError",
     "MxSelectionError",
+    "OfflineNoRecordError",
     "OutputLockedError",
     "OutputNotOwnedError",
     "PreflightError",
@@ -398,6 +399,12 @@ class EmptySelectionError(K3ckptError):
     """``--include``/``--exclude`` leave none of the files they filter: the command would do
     nothing (or only part of what was meant), so it is refused before any byte moves. The
     message names the patterns."""
+
+
+class OfflineNoRecordError(K3ckptError):
+    """``fetch`` under ``HF_HUB_OFFLINE=1`` found no record of an earlier fetch of that repo (and
+    revision) where it was pointed: there is nothing to verify against, and the hub may not be
+    asked (the message names the directory)."""
 
 
 # -- MX (microscaling) tensors -----------------------------------------------------------------

@@ -18,7 +18,12 @@ from ._output import ByteProgress, emit_json
 @click.option("--source", "hub", required=True, type=click.Choice(["hf", "modelscope"]), help="Which hub.")
 @click.option("--repo", required=True, help="Repository id, e.g. moonshotai/Kimi-K3.")
 @click.option("--revision", help="Branch, tag or commit [default: main]; the download is pinned to the resolved commit.")
-@click.option("--dest", required=True, type=click.Path(file_okay=False, path_type=str), help="Local directory.")
+@click.option("--local-dir", "--dest", "dest", type=click.Path(file_okay=False, path_type=str),
+              help="Write a plain directory (k3ckpt's own records in DIR/.cache/k3ckpt/) instead of the hub cache.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=str),
+              help="Write the hub's cache layout here, which its client and the engines read offline [default "
+                   "without --local-dir: the hub's own cache: HF_HUB_CACHE / HF_HOME/hub / ~/.cache/huggingface/hub, "
+                   "MODELSCOPE_CACHE / ~/.cache/modelscope].")
 @click.option("--include", multiple=True, help="Only files matching this glob (repeatable; rank-aware: filters the "
                                                "non-weight files). Globs leaving no file are refused.")
 @click.option("--exclude", multiple=True, help="Skip files matching this glob (repeatable).")
@@ -47,9 +52,10 @@ from ._output import ByteProgress, emit_json
 @json_option("Machine-readable summary.")
 @click.option("-v", "--verbose", is_flag=True, help="Name every file as it completes.")
 @handle_errors
-def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[str, ...], exclude: tuple[str, ...],
-          workers: int, chunk_size: int, endpoint: str | None, selection: RankSelection, layout: str | None,
-          max_file_size: int, manifest_path: str | None, dry_run: bool, as_json: bool, verbose: bool) -> None:
+def fetch(hub: str, repo: str, revision: str | None, dest: str | None, cache_dir: str | None,
+          include: tuple[str, ...], exclude: tuple[str, ...], workers: int, chunk_size: int, endpoint: str | None,
+          selection: RankSelection, layout: str | None, max_file_size: int, manifest_path: str | None, dry_run: bool,
+          as_json: bool, verbose: bool) -> None:
     """Download a checkpoint from Hugging Face or ModelScope: resumable, parallel, verified.
 
     Metadata comes through the real client (HF_ENDPOINT, HF_TOKEN or a saved login,
@@ -58,6 +64,14 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
     chunks written in place, a journal of finished chunks so an interrupted run resumes where
     it stopped, every file's sha256 checked before it is renamed into place. Files already
     present and verified are skipped. Exits 1 and lists every file it could not fetch.
+
+    Where: by default into the hub's own cache, in its layout (Hugging Face:
+    models--org--name/ with blobs/, snapshots/<commit>/ links and refs/<revision>; ModelScope:
+    models/org--name/snapshots/<revision>/), so that the hub's client - and vLLM, SGLang and
+    transformers through it - finds the files offline; --cache-dir names another cache;
+    --local-dir (alias --dest) writes a plain directory instead. With HF_HUB_OFFLINE=1 nothing
+    is fetched: what an earlier fetch put there is verified against the listing it recorded
+    (exit 0 when complete, 1 when files are missing or damaged).
 
     Rank-aware (--node or --ranks with --tp/--dp/--ep; --ranks or --node without a topology
     is refused, not read as one rank holding everything): reads every shard's header, then
@@ -75,6 +89,7 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
 
     \b
     Examples:
+      k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --cache-dir /nvme/hf-cache
       k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest /nvme/Kimi-K3
       k3ckpt fetch --source modelscope --repo moonshotai/Kimi-K3 --dest /nvme/Kimi-K3 --workers 16
       k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --dest ./k3 --include '*.json' --include 'tokenizer*'
@@ -85,10 +100,21 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
     from ..hub.fetch import fetch_json, plan_fetch, render_fetch, render_fetch_plan, run_fetch
 
     sel = selection
-    if sel.names_topology or sel.ranks is not None or sel.node is not None:
+    rank_aware = sel.names_topology or sel.ranks is not None or sel.node is not None
+    if dest is not None and cache_dir is not None:
+        raise click.UsageError("--local-dir and --cache-dir name two destinations: give one")
+    if _offline():
+        _check_offline(hub, repo, revision, dest, cache_dir, include, exclude, workers, rank_aware, as_json)
+        return
+    if rank_aware:
         if sel.ranks is None and sel.node is None:
             raise click.UsageError("rank-aware fetch needs --ranks or --node (all ranks need the whole checkpoint: "
                                    "drop --ep/--tp/--world-size for a full fetch)")
+        if dest is None:
+            # A rewritten shard is not the hub's file: stored in the cache it would be served to
+            # every client as the hub's content of that name (see docs/fetch.md#hub-caches).
+            raise click.UsageError("a rank-aware fetch writes shards that are not the hub's files, so it does not "
+                                   "write into a hub cache: give --local-dir DIR")
         layout = layout or ("partial" if sel.ranks is not None else "node")
         if layout == "node":
             if sel.ranks is not None:
@@ -105,7 +131,12 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
         if given is not None:
             raise click.UsageError(f"{flag} is for a rank-aware fetch: add --ranks or --node with --ep/--tp")
 
-    plan = plan_fetch(hub, repo, dest, revision=revision, include=include, exclude=exclude, endpoint=endpoint)
+    from ..hub.cache import default_cache_dir
+
+    if dest is None and cache_dir is None:
+        cache_dir = str(default_cache_dir(hub))
+    plan = plan_fetch(hub, repo, dest, cache_dir=cache_dir, revision=revision, include=include, exclude=exclude,
+                      endpoint=endpoint)
     if dry_run:
         if as_json:
             emit_json(plan.to_json())
@@ -120,6 +151,38 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str, include: tuple[s
         click.echo(render_fetch(plan, res, verbose=verbose))
         for note in res.notes:  # about the run, not the files: on stderr, like the progress bar
             click.echo(f"  note: {note}", err=True)
+    if not res.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
+def _offline() -> bool:
+    """``HF_HUB_OFFLINE`` as the Hugging Face client read it. The ModelScope client has no offline
+    switch of its own; vLLM passes ``HF_HUB_OFFLINE`` to it as ``local_files_only``, so it applies
+    to both sources here."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _check_offline(hub: str, repo: str, revision: str | None, dest: str | None, cache_dir: str | None,
+                   include: tuple[str, ...], exclude: tuple[str, ...], workers: int, rank_aware: bool,
+                   as_json: bool) -> None:
+    """``fetch`` under ``HF_HUB_OFFLINE=1``: verify what is there against the recorded listing,
+    never contacting the hub; exit 1 when a file is missing or damaged."""
+    from ..hub.cache import default_cache_dir
+    from ..hub.fetch import check_offline
+
+    if rank_aware:
+        raise click.UsageError("HF_HUB_OFFLINE is set: a rank-aware fetch's files are not the hub's, so there is no "
+                               "hub listing to check them against offline; check them with `k3ckpt verify DIR`")
+    if dest is None and cache_dir is None:
+        cache_dir = str(default_cache_dir(hub))
+    res = check_offline(hub, repo, local_dir=dest, cache_dir=cache_dir, revision=revision, include=include,
+                        exclude=exclude, jobs=workers)
+    if as_json:
+        emit_json(res.to_json())
+    else:
+        click.echo(res.render())
     if not res.ok:
         sys.exit(EXIT_PROBLEMS)
 
