@@ -40,6 +40,7 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
     ├── DiskSpaceError                 the destination has less free space than needed
     ├── RankFetchError                 the repo or manifest does not allow a rank-aware fetch
     ├── EmptySelectionError            --include/--exclude leave no file: nothing to do
+    ├── OfflineNoRecordError           HF_HUB_OFFLINE and no record of an earlier fetch to verify against
     ├── MxSelectionError               no MX tensor matches the selection
     ├── MxInspectError                 an input cannot be inspected or measured
     ├── MxPlotUnavailableError         --plot without matplotlib installed
