@@ -4,6 +4,7 @@ HF_HUB_OFFLINE=1 (verifies what is there, never asks the hub)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -183,11 +184,55 @@ def test_local_dir_and_cache_dir_together_are_refused(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "give one" in res.output
 
 
-def test_rank_aware_fetch_into_a_cache_is_refused(tmp_path: Path) -> None:
-    res = run("fetch", "--source", "hf", "--repo", REPO, "--cache-dir", str(tmp_path / "c"), "--ep", "8",
-              "--ranks", "0")
-    assert res.exit_code == 2 and "not the hub's files" in res.output and "--local-dir" in res.output
+def test_node_format_into_a_cache_is_refused(tmp_path: Path) -> None:
+    res = run("fetch", "--source", "hf", "--repo", REPO, "--cache-dir", str(tmp_path / "c"), "--tp", "2", "--dp", "4",
+              "--node", "0", "--gpus-per-node", "4")
+    assert res.exit_code == 2 and "not a snapshot of the repo" in res.output and "--local-dir" in res.output
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("source", ["hf", "modelscope"])
+def test_rank_aware_fetch_publishes_its_own_snapshot(hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     source: str) -> None:
+    """--ranks into a cache: the rewritten shards are never stored under the hub's names; the
+    partial checkpoint is a snapshot of its own (ref k3ckpt-partial-...), whose index lists only
+    the files present, and the clients return it offline only when asked for that revision."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    from modelscope.hub.snapshot_download import snapshot_download as ms_snapshot_download
+
+    h, served = hub
+    cache = tmp_path / "cache"
+    res = _fetch(h, "--source", source, "--cache-dir", str(cache), "--ep", "8", "--ranks", "0", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    ref = doc["snapshot_revision"]
+    assert ref.startswith("k3ckpt-partial-")
+    _offline_hf(monkeypatch)
+    h.reset_counters()
+    if source == "hf":
+        snap = Path(snapshot_download(REPO, cache_dir=cache, revision=ref, local_files_only=True))
+        blobs = cache / "models--moonshotai--Kimi-K3" / "blobs"
+        # content-addressed: every blob is named by the sha256 of what it holds
+        assert all(hashlib.sha256(b.read_bytes()).hexdigest() == b.name for b in blobs.iterdir())
+        with pytest.raises(LocalEntryNotFoundError):  # the hub's main is not this partial snapshot
+            snapshot_download(REPO, cache_dir=cache, local_files_only=True)
+    else:
+        snap = Path(ms_snapshot_download(REPO, cache_dir=str(cache), revision=ref, local_files_only=True))
+    assert snap == Path(doc["snapshot"])
+    index = json.loads((snap / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in snap.glob("*.safetensors"))
+    source_index = json.loads((served / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert set(index["weight_map"]) < set(source_index["weight_map"])  # only rank 0's tensors...
+    assert run("verify", str(snap)).exit_code == 0  # ... and every one listed is in its shard
+    # rewritten shards (the MoE ones) in the snapshot, stored under their own sha256 (above)
+    assert any((snap / n).stat().st_size < (served / n).stat().st_size for n in shards)
+    assert h.request_log == []
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    again = _fetch(h, "--source", source, "--cache-dir", str(cache), "--ep", "8", "--ranks", "0", "--json")
+    assert again.exit_code == 0 and json.loads(again.output)["bytes_downloaded"] == 0
+    assert json.loads(again.output)["snapshot"] == str(snap)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -110,18 +110,22 @@ def fetch(hub: str, repo: str, revision: str | None, dest: str | None, cache_dir
         if sel.ranks is None and sel.node is None:
             raise click.UsageError("rank-aware fetch needs --ranks or --node (all ranks need the whole checkpoint: "
                                    "drop --ep/--tp/--world-size for a full fetch)")
-        if dest is None:
-            # A rewritten shard is not the hub's file: stored in the cache it would be served to
-            # every client as the hub's content of that name (see docs/fetch.md#hub-caches).
-            raise click.UsageError("a rank-aware fetch writes shards that are not the hub's files, so it does not "
-                                   "write into a hub cache: give --local-dir DIR")
         layout = layout or ("partial" if sel.ranks is not None else "node")
         if layout == "node":
             if sel.ranks is not None:
                 raise click.UsageError("--format node writes whole nodes: give --node N (or --format partial for "
                                        "--ranks)")
+            if dest is None:
+                # its files are renamed and regrouped (dense, per-rank experts): not a snapshot of the repo
+                raise click.UsageError("a node directory (--format node) is not a snapshot of the repo, so it is not "
+                                       "written into a hub cache: give --local-dir DIR, or --format partial to "
+                                       "publish the ranks' share in the cache under a k3ckpt revision")
             _fetch_node(hub, repo, revision, dest, include, exclude, workers, chunk_size, endpoint, sel, manifest_path,
                         max_file_size, dry_run, as_json, verbose)
+            return
+        if dest is None:
+            _fetch_ranks_to_cache(hub, repo, revision, cache_dir, include, exclude, workers, chunk_size, endpoint, sel,
+                                  manifest_path, dry_run, as_json, verbose)
             return
         _fetch_ranks(hub, repo, revision, dest, include, exclude, workers, chunk_size, endpoint, sel, manifest_path,
                      dry_run, as_json, verbose)
@@ -198,6 +202,55 @@ def _fetch_ranks(hub: str, repo: str, revision: str | None, dest: str, include: 
                               include=include, exclude=exclude, chunk_size=chunk_size, jobs=workers)
     _run_planned(plan, rf.render_rank_fetch_plan, rf.run_rank_fetch, rf.render_rank_fetch, rf.rank_fetch_json,
                  workers=workers, dry_run=dry_run, as_json=as_json, verbose=verbose)
+
+
+def _fetch_ranks_to_cache(hub: str, repo: str, revision: str | None, cache_dir: str | None,
+                          include: tuple[str, ...], exclude: tuple[str, ...], workers: int, chunk_size: int,
+                          endpoint: str | None, selection: RankSelection, manifest_path: str | None, dry_run: bool,
+                          as_json: bool, verbose: bool) -> None:
+    """``k3ckpt fetch --ranks ... --cache-dir C`` (``--format partial``): the partial checkpoint
+    is fetched into a k3ckpt folder of the cache, then published as a snapshot of its own under
+    the ref ``k3ckpt-partial-<key>`` (:func:`k3ckpt.hub.cache.publish_partial`)."""
+    from pathlib import Path
+
+    from ..format.checkpoint import INDEX_NAME
+    from ..format.layout import PARTIAL_MARKER
+    from ..hub import cache as hc
+    from ..hub import rankfetch as rf
+
+    root = Path(cache_dir) if cache_dir is not None else hc.default_cache_dir(hub)
+    plan = rf.plan_rank_fetch(hub, repo, root, selection, revision=revision, endpoint=endpoint,
+                              manifest=manifest_path, include=include, exclude=exclude, chunk_size=chunk_size,
+                              jobs=workers)
+    # named after the resolved selection (--ranks 0-3 and 0,1,2,3 are one snapshot)
+    key = hc.partial_key(plan.topology.to_json(), plan.ranks, include, exclude)
+    staging = plan.dest = hc.partial_staging(hub, root, repo, key)
+    if dry_run:
+        if as_json:
+            emit_json(plan.to_json())
+        else:
+            click.echo(rf.render_rank_fetch_plan(plan))
+        return
+    with ByteProgress(not as_json, "fetching") as bar:
+        res = rf.run_rank_fetch(plan, workers=workers, progress=bar, on_plan=bar.plan)
+    published = None
+    if res.ok:
+        paths = [s.path for s in plan.shards] + list(plan.files) + [PARTIAL_MARKER]
+        paths += [INDEX_NAME] if (staging / INDEX_NAME).is_file() and INDEX_NAME not in paths else []
+        published, failed = hc.publish_partial(hub, root, repo, plan.listing.revision, key, staging, sorted(set(paths)))
+        res.failed.update(failed)
+    if as_json:
+        doc = rf.rank_fetch_json(plan, res)
+        if published is not None:
+            doc.update(snapshot=str(published.snapshot), snapshot_revision=published.revision)
+        emit_json(doc)
+    else:
+        click.echo(rf.render_rank_fetch(plan, res, verbose=verbose))
+        if published is not None and res.ok:
+            click.echo(f"snapshot: {published.snapshot} (revision {published.revision}: pass it as --revision to the "
+                       "engine or snapshot_download; the hub's own revisions are untouched)")
+    if not res.ok:
+        sys.exit(EXIT_PROBLEMS)
 
 
 def _fetch_node(hub: str, repo: str, revision: str | None, dest: str, include: tuple[str, ...],

@@ -28,6 +28,7 @@ of the previous one. A foreign regular file with other content is never replaced
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -37,11 +38,14 @@ from typing import Any
 from ..utils import fsync_dir, write_atomic
 from .client import HubFile, HubListing
 
-__all__ = ["RECORDS_DIR", "CacheLayout", "blob_name", "default_cache_dir", "link_snapshot", "write_ref",
-           "write_tree_cache"]
+__all__ = ["PARTIAL_REF_PREFIX", "RECORDS_DIR", "CacheLayout", "blob_name", "default_cache_dir", "link_snapshot",
+           "partial_key", "partial_staging", "publish_partial", "repo_dir", "write_ref", "write_tree_cache"]
 
 #: k3ckpt's own folder inside a cached repo's folder (lock, fetch records): no client reads it.
 RECORDS_DIR = ".k3ckpt"
+#: A rank-aware fetch's snapshot is published under ``refs/`` (and on ModelScope ``snapshots/``)
+#: as this prefix + :func:`partial_key`: never a name the hub has.
+PARTIAL_REF_PREFIX = "k3ckpt-partial-"
 #: Suffix of a snapshot link being made (renamed over the final name at once).
 _LINK_TMP = ".k3ckpt-link"
 #: ``huggingface_hub``'s tree cache format (``_tree_cache.TREE_CACHE_FORMAT_VERSION``).
@@ -59,6 +63,16 @@ def default_cache_dir(hub: str) -> Path:
 
     # a fresh config: the default one is built once per process and would miss a later MODELSCOPE_CACHE
     return Path(ms_config.HubConfig().cache_dir)
+
+
+def repo_dir(hub: str, root: Path, repo: str) -> Path:
+    """The folder of ``repo`` in the cache at ``root``, named as the hub's client names it."""
+    if hub == "hf":
+        from huggingface_hub.file_download import repo_folder_name
+
+        return root / repo_folder_name(repo_id=repo, repo_type="model")
+    # modelscope_hub DownloadManager._repo_cache_dir_path
+    return root / "models" / repo.replace("/", "--")
 
 
 @dataclass(frozen=True)
@@ -86,12 +100,7 @@ class CacheLayout:
 
     @property
     def repo_dir(self) -> Path:
-        if self.hub == "hf":
-            from huggingface_hub.file_download import repo_folder_name
-
-            return self.root / repo_folder_name(repo_id=self.repo, repo_type="model")
-        # modelscope_hub DownloadManager._repo_cache_dir_path
-        return self.root / "models" / self.repo.replace("/", "--")
+        return repo_dir(self.hub, self.root, self.repo)
 
     @property
     def snapshot(self) -> Path:
@@ -193,7 +202,86 @@ def write_tree_cache(layout: CacheLayout, listing: HubListing) -> bool:
         if f.sha256 is not None:
             info.update(lfs_sha256=f.sha256, lfs_size=f.size)
         files[p] = info
+    _write_tree(layout, files)
+    return True
+
+
+def _write_tree(layout: CacheLayout, files: dict[str, Any]) -> None:
     path = layout.repo_dir / "trees" / f"{layout.commit}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps({"format_version": _TREE_FORMAT, "files": files}, indent=1).encode())
-    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# A rank-aware fetch's partial checkpoint, published as a k3ckpt-named snapshot
+# ----------------------------------------------------------------------------------------------
+
+
+def partial_key(topology: dict[str, Any], ranks: list[int], include: tuple[str, ...] = (),
+                exclude: tuple[str, ...] = ()) -> str:
+    """A short stable name for a rank-aware selection - the resolved topology (its
+    ``to_json()``), the ranks and the file filters, however they were spelled - naming its staging
+    folder and its ref."""
+    doc = json.dumps({"topology": topology, "ranks": sorted(ranks), "include": sorted(include),
+                      "exclude": sorted(exclude)}, sort_keys=True)
+    return hashlib.sha1(doc.encode()).hexdigest()[:12]
+
+
+def partial_staging(hub: str, root: Path, repo: str, key: str) -> Path:
+    """Where a rank-aware fetch into the cache writes its partial checkpoint first: a k3ckpt
+    output directory like any other (its lock, ownership record, journals), in ``.k3ckpt/``."""
+    return repo_dir(hub, root, repo) / RECORDS_DIR / "partial" / key
+
+
+def publish_partial(hub: str, root: Path, repo: str, commit: str, key: str, staging: Path,
+                    paths: list[str]) -> tuple[CacheLayout, dict[str, str]]:
+    """Publish the partial checkpoint in ``staging`` (its files ``paths``) as a snapshot of its
+    own, under the ref ``k3ckpt-partial-<key>`` - never under the hub's names: its shards are
+    rewritten, so they are stored as blobs named by their own sha256 (content-addressed: a blob
+    of that name holds exactly those bytes, whoever asks), linked from
+    ``snapshots/<id>/`` where ``<id>`` is derived from the commit and the selection (Hugging Face),
+    or copied as hard links into ``snapshots/k3ckpt-partial-<key>/`` (ModelScope). The files
+    are hard links to the staged ones (no second copy on disk); the tree listing and the ref
+    come last, only when every file is in place. Returns the layout and path -> why for failures.
+    """
+    from ..integrity.hashing import HashError, hash_file
+
+    ref = PARTIAL_REF_PREFIX + key
+    if hub == "hf":
+        pseudo = hashlib.sha1(f"k3ckpt-partial\0{commit}\0{key}".encode()).hexdigest()
+        layout = CacheLayout(hub, root, repo, ref, pseudo)
+    else:
+        layout = CacheLayout(hub, root, repo, ref, commit)
+    failed: dict[str, str] = {}
+    tree: dict[str, Any] = {}
+    for p in paths:
+        src = staging / p
+        try:
+            if hub == "hf":
+                digest = hash_file(src, git_sha1=True)
+                _hard_link(src, layout.repo_dir / "blobs" / digest.sha256)
+                why = link_snapshot(layout, HubFile(p, digest.size, digest.sha256, None))
+                if why is not None:
+                    failed[p] = why
+                tree[p] = {"size": digest.size, "blob_id": digest.git_sha1}
+            else:
+                _hard_link(src, layout.snapshot / p, replace=True)
+        except (HashError, OSError) as e:
+            failed[p] = f"cannot publish {src}: {e}"
+    if not failed and hub == "hf":
+        _write_tree(layout, tree)
+        write_ref(layout)
+    return layout, failed
+
+
+def _hard_link(src: Path, dst: Path, *, replace: bool = False) -> None:
+    """``dst`` becomes a hard link to ``src`` (made under a temporary name, renamed into place);
+    an existing ``dst`` is kept unless ``replace`` (a content-addressed blob is the same bytes)."""
+    if dst.exists() and (not replace or os.path.samefile(src, dst)):
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + _LINK_TMP)
+    tmp.unlink(missing_ok=True)
+    os.link(src, tmp)
+    os.replace(tmp, dst)
+    fsync_dir(dst.parent)
