@@ -240,22 +240,26 @@ def test_rank_aware_fetch_publishes_its_own_snapshot(hub, tmp_path: Path, monkey
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where", ["local-dir", "cache-dir"])
+@pytest.mark.parametrize(("source", "where"), [("hf", "local-dir"), ("hf", "cache-dir"), ("modelscope", "cache-dir")])
 def test_offline_fetch_verifies_what_is_there(hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              where: str) -> None:
+                                              source: str, where: str) -> None:
+    """HF_HUB_OFFLINE=1 (which vLLM also hands the ModelScope client as local_files_only):
+    verify against the recorded listing, exit 0 or 1, and not one request to the hub."""
     h, served = hub
     target = tmp_path / where
-    assert _fetch(h, "--source", "hf", f"--{where}", str(target)).exit_code == 0
+    assert _fetch(h, "--source", source, f"--{where}", str(target)).exit_code == 0
     _offline_hf(monkeypatch)
     h.reset_counters()
-    res = _fetch(h, "--source", "hf", f"--{where}", str(target))
+    res = _fetch(h, "--source", source, f"--{where}", str(target))
     assert res.exit_code == 0, res.output
     assert res.output.startswith("ok (offline") and "the hub was not contacted" in res.output
     files = tree_digests(served)
-    root = target if where == "local-dir" else target / "models--moonshotai--Kimi-K3" / "snapshots" / h.commit(REPO)
+    root = {"local-dir": target,
+            "cache-dir": (target / "models--moonshotai--Kimi-K3" / "snapshots" / h.commit(REPO) if source == "hf"
+                          else target / "models" / "moonshotai--Kimi-K3" / "snapshots" / "master")}[where]
     victim = sorted(f for f in files if f.endswith(".safetensors"))[0]
     (root / victim).unlink()
-    res = _fetch(h, "--source", "hf", f"--{where}", str(target), "--json")
+    res = _fetch(h, "--source", source, f"--{where}", str(target), "--json")
     assert res.exit_code == 1
     doc = json.loads(res.output)
     assert doc["offline"] and list(doc["failed"]) == [victim] and len(doc["verified"]) == len(files) - 1
@@ -302,3 +306,21 @@ def test_sigkill_then_resume_into_the_cache(point: str, hub, tmp_path: Path, mon
     assert not list((repo_dir / "blobs").glob("*.part*"))
     _offline_hf(monkeypatch)
     assert tree_digests(Path(snapshot_download(REPO, cache_dir=cache, local_files_only=True))) == tree_digests(served)
+
+
+def test_offline_check_of_an_interrupted_cache_fetch_names_what_is_missing(hub, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ref yet (it is written when a fetch completes): the record of the interrupted fetch
+    still tells the offline check which commit, and it lists the files not there (exit 1)."""
+    h, served = hub
+    cache = tmp_path / "hf-cache"
+    h.inject("corrupt_byte", "config.json", times=None, offset=3)
+    assert _fetch(h, "--source", "hf", "--cache-dir", str(cache)).exit_code == 1
+    assert not (cache / "models--moonshotai--Kimi-K3" / "refs" / "main").exists()
+    _offline_hf(monkeypatch)
+    h.reset_counters()
+    res = _fetch(h, "--source", "hf", "--cache-dir", str(cache), "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.output)
+    assert list(doc["failed"]) == ["config.json"] and doc["revision"] == h.commit(REPO)
+    assert h.request_log == []

@@ -24,6 +24,10 @@ sha256 checked before a blob takes its name); then each snapshot link is made un
 name and renamed over (never a half-made link); the ref is moved last, and only when every file
 is in place, so a failed fetch of a new commit never takes ``main`` away from a complete snapshot
 of the previous one. A foreign regular file with other content is never replaced.
+
+A rank-aware fetch's rewritten shards are not the hub's files: they are published as a snapshot
+of their own under the ref ``k3ckpt-partial-<key>`` with blobs named by their own sha256
+(:func:`publish_partial`), never under the hub's names or revisions.
 """
 
 from __future__ import annotations

@@ -410,7 +410,15 @@ def _cached_commit(hub: str, root: Path, repo: str, revision: str) -> str:
     try:
         return (layout.repo_dir / "refs" / revision).read_text().strip() or revision
     except OSError:
-        return revision
+        pass
+    # No ref: the ref is written only once a fetch completes. The latest record of a fetch of
+    # this revision then names its commit, so the check can say what that fetch still lacks.
+    records = sorted(layout.records.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for rec in records:
+        doc = _read_record(rec)
+        if doc is not None and (doc.get("revision") or "main") == revision and rec.stem == doc.get("commit"):
+            return str(doc["commit"])
+    return revision
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
