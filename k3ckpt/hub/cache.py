@@ -63,10 +63,9 @@ def default_cache_dir(hub: str) -> Path:
         from huggingface_hub import constants
 
         return Path(constants.HF_HUB_CACHE)
-    from modelscope_hub import config as ms_config
+    from modelscope_hub.config import get_default_config
 
-    # a fresh config: the default one is built once per process and would miss a later MODELSCOPE_CACHE
-    return Path(ms_config.HubConfig().cache_dir)
+    return Path(get_default_config().cache_dir)  # what the client's downloads use (MODELSCOPE_CACHE)
 
 
 def repo_dir(hub: str, root: Path, repo: str) -> Path:
