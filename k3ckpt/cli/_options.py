@@ -33,6 +33,24 @@ USAGE_KIND = "usage"
 OS_KIND = "os"
 
 
+#: The status a shell reports for a process SIGPIPE killed (``cat big | head``: 128 + 13).
+EXIT_BROKEN_PIPE = 141
+
+
+def exit_broken_pipe() -> NoReturn:
+    """The reader of stdout went away (``k3ckpt inspect ... | head``): end as ``cat`` does, with
+    no message and no JSON error object (the reader asked for no more) and the status of a
+    SIGPIPE death, which no k3ckpt result uses. Stdout is pointed at /dev/null first, so the
+    interpreter's last flush of what is still buffered does not fail again on its way out.
+    (Not by restoring SIGPIPE's default action: a fetch whose progress reader went away would
+    die between two writes instead of leaving through its handlers.)"""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OSError:
+        pass  # no stdout to quiet: nothing will be flushed into it
+    sys.exit(EXIT_BROKEN_PIPE)
+
+
 def fail(message: str, *, kind: str, path: str | None, exit_code: int, as_json: bool) -> NoReturn:
     """Exit ``exit_code`` after one ``k3ckpt: error: MESSAGE`` line on stderr and, with ``--json``,
     the JSON error object ``{"error": {"kind", "path", "message"}}`` on stdout (docs/errors.md)."""
@@ -66,12 +84,13 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             click.echo("k3ckpt: interrupted", err=True)
             sys.exit(130)
         except OSError as e:
+            if isinstance(e, BrokenPipeError) and e.filename is None:  # (a named file is the command's own)
+                exit_broken_pipe()
             if debug:
                 raise
             where = f"{e.filename}: " if e.filename else ""
-            # a reader that closed stdout gets no JSON either: writing it would only fail again
             fail(f"{where}{e.strerror or e}", kind=OS_KIND, path=None if e.filename is None else os.fsdecode(e.filename),
-                 exit_code=EXIT_CANNOT_RUN, as_json=as_json and not isinstance(e, BrokenPipeError))
+                 exit_code=EXIT_CANNOT_RUN, as_json=as_json)
 
     return wrapper
 
