@@ -47,7 +47,7 @@ def auth_error(status: int | None, ctx: dict[str, Any], *, token_sent: bool, det
                problem: str = "") -> HubAuthError:
     """A 401/403 of the hub itself, saying how to give it a token: ``401 Unauthorized: the repo
     needs a token: set HF_TOKEN or pass --token`` when none was sent; when one was, that it was
-    refused (``detail``: the server's words). ``problem`` replaces "the repo needs a token" /
+    refused (``detail``: the server's words, then). ``problem`` replaces "the repo needs a token" /
     "the token was refused" (a gated repo says what to accept)."""
     var = TOKEN_VARIABLES.get(ctx["hub"], "the hub's token variable")
     head = f"{status} {HTTPStatus(status).phrase}" if status in (401, 403) else "access denied"
@@ -56,7 +56,8 @@ def auth_error(status: int | None, ctx: dict[str, Any], *, token_sent: bool, det
         what = problem or "the token was refused"
         return HubAuthError(f"{head}: {what}{said}: set {var} or pass --token with one that can read this repo",
                             **ctx)
-    return HubAuthError(f"{head}: {problem or 'the repo needs a token'}{said}: set {var} or pass --token", **ctx)
+    # (what the server says to an anonymous request - "Unauthorized", "User not logged in" - adds nothing)
+    return HubAuthError(f"{head}: {problem or 'the repo needs a token'}: set {var} or pass --token", **ctx)
 
 
 def one_line(text: str) -> str:

@@ -80,9 +80,9 @@ def select_paths(files: list[str], include: tuple[str, ...] = (), exclude: tuple
 
 
 def select_named(listing: HubListing, names: tuple[str, ...]) -> tuple[list[str], list[str]]:
-    """``(selected, excluded)`` for ``hf download REPO FILE...``: each name is a file path, a glob,
-    or a directory ending in ``/`` (everything under it), matched as :func:`select_paths`
-    matches ``--include``.
+    """``(selected, excluded)`` for ``hf download REPO FILE...``: each name is a file's path, or
+    else a pattern as :func:`select_paths` matches ``--include`` (``dir/`` is everything under
+    dir; ``hf download`` matches several names that way, and one name as a path only).
 
     Raises:
         EntryNotFoundError: a name matches no file of the repo (``hf download`` of one missing
@@ -90,12 +90,20 @@ def select_named(listing: HubListing, names: tuple[str, ...]) -> tuple[list[str]
     """
     from huggingface_hub.utils import filter_repo_objects
 
-    missing = [n for n in names if not any(True for _ in filter_repo_objects(listing.files, allow_patterns=[n]))]
+    chosen: set[str] = set()
+    missing = []
+    for name in names:
+        # a path first: "w[1].bin" is a file's name before it is a pattern matching "w1.bin"
+        found = [name] if name in listing.files else list(filter_repo_objects(listing.files, allow_patterns=[name]))
+        chosen.update(found)
+        if not found:
+            missing.append(name)
     if missing:
         raise EntryNotFoundError(f"{', '.join(map(repr, missing))}: no such file in the repo (FILES are paths, "
-                                 "globs or directories ending in '/')", hub=listing.hub, repo=listing.repo,
+                                 "patterns or directories ending in '/')", hub=listing.hub, repo=listing.repo,
                                  revision=listing.revision, endpoint=listing.endpoint)
-    return select_paths(list(listing.files), names, what=f"files of {source_text(listing)}")
+    ordered = sorted(listing.files)
+    return [f for f in ordered if f in chosen], [f for f in ordered if f not in chosen]
 
 
 def source_text(listing: HubListing) -> str:
