@@ -15,6 +15,7 @@ import http.cookiejar
 import re
 import threading
 import time
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -37,6 +38,26 @@ _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _MAX_REDIRECTS = 10
 # 501 (Not Implemented) and 505 (HTTP Version Not Supported) will not change on a retry.
 _NOT_RETRYABLE_5XX = frozenset({501, 505})
+
+#: The environment variable each hub's client reads a token from (``--token`` overrides it).
+TOKEN_VARIABLES = {"hf": "HF_TOKEN", "modelscope": "MODELSCOPE_API_TOKEN"}
+
+
+def auth_error(status: int | None, ctx: dict[str, Any], *, token_sent: bool, detail: str = "",
+               problem: str = "") -> HubAuthError:
+    """A 401/403 of the hub itself, saying how to give it a token: ``401 Unauthorized: the repo
+    needs a token: set HF_TOKEN or pass --token`` when none was sent; when one was, that it was
+    refused (``detail``: the server's words, then). ``problem`` replaces "the repo needs a token" /
+    "the token was refused" (a gated repo says what to accept)."""
+    var = TOKEN_VARIABLES.get(ctx["hub"], "the hub's token variable")
+    head = f"{status} {HTTPStatus(status).phrase}" if status in (401, 403) else "access denied"
+    said = f" ({detail})" if detail else ""
+    if token_sent:
+        what = problem or "the token was refused"
+        return HubAuthError(f"{head}: {what}{said}: set {var} or pass --token with one that can read this repo",
+                            **ctx)
+    # (what the server says to an anonymous request - "Unauthorized", "User not logged in" - adds nothing)
+    return HubAuthError(f"{head}: {problem or 'the repo needs a token'}: set {var} or pass --token", **ctx)
 
 
 def one_line(text: str) -> str:
@@ -163,7 +184,11 @@ def status_error(resp: requests.Response, url: str, ctx: dict[str, Any]) -> HubE
     message = one_line(resp.headers.get("X-Error-Message", ""))[:200]
     detail = f"{url}: HTTP {status}" + (f" ({message})" if message else "")
     if status in (401, 403):
-        return HubAuthError(detail, **ctx)
+        if _origin(url) != _origin(ctx.get("endpoint") or url):
+            # another host (a CDN's signed URL) refused: not a matter of the hub token, never sent there
+            return HubAuthError(detail, **ctx)
+        sent = "authorization" in {k.lower() for k in resp.request.headers} if resp.request is not None else False
+        return auth_error(status, ctx, token_sent=sent, detail=message)
     if status == 404:
         if code == "RepoNotFound":
             return RepoNotFoundError(detail, **ctx)
