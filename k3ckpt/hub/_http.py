@@ -2,10 +2,12 @@
 share.
 
 A per-thread ``requests`` session that never applies ``~/.netrc`` and never keeps cookies; a GET
-that follows redirects by hand so that credentials never leave the original origin; which
-statuses are worth a retry and how long ``Retry-After`` asks to wait; how an HTTP error status
-maps to a typed :class:`~k3ckpt.hub.client.HubError`; and the small readings of a response or a
-connection failure that go into one-line messages.
+that follows redirects by hand so that credentials never leave the original origin; what a
+signed download URL on another host refusing us means (resolve it again) and how such a URL is
+shown (without its query, which is a credential); which statuses are worth a retry and how long
+``Retry-After`` asks to wait; how an HTTP error status maps to a typed
+:class:`~k3ckpt.hub.client.HubError`; and the small readings of a response or a connection
+failure that go into one-line messages.
 """
 
 from __future__ import annotations
@@ -120,6 +122,28 @@ def get(session: requests.Session, url: str, headers: dict[str, str], timeout: f
             hdrs.pop("Authorization", None)
             hdrs.pop("Cookie", None)
     raise HubError(f"more than {_MAX_REDIRECTS} redirects, last to {url}", **ctx)
+
+
+def left_origin(url: str, final_url: str) -> bool:
+    """Whether a request was redirected to another origin (a CDN, the Xet bridge host)."""
+    return _origin(url) != _origin(final_url)
+
+
+def signed_url_refused(status: int, url: str, final_url: str) -> bool:
+    """Whether an answer is a redirect target on another host refusing its signed URL (403):
+    the hub hands out short-lived URLs (a Xet-backed ``resolve`` redirects to one valid for an
+    hour), and one can expire between the redirect and the request, or during a long run of
+    retries. Asking the hub again yields a fresh one; the hub token is not the problem."""
+    return status == 403 and left_origin(url, final_url)
+
+
+def shown_url(url: str, final_url: str) -> str:
+    """``final_url`` for a message: without its query when it is on another origin, where the
+    query is a signed URL's signature (a bearer credential until it expires)."""
+    if not left_origin(url, final_url):
+        return final_url
+    parts = urlsplit(final_url)
+    return parts._replace(query="<signed>" if parts.query else "", fragment="").geturl()
 
 
 def retryable_status(status: int) -> bool:
