@@ -291,3 +291,16 @@ def test_the_cli_serves_xet_mode(k3_tiny: Path, tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_xet_can_be_chosen_per_repo(k3_tiny: Path, hash_cache: Path) -> None:
+    from k3ckpt.testing.hub import RepoSpec
+
+    other = "someone/plain"
+    with LoopbackHub({REPO: RepoSpec(k3_tiny, xet=True), other: k3_tiny}, cache_dir=hash_cache) as h:
+        xet = requests.head(h.resolve_url(REPO, SHARD), allow_redirects=False, timeout=10)
+        plain = requests.head(h.resolve_url(other, SHARD), allow_redirects=False, timeout=10)
+        assert xet.status_code == 302 and xet.headers["Location"].startswith(h.bridge_url)
+        assert plain.status_code == 200 and "X-Xet-Hash" not in plain.headers
+    with LoopbackHub({REPO: k3_tiny}, cache_dir=hash_cache) as h, pytest.raises(RuntimeError, match="no Xet bridge"):
+        h.bridge_url  # noqa: B018 - no Xet-backed repo, no bridge socket

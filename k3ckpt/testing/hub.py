@@ -16,7 +16,7 @@ Quick start::
 
 From a shell::
 
-    python -m k3ckpt.testing.hub /data/k3-mini --repo moonshotai/Kimi-K3 --port 8765
+    python -m k3ckpt.testing.hub /data/k3-mini --repo moonshotai/Kimi-K3 --port 8765 [--xet]
 
 Repository model
 ----------------
@@ -45,7 +45,10 @@ Hugging Face (what huggingface_hub 2.4 calls):
   client sends it, JSON also accepted) (``get_paths_info``, ``HfFileSystem.info``);
 - ``GET /api/models/{repo}/refs`` (``list_repo_refs``);
 - ``HEAD|GET /{repo}/resolve/{rev}/{path}`` (``hf_hub_download``: HEAD for ``X-Repo-Commit``,
-  ``ETag``, ``X-Linked-Etag``, ``X-Linked-Size``, then GET; ``HfFileSystem`` ranged GETs).
+  ``ETag``, ``X-Linked-Etag``, ``X-Linked-Size``, then GET; ``HfFileSystem`` ranged GETs); in
+  Xet mode a 302 to the bridge host for LFS files (below);
+- ``GET /api/models/{repo}/xet-read-token/{rev}`` (where a client with Xet enabled goes next):
+  501, the CAS protocol is not emulated.
 - 404s carry ``X-Error-Code: RepoNotFound | RevisionNotFound | EntryNotFound`` (mapped by the
   client to ``RepositoryNotFoundError`` / ``RevisionNotFoundError`` /
   ``RemoteEntryNotFoundError``); datasets/spaces are answered ``RepoNotFound``.
@@ -69,6 +72,37 @@ File bodies stream from disk (``socket.sendfile``), honour one ``Range: bytes=a-
 requests get the whole file with 200), support HEAD, and always set ``Content-Length`` on an
 HTTP/1.1 keep-alive connection.
 
+Xet mode
+--------
+``LoopbackHub(..., xet=True)`` (or ``RepoSpec(xet=True)`` per repo; ``--xet`` on the command
+line) presents a repo as Xet-backed, the way huggingface.co answers for one (checked against
+huggingface_hub 2.4's ``get_hf_file_metadata`` / ``parse_xet_file_data_from_response`` /
+``RepoFile`` and public captures of the real headers).  For its LFS files:
+
+- tree and paths-info entries carry ``xetHash`` (64 hex digits; a stand-in derived from the
+  sha256, see :attr:`FileEntry.xet_hash`);
+- ``HEAD|GET .../resolve/...`` answers 302 with ``X-Repo-Commit``, ``ETag``, ``X-Linked-Etag``
+  (sha256), ``X-Linked-Size``, ``X-Xet-Hash``, ``Link: <.../xet-read-token/{commit}>;
+  rel="xet-auth", <bridge/v1/reconstructions/{hash}>; rel="xet-reconstruction-info"`` and
+  ``Location: http://127.0.0.1:<bridge port>/xet-bridge-us/<repo _id>/<xet hash>?...&Expires=T
+  &Signature=S``: a URL signed (HMAC, secret per hub) and valid for ``xet_url_ttl`` seconds
+  (default :data:`XET_URL_TTL`, an hour, as the real ones);
+- the bridge is a second listening socket (same address, another port: another origin, so a
+  client must not send the hub's credentials there).  It serves the file with the usual Range
+  support, and answers 403 ``AccessDenied`` (S3-style XML) to an expired or forged URL, 404 to an
+  unknown object, and 400 to any request carrying an ``Authorization`` or ``Cookie`` header,
+  which its log records (``hub.bridge_log``, ``RequestRecord.credentials`` / ``server``).  The
+  hub's ``token`` is not required there: the signature is the credential.
+- File faults (``status``, ``drop_after``, ``corrupt_byte``, hostile kinds...) apply where the
+  bytes are served, at the bridge; the counters count bridge requests and bytes.  The resolve
+  redirect only takes ``expired_url``.  ModelScope endpoints are unchanged (ModelScope has no
+  Xet).
+
+``huggingface_hub`` with ``HF_HUB_DISABLE_XET=1`` (which :meth:`LoopbackHub.client_env` exports)
+takes the HTTP path: it reads the metadata from the 302 itself, then GETs ``resolve`` again and
+follows the redirect (httpx drops ``Authorization`` on the cross-origin hop).  With Xet enabled
+and ``hf_xet`` installed it would call the xet-read-token route and fail on the 501.
+
 Client quirks found while building this (huggingface_hub 2.4.0, modelscope_hub 0.5.1)
 ---------------------------------------------------------------------------------------
 - ``huggingface_hub.constants.ENDPOINT`` is read from ``HF_ENDPOINT`` at import time, and so
@@ -78,8 +112,9 @@ Client quirks found while building this (huggingface_hub 2.4.0, modelscope_hub 0
   ``hf_hub_url`` rewrites the default endpoint prefix into the given one, so nothing else
   leaks to huggingface.co.  For the ``hf`` CLI (which has no ``--endpoint`` flag for
   ``cache verify``) run a subprocess with ``env=hub.client_env()``.
-- The emulator never sends ``X-Xet-Hash`` / ``xetHash``, so the client always takes the plain
-  HTTP path; ``HF_HUB_DISABLE_XET=1`` is still exported by :meth:`LoopbackHub.client_env`.
+- Outside Xet mode the emulator never sends ``X-Xet-Hash`` / ``xetHash``, so the client takes
+  the plain HTTP path; ``HF_HUB_DISABLE_XET=1`` is exported by :meth:`LoopbackHub.client_env`
+  for Xet mode's sake.
 - ``hf_hub_download`` refuses a HEAD answer without ``X-Repo-Commit`` or ETag
   (``FileMetadataError``), and prefers ``X-Linked-Etag``/``X-Linked-Size`` over ``ETag``/
   ``Content-Length``; the ETag names the cache blob, so it must be the sha256 for LFS files and
@@ -149,6 +184,9 @@ Hostile hubs (a compromised mirror, a broken proxy or CDN), for security tests:
   the right ``Content-Range``) and a body of ``fill`` bytes that never ends (it stops after
   ``after`` bytes when ``after`` > 0, or when the client goes away).
 - ``html_200``: answer 200 with ``Content-Type: text/html`` and an HTML error page.
+
+Xet mode: ``expired_url``: the signed URL in the next ``times`` matching ``resolve`` redirects is
+already expired (the bridge answers it 403), as when one expires between redirect and request.
 
 With ``scope="api"`` a ``status`` fault matches the URL path of API requests instead of file
 paths (e.g. ``hub.inject("status", "/api/models/*/tree/*", scope="api", status=429)``).
