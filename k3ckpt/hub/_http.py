@@ -100,14 +100,88 @@ def _origin(url: str) -> tuple[str, str, int | None]:
     return parts.scheme.lower(), (parts.hostname or "").lower(), port
 
 
+#: How long a redirect target on another host (a signed CDN / Xet bridge URL) is reused for
+#: the same file before asking the hub again. The real ones are valid for an hour; a refused
+#: one (403, e.g. expired early) is replaced at once whatever its age.
+SIGNED_URL_REUSE = 600.0
+_TARGETS_MAX = 4096
+
+
+class _Targets:
+    """Redirect targets on another host, by the hub URL that redirected there.
+
+    A fetch reads each file in many ranges (64 MiB chunks, or a rank's tensors); resolving every
+    one would cost the hub a request each - and the hub rate-limits ``resolve`` calls (a 1.5 TB
+    checkpoint is ~23,000 chunks) - so the signed URL a file resolved to serves its later ranges
+    until it is refused or :data:`SIGNED_URL_REUSE` old. In memory only, never written anywhere.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_url: dict[str, tuple[str, float]] = {}
+
+    def get(self, url: str) -> str | None:
+        with self._lock:
+            hit = self._by_url.get(url)
+            if hit is None:
+                return None
+            if time.monotonic() - hit[1] > SIGNED_URL_REUSE:
+                del self._by_url[url]
+                return None
+            return hit[0]
+
+    def put(self, url: str, target: str) -> None:
+        with self._lock:
+            if len(self._by_url) >= _TARGETS_MAX:
+                self._by_url.clear()  # a bound, not a policy: a run touches a few hundred files
+            self._by_url[url] = (target, time.monotonic())
+
+    def forget(self, url: str, target: str) -> None:
+        with self._lock:
+            if self._by_url.get(url, ("",))[0] == target:
+                del self._by_url[url]
+
+
+_targets = _Targets()
+
+
 def get(session: requests.Session, url: str, headers: dict[str, str], timeout: float,
         ctx: dict[str, Any]) -> tuple[requests.Response, str]:
     """GET with redirects followed by hand, so credentials never leave the original origin.
+
+    A target on another host that answered 2xx is reused for ``url`` (see :class:`_Targets`);
+    when it answers anything else, or cannot be reached, it is dropped and ``url`` is asked
+    again at once, so a signed URL that expired mid-download is replaced by a fresh one without
+    a retry.
 
     Returns ``(response, final URL)``; the body is streamed. Raises ``HubError`` (with ``ctx``)
     after too many redirects, and what ``requests`` raises for the connection.
     """
     hdrs = requests.structures.CaseInsensitiveDict(headers)
+    target = _targets.get(url)
+    if target is not None:
+        hdrs.pop("Authorization", None)
+        hdrs.pop("Cookie", None)
+        try:
+            resp = session.get(target, headers=hdrs, timeout=timeout, stream=True, allow_redirects=False)
+        except requests.exceptions.RequestException:
+            resp = None  # that host is gone or unwell: the hub may name another
+        if resp is not None and resp.status_code in (200, 206):
+            return resp, target
+        if resp is not None:
+            resp.close()
+        _targets.forget(url, target)
+        hdrs = requests.structures.CaseInsensitiveDict(headers)
+    resp, final = _follow(session, url, hdrs, timeout, ctx)
+    if resp.status_code in (200, 206) and left_origin(url, final):
+        _targets.put(url, final)
+    return resp, final
+
+
+def _follow(session: requests.Session, url: str, hdrs: requests.structures.CaseInsensitiveDict[str],
+            timeout: float, ctx: dict[str, Any]) -> tuple[requests.Response, str]:
+    """The GET of :func:`get`, from the hub URL on, with credentials dropped on leaving its origin."""
+    first = url
     origin = _origin(url)
     for _ in range(_MAX_REDIRECTS + 1):
         resp = session.get(url, headers=hdrs, timeout=timeout, stream=True, allow_redirects=False)
@@ -121,7 +195,7 @@ def get(session: requests.Session, url: str, headers: dict[str, str], timeout: f
             # Authorization too, but not a Cookie header set by hand).
             hdrs.pop("Authorization", None)
             hdrs.pop("Cookie", None)
-    raise HubError(f"more than {_MAX_REDIRECTS} redirects, last to {url}", **ctx)
+    raise HubError(f"more than {_MAX_REDIRECTS} redirects, last to {shown_url(first, url)}", **ctx)
 
 
 def left_origin(url: str, final_url: str) -> bool:

@@ -94,9 +94,8 @@ huggingface_hub 2.4's ``get_hf_file_metadata`` / ``parse_xet_file_data_from_resp
   which its log records (``hub.bridge_log``, ``RequestRecord.credentials`` / ``server``).  The
   hub's ``token`` is not required there: the signature is the credential.
 - File faults (``status``, ``drop_after``, ``corrupt_byte``, hostile kinds...) apply where the
-  bytes are served, at the bridge; the counters count bridge requests and bytes.  The resolve
-  redirect only takes ``expired_url``.  ModelScope endpoints are unchanged (ModelScope has no
-  Xet).
+  bytes are served, at the bridge, and so does ``expired_url``; the counters count bridge
+  requests and bytes.  ModelScope endpoints are unchanged (ModelScope has no Xet).
 
 ``huggingface_hub`` with ``HF_HUB_DISABLE_XET=1`` (which :meth:`LoopbackHub.client_env` exports)
 takes the HTTP path: it reads the metadata from the 302 itself, then GETs ``resolve`` again and
@@ -185,8 +184,9 @@ Hostile hubs (a compromised mirror, a broken proxy or CDN), for security tests:
   ``after`` bytes when ``after`` > 0, or when the client goes away).
 - ``html_200``: answer 200 with ``Content-Type: text/html`` and an HTML error page.
 
-Xet mode: ``expired_url``: the signed URL in the next ``times`` matching ``resolve`` redirects is
-already expired (the bridge answers it 403), as when one expires between redirect and request.
+Xet mode: ``expired_url``: the bridge answers the next ``times`` matching requests 403 "Request
+has expired" whatever their URL's expiry, as if it had just run out (only requests whose range
+starts at or past ``offset``: a URL that expires mid-download).
 
 With ``scope="api"`` a ``status`` fault matches the URL path of API requests instead of file
 paths (e.g. ``hub.inject("status", "/api/models/*/tree/*", scope="api", status=429)``).
@@ -627,7 +627,7 @@ class Fault:
         seconds: Sleep of ``stall``.
         close: Whether ``stall`` closes the connection after sleeping.
         reset: Whether ``drop_after`` aborts with an RST (True) or closes with a FIN.
-        offset: File offset flipped by ``corrupt_byte``.
+        offset: File offset flipped by ``corrupt_byte``; first offset ``expired_url`` applies to.
         delta: Size change of ``lie_size``; range shift of ``wrong_content_range``.
         name: The path ``list_as`` lists the file under.
         location: Base URL ``redirect`` sends the client to.
@@ -1310,8 +1310,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Answer a Xet-backed ``resolve`` as the real hub does: 302 to a signed bridge URL,
         with the file's metadata (``X-Xet-Hash``, ``X-Linked-*``) on the redirect itself."""
         hub = self.server.hub
-        expired = hub.faults.take("file", snap.repo_id, entry.path, self._method, lambda f: f.kind == "expired_url")
-        location = hub.signed_bridge_url(snap.repo_id, entry, expired=bool(expired))
+        location = hub.signed_bridge_url(snap.repo_id, entry)
         token_url = f"{self._base_url()}/api/models/{snap.repo_id}/xet-read-token/{commit}"
         headers.update({
             "X-Xet-Hash": entry.xet_hash,
@@ -1346,6 +1345,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         snap, entry = found
         self._repo, self._file = snap.repo_id, entry.path
         problem = hub.check_signature(self.path)
+        parsed = _parse_range(self.headers.get("Range"), entry.size)
+        first = parsed[0] if isinstance(parsed, tuple) else 0
+        if problem is None and hub.faults.take("file", snap.repo_id, entry.path, self._method,
+                                               lambda f: f.kind == "expired_url" and first >= f.offset):
+            problem = "Request has expired"
         if problem is not None:
             self._bridge_error(403, "AccessDenied", problem)
             return
@@ -1902,10 +1906,10 @@ class LoopbackHub:
         spec = self.specs[repo_id]
         return self.xet if spec.xet is None else spec.xet
 
-    def signed_bridge_url(self, repo_id: str, entry: FileEntry, *, expired: bool = False) -> str:
-        """A bridge URL for a file, signed and valid for ``xet_url_ttl`` seconds (already
-        expired with ``expired=True``), in the shape of the real hub's."""
-        expires = time.time() + (-1.0 if expired else self.xet_url_ttl)
+    def signed_bridge_url(self, repo_id: str, entry: FileEntry) -> str:
+        """A bridge URL for a file, signed and valid for ``xet_url_ttl`` seconds, in the shape
+        of the real hub's."""
+        expires = time.time() + self.xet_url_ttl
         disposition = (f"inline; filename*=UTF-8''{quote(Path(entry.path).name)}; "
                        f'filename="{quote(Path(entry.path).name)}";')
         signed = (f"/xet-bridge-us/{_repo_key(repo_id)}/{entry.xet_hash}?X-Xet-Cas-Uid=public"
