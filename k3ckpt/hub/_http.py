@@ -2,9 +2,10 @@
 share.
 
 A per-thread ``requests`` session that never applies ``~/.netrc`` and never keeps cookies; a GET
-that follows redirects by hand so that credentials never leave the original origin; what a
-signed download URL on another host refusing us means (resolve it again) and how such a URL is
-shown (without its query, which is a credential); which statuses are worth a retry and how long
+that follows redirects by hand so that credentials never leave the original origin, and reuses
+the signed URL on another host a file was redirected to (a CDN, the Xet bridge) until it is
+refused; what such a URL refusing us means (resolve it again) and how it is shown (without its
+query, which is a credential); which statuses are worth a retry and how long
 ``Retry-After`` asks to wait; how an HTTP error status maps to a typed
 :class:`~k3ckpt.hub.client.HubError`; and the small readings of a response or a connection
 failure that go into one-line messages.
