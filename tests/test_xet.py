@@ -270,6 +270,25 @@ def test_a_freshly_resolved_url_refused_is_resolved_again(what: str, k3_tiny: Pa
         assert resolves_after_refusals(h) == (2, [])
 
 
+def test_a_signed_url_is_reused_only_with_the_credentials_it_was_resolved_with(k3_tiny: Path,
+                                                                               hash_cache: Path) -> None:
+    """A library user serving several tokens in one process: a URL the hub signed after checking
+    one token is never used to read for another (the hub sees, and can refuse, each token)."""
+    from k3ckpt.hub.client import list_repo, read_range
+
+    with LoopbackHub({REPO: k3_tiny}, cache_dir=hash_cache, xet=True) as h:
+        listing = list_repo("hf", REPO, endpoint=h.url, token="")
+        data = (k3_tiny / SHARD).read_bytes()
+
+        def resolves() -> int:
+            return sum(1 for r in h.request_log if r.route == "hf.resolve" and r.file == SHARD)
+
+        for token, want in (("tok-a", 1), ("tok-a", 1), ("tok-b", 2), ("tok-a", 2), ("", 3)):
+            assert read_range(listing, SHARD, 100, 50, token=token) == data[100:150]
+            assert resolves() == want, token
+        assert not any(r.credentials for r in h.bridge_log)
+
+
 def test_urls_that_are_always_expired_fail_in_one_line_without_the_signature(k3_tiny: Path, hash_cache: Path,
                                                                               tmp_path: Path) -> None:
     with LoopbackHub({REPO: k3_tiny}, cache_dir=hash_cache, token=TOKEN, xet=True, xet_url_ttl=0) as h:

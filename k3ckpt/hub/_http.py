@@ -14,6 +14,7 @@ failure that go into one-line messages.
 from __future__ import annotations
 
 import email.utils
+import hashlib
 import http.cookiejar
 import re
 import threading
@@ -109,38 +110,45 @@ _TARGETS_MAX = 4096
 
 
 class _Targets:
-    """Redirect targets on another host, by the hub URL that redirected there.
+    """Redirect targets on another host, by the hub URL that redirected there (and credentials).
 
     A fetch reads each file in many ranges (64 MiB chunks, or a rank's tensors); resolving every
     one would cost the hub a request each - and the hub rate-limits ``resolve`` calls (a 1.5 TB
     checkpoint is ~23,000 chunks) - so the signed URL a file resolved to serves its later ranges
-    until it is refused or :data:`SIGNED_URL_REUSE` old. In memory only, never written anywhere.
+    until it is refused or :data:`SIGNED_URL_REUSE` old. In memory only, never written anywhere,
+    and keyed by the credentials too: a library user serving several tokens in one process
+    never reads a file through a URL the hub signed for another token.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_url: dict[str, tuple[str, float]] = {}
+        self._by_key: dict[str, tuple[str, float]] = {}
 
-    def get(self, url: str) -> str | None:
+    @staticmethod
+    def key(url: str, headers: Any) -> str:
+        creds = f"{headers.get('Authorization', '')}\0{headers.get('Cookie', '')}"
+        return f"{hashlib.sha256(creds.encode()).hexdigest()} {url}"
+
+    def get(self, key: str) -> str | None:
         with self._lock:
-            hit = self._by_url.get(url)
+            hit = self._by_key.get(key)
             if hit is None:
                 return None
             if time.monotonic() - hit[1] > SIGNED_URL_REUSE:
-                del self._by_url[url]
+                del self._by_key[key]
                 return None
             return hit[0]
 
-    def put(self, url: str, target: str) -> None:
+    def put(self, key: str, target: str) -> None:
         with self._lock:
-            if len(self._by_url) >= _TARGETS_MAX:
-                self._by_url.clear()  # a bound, not a policy: a run touches a few hundred files
-            self._by_url[url] = (target, time.monotonic())
+            if len(self._by_key) >= _TARGETS_MAX:
+                self._by_key.clear()  # a bound, not a policy: a run touches a few hundred files
+            self._by_key[key] = (target, time.monotonic())
 
-    def forget(self, url: str, target: str) -> None:
+    def forget(self, key: str, target: str) -> None:
         with self._lock:
-            if self._by_url.get(url, ("",))[0] == target:
-                del self._by_url[url]
+            if self._by_key.get(key, ("",))[0] == target:
+                del self._by_key[key]
 
 
 _targets = _Targets()
@@ -159,7 +167,8 @@ def get(session: requests.Session, url: str, headers: dict[str, str], timeout: f
     after too many redirects, and what ``requests`` raises for the connection.
     """
     hdrs = requests.structures.CaseInsensitiveDict(headers)
-    target = _targets.get(url)
+    key = _targets.key(url, hdrs)
+    target = _targets.get(key)
     if target is not None:
         hdrs.pop("Authorization", None)
         hdrs.pop("Cookie", None)
@@ -171,11 +180,11 @@ def get(session: requests.Session, url: str, headers: dict[str, str], timeout: f
             return resp, target
         if resp is not None:
             resp.close()
-        _targets.forget(url, target)
+        _targets.forget(key, target)
         hdrs = requests.structures.CaseInsensitiveDict(headers)
     resp, final = _follow(session, url, hdrs, timeout, ctx)
     if resp.status_code in (200, 206) and left_origin(url, final):
-        _targets.put(url, final)
+        _targets.put(key, final)
     return resp, final
 
 
