@@ -680,16 +680,21 @@ def _read(listing: HubListing, path: str, start: int, length: int, headers: Mapp
         except requests.exceptions.RequestException as e:  # a bad URL and the like: no retry helps
             raise HubError(f"{url}: {type(e).__name__}: {_http.one_line(str(e))[:200]}", **ctx) from None
         else:
+            shown = _http.shown_url(url, final_url)
             with resp:
                 status = resp.status_code
                 if _http.retryable_status(status):
                     retry_after = _http.retry_after(resp)
-                    last = HubError(f"{final_url}: HTTP {status} after {attempt} attempt(s)", **ctx)
+                    last = HubError(f"{shown}: HTTP {status} after {attempt} attempt(s)", **ctx)
+                elif _http.signed_url_refused(status, url, final_url):
+                    retry_after = 0.0  # no back-off: the next try resolves a fresh signed URL
+                    last = HubError(f"{shown}: HTTP 403 from the download host (signed URL refused, e.g. "
+                                    f"expired) after {attempt} attempt(s)", **ctx)
                 elif status not in (200, 206):
-                    raise _http.status_error(resp, final_url, ctx)
+                    raise _http.status_error(resp, shown, ctx)
                 else:
                     try:
-                        return _body(resp, final_url, start, end, entry.size, ctx)
+                        return _body(resp, shown, start, end, entry.size, ctx)
                     except _Transient as t:
                         last = t.error
         if attempt < retry.attempts:
