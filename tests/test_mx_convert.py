@@ -268,17 +268,18 @@ def test_quantize_all_takes_every_linear_weight_but_norms_embeddings_heads(tmp_p
 def test_quantize_scale_mode_passes_through(tmp_path: Path) -> None:
     inp, src = _float_input(tmp_path)
     outs = {}
-    for mode in ("floor", "ceil", "even"):
+    for mode in ("compressed-tensors", "floor", "ceil", "even"):
         out = tmp_path / f"{mode}.safetensors"
         res = run("mx", "quantize", str(inp), "-o", str(out), "--scale-mode", mode, "--json")
         assert res.exit_code == 0, res.output
-        assert json.loads(res.stdout)["scale_mode"] == mode
+        assert json.loads(res.stdout)["scale_mode"] == {"floor": "ocp"}.get(mode, mode)
         _, outs[mode] = read_all(out)
         want_p, want_s = quantize_mxfp4(src[ROUTED[0]], scale_mode=mode)
         assert same_bits(outs[mode][EXP + "experts.0.w1.weight_scale"], want_s)
         assert same_bits(outs[mode][EXP + "experts.0.w1.weight_packed"], want_p)
     floor_s, ceil_s = (outs[m][EXP + "experts.0.w1.weight_scale"] for m in ("floor", "ceil"))
     assert floor_s[4, 0] == 127 + 0 and ceil_s[4, 0] == 127 + 1  # the block of 7.0s
+    assert outs["compressed-tensors"][EXP + "experts.0.w1.weight_scale"][4, 0] == 127 + 1  # 7 rounds to 8
     assert not np.array_equal(floor_s, ceil_s)
 
 
@@ -326,7 +327,7 @@ def test_quantize_cli_text_json_and_errors(tmp_path: Path) -> None:
     out = tmp_path / "q.safetensors"
     res = run("mx", "quantize", str(inp), "-o", str(out))
     assert res.exit_code == 0, res.output
-    assert res.output.startswith(f"wrote {out}: 4 tensors quantized (floor), {len(src) - 4} copied; ")
+    assert res.output.startswith(f"wrote {out}: 4 tensors quantized (compressed-tensors), {len(src) - 4} copied; ")
     res = run("mx", "quantize", str(inp), "-o", str(out), "--all", "--json")
     data = json.loads(res.stdout)
     assert data["tensors_quantized"] == 9 and data["include_all"] is True

@@ -32,6 +32,16 @@ def mx() -> None:
     """
 
 
+# The values are spelled out here (not imported from k3ckpt.mx.codec) so that `--help` does not
+# import numpy; tests/test_mxfp4_golden.py checks they are codec.SCALE_MODES plus the alias.
+_scale_mode_option = click.option(
+    "--scale-mode", type=click.Choice(["compressed-tensors", "ocp", "floor", "ceil", "even"]),
+    default="compressed-tensors", show_default=True,
+    help="Shared-exponent rule: compressed-tensors (what made K3's experts: amax rounded to one mantissa "
+         "bit); ocp (OCP MX floor(log2(amax)) - 2; floor is an alias); ceil (never saturates); even "
+         "(compressed-tensors' exponent, -0.0 kept as -0).")
+
+
 # -- mx inspect / mx error ---------------------------------------------------------------------
 
 
@@ -100,8 +110,7 @@ def mx_inspect(path: str, tensor: str | None, layer: int | None, expert: int | N
 
 @mx.command("error", context_settings=CONTEXT)
 @click.argument("path", type=click.Path(path_type=str))
-@click.option("--scale-mode", type=click.Choice(["floor", "ceil", "even"]), default="floor", show_default=True,
-              help="Shared-exponent rule: floor is OCP MX (and K3); ceil never saturates; even rounds amax.")
+@_scale_mode_option
 @click.option("--tensor", help="Only this tensor (measured whatever its role).")
 @click.option("--all", "include_all", is_flag=True,
               help="Also measure roles K3 keeps in high precision (attention, norms, router, embeddings, ...).")
@@ -119,7 +128,7 @@ def mx_error(path: str, scale_mode: ScaleMode, tensor: str | None, include_all: 
     \b
     Examples:
       k3ckpt mx error finetuned.safetensors
-      k3ckpt mx error finetuned.safetensors --scale-mode even
+      k3ckpt mx error finetuned.safetensors --scale-mode ocp
       k3ckpt mx error finetuned.safetensors --tensor model.layers.1.mlp.experts.0.gate_proj.weight
       k3ckpt mx error finetuned.safetensors --all --json | jq .totals
     """
@@ -184,9 +193,7 @@ def mx_dequant(path: str, tensor: str | None, layer: int | None, expert: int | N
 @click.argument("input_file", metavar="IN", type=click.Path(dir_okay=False, path_type=str))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str),
               help="The safetensors file to write (replaced atomically).")
-@click.option("--scale-mode", type=click.Choice(["floor", "ceil", "even"]), default="floor", show_default=True,
-              help="Shared exponent rule: floor (OCP MX), ceil (never saturates), even (saturate only "
-                   "where rounding would).")
+@_scale_mode_option
 @click.option("--all", "include_all", is_flag=True,
               help="Quantize every 2-D linear weight (in % 32 == 0), not only routed experts; "
                    "norms, embeddings and LM heads stay as they are.")
@@ -204,7 +211,7 @@ def mx_quantize(input_file: str, output: str, scale_mode: ScaleMode, include_all
     \b
     Examples:
       k3ckpt mx quantize finetuned.safetensors -o packed.safetensors
-      k3ckpt mx quantize experts-bf16.safetensors -o packed.safetensors --scale-mode even --json
+      k3ckpt mx quantize experts-bf16.safetensors -o packed.safetensors --scale-mode ocp --json
       k3ckpt mx quantize small-model.safetensors -o small-mxfp4.safetensors --all
     """
     from ..mx.convert import quantize_file, render_quantize
