@@ -16,8 +16,9 @@ How to run (a scratch venv, not the repository's .venv)::
 
 Recorded with compressed-tensors 0.20.1, torch 2.13.0+cpu, numpy 2.4.6 (the versions are also
 stored in the file, key ``meta``). ``--validate`` parses a config.json written by
-``k3ckpt mx quantize --checkpoint`` with compressed-tensors (``QuantizationConfig`` and
-``ModelCompressor.from_compression_config``) and prints what it understood.
+``k3ckpt mx quantize DIR -o OUT`` with compressed-tensors (``QuantizationConfig.model_validate``,
+and ``ModelCompressor.from_compression_config`` on transformers' ``CompressedTensorsConfig``, as
+``from_pretrained`` does) and prints what it understood.
 
 The quantization path is the one llm-compressor drives for a static MXFP4 weight: per group of
 32, ``amin``/``amax`` (what its min-max observer computes) -> ``calculate_qparams`` (which calls
@@ -199,12 +200,17 @@ def make() -> None:
 
 
 def validate(path: Path) -> None:
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
     quant = json.loads(path.read_text())["quantization_config"]
     parsed = QuantizationConfig.model_validate(quant)
-    compressor = ModelCompressor.from_compression_config(quant)
+    # What transformers does on from_pretrained (CompressedTensorsHfQuantizer); vLLM reads the
+    # same dict with its own parser of compressed-tensors' schema.
+    compressor = ModelCompressor.from_compression_config(CompressedTensorsConfig.from_dict(quant))
     print(f"QuantizationConfig: format={parsed.format} status={parsed.quantization_status} "
           f"groups={list(parsed.config_groups)} ignore={len(parsed.ignore or [])}")
-    print(f"ModelCompressor: {type(compressor).__name__}")
+    q = compressor.quantization_config
+    print(f"ModelCompressor: format={q.format if q else None} groups={list(q.config_groups) if q else []}")
     for name, scheme in parsed.config_groups.items():
         print(f"  {name}: {scheme.model_dump_json(exclude_none=True)}")
 

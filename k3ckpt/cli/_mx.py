@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -190,39 +191,53 @@ def mx_dequant(path: str, tensor: str | None, layer: int | None, expert: int | N
 
 
 @mx.command("quantize", context_settings=CONTEXT)
-@click.argument("input_file", metavar="IN", type=click.Path(dir_okay=False, path_type=str))
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str),
-              help="The safetensors file to write (replaced atomically).")
+@click.argument("input_path", metavar="IN", type=click.Path(path_type=str))
+@click.option("-o", "--output", required=True, type=click.Path(path_type=str),
+              help="IN a file: the safetensors file to write (replaced atomically). IN a checkpoint "
+                   "directory: the checkpoint directory to write (new, empty or an earlier mx quantize's).")
 @_scale_mode_option
 @click.option("--all", "include_all", is_flag=True,
               help="Quantize every 2-D linear weight (in % 32 == 0), not only routed experts; "
                    "norms, embeddings and LM heads stay as they are.")
 @json_option("Print what was written as JSON.")
 @handle_errors
-def mx_quantize(input_file: str, output: str, scale_mode: ScaleMode, include_all: bool, as_json: bool) -> None:
-    """Quantize the BF16/F16/F32 weights of a safetensors file to MXFP4 in the K3 layout.
+def mx_quantize(input_path: str, output: str, scale_mode: ScaleMode, include_all: bool, as_json: bool) -> None:
+    """Quantize BF16/F16/F32 weights to MXFP4 in the K3 layout: one safetensors file, or a whole
+    checkpoint directory into a loadable one.
 
     Each eligible `<base>.weight` [out, in] becomes `<base>.weight_packed` [out, in/2] U8 (low
     nibble first) + `<base>.weight_scale` [out, in/32] U8 (E8M0), as compressed-tensors
-    `mxfp4-pack-quantized` stores them. By default only routed-expert weights qualify (what K3
-    quantizes); every other tensor is copied through unchanged. A weight with NaN/Inf is refused,
-    naming it, and nothing is written.
+    `mxfp4-pack-quantized` stores them - by default with compressed-tensors' own rule, byte for
+    byte. By default only routed-expert weights qualify (what K3 quantizes); every other tensor is
+    copied through unchanged. A weight with NaN/Inf is refused, naming it, and nothing is written.
+
+    With a checkpoint directory (config.json + shards) every shard is quantized under its own
+    name, the index rewritten, the other files (tokenizer, licence, code) copied, and config.json
+    given the `quantization_config` compressed-tensors reads (engines load the output as is).
 
     \b
     Examples:
       k3ckpt mx quantize finetuned.safetensors -o packed.safetensors
+      k3ckpt mx quantize ./Kimi-K3-bf16 -o ./Kimi-K3-mxfp4
       k3ckpt mx quantize experts-bf16.safetensors -o packed.safetensors --scale-mode ocp --json
       k3ckpt mx quantize small-model.safetensors -o small-mxfp4.safetensors --all
     """
+    from ..mx.checkpoint import quantize_checkpoint, render_quantize_checkpoint
     from ..mx.convert import quantize_file, render_quantize
 
     with ByteProgress(not as_json, "quantizing") as bar:
-        res = quantize_file(input_file, output, scale_mode=scale_mode, include_all=include_all,
-                            progress=bar, on_plan=bar.plan)
+        if os.path.isdir(input_path):
+            ckpt = quantize_checkpoint(input_path, output, scale_mode=scale_mode, include_all=include_all,
+                                       progress=bar, on_plan=bar.plan)
+            doc, line = ckpt.to_json(), render_quantize_checkpoint(ckpt)
+        else:
+            one = quantize_file(input_path, output, scale_mode=scale_mode, include_all=include_all,
+                                progress=bar, on_plan=bar.plan)
+            doc, line = one.to_json(), render_quantize(one)
     if as_json:
-        emit_json(res.to_json())
+        emit_json(doc)
     else:
-        click.echo(render_quantize(res))
+        click.echo(line)
 
 
 COMMANDS = [mx]
