@@ -606,7 +606,12 @@ def test_quantize_checkpoint_output_rules(k3_tiny: Path, tmp_path: Path) -> None
     bare.mkdir()
     shutil.copy(src / "model-00001-of-000008.safetensors", bare / "model.safetensors")
     assert_one_line_error(run("mx", "quantize", str(bare), "-o", str(tmp_path / "b")), 2, "config.json", "not found")
-    # its own earlier output is replaced (a re-run), identical
+    # a one-file checkpoint stays one file: no index appears
+    (bare / "config.json").write_text((src / "config.json").read_text())
+    res = run("mx", "quantize", str(bare), "-o", str(tmp_path / "b"))
+    assert res.exit_code == 0, res.output
+    assert listing(tmp_path / "b") == {".cache", "config.json", "model.safetensors"}
+    # its own earlier output is replaced by a re-run (here with another rule)
     out = tmp_path / "mxfp4"
     assert run("mx", "quantize", str(src), "-o", str(out)).exit_code == 0
     first = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}

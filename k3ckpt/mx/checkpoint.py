@@ -2,8 +2,8 @@
 
 Every safetensors shard is quantized by :func:`k3ckpt.mx.convert.quantize_file` under its own
 name (eligible weights become compressed-tensors ``weight_packed`` + ``weight_scale`` pairs, all
-other tensors are carried over byte for byte), ``model.safetensors.index.json`` is rewritten for
-the new tensor names, every other file (tokenizer, licence, code, ...) is copied unchanged, and
+other tensors are carried over byte for byte), ``model.safetensors.index.json`` (when the input
+has one) is rewritten for the new tensor names, every other file (tokenizer, licence, code, ...) is copied unchanged, and
 ``config.json`` gets the ``quantization_config`` that compressed-tensors (and the engines that
 load through it: transformers, vLLM, SGLang) reads: format ``mxfp4-pack-quantized``, group size
 32, 4-bit float weights with uint8 (E8M0) scales, targets ``Linear``, and an explicit ``ignore``
@@ -82,8 +82,9 @@ def render_quantize_checkpoint(res: QuantizeCheckpointResult) -> str:
     """What ``k3ckpt mx quantize DIR -o OUT`` prints, in one line."""
     from ..utils import human_bytes
 
-    return (f"wrote {res.output}: {len(res.shards):,} shards, {res.quantized:,} tensors quantized "
-            f"({res.scale_mode}), {res.copied:,} copied, {len(res.files):,} other files; config.json "
+    shards, files = len(res.shards), len(res.files)
+    return (f"wrote {res.output}: {shards:,} shard{'s' * (shards != 1)}, {res.quantized:,} tensors quantized "
+            f"({res.scale_mode}), {res.copied:,} copied, {files:,} other file{'s' * (files != 1)}; config.json "
             f"quantization_config {_CT_FORMAT}; {human_bytes(res.bytes_in)} -> {human_bytes(res.bytes_out)}, "
             f"{res.seconds:.1f} s")
 
@@ -133,6 +134,7 @@ def quantize_checkpoint(
     config = _float_config(root)
     weight_map, _ = read_index(root)
     shards = sorted(set(weight_map.values())) if weight_map else [SINGLE_NAME]
+    indexed = bool(weight_map)  # a single model.safetensors stays a single file, without an index
     if is_within(outp, root) or is_within(root, outp):
         raise MxConvertError(f"{outp}: the output must be a directory outside the input {root}", path=outp)
     skip = {*shards, INDEX_NAME, CONFIG_NAME}
@@ -144,7 +146,7 @@ def quantize_checkpoint(
 
     outp.mkdir(parents=True, exist_ok=True)
     with DirLock(outp, OUTPUT_LOCK_NAME, command=OWNER_COMMAND, stale_seconds=K3CKPT_LOCK_STALE_SECONDS.get()):
-        claim_output_dir(outp, OWNER_COMMAND, [*shards, INDEX_NAME, CONFIG_NAME, *files])
+        claim_output_dir(outp, OWNER_COMMAND, [*shards, *([INDEX_NAME] if indexed else []), CONFIG_NAME, *files])
         copy_files(root, files, outp)
         quantized: set[str] = set()
         copied = 0
@@ -154,14 +156,8 @@ def quantize_checkpoint(
                                 chunk_bytes=chunk, progress=progress)
             quantized.update(res.quantized)
             copied += res.copied
-        out_map: dict[str, str] = {}
-        total = 0
-        for s in shards:
-            header = read_header(outp / s)
-            out_map.update(dict.fromkeys(header.tensors, s))
-            total += header.data_len
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(out_map.items()))}
-        write_atomic(outp / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+        if indexed:
+            _write_index(outp, shards)
         ignored = _left_in_high_precision(headers, quantized)
         config["quantization_config"] = compressed_tensors_config(ignored)
         write_atomic(outp / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode())
@@ -169,6 +165,18 @@ def quantize_checkpoint(
         outp, scale_mode, include_all, tuple(shards), len(quantized), copied, tuple(files), tuple(ignored),
         sum((root / s).stat().st_size for s in shards), sum((outp / s).stat().st_size for s in shards),
         time.perf_counter() - t0)
+
+
+def _write_index(outp: Path, shards: list[str]) -> None:
+    """``model.safetensors.index.json`` for the shards as written (the tensor names changed)."""
+    weight_map: dict[str, str] = {}
+    total = 0
+    for s in shards:
+        header = read_header(outp / s)
+        weight_map.update(dict.fromkeys(header.tensors, s))
+        total += header.data_len
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    write_atomic(outp / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
 
 
 def _float_config(root: Path) -> dict[str, Any]:
