@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..env import K3CKPT_LOCK_STALE_SECONDS
 from ..errors import SourceShortReadError
-from ..utils import COPY_RANGE_FALLBACK, pwrite_all
+from ..utils import pwrite_all
 from ..utils.lock import OUTPUT_LOCK_NAME, DirLock
 
 #: Bytes per copy / hash step (and the size of each worker's buffers).
@@ -48,7 +48,7 @@ class Run:
         return self.length * self.count
 
 
-_KERNEL_FALLBACK = COPY_RANGE_FALLBACK
+_KERNEL_FALLBACK = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF, errno.EPERM)
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:

@@ -3,7 +3,6 @@ files, and how sizes, fractions and sets are written for people (and sizes read 
 
 from ._format import format_percent, format_ranges, human_bytes, human_count
 from ._fs import (
-    COPY_RANGE_FALLBACK,
     atomic_output,
     copy_file,
     copy_files,
@@ -16,6 +15,6 @@ from ._fs import (
 from ._jsonfile import load_json
 from ._parse import parse_size
 
-__all__ = ["COPY_RANGE_FALLBACK", "atomic_output", "copy_file", "copy_files", "format_percent", "format_ranges",
+__all__ = ["atomic_output", "copy_file", "copy_files", "format_percent", "format_ranges",
            "fsync_dir", "human_bytes", "human_count", "is_within", "load_json", "parse_size", "pwrite_all",
            "temp_name", "write_atomic"]

@@ -136,9 +136,9 @@ def is_within(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> boo
     return p == r or r in p.parents
 
 
-#: Errors on which ``copy_file_range`` is not usable for this pair of files (another filesystem,
-#: no kernel support, a special file) and a plain read/write copy is used instead.
-COPY_RANGE_FALLBACK = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF,
+# Errors on which ``copy_file_range`` is not usable for this pair of files (another filesystem,
+# no kernel support, a special file) and a plain read/write copy is used instead.
+_COPY_RANGE_FALLBACK = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF,
                        errno.EPERM)
 _COPY_CHUNK = 8 * 1024 * 1024
 
@@ -170,7 +170,7 @@ def _copy_fd(src: int, dst: int) -> None:
                     return
                 off += k
         except OSError as e:
-            if e.errno not in COPY_RANGE_FALLBACK:
+            if e.errno not in _COPY_RANGE_FALLBACK:
                 raise
     while True:
         data = os.pread(src, _COPY_CHUNK, off)
