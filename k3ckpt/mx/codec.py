@@ -756,8 +756,9 @@ def quantize_mxfp4(
       >= 1.75 - the `"even"` exponent. Elements as below, except that the sign code follows
       `x < 0`: an input -0.0 gives code 0 (+0), as compressed-tensors' `cast_to_fp4` does, while a
       small negative value still rounds to code 8 (-0). Byte for byte what compressed-tensors
-      0.20.1 writes for every finite input with amax below 1.75 * 2**127 (float32/bfloat16) or
-      2**-14 and above (float16); see docs/mx.md for the blocks where it writes zeros instead.
+      0.20.1 writes for every finite float32/bfloat16 block with amax below 1.75 * 2**127, and
+      every float16 block with amax in [2**-14, 57344) (tests/test_mxfp4_golden.py); outside
+      those it writes a block of zeros, k3ckpt the nearest encoding (docs/mx.md).
     - `"ocp"` (OCP MX v1.0 section 6.3; `"floor"` is an alias): `e = f - 2`. `amax / 2**e` lies
       in `[4, 8)`, so values above 6 in that block saturate.
     - `"ceil"`: the smallest `e` with `amax / 2**e <= 6`, i.e. `ceil(log2(amax / 6))` evaluated
