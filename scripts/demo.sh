@@ -47,7 +47,7 @@ synth_once() {  # synth_once DIR ARGS...: skip when a previous run completed it
   fi
 }
 
-step "1. synthesize k3-small (~1 GB; MXFP4 experts quantized with the OCP rule) as the hub's copy"
+step "1. synthesize k3-small (~1 GB; MXFP4 experts quantized as compressed-tensors does) as the hub's copy"
 mkdir -p "$(dirname "$HUBDIR")"
 synth_once "$HUBDIR" --preset k3-small
 

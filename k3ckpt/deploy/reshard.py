@@ -128,10 +128,10 @@ from ..format.topology import (
     num_nodes,
     tensors_for_ranks,
 )
-from ..utils import fsync_dir, human_bytes, is_within, write_atomic
+from ..utils import copy_files, fsync_dir, human_bytes, is_within, write_atomic
 from ..utils.ownership import claim_output_dir
 from ..utils.space import free_bytes, require_free_space, space_margin
-from .bytecopy import NO_SPACE, Copier, FdCache, Run, copy_files, output_lock, tmp_name
+from .bytecopy import NO_SPACE, Copier, FdCache, Run, output_lock, tmp_name
 
 #: Alignment of each output file's data buffer.
 ALIGN = 4096
