@@ -159,7 +159,7 @@ if [ -n "${K3_MANIFEST:-}" ]; then
     manifest_args="--manifest ${K3_MANIFEST}"
 fi
 # shellcheck disable=SC2086
-k3ckpt fetch --source "$source_hub" --repo "$repo" --revision "$revision" --dest "$dest" \
+k3ckpt fetch "$repo" --source "$source_hub" --revision "$revision" --local-dir "$dest" \
     --node "$node" --gpus-per-node "$gpus" --ep "$world" --tp "$tp" --placement linear \
     $manifest_args ${K3_FETCH_ARGS:-}
 # The launcher's variables are checked too: preflight reads a one-task-per-node srun

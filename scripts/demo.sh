@@ -47,7 +47,7 @@ synth_once() {  # synth_once DIR ARGS...: skip when a previous run completed it
   fi
 }
 
-step "1. synthesize k3-small (~1 GB; MXFP4 experts quantized with the OCP rule) as the hub's copy"
+step "1. synthesize k3-small (~1 GB; MXFP4 experts quantized as compressed-tensors does) as the hub's copy"
 mkdir -p "$(dirname "$HUBDIR")"
 synth_once "$HUBDIR" --preset k3-small
 
@@ -69,7 +69,7 @@ k3ckpt manifest pull --source hf --repo "$REPO" -o "$MANIFEST" --json
 k3ckpt manifest sign "$MANIFEST" --key "$WORK/release.key"
 
 step "4. fetch it to the node: parallel ranged chunks, resumable, every file's sha256 checked"
-k3ckpt fetch --source hf --repo "$REPO" --dest "$NODE" --chunk-size 16MiB
+k3ckpt fetch "$REPO" --local-dir "$NODE" --chunk-size 16MiB
 
 step "5. verify the node's copy against the pinned, signed manifest (signature, structure, every sha256)"
 k3ckpt verify "$NODE" --manifest "$MANIFEST" --signature "$MANIFEST.sig" --pubkey "$WORK/release.key.pub"
@@ -89,7 +89,7 @@ step "9. a second node fetches only its share, as its node directory: node 1 (ra
 # per-tensor digests pinned before the download (the hub's sha256 covers whole files only): one
 # streamed read of the hub's files, each checked against the hub's sha256 in the same pass
 [ -f "$TENSORS" ] || k3ckpt manifest pull --source hf --repo "$REPO" --tensor-hashes -o "$TENSORS"
-k3ckpt fetch --source modelscope --repo "$REPO" --dest "$NODE1" --tp 2 --dp 4 --node 1 --gpus-per-node 4 \
+k3ckpt fetch "$REPO" --source modelscope --local-dir "$NODE1" --tp 2 --dp 4 --node 1 --gpus-per-node 4 \
   --manifest "$TENSORS"
 # the node proves its share later too: every tensor it holds, and that its ranks' experts are all there
 k3ckpt verify "$NODE1" --manifest "$TENSORS"

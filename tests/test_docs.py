@@ -336,6 +336,15 @@ def test_normalize_masks_only_what_varies() -> None:
     assert normalize(row + "37.05 GB free, need 1 GB", cwd) == normalize(row + "2 GB free", cwd)
 
 
+def test_re_recording_keeps_a_cut_listing_cut() -> None:
+    new = ["a1", "b1", "c", "d", "e1"]
+    assert keep_cut(["a", "...", "e"], new) == ["a1", "...", "e1"]
+    assert keep_cut(["a", "b", "..."], new) == ["a1", "b1", "..."]
+    assert keep_cut(["a", "e"], new) == new  # nothing was cut
+    assert keep_cut(["a", "...", "b", "...", "e"], new) == new  # two cuts: which lines to keep is not known
+    assert keep_cut(["a", "b", "...", "d", "e"], ["x", "y"]) == ["x", "y"]  # shorter than the cut
+
+
 def test_readme_fits_on_a_page() -> None:
     size = len((ROOT / "README.md").read_bytes())
     assert size < README_LIMIT, f"README.md is {size:,} bytes; the reference belongs in docs/"
@@ -386,6 +395,19 @@ def test_docs_index_lists_every_page() -> None:
 # -- recording ---------------------------------------------------------------------------------
 
 
+def keep_cut(shown: list[str], output: list[str]) -> list[str]:
+    """The new ``output`` of a re-recorded command, cut where its shown lines were cut: shown as
+    head, one ``...``, tail, it keeps as many first and last lines of the new output (a page
+    shows what matters of a long listing; re-recording must not paste the whole listing in)."""
+    cuts = [i for i, x in enumerate(shown) if x.strip() == "..."]
+    if len(cuts) != 1:
+        return output
+    head, tail = cuts[0], len(shown) - cuts[0] - 1
+    if head + tail >= len(output):
+        return output
+    return output[:head] + ["..."] + (output[len(output) - tail:] if tail else [])
+
+
 def _record(path: Path, write: bool) -> int:
     """Run a page where its output was recorded, print what each command printed; with ``write``,
     replace the output of every command whose shown lines no longer match (others keep their cuts)."""
@@ -410,7 +432,7 @@ def _record(path: Path, write: bool) -> int:
         for r in results:
             body += ("$ " + r.command.text).split("\n")
             ok = r.command.output and not missing_lines(r.command.output, r.output, cwd)
-            body += r.command.output if ok else r.output
+            body += r.command.output if ok else keep_cut(r.command.output, r.output)
             if r.rc:
                 body += ["$ echo $?", str(r.rc)]
         replace[block.line] = (block.end, body)

@@ -466,11 +466,13 @@ def test_token_required(which: str, token_hub: LoopbackHub, served: Path) -> Non
     listing = list_repo(which, REPO, endpoint=token_hub.url, token=TOKEN)
     assert listing.revision == token_hub.commit(REPO)
     assert fetch_header(listing, BIG, token=TOKEN).names == list(read_header(served / BIG).tensors)
-    for bad in (None, "wrong"):
-        with pytest.raises(HubAuthError) as e:
+    variable = {"hf": "HF_TOKEN", "modelscope": "MODELSCOPE_API_TOKEN"}[which]
+    for bad, what in ((None, "the repo needs a token"), ("wrong", "the token was refused")):
+        with pytest.raises(HubAuthError, match=f"401 Unauthorized: {what}") as e:
             list_repo(which, REPO, endpoint=token_hub.url, token=bad)
         assert e.value.exit_code == EXIT_CANNOT_RUN and "\n" not in str(e.value)
-        with pytest.raises(HubAuthError, match="HTTP 401"):
+        assert f"set {variable} or pass --token" in str(e.value)
+        with pytest.raises(HubAuthError, match=f"401 Unauthorized: {what}.*set {variable} or pass --token"):
             read_range(listing, NESTED, 0, 5, token=bad)
 
 

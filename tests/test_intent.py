@@ -110,7 +110,7 @@ def test_preflight_takes_the_topology_from_the_directory_and_refuses_it_missing(
     layout = tmp_path / "layout"
     assert run("reshard", str(k3_tiny), "-o", str(layout), "--format", "rank", "--ep", "2").exit_code == 0
     res = run("preflight", str(layout), "--rank", "1", "--no-env")
-    assert res.exit_code in (0, 1) and "ranks 1 (--rank 1)" in res.output, res.output
+    assert res.exit_code in (0, 1) and "ranks 1 (--ranks 1)" in res.output, res.output
     # a plain checkpoint records none
     assert_one_line_error(run("preflight", str(k3_tiny), "--rank", "1", "--no-env"), 2, "need --ep/--tp")
 

@@ -268,17 +268,18 @@ def test_quantize_all_takes_every_linear_weight_but_norms_embeddings_heads(tmp_p
 def test_quantize_scale_mode_passes_through(tmp_path: Path) -> None:
     inp, src = _float_input(tmp_path)
     outs = {}
-    for mode in ("floor", "ceil", "even"):
+    for mode in ("compressed-tensors", "floor", "ceil", "even"):
         out = tmp_path / f"{mode}.safetensors"
         res = run("mx", "quantize", str(inp), "-o", str(out), "--scale-mode", mode, "--json")
         assert res.exit_code == 0, res.output
-        assert json.loads(res.stdout)["scale_mode"] == mode
+        assert json.loads(res.stdout)["scale_mode"] == {"floor": "ocp"}.get(mode, mode)
         _, outs[mode] = read_all(out)
         want_p, want_s = quantize_mxfp4(src[ROUTED[0]], scale_mode=mode)
         assert same_bits(outs[mode][EXP + "experts.0.w1.weight_scale"], want_s)
         assert same_bits(outs[mode][EXP + "experts.0.w1.weight_packed"], want_p)
     floor_s, ceil_s = (outs[m][EXP + "experts.0.w1.weight_scale"] for m in ("floor", "ceil"))
     assert floor_s[4, 0] == 127 + 0 and ceil_s[4, 0] == 127 + 1  # the block of 7.0s
+    assert outs["compressed-tensors"][EXP + "experts.0.w1.weight_scale"][4, 0] == 127 + 1  # 7 rounds to 8
     assert not np.array_equal(floor_s, ceil_s)
 
 
@@ -326,7 +327,7 @@ def test_quantize_cli_text_json_and_errors(tmp_path: Path) -> None:
     out = tmp_path / "q.safetensors"
     res = run("mx", "quantize", str(inp), "-o", str(out))
     assert res.exit_code == 0, res.output
-    assert res.output.startswith(f"wrote {out}: 4 tensors quantized (floor), {len(src) - 4} copied; ")
+    assert res.output.startswith(f"wrote {out}: 4 tensors quantized (compressed-tensors), {len(src) - 4} copied; ")
     res = run("mx", "quantize", str(inp), "-o", str(out), "--all", "--json")
     data = json.loads(res.stdout)
     assert data["tensors_quantized"] == 9 and data["include_all"] is True
@@ -484,3 +485,138 @@ def test_quantize_of_a_large_tensor_runs_in_bounded_memory(tmp_path: Path) -> No
     assert m["peak_kb"] * 1024 < 160 * 2**20
     h = read_header(out)
     assert h.tensors[name[: -len(".weight")] + ".weight_packed"].shape == (8192, 8192)
+
+
+# -- quantize a whole checkpoint directory -------------------------------------------------------
+
+
+def float_checkpoint(src: Path, dst: Path) -> Path:
+    """``src`` (an MXFP4 checkpoint) with every packed pair decoded to one BF16 ``.weight``, its
+    config without quantization_config and every other file as it is: a float checkpoint."""
+    dst.mkdir()
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    weight_map = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        meta, tensors = read_all(src / shard)
+        out = {}
+        for name, array in tensors.items():
+            if name.endswith(".weight_scale"):
+                continue
+            if name.endswith(".weight_packed"):
+                base = name[: -len("_packed")]
+                array = dequantize_mxfp4(array, tensors[base + "_scale"], dtype=ml_dtypes.bfloat16)
+                name = base
+            out[name] = array
+            weight_map[name] = shard
+        write_st(dst / shard, out, meta)
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(config))
+    for p in src.iterdir():
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(p, dst / p.name)
+    return dst
+
+
+def test_quantize_checkpoint_writes_a_loadable_k3_checkpoint(k3_tiny: Path, tmp_path: Path) -> None:
+    src = float_checkpoint(k3_tiny, tmp_path / "bf16")
+    out = tmp_path / "mxfp4"
+    res = run("mx", "quantize", str(src), "-o", str(out), "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["scale_mode"] == "compressed-tensors" and doc["tensors_quantized"] == 192
+    # the same files as the original MXFP4 checkpoint, and the same tensors in the same shards
+    assert listing(out) - {".cache"} == listing(k3_tiny)
+    want_index = json.loads((k3_tiny / "model.safetensors.index.json").read_text())["weight_map"]
+    got_index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert got_index["weight_map"] == want_index
+    for shard in set(want_index.values()):
+        want_meta, want = read_all(k3_tiny / shard)
+        _, floats = read_all(src / shard)
+        got_meta, got = read_all(out / shard)
+        assert got.keys() == want.keys() and got_meta == want_meta
+        for name, array in got.items():
+            if name.endswith(".weight_packed"):  # quantized from the float weight, as quantize_mxfp4 does
+                packed, scales = quantize_mxfp4(floats[name[: -len("_packed")]])
+                assert same_bits(array, packed) and same_bits(got[name[: -len("packed")] + "scale"], scales)
+            elif not name.endswith(".weight_scale"):  # carried over byte for byte
+                assert same_bits(array, want[name])
+    assert sum(read_header(out / s).data_len for s in set(want_index.values())) == got_index["metadata"]["total_size"]
+    for name in ("tiktoken.model", "LICENSE", "tokenizer_config.json", "tokenization_kimi.py"):
+        assert (out / name).read_bytes() == (k3_tiny / name).read_bytes()
+    # the values survive the round trip exactly (each dequantized block is on the grid again)
+    assert run("mx", "dequant", str(out), "-o", str(tmp_path / "a.safetensors")).exit_code == 0
+    assert run("mx", "dequant", str(k3_tiny), "-o", str(tmp_path / "b.safetensors")).exit_code == 0
+    a, b = read_all(tmp_path / "a.safetensors")[1], read_all(tmp_path / "b.safetensors")[1]
+    assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+    # and k3ckpt's own loadability checks accept it
+    assert run("inspect", str(out)).exit_code == 0
+
+
+def test_quantize_checkpoint_config_is_compressed_tensors_own(k3_tiny: Path, tmp_path: Path) -> None:
+    from k3ckpt.mx.checkpoint import compressed_tensors_config
+
+    src = float_checkpoint(k3_tiny, tmp_path / "bf16")
+    out = tmp_path / "mxfp4"
+    assert run("mx", "quantize", str(src), "-o", str(out)).exit_code == 0
+    config = json.loads((out / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    assert config == json.loads((src / "config.json").read_text())  # nothing else changed
+    with np.load(Path(__file__).parent / "data" / "mxfp4_golden.npz") as g:
+        golden = json.loads(g["meta"].tobytes())["quantization_config"]
+    # every field written is compressed-tensors' own serialisation of it (the rest are its defaults)
+    for key, value in quant.items():
+        if key == "config_groups":
+            got, want = value["group_0"], golden["config_groups"]["group_0"]
+            assert got["targets"] == want["targets"] == ["Linear"]
+            assert got["weights"] == {k: v for k, v in want["weights"].items() if v is not None}
+        elif key != "ignore":
+            assert value == golden[key], key
+    assert quant == compressed_tensors_config(quant["ignore"])
+    # the ignore list names exactly the linear modules left in BF16: attention, shared experts,
+    # router, dense MLP, vision, lm_head - never a quantized one, never a norm or an embedding
+    ck = open_checkpoint(out)
+    packed = {n[: -len(".weight_packed")] for n in ck.tensors if n.endswith(".weight_packed")}
+    assert not packed & set(quant["ignore"])
+    kept = {n[: -len(".weight")] for n, t in ck.tensors.items() if n.endswith(".weight") and len(t.shape) == 2}
+    assert set(quant["ignore"]) <= kept
+    assert "language_model.lm_head" in quant["ignore"]
+    assert any(".shared_experts." in m for m in quant["ignore"]) and any(".self_attn." in m for m in quant["ignore"])
+    assert not any("norm" in m.rsplit(".", 1)[-1] or "embed" in m for m in quant["ignore"])
+
+
+def test_quantize_checkpoint_output_rules(k3_tiny: Path, tmp_path: Path) -> None:
+    src = float_checkpoint(k3_tiny, tmp_path / "bf16")
+    # an already quantized checkpoint is refused, naming its config
+    res = run("mx", "quantize", str(k3_tiny), "-o", str(tmp_path / "again"))
+    assert_one_line_error(res, 2, "config.json", "already has a quantization_config", "mxfp4-pack-quantized")
+    # a directory holding someone else's file is refused, and nothing is written into it
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    res = run("mx", "quantize", str(src), "-o", str(foreign))
+    assert_one_line_error(res, 2, "notes.txt")
+    assert listing(foreign) == {"notes.txt"}
+    # the output may not be inside the input
+    res = run("mx", "quantize", str(src), "-o", str(src / "q"))
+    assert_one_line_error(res, 2, "outside the input")
+    # no config.json: not a checkpoint directory
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(src / "model-00001-of-000008.safetensors", bare / "model.safetensors")
+    assert_one_line_error(run("mx", "quantize", str(bare), "-o", str(tmp_path / "b")), 2, "config.json", "not found")
+    # a one-file checkpoint stays one file: no index appears
+    (bare / "config.json").write_text((src / "config.json").read_text())
+    res = run("mx", "quantize", str(bare), "-o", str(tmp_path / "b"))
+    assert res.exit_code == 0, res.output
+    assert listing(tmp_path / "b") == {".cache", "config.json", "model.safetensors"}
+    # its own earlier output is replaced by a re-run (here with another rule)
+    out = tmp_path / "mxfp4"
+    assert run("mx", "quantize", str(src), "-o", str(out)).exit_code == 0
+    first = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    res = run("mx", "quantize", str(src), "-o", str(out), "--scale-mode", "ocp")
+    assert res.exit_code == 0, res.output
+    assert "quantized (ocp)" in res.output
+    second = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert first.keys() == second.keys() and first != second  # another rule: other scale bytes

@@ -310,7 +310,7 @@ def test_quantize_ties_through_full_path() -> None:
     block[: len(ties)] = ties
     block[7 : 7 + len(ties)] = [-t for t in ties]
     block[31] = 4.0
-    for mode in ("floor", "ceil", "even"):
+    for mode in ("compressed-tensors", "ocp", "floor", "ceil", "even"):
         packed, scales = M.quantize_mxfp4(block, mode)
         assert scales.tolist() == [127]
         out = M.dequantize_mxfp4(packed, scales)
@@ -325,16 +325,21 @@ def test_quantize_grid_values_round_trip_exactly(exponent: int) -> None:
     codes[:, 0] = 7  # amax = 6 * 2**exponent in every block -> floor picks exactly `exponent`
     codes[:, 32] = 15
     x = np.ldexp(M.E2M1_VALUES[codes].astype(np.float64), exponent).astype(np.float32)
-    packed, scales = M.quantize_mxfp4(x)
+    packed, scales = M.quantize_mxfp4(x, "ocp")
     assert np.all(scales == exponent + 127)
     assert np.array_equal(M.dequantize_mxfp4(packed, scales).view(np.uint32), x.view(np.uint32))
     assert np.array_equal(M.unpack_fp4(packed), codes)
+    # compressed-tensors' rule picks the same exponent (significand 1.5 < 1.75) and the same
+    # codes, except that an input -0.0 becomes +0 (code 8 -> 0), as compressed-tensors writes it.
+    packed, scales = M.quantize_mxfp4(x)
+    assert np.all(scales == exponent + 127)
+    assert np.array_equal(M.unpack_fp4(packed), np.where(codes == 8, 0, codes))
 
 
 def test_quantize_saturates_and_picks_floor_scale() -> None:
     x = np.zeros((1, 32), dtype=np.float32)
     x[0, :4] = [7.9, -7.0, 6.5, 1.0]
-    packed, scales = M.quantize_mxfp4(x)
+    packed, scales = M.quantize_mxfp4(x, "ocp")
     assert scales.tolist() == [[127]]  # floor(log2 7.9) - 2 = 0
     assert M.dequantize_mxfp4(packed, scales)[0, :4].tolist() == [6.0, -6.0, 6.0, 1.0]
 
@@ -344,7 +349,8 @@ def test_quantize_scale_modes_differ_as_documented() -> None:
     x[0, 0] = 6.5  # > 6: ceil bumps, < 7: even does not
     x[1, 0] = 7.0  # tie at 7: even bumps
     x[2, 0] = 6.0  # exactly representable: nobody bumps
-    expected = {"floor": [127, 127, 127], "ceil": [128, 128, 127], "even": [127, 128, 127]}
+    expected = {"ocp": [127, 127, 127], "floor": [127, 127, 127], "ceil": [128, 128, 127], "even": [127, 128, 127],
+                "compressed-tensors": [127, 128, 127]}
     for mode, bytes_ in expected.items():
         _, scales = M.quantize_mxfp4(x, mode)
         assert scales[:, 0].tolist() == bytes_, mode
@@ -372,17 +378,19 @@ def test_quantize_power_of_two_amax_uses_exact_log2() -> None:
         assert scales[0] == 127 + k - 2
         assert M.dequantize_mxfp4(packed, scales)[0] == x[0]
         x[0] = np.nextafter(x[0], np.float32(0))
-        assert M.quantize_mxfp4(x)[1][0] == 127 + k - 3
+        assert M.quantize_mxfp4(x, "ocp")[1][0] == 127 + k - 3
+        assert M.quantize_mxfp4(x)[1][0] == 127 + k - 2  # significand ~2 rounds up to the next binade
 
 
 def test_quantize_all_zero_block_gets_smallest_scale() -> None:
     x = np.zeros((2, 64), dtype=np.float32)
     x[1, 32:] = -0.0
     x[0, 40] = 1.0
-    packed, scales = M.quantize_mxfp4(x)
-    assert scales.tolist() == [[0, 125], [0, 0]]
-    assert not M.dequantize_mxfp4(packed, scales)[1].any()
-    assert np.all(M.unpack_fp4(packed)[1, 32:] == 8)  # -0.0 keeps its sign
+    for mode, minus_zero_code in (("ocp", 8), ("compressed-tensors", 0)):
+        packed, scales = M.quantize_mxfp4(x, mode)
+        assert scales.tolist() == [[0, 125], [0, 0]]
+        assert not M.dequantize_mxfp4(packed, scales)[1].any()
+        assert np.all(M.unpack_fp4(packed)[1, 32:] == minus_zero_code)  # ocp keeps -0.0's sign
 
 
 def test_quantize_clamps_exponent_extremes() -> None:
@@ -407,9 +415,14 @@ def test_quantize_clamps_exponent_extremes() -> None:
     # largest float32 stays in range
     top = np.zeros(32, dtype=np.float32)
     top[0] = np.finfo(np.float32).max
-    packed, scales = M.quantize_mxfp4(top)
+    packed, scales = M.quantize_mxfp4(top, "ocp")
     assert scales[0] == 127 + 125
     assert M.dequantize_mxfp4(packed, scales)[0] == np.float32(6 * 2.0**125)
+    # compressed-tensors' rule rounds amax up to 2**128: byte 253, and the element rounds to
+    # 4 * 2**126, which overflows float32 on decoding (docs/mx.md: use --scale-mode ocp there).
+    packed, scales = M.quantize_mxfp4(top)
+    assert scales[0] == 127 + 126
+    assert M.dequantize_mxfp4(packed, scales)[0] == np.inf
 
 
 def test_quantize_accepts_narrow_float_inputs() -> None:
@@ -505,8 +518,8 @@ def test_quantize_error_is_at_most_half_a_grid_step(x: np.ndarray, mode: str) ->
 @PROPERTY_SETTINGS
 @given(x=st.one_of(_finite_float32_rows(), _scaled_grid_rows()))
 def test_quantize_floor_is_idempotent(x: np.ndarray) -> None:
-    packed, scales = M.quantize_mxfp4(x)
-    again_packed, again_scales = M.quantize_mxfp4(M.dequantize_mxfp4(packed, scales))
+    packed, scales = M.quantize_mxfp4(x, "ocp")
+    again_packed, again_scales = M.quantize_mxfp4(M.dequantize_mxfp4(packed, scales), "ocp")
     assert np.array_equal(again_packed, packed)
     assert np.array_equal(again_scales, scales)
 

@@ -269,7 +269,7 @@ def test_unrecorded_source_path_is_a_placeholder(layout: Path) -> None:
 
 @pytest.mark.parametrize("env, kwargs, needle", [
     ({"WORLD_SIZE": "8"}, {}, "WORLD_SIZE=8 but the topology has world size 4"),
-    ({"RANK": "3"}, {"ranks": [2]}, "RANK=3 but --rank 2"),
+    ({"RANK": "3"}, {"ranks": [2]}, "RANK=3 but --ranks 2"),
     ({"SLURM_NTASKS": "2"}, {}, "SLURM_NTASKS=2 but the topology has world size 4"),
     ({"RANK": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, {}, "LOCAL_RANK=0 but RANK=1 is local rank 1"),
     ({"SLURM_NODEID": "0"}, {"node": 1, "gpus_per_node": 2}, "SLURM_NODEID=0 but --node 1"),
@@ -534,9 +534,9 @@ def test_cli_text_json_and_exit_codes(layout: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--rank", "0", "--node", "0", "--gpus-per-node", "2"], "give --rank or --node, not both"),
+    (["--rank", "0", "--node", "0", "--gpus-per-node", "2"], "give --ranks or --node, not both"),
     (["--node", "0"], "--node needs --gpus-per-node"),
-    (["--rank", "9"], "--rank 9 out of range 0..3"),
+    (["--rank", "9"], "--ranks 9 out of range 0..3"),
     (["--node", "5", "--gpus-per-node", "2"], "--node 5 out of range"),
 ])
 def test_cli_cannot_run(pristine: Path, args: list[str], needle: str) -> None:

@@ -410,7 +410,7 @@ def test_copy_files_streams(tmp_path: Path) -> None:
     """A large non-weight file is copied in bounded chunks, never read whole into memory."""
     import tracemalloc
 
-    from k3ckpt.deploy.bytecopy import copy_files
+    from k3ckpt.utils import copy_files
 
     size = 64 * 2**20
     (tmp_path / "src").mkdir()

@@ -1,4 +1,4 @@
-"""Synthetic checkpoints: deterministic, K3-shaped, experts adjacent, MXFP4 by the OCP rule."""
+"""Synthetic checkpoints: deterministic, K3-shaped, experts adjacent, MXFP4 by compressed-tensors' rule."""
 
 from __future__ import annotations
 

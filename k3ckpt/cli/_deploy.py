@@ -9,7 +9,16 @@ import click
 
 from ..errors import EXIT_PROBLEMS
 from ..format.topology import RankSelection
-from ._options import CONTEXT, Decorator, handle_errors, jobs_option, json_option, size_option, topology_options
+from ._options import (
+    CONTEXT,
+    Decorator,
+    handle_errors,
+    jobs_option,
+    json_option,
+    max_shard_size_option,
+    size_option,
+    topology_options,
+)
 from ._output import ByteProgress, emit_json
 
 # help texts plan and reshard share
@@ -85,14 +94,13 @@ def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, l
               help=_FORMAT)
 @_engine_topology(ranks="--format rank: only these ranks, e.g. 0-3,8.",
                   node="Only this node (needs --gpus-per-node with --format rank).")
-@size_option("--max-file-size", default="5GiB",
-             help="Files of at most this size (--format node: header included; --format rank: tensor bytes).")
+@max_shard_size_option("Files of at most this size (--format node: header included; --format rank: tensor bytes).")
 @jobs_option("Output files written in parallel [default: 2 per CPU, at most 16].")
 @click.option("--force", is_flag=True, help="Rewrite completed ranks too, and replace another topology this command "
               "wrote in OUT (never files k3ckpt did not write).")
 @json_option("Machine-readable summary.")
 @handle_errors
-def reshard(source: str, out: str, selection: RankSelection, max_file_size: int, jobs: int | None, layout: str,
+def reshard(source: str, out: str, selection: RankSelection, max_shard_size: int, jobs: int | None, layout: str,
             force: bool, as_json: bool) -> None:
     """Write a checkpoint as the directories each node (or rank) of a TP/DP/EP topology loads.
 
@@ -123,11 +131,11 @@ def reshard(source: str, out: str, selection: RankSelection, max_file_size: int,
       k3ckpt reshard ./Kimi-K3 -o /nvme/k3-tp8 --tp 8
       k3ckpt reshard ./Kimi-K3 -o /nvme/k3-tp8-dp2 --tp 8 --dp 2 --gpus-per-node 8 --node 1
       k3ckpt reshard ./Kimi-K3 -o /nvme/k3-ep16 --ep 16 --tp 4 --gpus-per-node 4 --placement round_robin
-      k3ckpt reshard ./Kimi-K3 -o ./k3-ranks --format rank --ep 8 --tp 2 --ranks 0-3 --max-file-size 2GiB --json
+      k3ckpt reshard ./Kimi-K3 -o ./k3-ranks --format rank --ep 8 --tp 2 --ranks 0-3 --max-shard-size 2GiB --json
     """
     from ..deploy.reshard import plan_reshard, render_reshard, run_reshard
 
-    plan = plan_reshard(source, selection, max_file_size=max_file_size, layout=layout)
+    plan = plan_reshard(source, selection, max_file_size=max_shard_size, layout=layout)
     with ByteProgress(not as_json, "resharding") as bar:
         res = run_reshard(plan, out, jobs=jobs, force=force, progress=bar, on_plan=bar.plan)
     if as_json:
@@ -143,8 +151,7 @@ def reshard(source: str, out: str, selection: RankSelection, max_file_size: int,
 @click.argument("layout", metavar="OUT", type=click.Path(file_okay=False, path_type=str))
 @click.option("-o", "--output", "dest", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Directory for the reassembled checkpoint.")
-@size_option("--max-shard-size", default="5GiB",
-             help="Tensor bytes per output shard (a larger tensor gets a shard of its own).")
+@max_shard_size_option("Tensor bytes per output shard (a larger tensor gets a shard of its own).")
 @jobs_option("Shards written in parallel [default: min(CPUs, 8)].")
 @click.option("--force", is_flag=True, help="Replace a checkpoint an earlier unshard wrote in the output directory "
               "(never files k3ckpt did not write).")
@@ -185,7 +192,7 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
 
 @click.command(context_settings=CONTEXT)
 @click.argument("directory", type=click.Path(path_type=str))
-@topology_options(rank="Check this global rank only.", node="Check the ranks of this node (needs --gpus-per-node).",
+@topology_options(ranks="Check this global rank only (one rank).", node="Check the ranks of this node (needs --gpus-per-node).",
                   gpus_per_node="Ranks per node.", ep="Expert-parallel degree the launcher uses.",
                   tp="Tensor-parallel degree the launcher uses.",
                   dp="Data-parallel degree the launcher uses (--engine: ep = tp x dp).",
@@ -223,7 +230,7 @@ def preflight(directory: str, selection: RankSelection, full: bool, io_test: flo
     plain checkpoint, its structure and the experts this node's ranks need; free disk, host
     RAM and GPU memory (nvidia-smi / rocm-smi) against weights x 1.15 + --kv-budget; MXFP4
     support; LICENSE kind, quantization format and source revision; with --io-test, read
-    speed and the predicted load time. This node's ranks: --rank, --node, else the launcher's
+    speed and the predicted load time. This node's ranks: --ranks, --node, else the launcher's
     variables, else all. Exits 0 when nothing FAILs, 1 when something does, 2 when it cannot
     run. Test hooks: K3CKPT_PREFLIGHT_FREE_BYTES and K3CKPT_PREFLIGHT_MEM_BYTES replace the
     measured free disk and available memory.
@@ -237,7 +244,7 @@ def preflight(directory: str, selection: RankSelection, full: bool, io_test: flo
     \b
     Examples:
       k3ckpt preflight /nvme/k3-ep8-tp2 --node 0 --gpus-per-node 8
-      k3ckpt preflight /nvme/k3-ep8-tp2 --rank 3 --ep 8 --tp 2 --full --json
+      k3ckpt preflight /nvme/k3-ep8-tp2 --ranks 3 --ep 8 --tp 2 --full --json
       k3ckpt preflight /nvme/Kimi-K3 --ep 8 --tp 8 --node 1 --gpus-per-node 8 --io-test 10
       k3ckpt preflight /nvme/k3/node-00001 --engine vllm --tp 8 --dp 2 --node 1 --gpus-per-node 8
     """

@@ -87,7 +87,8 @@ def synth(dest: str, preset: str, jobs: int | None, force: bool, as_json: bool, 
     """Write a deterministic synthetic checkpoint shaped like Kimi K3 (or gpt-oss, Kimi-K2 FP8).
 
     Real config structure, tensor names, dtypes and shard naming; MXFP4 experts quantized from
-    seeded random weights with the OCP MX rule; each expert's six tensors adjacent in one shard.
+    seeded random weights with compressed-tensors' MXFP4 rule (K3's producer); each expert's six
+    tensors adjacent in one shard.
 
     \b
     Presets:

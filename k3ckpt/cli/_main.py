@@ -8,7 +8,7 @@ import click
 
 from .. import __version__
 from . import _deploy, _fetch, _inspect, _manifest, _mx
-from ._options import ARGV_META, CONTEXT, fail_usage
+from ._options import ARGV_META, CONTEXT, exit_broken_pipe, fail_usage
 
 # click >= 8.2 raises this (a UsageError) to show a group's help when it is given no command
 _NO_ARGS_IS_HELP: tuple[type[click.UsageError], ...] = tuple(
@@ -21,8 +21,12 @@ class RootGroup(click.Group):
     (:func:`~k3ckpt.cli._options.fail_usage`), not as click's usage block."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        args = debug_first(args)
         ctx.meta[ARGV_META] = list(args)  # for --json in a command whose own parsing fails
-        return super().parse_args(ctx, args)
+        try:
+            return super().parse_args(ctx, args)
+        except BrokenPipeError:  # --help or --version into a reader that went away
+            exit_broken_pipe()
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -31,11 +35,23 @@ class RootGroup(click.Group):
             raise  # a group given no command: click shows its help, which is what was asked
         except click.UsageError as e:
             fail_usage(e, ctx)
+        except BrokenPipeError:  # a command's --help, or output outside its error handler
+            exit_broken_pipe()
+
+
+def debug_first(args: list[str]) -> list[str]:
+    """``args`` with every ``--debug`` (before a ``--``) moved to the front, where the root
+    group reads it: ``k3ckpt inspect X --debug`` means what ``k3ckpt --debug inspect X`` does."""
+    end = args.index("--") if "--" in args else len(args)
+    head = [a for a in args[:end] if a != "--debug"]
+    if len(head) == end:
+        return args
+    return ["--debug", *head, *args[end:]]
 
 
 @click.group(cls=RootGroup, context_settings=CONTEXT)
 @click.version_option(__version__, "--version", prog_name="k3ckpt")
-@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors (also after the command).")
 def main(debug: bool) -> None:
     """k3ckpt: fetch, verify, inspect, reshard and preflight Kimi K3-class MoE checkpoints.
 

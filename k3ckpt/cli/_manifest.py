@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..errors import EXIT_PROBLEMS, K3ckptError
-from ._options import CONTEXT, handle_errors, jobs_option, json_option
+from ._options import CONTEXT, handle_errors, jobs_option, json_option, revision_option, token_option
 from ._output import ByteProgress, emit_json
 
 
@@ -85,8 +85,9 @@ def _sign_output(output: str, key: str | None) -> dict[str, str]:
 @manifest.command("pull", context_settings=CONTEXT)
 @click.option("--source", "hub", required=True, type=click.Choice(["hf", "modelscope"]), help="Which hub.")
 @click.option("--repo", required=True, help="Repository id, e.g. moonshotai/Kimi-K3.")
-@click.option("--revision", help="Branch, tag or commit [default: main]; the manifest records the resolved commit.")
+@revision_option("the manifest records the resolved commit")
 @click.option("--endpoint", help="Hub endpoint [default: HF_ENDPOINT / MODELSCOPE_ENDPOINT, else the public hub].")
+@token_option()
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str),
               help="Where to write the manifest (JSON).")
 @click.option("--tensor-hashes", is_flag=True,
@@ -97,7 +98,7 @@ def _sign_output(output: str, key: str | None) -> dict[str, str]:
               help="Also sign the manifest with this ed25519 private key (writes OUTPUT.sig).")
 @json_option("Print a summary as JSON.")
 @handle_errors
-def manifest_pull(hub: str, repo: str, revision: str | None, endpoint: str | None, output: str,
+def manifest_pull(hub: str, repo: str, revision: str | None, endpoint: str | None, token: str | None, output: str,
                   tensor_hashes: bool, jobs: int, sign_key: str | None, as_json: bool) -> None:
     """Build a manifest from hub metadata alone, before downloading anything.
 
@@ -122,7 +123,7 @@ def manifest_pull(hub: str, repo: str, revision: str | None, endpoint: str | Non
     if sign_key:
         _check_signing_key(sign_key)
     with ByteProgress(not as_json and tensor_hashes, "hashing") as bar:
-        m = pull_manifest(hub, repo, revision, endpoint=endpoint, jobs=jobs, tensor_hashes=tensor_hashes,
+        m = pull_manifest(hub, repo, revision, endpoint=endpoint, token=token, jobs=jobs, tensor_hashes=tensor_hashes,
                           progress=bar, on_plan=bar.plan)
     m.save(output)
     signed = _sign_output(output, sign_key)
@@ -228,8 +229,9 @@ def manifest_sign(file: str, key: str, output: str | None, as_json: bool) -> Non
               help="The public key the --signature must verify with (PEM, OpenSSH or raw).")
 @click.option("--against", type=click.Choice(["hf", "modelscope"]), help="Verify against a hub's listing.")
 @click.option("--repo", help="Repository id for --against, e.g. moonshotai/Kimi-K3.")
-@click.option("--revision", help="Revision for --against [default: the repo's main, resolved].")
+@revision_option("with --against: verified against the files of the commit it resolves to")
 @click.option("--endpoint", help="Hub endpoint for --against [default: HF_ENDPOINT / MODELSCOPE_ENDPOINT].")
+@token_option()
 @click.option("--quick", is_flag=True, help="Sizes and structure only, trusting digests from the stat cache.")
 @click.option("--no-scan", is_flag=True, help="Skip the NaN scale-byte scan.")
 @click.option("--no-cache", is_flag=True, help="Neither read nor write the stat cache.")
@@ -237,7 +239,8 @@ def manifest_sign(file: str, key: str, output: str | None, as_json: bool) -> Non
 @json_option()
 @handle_errors
 def verify(path: str, manifest_path: str | None, signature_path: str | None, pubkey_path: str | None,
-           against: str | None, repo: str | None, revision: str | None, endpoint: str | None, quick: bool,
+           against: str | None, repo: str | None, revision: str | None, endpoint: str | None, token: str | None,
+           quick: bool,
            no_scan: bool, no_cache: bool, jobs: int | None, as_json: bool) -> None:
     """Prove a checkpoint intact, or say exactly what is wrong (exit 1).
 
@@ -269,6 +272,8 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
         raise click.UsageError("use --manifest or --against, not both")
     if against and not repo:
         raise click.UsageError("--against needs --repo")
+    if token is not None and not against:
+        raise click.UsageError("--token is for --against (the hub's listing)")
     if bool(signature_path) != bool(pubkey_path):
         raise click.UsageError("--signature and --pubkey go together")
     if signature_path and not manifest_path:
@@ -288,14 +293,14 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
 
         # rewritten shards: the present tensors' bytes, read from the hub with ranged requests
         with ByteProgress(not as_json, "reading tensors from the hub") as bar:
-            pulled = pull_share_manifest(path, against, repo, revision, endpoint=endpoint, progress=bar,
+            pulled = pull_share_manifest(path, against, repo, revision, endpoint=endpoint, token=token, progress=bar,
                                          on_plan=bar.plan)
         kwargs.update(manifest=pulled, reference=f"{against}:{pulled.source['repo']}@{pulled.source['revision']}, "
                                                  "tensors as the hub serves them now (ranged reads)")
     elif against and repo:
         from ..hub.client import list_repo
 
-        listing = list_repo(against, repo, revision, endpoint=endpoint)
+        listing = list_repo(against, repo, revision, endpoint=endpoint, token=token)
         kwargs.update(
             expected_files={f.path: Expected(f.size, f.sha256, f.git_sha1) for f in listing.files.values()},
             reference=f"{against}:{listing.repo}@{listing.revision}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,16 @@ def mx() -> None:
       k3ckpt mx quantize finetuned.safetensors -o packed.safetensors
       k3ckpt mx error finetuned.safetensors
     """
+
+
+# The values are spelled out here (not imported from k3ckpt.mx.codec) so that `--help` does not
+# import numpy; tests/test_mxfp4_golden.py checks they are codec.SCALE_MODES plus the alias.
+_scale_mode_option = click.option(
+    "--scale-mode", type=click.Choice(["compressed-tensors", "ocp", "floor", "ceil", "even"]),
+    default="compressed-tensors", show_default=True,
+    help="Shared-exponent rule: compressed-tensors (what made K3's experts: amax rounded to one mantissa "
+         "bit); ocp (OCP MX floor(log2(amax)) - 2; floor is an alias); ceil (never saturates); even "
+         "(compressed-tensors' exponent, -0.0 kept as -0).")
 
 
 # -- mx inspect / mx error ---------------------------------------------------------------------
@@ -100,8 +111,7 @@ def mx_inspect(path: str, tensor: str | None, layer: int | None, expert: int | N
 
 @mx.command("error", context_settings=CONTEXT)
 @click.argument("path", type=click.Path(path_type=str))
-@click.option("--scale-mode", type=click.Choice(["floor", "ceil", "even"]), default="floor", show_default=True,
-              help="Shared-exponent rule: floor is OCP MX (and K3); ceil never saturates; even rounds amax.")
+@_scale_mode_option
 @click.option("--tensor", help="Only this tensor (measured whatever its role).")
 @click.option("--all", "include_all", is_flag=True,
               help="Also measure roles K3 keeps in high precision (attention, norms, router, embeddings, ...).")
@@ -119,7 +129,7 @@ def mx_error(path: str, scale_mode: ScaleMode, tensor: str | None, include_all: 
     \b
     Examples:
       k3ckpt mx error finetuned.safetensors
-      k3ckpt mx error finetuned.safetensors --scale-mode even
+      k3ckpt mx error finetuned.safetensors --scale-mode ocp
       k3ckpt mx error finetuned.safetensors --tensor model.layers.1.mlp.experts.0.gate_proj.weight
       k3ckpt mx error finetuned.safetensors --all --json | jq .totals
     """
@@ -181,41 +191,53 @@ def mx_dequant(path: str, tensor: str | None, layer: int | None, expert: int | N
 
 
 @mx.command("quantize", context_settings=CONTEXT)
-@click.argument("input_file", metavar="IN", type=click.Path(dir_okay=False, path_type=str))
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str),
-              help="The safetensors file to write (replaced atomically).")
-@click.option("--scale-mode", type=click.Choice(["floor", "ceil", "even"]), default="floor", show_default=True,
-              help="Shared exponent rule: floor (OCP MX), ceil (never saturates), even (saturate only "
-                   "where rounding would).")
+@click.argument("input_path", metavar="IN", type=click.Path(path_type=str))
+@click.option("-o", "--output", required=True, type=click.Path(path_type=str),
+              help="IN a file: the safetensors file to write (replaced atomically). IN a checkpoint "
+                   "directory: the checkpoint directory to write (new, empty or an earlier mx quantize's).")
+@_scale_mode_option
 @click.option("--all", "include_all", is_flag=True,
               help="Quantize every 2-D linear weight (in % 32 == 0), not only routed experts; "
                    "norms, embeddings and LM heads stay as they are.")
 @json_option("Print what was written as JSON.")
 @handle_errors
-def mx_quantize(input_file: str, output: str, scale_mode: ScaleMode, include_all: bool, as_json: bool) -> None:
-    """Quantize the BF16/F16/F32 weights of a safetensors file to MXFP4 in the K3 layout.
+def mx_quantize(input_path: str, output: str, scale_mode: ScaleMode, include_all: bool, as_json: bool) -> None:
+    """Quantize BF16/F16/F32 weights to MXFP4 in the K3 layout: one safetensors file, or a whole
+    checkpoint directory into a loadable one.
 
     Each eligible `<base>.weight` [out, in] becomes `<base>.weight_packed` [out, in/2] U8 (low
     nibble first) + `<base>.weight_scale` [out, in/32] U8 (E8M0), as compressed-tensors
-    `mxfp4-pack-quantized` stores them. By default only routed-expert weights qualify (what K3
-    quantizes); every other tensor is copied through unchanged. A weight with NaN/Inf is refused,
-    naming it, and nothing is written.
+    `mxfp4-pack-quantized` stores them - by default with compressed-tensors' own rule, byte for
+    byte. By default only routed-expert weights qualify (what K3 quantizes); every other tensor is
+    copied through unchanged. A weight with NaN/Inf is refused, naming it, and nothing is written.
+
+    With a checkpoint directory (config.json + shards) every shard is quantized under its own
+    name, the index rewritten, the other files (tokenizer, licence, code) copied, and config.json
+    given the `quantization_config` compressed-tensors reads (engines load the output as is).
 
     \b
     Examples:
       k3ckpt mx quantize finetuned.safetensors -o packed.safetensors
-      k3ckpt mx quantize experts-bf16.safetensors -o packed.safetensors --scale-mode even --json
+      k3ckpt mx quantize ./Kimi-K3-bf16 -o ./Kimi-K3-mxfp4
+      k3ckpt mx quantize experts-bf16.safetensors -o packed.safetensors --scale-mode ocp --json
       k3ckpt mx quantize small-model.safetensors -o small-mxfp4.safetensors --all
     """
+    from ..mx.checkpoint import quantize_checkpoint, render_quantize_checkpoint
     from ..mx.convert import quantize_file, render_quantize
 
     with ByteProgress(not as_json, "quantizing") as bar:
-        res = quantize_file(input_file, output, scale_mode=scale_mode, include_all=include_all,
-                            progress=bar, on_plan=bar.plan)
+        if os.path.isdir(input_path):
+            ckpt = quantize_checkpoint(input_path, output, scale_mode=scale_mode, include_all=include_all,
+                                       progress=bar, on_plan=bar.plan)
+            doc, line = ckpt.to_json(), render_quantize_checkpoint(ckpt)
+        else:
+            one = quantize_file(input_path, output, scale_mode=scale_mode, include_all=include_all,
+                                progress=bar, on_plan=bar.plan)
+            doc, line = one.to_json(), render_quantize(one)
     if as_json:
-        emit_json(res.to_json())
+        emit_json(doc)
     else:
-        click.echo(render_quantize(res))
+        click.echo(line)
 
 
 COMMANDS = [mx]

@@ -33,6 +33,24 @@ USAGE_KIND = "usage"
 OS_KIND = "os"
 
 
+#: The status a shell reports for a process SIGPIPE killed (``cat big | head``: 128 + 13).
+EXIT_BROKEN_PIPE = 141
+
+
+def exit_broken_pipe() -> NoReturn:
+    """The reader of stdout went away (``k3ckpt inspect ... | head``): end as ``cat`` does, with
+    no message and no JSON error object (the reader asked for no more) and the status of a
+    SIGPIPE death, which no k3ckpt result uses. Stdout is pointed at /dev/null first, so the
+    interpreter's last flush of what is still buffered does not fail again on its way out.
+    (Not by restoring SIGPIPE's default action: a fetch whose progress reader went away would
+    die between two writes instead of leaving through its handlers.)"""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OSError:
+        pass  # no stdout to quiet: nothing will be flushed into it
+    sys.exit(EXIT_BROKEN_PIPE)
+
+
 def fail(message: str, *, kind: str, path: str | None, exit_code: int, as_json: bool) -> NoReturn:
     """Exit ``exit_code`` after one ``k3ckpt: error: MESSAGE`` line on stderr and, with ``--json``,
     the JSON error object ``{"error": {"kind", "path", "message"}}`` on stdout (docs/errors.md)."""
@@ -66,12 +84,13 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             click.echo("k3ckpt: interrupted", err=True)
             sys.exit(130)
         except OSError as e:
+            if isinstance(e, BrokenPipeError) and e.filename is None:  # (a named file is the command's own)
+                exit_broken_pipe()
             if debug:
                 raise
             where = f"{e.filename}: " if e.filename else ""
-            # a reader that closed stdout gets no JSON either: writing it would only fail again
             fail(f"{where}{e.strerror or e}", kind=OS_KIND, path=None if e.filename is None else os.fsdecode(e.filename),
-                 exit_code=EXIT_CANNOT_RUN, as_json=as_json and not isinstance(e, BrokenPipeError))
+                 exit_code=EXIT_CANNOT_RUN, as_json=as_json)
 
     return wrapper
 
@@ -124,6 +143,34 @@ class ByteSize(click.ParamType):
         return n
 
 
+class AliasedOption(click.Option):
+    """An option with other accepted names (``aliases``, also among its declarations) that its
+    help line and error hints leave out: one name per concept in ``--help``, while the hub
+    clients' spellings and the names of earlier releases keep working."""
+
+    def __init__(self, *args: Any, aliases: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.aliases = aliases
+
+    def _shown(self) -> list[str]:
+        return [o for o in self.opts if o not in self.aliases]
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        opts, self.opts = self.opts, self._shown()
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = opts
+
+    def get_error_hint(self, ctx: click.Context | None) -> str:
+        return " / ".join(f"'{o}'" for o in self._shown())
+
+
+def aliased_option(*decls: str, aliases: tuple[str, ...] = (), **kwargs: Any) -> Decorator:
+    """``click.option(*decls, *aliases)``: the aliases are accepted and not shown."""
+    return click.option(*decls[:1], *aliases, *decls[1:], cls=AliasedOption, aliases=aliases, **kwargs)
+
+
 class JsonOption(click.Option):
     """The class of every ``--json`` option: a test checks that no command declares its own."""
 
@@ -133,19 +180,56 @@ def json_option(help: str = "Machine-readable output.") -> Decorator:
     return click.option("--json", "as_json", is_flag=True, help=help, cls=JsonOption)
 
 
-def jobs_option(help: str, default: int | None = None) -> Decorator:
-    """``--jobs N`` (at least 1); ``help`` says what runs in parallel and the default."""
+#: Parallelism is ``--jobs N`` in every command; ``--max-workers`` (``hf download``'s and
+#: ``modelscope download``'s name) and ``--workers`` (``fetch``'s name in 0.1, kept for a
+#: release) are the same option.
+JOBS_ALIASES = ("--max-workers", "--workers")
+
+
+def jobs_option(help: str, default: int | None = None, *, show_max_workers: bool = False) -> Decorator:
+    """``--jobs N`` (at least 1; also ``--max-workers``/``--workers``: :data:`JOBS_ALIASES`);
+    ``help`` says what runs in parallel and the default. ``show_max_workers``: the help line
+    names ``--max-workers`` too (fetch, where ``hf download`` users look for it)."""
     extra: dict[str, Any] = {"show_default": True} if default is not None else {}
-    return click.option("--jobs", type=click.IntRange(1), default=default, help=help, **extra)
+    hidden = tuple(a for a in JOBS_ALIASES if not (show_max_workers and a == "--max-workers"))
+    return click.option("--jobs", *JOBS_ALIASES, "jobs", cls=AliasedOption, aliases=hidden, type=click.IntRange(1),
+                        default=default, help=help, **extra)
 
 
-def size_option(*decls: str, default: str, help: str) -> Decorator:
+def size_option(*decls: str, default: str, help: str, aliases: tuple[str, ...] = ()) -> Decorator:
     """A size option (:class:`ByteSize`: ``64MiB``, ``5GiB``, ``20GB`` or bytes), default shown."""
-    return click.option(*decls, type=ByteSize(), default=default, show_default=True, help=help)
+    return aliased_option(*decls, aliases=aliases, type=ByteSize(), default=default, show_default=True, help=help)
 
 
-# parameter -> (option, type); the parameter names are RankSelection's fields, plus preflight's
-# single --rank (a selection of one rank)
+def max_shard_size_option(help: str) -> Decorator:
+    """``--max-shard-size`` (transformers' ``save_pretrained(max_shard_size=)``; parameter
+    ``max_shard_size``): every command that writes files of bounded size takes it under this
+    name, ``--max-file-size`` (reshard's and fetch's name in 0.1) being the same option."""
+    return size_option("--max-shard-size", "max_shard_size", default="5GiB", help=help, aliases=("--max-file-size",))
+
+
+#: The hubs ``--source`` / ``--against`` name, with the branch each resolves when no
+#: ``--revision`` is given (huggingface_hub's ``DEFAULT_REVISION``; ModelScope's clients use
+#: ``master``).
+DEFAULT_REVISIONS = {"hf": "main", "modelscope": "master"}
+
+
+def revision_option(what: str, *, decl: str = "--revision") -> Decorator:
+    """``--revision R``: ``what`` says what the command does with it (after the default)."""
+    defaults = ", ".join(f"{rev} for {hub}" for hub, rev in DEFAULT_REVISIONS.items())
+    return click.option(decl, "revision", help=f"Branch, tag or commit [default: {defaults}]; {what}.")
+
+
+def token_option() -> Decorator:
+    """``--token T`` (as ``hf download --token``): the hub token, instead of what the client
+    finds itself (HF_TOKEN or the saved login; MODELSCOPE_API_TOKEN or the saved cookie)."""
+    return click.option("--token", metavar="TOKEN",
+                        help="Hub access token [default: HF_TOKEN or `hf auth login`'s; MODELSCOPE_API_TOKEN "
+                             "or `modelscope login`'s].")
+
+
+# parameter -> (option, type); the parameter names are RankSelection's fields. Ranks are
+# selected by --ranks in every command (preflight: one rank); --rank is the same option.
 _TOPOLOGY_OPTIONS: dict[str, tuple[str, click.ParamType]] = {
     "ep": ("--ep", click.IntRange(1)),
     "tp": ("--tp", click.IntRange(1)),
@@ -153,7 +237,6 @@ _TOPOLOGY_OPTIONS: dict[str, tuple[str, click.ParamType]] = {
     "world_size": ("--world-size", click.IntRange(1)),
     "placement": ("--placement", click.Choice(list(PLACEMENTS))),
     "ranks": ("--ranks", click.STRING),
-    "rank": ("--rank", click.IntRange(0)),
     "node": ("--node", click.IntRange(0)),
     "gpus_per_node": ("--gpus-per-node", click.IntRange(1)),
 }
@@ -163,9 +246,8 @@ _SHOWN_DEFAULTS: dict[str, Any] = {"ep": 1, "tp": 1, "placement": "linear"}
 
 def topology_options(*, show_defaults: bool = False, **helps: str) -> Decorator:
     """The topology selection options, in the order given, each with its help text: any of
-    ``ep, tp, world_size, placement, ranks, rank, node, gpus_per_node``. The command receives
-    one ``selection`` (:class:`RankSelection`) instead of them; ``--rank R`` selects ``[R]``.
-    (``dp`` is also accepted.)
+    ``ep, tp, dp, world_size, placement, ranks, node, gpus_per_node``. The command receives
+    one ``selection`` (:class:`RankSelection`) instead of them; ``--ranks`` is also ``--rank``.
 
     ``show_defaults``: ``--ep``/``--tp`` default to 1 and ``--placement`` to linear, shown in the
     help (plan, reshard); otherwise an option not given stays ``None`` ("not given").
@@ -178,16 +260,15 @@ def topology_options(*, show_defaults: bool = False, **helps: str) -> Decorator:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             given = {name: kwargs.pop(name) for name in helps}
-            rank = given.pop("rank", None)
-            if rank is not None:
-                given["ranks"] = (rank,)
             return fn(*args, selection=RankSelection(**given), **kwargs)
 
+        decorated: Callable[..., Any] = wrapper
         for name, help in reversed(helps.items()):  # click lists the last-applied option first
             flag, kind = _TOPOLOGY_OPTIONS[name]
             default = _SHOWN_DEFAULTS.get(name) if show_defaults else None
             extra: dict[str, Any] = {"default": default, "show_default": True} if default is not None else {}
-            wrapper = click.option(flag, name, type=kind, help=help, **extra)(wrapper)
-        return wrapper
+            aliases = ("--rank",) if name == "ranks" else ()
+            decorated = aliased_option(flag, name, aliases=aliases, type=kind, help=help, **extra)(decorated)
+        return decorated
 
     return decorate

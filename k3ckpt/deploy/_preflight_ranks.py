@@ -111,8 +111,8 @@ def select_ranks(
     """
     if rank is not None:
         if not 0 <= rank < world_size:
-            raise TopologyError(f"--rank {rank} out of range 0..{world_size - 1} (world size {world_size})")
-        return [rank], f"--rank {rank}"
+            raise TopologyError(f"--ranks {rank} out of range 0..{world_size - 1} (world size {world_size})")
+        return [rank], f"--ranks {rank}"
     if node is not None:
         assert gpus_per_node is not None
         return ranks_of_node(node, gpus_per_node, world_size), f"--node {node} ({gpus_per_node} GPUs per node)"
@@ -125,7 +125,7 @@ def select_ranks(
             pass  # the environment check names the bad variable
     if env.rank is not None and env.rank < world_size:
         return [env.rank], f"rank {env.rank} from {env.sources['rank']}"
-    return list(range(world_size)), "all ranks (no --rank/--node and no launcher variables)"
+    return list(range(world_size)), "all ranks (no --ranks/--node and no launcher variables)"
 
 
 #: LeaderWorkerSet's index of this pod (one pod per node; 0 is the leader).
@@ -208,7 +208,7 @@ def _env_vs_options(env: RankEnv, ranks: list[int], rank: int | None, node: int 
     src, bad = env.sources, []
     if env.rank is not None:
         if rank is not None and env.rank != rank:
-            bad.append(f"{src['rank']}={env.rank} but --rank {rank}")
+            bad.append(f"{src['rank']}={env.rank} but --ranks {rank}")
         elif rank is None and env.rank not in ranks and (node is not None or env.node is not None):
             bad.append(f"{src['rank']}={env.rank} is not one of this node's ranks {format_ranges(ranks)}")
     if node is not None and env.node is not None and env.node != node:
@@ -224,7 +224,7 @@ def _env_vs_node_size(env: RankEnv, rank: int | None, per_node: int) -> list[str
     src, bad = env.sources, []
     me = env.rank if env.rank is not None else rank
     if me is not None and env.local_rank is not None and me % per_node != env.local_rank:
-        who = f"{src['rank']}={me}" if env.rank is not None else f"--rank {me}"
+        who = f"{src['rank']}={me}" if env.rank is not None else f"--ranks {me}"
         bad.append(f"{src['local_rank']}={env.local_rank} but {who} is local rank {me % per_node} "
                    f"of {per_node} per node")
     if env.rank is not None and env.node is not None and env.rank // per_node != env.node:
@@ -564,7 +564,7 @@ class PlainCheckpoint:
         ranks: list[int]
         if topo is None:
             if ask.rank is not None or ask.selection.node is not None:
-                raise PreflightError("--rank/--node need --ep/--tp for a plain checkpoint (it has no topology.json)")
+                raise PreflightError("--ranks/--node need --ep/--tp for a plain checkpoint (it has no topology.json)")
             ranks, how = [], "none: no --ep/--tp, every expert is needed"
         else:
             ranks, how = ask.select(topo.world_size)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..env import K3CKPT_LOCK_STALE_SECONDS
 from ..errors import SourceShortReadError
-from ..utils import atomic_output, pwrite_all
+from ..utils import pwrite_all
 from ..utils.lock import OUTPUT_LOCK_NAME, DirLock
 
 #: Bytes per copy / hash step (and the size of each worker's buffers).
@@ -236,40 +236,3 @@ class FdCache:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-
-def copy_files(src: Path, rels: list[str], out: Path) -> None:
-    """Copy the files ``rels`` (relative paths) from ``src`` to ``out``, each under a temporary
-    name first so that no half-copied file ever has its final name."""
-    for rel in rels:
-        dst = out / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        copy_file(src / rel, dst)
-
-
-def copy_file(src: Path, dst: Path) -> None:
-    """Copy ``src`` to ``dst`` in bounded chunks (kernel-side where possible; never the whole
-    file in memory), through :func:`k3ckpt.utils.atomic_output`: ``dst`` never holds a partial
-    copy, and nothing planted at the temporary name redirects the write."""
-    with open(src, "rb") as fin, atomic_output(dst) as fd:
-        _copy_fd(fin.fileno(), fd)
-
-
-def _copy_fd(src: int, dst: int) -> None:
-    off = 0
-    if hasattr(os, "copy_file_range"):
-        try:
-            while True:
-                k = os.copy_file_range(src, dst, CHUNK, off, off)
-                if k == 0:
-                    return
-                off += k
-        except OSError as e:
-            if e.errno not in _KERNEL_FALLBACK:
-                raise
-    while True:
-        data = os.pread(src, CHUNK, off)
-        if not data:
-            return
-        pwrite_all(dst, memoryview(data), off)
-        off += len(data)

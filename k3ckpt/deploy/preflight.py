@@ -6,7 +6,7 @@ checkpoint (a full download or an ``hf-node`` copy that holds only the node's ex
 check ends as a row ``PASS`` / ``WARN`` / ``FAIL`` with a one-line reason and, for a FAIL, the
 command that fixes it. Only a FAIL makes the run exit 1.
 
-Which ranks are "this node's", in order: ``--rank R``; ``--node N --gpus-per-node G``; the
+Which ranks are "this node's", in order: ``--ranks R``; ``--node N --gpus-per-node G``; the
 launcher's node index (``GROUP_RANK``, ``SLURM_NODEID``, ``JOB_COMPLETION_INDEX``) with the
 ranks per node (``--gpus-per-node`` or ``LOCAL_WORLD_SIZE`` / ``SLURM_NTASKS_PER_NODE``); the
 launcher's global rank (``RANK``, ``SLURM_PROCID``); otherwise every rank of the topology.
@@ -184,7 +184,7 @@ def preflight(
     env = os.environ if environ is None else environ
     rank = one_rank(selection.ranks)
     if rank is not None and selection.node is not None:
-        raise PreflightError("give --rank or --node, not both")
+        raise PreflightError("give --ranks or --node, not both")
     if selection.node is not None and selection.gpus_per_node is None:
         raise PreflightError("--node needs --gpus-per-node")
     ask = Request(rank, selection, full, kv_budget, min_free_disk, jobs,

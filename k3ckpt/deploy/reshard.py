@@ -9,7 +9,7 @@ rank-manifest.json, READY}``. What each rank holds comes from
 How bytes move (streaming; memory is a few bounded buffers per worker, whatever the size):
 
 - each rank's tensors are grouped per source file and sorted by source offset, then packed
-  into parts of at most ``--max-file-size``;
+  into parts of at most ``--max-shard-size``;
 - every tensor becomes a list of *byte runs* ``(offset, length, count, stride)`` in the source:
   a whole tensor, a dim-0 split and a run of consecutive whole experts are one contiguous run;
   a split of a later dim is ``count`` rows of ``length`` bytes ``stride`` apart;
@@ -128,10 +128,10 @@ from ..format.topology import (
     num_nodes,
     tensors_for_ranks,
 )
-from ..utils import fsync_dir, human_bytes, is_within, write_atomic
+from ..utils import copy_files, fsync_dir, human_bytes, is_within, write_atomic
 from ..utils.ownership import claim_output_dir
 from ..utils.space import free_bytes, require_free_space, space_margin
-from .bytecopy import NO_SPACE, Copier, FdCache, Run, copy_files, output_lock, tmp_name
+from .bytecopy import NO_SPACE, Copier, FdCache, Run, output_lock, tmp_name
 
 #: Alignment of each output file's data buffer.
 ALIGN = 4096
@@ -410,7 +410,7 @@ def plan_reshard(
     # engine could not load would give outputs that preflight fails, so refuse it up front.
     require_loadable(ckpt.root)
     if max_file_size < 1:
-        raise ReshardError(f"--max-file-size {max_file_size} must be positive")
+        raise ReshardError(f"--max-shard-size {max_file_size} must be positive")
     if align < 8 or align & (align - 1):
         raise ReshardError(f"alignment {align} must be a power of two >= 8")
     layout = LAYOUT_ALIASES.get(layout, layout)

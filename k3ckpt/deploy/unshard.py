@@ -60,10 +60,10 @@ from ..format.layout import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, hf
 from ..format.loadable import require_config
 from ..format.roles import classify
 from ..format.topology import Topology, TopologyError
-from ..utils import fsync_dir, human_bytes, is_within, load_json, write_atomic
+from ..utils import copy_files, fsync_dir, human_bytes, is_within, load_json, write_atomic
 from ..utils.ownership import claim_output_dir
 from ..utils.space import free_bytes, require_free_space, space_margin
-from .bytecopy import NO_SPACE, Copier, FdCache, copy_files, output_lock, tmp_name
+from .bytecopy import NO_SPACE, Copier, FdCache, output_lock, tmp_name
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 #: Shard names of the Hugging Face convention.

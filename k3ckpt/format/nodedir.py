@@ -46,7 +46,7 @@ from .topology import InventoryIndex, Topology, index_of, ranks_of_node
 
 #: Alignment of each file's data buffer (the rank layout's too; BENCHMARKS.md has the measurement).
 NODE_ALIGN = 4096
-#: ``--max-file-size``'s default for node files (``reshard`` and a node ``fetch`` share it, so
+#: ``--max-shard-size``'s default for node files (``reshard`` and a node ``fetch`` share it, so
 #: both plan the same files).
 NODE_MAX_FILE_SIZE = 5 * 1024**3
 #: The safetensors ``__metadata__`` of every node file.
@@ -170,7 +170,7 @@ def plan_node_dir(
         raise TopologyError(f"a node directory holds whole experts: ep {topo.ep} must equal the world size "
                             f"{topo.world_size}")
     if max_file_size < 1:
-        raise TopologyError(f"--max-file-size {max_file_size} must be positive")
+        raise TopologyError(f"--max-shard-size {max_file_size} must be positive")
     ranks = ranks_of_node(node, gpus_per_node, topo.world_size)
     idx = index if index is not None else index_of((tensors, roles or {n: classify(n) for n in tensors}))
     by_rank = {r: topo.rank_info(r).experts for r in ranks}

@@ -95,8 +95,12 @@ def request(listing: HubListing, entry: HubFile, headers: dict[str, str], timeou
     try:
         if _http.retryable_status(status):
             raise Retryable(f"HTTP {status}", _http.retry_after(resp))
+        if _http.signed_url_refused(status, url, final_url):
+            # No back-off (retry_after 0): the next try resolves a fresh URL, which is the fix.
+            raise Retryable(f"HTTP 403 from the download host {_http.shown_url(url, final_url)} "
+                            f"(signed URL refused, e.g. expired; each try resolves a fresh one)", 0.0)
         if status not in (200, 206):
-            raise Fatal(_http.status_error(resp, final_url, ctx).problem)
+            raise Fatal(_http.status_error(resp, _http.shown_url(url, final_url), ctx).problem)
         encoding = (resp.headers.get("Content-Encoding") or "identity").strip().lower()
         if encoding != "identity":
             raise Fatal(f"server applied Content-Encoding {encoding!r} to a file download")

@@ -372,6 +372,18 @@ def _add_file(files: dict[str, HubFile], ctx: dict[str, Any], path: Any, size: A
                           blob_id=_hex_or_none(blob_id, _HEX40, "git blob id", ctx, path))
 
 
+def _sends_token(hub: str, token: str | None) -> bool:
+    """Whether requests to ``hub`` carry a token (``token``, else what the client finds: the
+    environment or a saved login), for what a 401/403 tells to do."""
+    return "authorization" in {k.lower() for k in auth_headers(hub, token)}
+
+
+def _status(e: Any) -> int | None:
+    """The HTTP status of a huggingface_hub error."""
+    response = getattr(e, "response", None)
+    return getattr(response, "status_code", None)
+
+
 def _list_hf(repo: str, revision: str | None, endpoint: str, token: str | None) -> HubListing:
     import huggingface_hub
     from huggingface_hub import constants as hf_constants
@@ -389,18 +401,20 @@ def _list_hf(repo: str, revision: str | None, endpoint: str, token: str | None) 
     try:
         info = api.model_info(repo, revision=rev, files_metadata=True)
     except hf_errors.GatedRepoError as e:
-        raise HubAuthError(f"gated repo: accept its terms on the hub and use a token ({e.server_message or 'HTTP 403'})",
-                           **ctx) from None
+        raise _http.auth_error(_status(e), ctx, token_sent=_sends_token("hf", token),
+                               problem="gated repo: accept its terms on the hub, then use a token of that account",
+                               detail=e.server_message or "") from None
     except hf_errors.RepositoryNotFoundError:
         raise RepoNotFoundError("repository not found (or private and not visible with these credentials)",
                            **ctx) from None
     except hf_errors.RevisionNotFoundError:
         raise RevisionNotFoundError("revision not found", **ctx) from None
     except hf_errors.HfHubHTTPError as e:
-        status = e.response.status_code if e.response is not None else None
+        status = _status(e)
         detail = e.server_message or _http.one_line(str(e)).split(" for url")[0]
         if status in (401, 403):
-            raise HubAuthError(f"HTTP {status}: access denied ({detail})", **ctx) from None
+            raise _http.auth_error(status, ctx, token_sent=_sends_token("hf", token),
+                                   detail=e.server_message or "") from None
         raise HubError(f"HTTP {status} from {endpoint}: {detail}", **ctx) from None
     except hf_errors.OfflineModeIsEnabled:
         raise HubError("HF_HUB_OFFLINE is set: cannot list the repo", **ctx) from None
@@ -435,8 +449,10 @@ def _list_hf(repo: str, revision: str | None, endpoint: str, token: str | None) 
     return HubListing(hub="hf", repo=repo, revision=sha, endpoint=endpoint, files=dict(sorted(files.items())))
 
 
-def _ms_error(exc: BaseException, ctx: dict[str, Any], not_found: type[HubError], what: str) -> HubError:
-    """Map a modelscope_hub exception raised while ``what`` to one of ours."""
+def _ms_error(exc: BaseException, ctx: dict[str, Any], not_found: type[HubError], what: str, *,
+              token_sent: bool) -> HubError:
+    """Map a modelscope_hub exception raised while ``what`` to one of ours (``token_sent``: whether
+    the request carried a token, for what a 401/403 tells to do)."""
     from modelscope_hub import errors as ms_errors
 
     endpoint = ctx["endpoint"]
@@ -444,7 +460,7 @@ def _ms_error(exc: BaseException, ctx: dict[str, Any], not_found: type[HubError]
     if isinstance(exc, ms_errors.NotExistError):
         return not_found(f"{what}: not found ({detail})", **ctx)
     if isinstance(exc, (ms_errors.AuthenticationError, ms_errors.PermissionDeniedError)):
-        return HubAuthError(f"{what}: HTTP {getattr(exc, 'status_code', '?')}: access denied ({detail})", **ctx)
+        return _http.auth_error(getattr(exc, "status_code", None), ctx, token_sent=token_sent, detail=detail)
     if isinstance(exc, ms_errors.RequestTimeoutError):
         return HubError(f"{what}: timed out talking to {endpoint}", **ctx)
     if isinstance(exc, ms_errors.NetworkError):
@@ -464,11 +480,12 @@ def _list_modelscope(repo: str, revision: str | None, endpoint: str, token: str 
     rev = revision or "master"  # modelscope_hub's default for downloads and listings
     ctx: dict[str, Any] = {"hub": "modelscope", "repo": repo, "revision": rev, "endpoint": endpoint}
     # A fresh config: the process-wide default one freezes the endpoint/token of the first HubApi.
-    api = HubApi(config=HubConfig(endpoint=endpoint, token=token))
+    config = HubConfig(endpoint=endpoint, token=token)
+    api = HubApi(config=config)
     try:
         revisions = api.list_repo_revisions(repo, "model")
     except ms_errors.HubError as e:
-        raise _ms_error(e, ctx, RepoNotFoundError, "listing revisions") from None
+        raise _ms_error(e, ctx, RepoNotFoundError, "listing revisions", token_sent=bool(config.token)) from None
     except (requests.RequestException, ValueError, TypeError, AttributeError) as e:
         raise HubListingError(f"unexpected revisions answer from {endpoint} ({type(e).__name__}: {e})",
                               **ctx) from None
@@ -487,7 +504,7 @@ def _list_modelscope(repo: str, revision: str | None, endpoint: str, token: str 
     try:
         infos = api.list_repo_files(repo, "model", revision=commit, recursive=True)
     except ms_errors.HubError as e:
-        raise _ms_error(e, ctx, RevisionNotFoundError, "listing files") from None
+        raise _ms_error(e, ctx, RevisionNotFoundError, "listing files", token_sent=bool(config.token)) from None
     except (requests.RequestException, ValueError, TypeError, AttributeError) as e:
         raise HubListingError(f"unexpected file listing from {endpoint} ({type(e).__name__}: {e})",
                               **ctx) from None
@@ -669,16 +686,21 @@ def _read(listing: HubListing, path: str, start: int, length: int, headers: Mapp
         except requests.exceptions.RequestException as e:  # a bad URL and the like: no retry helps
             raise HubError(f"{url}: {type(e).__name__}: {_http.one_line(str(e))[:200]}", **ctx) from None
         else:
+            shown = _http.shown_url(url, final_url)
             with resp:
                 status = resp.status_code
                 if _http.retryable_status(status):
                     retry_after = _http.retry_after(resp)
-                    last = HubError(f"{final_url}: HTTP {status} after {attempt} attempt(s)", **ctx)
+                    last = HubError(f"{shown}: HTTP {status} after {attempt} attempt(s)", **ctx)
+                elif _http.signed_url_refused(status, url, final_url):
+                    retry_after = 0.0  # no back-off: the next try resolves a fresh signed URL
+                    last = HubError(f"{shown}: HTTP 403 from the download host (signed URL refused, e.g. "
+                                    f"expired) after {attempt} attempt(s)", **ctx)
                 elif status not in (200, 206):
-                    raise _http.status_error(resp, final_url, ctx)
+                    raise _http.status_error(resp, shown, ctx)
                 else:
                     try:
-                        return _body(resp, final_url, start, end, entry.size, ctx)
+                        return _body(resp, shown, start, end, entry.size, ctx)
                     except _Transient as t:
                         last = t.error
         if attempt < retry.attempts:

@@ -576,7 +576,7 @@ def _local_failure(e: OSError, path: str) -> str:
     if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         hint = "; free space (or raise the file-size limit) and re-run: finished chunks are kept"
     elif e.errno in (errno.EMFILE, errno.ENFILE):
-        hint = "; raise the open-files limit (ulimit -n) or use fewer --workers, and re-run"
+        hint = "; raise the open-files limit (ulimit -n) or use fewer --jobs, and re-run"
     return f"{e.filename or path}: {e.strerror or e}{hint}"
 
 

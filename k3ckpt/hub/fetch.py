@@ -14,7 +14,6 @@ what is there against it without contacting the hub.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import EmptySelectionError
+from ..errors import EmptySelectionError, EntryNotFoundError
 from .cache import CacheLayout
 from .client import HubFile, HubListing, list_repo
 
@@ -66,24 +65,57 @@ class FetchPlan:
 
 def select_paths(files: list[str], include: tuple[str, ...] = (), exclude: tuple[str, ...] = (), *,
                  what: str = "files") -> tuple[list[str], list[str]]:
-    """``(selected, excluded)``: files matching any ``include`` glob (all when none is given) and
-    no ``exclude`` glob. Globs match the whole posix path (``*.safetensors``, ``tokenizer*``).
+    """``(selected, excluded)``: files matching any ``include`` pattern (all when none is given)
+    and no ``exclude`` pattern, with ``hf download``'s semantics because it is
+    ``huggingface_hub.utils.filter_repo_objects`` doing the matching: ``fnmatch`` on the whole
+    posix path, case-sensitive, ``*`` crossing ``/`` (``*.json`` matches ``sub/a.json``), and a
+    pattern ending in ``/`` matching everything under that directory (``sub/`` is ``sub/*``).
 
     Raises:
-        EmptySelectionError: globs were given and leave none of the files (``what`` names them in
-            the message): a typo'd ``--include '*.gguf'`` must not "succeed" having fetched nothing.
+        EmptySelectionError: patterns were given and leave none of the files (``what`` names
+            them in the message): a typo'd ``--include '*.gguf'`` must not "succeed" having
+            fetched nothing.
     """
-    selected: list[str] = []
-    dropped: list[str] = []
-    for f in sorted(files):
-        inc = not include or any(fnmatch.fnmatchcase(f, g) for g in include)
-        exc = any(fnmatch.fnmatchcase(f, g) for g in exclude)
-        (selected if inc and not exc else dropped).append(f)
+    from huggingface_hub.utils import filter_repo_objects
+
+    ordered = sorted(files)
+    # None, not (): an empty allow list would allow nothing
+    kept = set(filter_repo_objects(ordered, allow_patterns=list(include) or None,
+                                   ignore_patterns=list(exclude) or None))
+    selected = [f for f in ordered if f in kept]
+    dropped = [f for f in ordered if f not in kept]
     if not selected and (include or exclude):
         globs = " ".join([f"--include {g!r}" for g in include] + [f"--exclude {g!r}" for g in exclude])
         raise EmptySelectionError(f"{globs} leave{'s' if len(include) + len(exclude) == 1 else ''} none of the "
                                   f"{len(files)} {what}: nothing to fetch")
     return selected, dropped
+
+
+def select_named(listing: HubListing, names: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """``(selected, excluded)`` for ``hf download REPO FILE...``: each name is a file's path, or
+    else a pattern as :func:`select_paths` matches ``--include`` (``dir/`` is everything under
+    dir; ``hf download`` matches several names that way, and one name as a path only).
+
+    Raises:
+        EntryNotFoundError: a name matches no file of the repo (``hf download`` of one missing
+            file fails the same way; a file quietly not fetched would be found missing later).
+    """
+    from huggingface_hub.utils import filter_repo_objects
+
+    chosen: set[str] = set()
+    missing = []
+    for name in names:
+        # a path first: "w[1].bin" is a file's name before it is a pattern matching "w1.bin"
+        found = [name] if name in listing.files else list(filter_repo_objects(listing.files, allow_patterns=[name]))
+        chosen.update(found)
+        if not found:
+            missing.append(name)
+    if missing:
+        raise EntryNotFoundError(f"{', '.join(map(repr, missing))}: no such file in the repo (FILES are paths, "
+                                 "patterns or directories ending in '/')", hub=listing.hub, repo=listing.repo,
+                                 revision=listing.revision, endpoint=listing.endpoint)
+    ordered = sorted(listing.files)
+    return [f for f in ordered if f in chosen], [f for f in ordered if f not in chosen]
 
 
 def source_text(listing: HubListing) -> str:
@@ -102,16 +134,25 @@ def plan_fetch(
     exclude: tuple[str, ...] = (),
     endpoint: str | None = None,
     token: str | None = None,
+    files: tuple[str, ...] = (),
 ) -> FetchPlan:
-    """List the repo (pinned to its resolved commit) and choose the files to fetch: into the
-    local directory ``dest``, or (``dest`` None) into the hub cache at ``cache_dir``.
+    """List the repo (pinned to its resolved commit) and choose the files to fetch: ``files``
+    (paths, globs or ``dir/``, as ``hf download REPO FILE...``; not with ``include``/``exclude``),
+    else those ``include``/``exclude`` select (:func:`select_paths`), else all; into the local
+    directory ``dest``, or (``dest`` None) into the hub cache at ``cache_dir``.
 
     Raises:
         EmptySelectionError: ``include``/``exclude`` leave no file (refused before any download).
+        EntryNotFoundError: one of ``files`` matches no file of the repo.
         HubError: As :func:`~k3ckpt.hub.client.list_repo` raises it.
     """
+    if files and (include or exclude):
+        raise ValueError("files and include/exclude select the same thing: give one")
     listing = list_repo(hub, repo, revision, endpoint=endpoint, token=token)
-    paths, excluded = select_paths(list(listing.files), include, exclude, what=f"files of {source_text(listing)}")
+    if files:
+        paths, excluded = select_named(listing, files)
+    else:
+        paths, excluded = select_paths(list(listing.files), include, exclude, what=f"files of {source_text(listing)}")
     if dest is None:
         if cache_dir is None:
             raise ValueError("plan_fetch needs dest or cache_dir")

@@ -5,6 +5,7 @@ files between MXFP4 and BF16/F16/F32.
 Importing this package imports numpy.
 """
 
+from .checkpoint import QuantizeCheckpointResult, quantize_checkpoint
 from .codec import dequantize_mxfp4, quantize_mxfp4
 from .convert import DequantResult, QuantizeResult, dequantize_to_file, quantize_file
 from .error import QuantErrorReport, quantization_error
@@ -15,11 +16,13 @@ __all__ = [
     "DequantResult",
     "MxInspectReport",
     "QuantErrorReport",
+    "QuantizeCheckpointResult",
     "QuantizeResult",
     "dequantize_mxfp4",
     "dequantize_to_file",
     "inspect_mx",
     "quantization_error",
+    "quantize_checkpoint",
     "quantize_file",
     "quantize_mxfp4",
     "render_error",

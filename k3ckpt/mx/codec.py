@@ -36,11 +36,13 @@ __all__ = [
     "E8M0_BIAS",
     "E8M0_NAN",
     "MX_BLOCK_SIZE",
+    "SCALE_MODES",
     "decode_e8m0",
     "dequantize_mxfp4",
     "dequantize_mxfp4_gptoss",
     "dequantize_mxfp8",
     "e2m1_code_histogram",
+    "normalize_scale_mode",
     "pack_fp4",
     "pack_fp4_gguf",
     "quantize_mxfp4",
@@ -51,7 +53,12 @@ __all__ = [
     "unpack_fp4_gguf",
 ]
 
-ScaleMode = Literal["floor", "ceil", "even"]
+ScaleMode = Literal["compressed-tensors", "ocp", "floor", "ceil", "even"]
+
+SCALE_MODES: tuple[str, ...] = ("compressed-tensors", "ocp", "ceil", "even")
+"""The shared-exponent rules, the default first (see [`quantize_mxfp4`])."""
+
+_SCALE_MODE_ALIASES = {"floor": "ocp"}  # the OCP rule's name before compressed-tensors' became the default
 Fp8Format = Literal["e4m3", "e5m2"]
 
 MX_BLOCK_SIZE: int = 32
@@ -257,9 +264,24 @@ def _raise_non_finite(x: np.ndarray, caller: str) -> None:
     )
 
 
-def _check_scale_mode(scale_mode: str) -> None:
-    if scale_mode not in ("floor", "ceil", "even"):
-        raise ValueError(f"scale_mode must be 'floor', 'ceil' or 'even', got {scale_mode!r}")
+def normalize_scale_mode(scale_mode: str, allowed: tuple[str, ...] = SCALE_MODES) -> str:
+    """
+    The canonical name of a shared-exponent rule: `"floor"` is accepted as the OCP rule's old name.
+
+    Raises:
+        `ValueError`:
+            If `scale_mode` is none of `allowed` (or an alias of one).
+    """
+    canonical = _SCALE_MODE_ALIASES.get(scale_mode, scale_mode)
+    if canonical not in allowed:
+        names = ", ".join(repr(m) for m in allowed)
+        raise ValueError(f"scale_mode must be one of {names} ('floor' = 'ocp'), got {scale_mode!r}")
+    return canonical
+
+
+def _signbit(x: np.ndarray, _zero: int) -> np.ndarray:
+    """`np.signbit` with the signature of `np.less(x, 0)`: -0.0 counts as negative."""
+    return np.signbit(x)
 
 
 def _fp8_spec(fmt: str) -> _Fp8Spec:
@@ -306,8 +328,11 @@ def _shared_exponent(amax: np.ndarray, emax: int, mbits: int, max_finite: float,
     if scale_mode == "ceil":
         # amax / 2**shared is in [2**emax, 2**(emax+1)) and equals mantissa * 2**(emax+1) exactly.
         shared += (mantissa * (2.0 ** (emax + 1)) > max_finite).astype(np.int32)
-    elif scale_mode == "even":
+    elif scale_mode in ("even", "compressed-tensors"):
         # Significand 2*mantissa in [1, 2) rounded to `mbits` bits carries into the next binade.
+        # compressed-tensors' `round_to_power_2` does this on the bits (add half of the last kept
+        # mantissa bit, mask the mantissa off): for E2M1's one bit, a bump exactly when the
+        # significand is >= 1.75, the same as rounding to nearest with ties to even.
         shared += (mantissa * 2.0 >= 2.0 - 2.0 ** -(mbits + 1)).astype(np.int32)
     shared[amax == 0] = _EXP_MIN
     np.clip(shared, _EXP_MIN, _EXP_MAX, out=shared)
@@ -714,7 +739,7 @@ def _scaled_blocks(
 
 def quantize_mxfp4(
     x: npt.ArrayLike,
-    scale_mode: ScaleMode = "floor",
+    scale_mode: ScaleMode = "compressed-tensors",
 ) -> tuple[np.ndarray, np.ndarray]:
     """
     Quantize floats to MXFP4 (packed E2M1 codes + E8M0 block scales).
@@ -726,8 +751,16 @@ def quantize_mxfp4(
     With `amax = max(|x|)` over the block and `f = floor(log2(amax))` (computed exactly with
     `np.frexp`), the modes are:
 
-    - `"floor"` (OCP MX v1.0 section 6.3): `e = f - 2`. `amax / 2**e` lies in `[4, 8)`, so
-      values above 6 in that block saturate.
+    - `"compressed-tensors"` (the default; what made K3's experts): amax rounded to one mantissa
+      bit, then `floor(log2) - 2`, i.e. `e = f - 2`, plus one when amax's significand is
+      >= 1.75 - the `"even"` exponent. Elements as below, except that the sign code follows
+      `x < 0`: an input -0.0 gives code 0 (+0), as compressed-tensors' `cast_to_fp4` does, while a
+      small negative value still rounds to code 8 (-0). Byte for byte what compressed-tensors
+      0.20.1 writes for every finite float32/bfloat16 block with amax below 1.75 * 2**127, and
+      every float16 block with amax in [2**-14, 57344) (tests/test_mxfp4_golden.py); outside
+      those it writes a block of zeros, k3ckpt the nearest encoding (docs/mx.md).
+    - `"ocp"` (OCP MX v1.0 section 6.3; `"floor"` is an alias): `e = f - 2`. `amax / 2**e` lies
+      in `[4, 8)`, so values above 6 in that block saturate.
     - `"ceil"`: the smallest `e` with `amax / 2**e <= 6`, i.e. `ceil(log2(amax / 6))` evaluated
       exactly (the triton_kernels rule): `f - 2`, plus one when `amax / 2**(f-2) > 6`. Nothing
       saturates unless the exponent is clamped at 127 (only reachable from float64 input).
@@ -743,8 +776,8 @@ def quantize_mxfp4(
     Args:
         x (`np.ndarray`):
             Real array `[..., in]` with `in` a multiple of 32; all values finite.
-        scale_mode (`str`, *optional*, defaults to `"floor"`):
-            `"floor"`, `"ceil"` or `"even"`, as above.
+        scale_mode (`str`, *optional*, defaults to `"compressed-tensors"`):
+            `"compressed-tensors"`, `"ocp"` (alias `"floor"`), `"ceil"` or `"even"`, as above.
 
     Returns:
         `tuple[np.ndarray, np.ndarray]`: `(packed, scales)`, uint8 `[..., in/2]` (low nibble
@@ -757,13 +790,15 @@ def quantize_mxfp4(
             If `in` is not a multiple of 32, `x` holds NaN/Inf (the message gives the count), or
             `scale_mode` is unknown.
     """
-    _check_scale_mode(scale_mode)
+    scale_mode = normalize_scale_mode(scale_mode)  # type: ignore[assignment]
     lead, groups, n_blocks, scales, chunks = _scaled_blocks(
         x, "quantize_mxfp4", _E2M1_EMAX, _E2M1_MBITS, E2M1_MAX, scale_mode)
+    # compressed-tensors takes the sign from torch.sign(x), which is +0 for -0.0.
+    negative = np.less if scale_mode == "compressed-tensors" else _signbit
     packed = np.empty((n_blocks, 16), dtype=np.uint8)
     for start, stop, chunk, magnitude in chunks:
         codes = _round_e2m1_magnitude(magnitude)
-        codes |= np.signbit(chunk).view(np.uint8) << 3
+        codes |= negative(chunk, 0).view(np.uint8) << 3
         packed[start:stop] = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return packed.reshape(lead + (groups * 16,)), scales.reshape(lead + (groups,))
 
@@ -823,14 +858,14 @@ def dequantize_mxfp8(
 def quantize_mxfp8(
     x: npt.ArrayLike,
     fmt: Fp8Format = "e4m3",
-    scale_mode: ScaleMode = "floor",
+    scale_mode: ScaleMode = "ocp",
 ) -> tuple[np.ndarray, np.ndarray]:
     """
     Quantize floats to MXFP8 (FP8 bytes + E8M0 block scales).
 
     Same block structure and scale modes as [`quantize_mxfp4`], with the element format's
     parameters: `emax` 8 / 15, mantissa bits 3 / 2 and largest finite value 448 / 57344 for
-    E4M3 / E5M2. `"floor"`: `e = floor(log2(amax)) - emax`; `"ceil"`: smallest `e` with
+    E4M3 / E5M2. `"ocp"` (alias `"floor"`): `e = floor(log2(amax)) - emax`; `"ceil"`: smallest `e` with
     `amax / 2**e <= max_finite`; `"even"`: floor, plus one when amax's significand rounded to the
     format's mantissa width (nearest, ties to even) carries into the next binade. Elements are
     rounded to nearest-even on the FP8 grid (subnormals included) and saturated to the largest
@@ -846,8 +881,9 @@ def quantize_mxfp8(
             Real array `[..., in]` with `in` a multiple of 32; all values finite.
         fmt (`str`, *optional*, defaults to `"e4m3"`):
             `"e4m3"` or `"e5m2"`.
-        scale_mode (`str`, *optional*, defaults to `"floor"`):
-            `"floor"`, `"ceil"` or `"even"`.
+        scale_mode (`str`, *optional*, defaults to `"ocp"`):
+            `"ocp"` (alias `"floor"`), `"ceil"` or `"even"` (the compressed-tensors rule is
+            MXFP4-only here: no golden vectors pin its MXFP8 variant).
 
     Returns:
         `tuple[np.ndarray, np.ndarray]`: `(data, scales)`, uint8 `[..., in]` FP8 bytes and uint8
@@ -860,7 +896,7 @@ def quantize_mxfp8(
             If `in` is not a multiple of 32, `x` holds NaN/Inf, or `fmt` / `scale_mode` is unknown.
     """
     spec = _fp8_spec(fmt)
-    _check_scale_mode(scale_mode)
+    scale_mode = normalize_scale_mode(scale_mode, ("ocp", "ceil", "even"))  # type: ignore[assignment]
     lead, groups, n_blocks, scales, chunks = _scaled_blocks(
         x, "quantize_mxfp8", spec.emax, spec.mbits, spec.max_finite, scale_mode)
     data = np.empty((n_blocks, MX_BLOCK_SIZE), dtype=np.uint8)

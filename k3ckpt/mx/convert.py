@@ -41,7 +41,7 @@ from ..format.roles import Kind, classify
 from ..utils import atomic_output, pwrite_all
 from ..utils.ownership import refuse_foreign_file
 from ..utils.space import free_bytes
-from .codec import MX_BLOCK_SIZE, ScaleMode, dequantize_mxfp4, quantize_mxfp4
+from .codec import MX_BLOCK_SIZE, ScaleMode, dequantize_mxfp4, normalize_scale_mode, quantize_mxfp4
 from .select import CHUNK_BYTES, MxSource, find_mx_tensors
 
 __all__ = [
@@ -258,7 +258,7 @@ def quantize_file(
     inp: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
-    scale_mode: ScaleMode = "floor",
+    scale_mode: ScaleMode = "compressed-tensors",
     include_all: bool = False,
     chunk_bytes: int | None = None,
     progress: Progress | None = None,
@@ -276,7 +276,8 @@ def quantize_file(
     Args:
         inp: the float safetensors file.
         out: the file to write (replaced atomically if it exists).
-        scale_mode: ``"floor"`` (OCP MX), ``"ceil"`` or ``"even"``; see :func:`quantize_mxfp4`.
+        scale_mode: ``"compressed-tensors"`` (K3's producer), ``"ocp"`` (alias ``"floor"``),
+            ``"ceil"`` or ``"even"``; see :func:`quantize_mxfp4`.
         include_all: quantize every linear weight, not only routed experts.
         chunk_bytes: input bytes read per step [default: ``$K3CKPT_MX_CHUNK_BYTES``, else
             :data:`CHUNK_BYTES`].
@@ -291,8 +292,7 @@ def quantize_file(
         ValueError: unknown ``scale_mode``.
         OSError: reading or writing failed.
     """
-    if scale_mode not in ("floor", "ceil", "even"):
-        raise ValueError(f"scale_mode must be 'floor', 'ceil' or 'even', got {scale_mode!r}")
+    scale_mode = normalize_scale_mode(scale_mode)  # type: ignore[assignment]
     if chunk_bytes is None:
         chunk_bytes = K3CKPT_MX_CHUNK_BYTES.get()
     t0 = time.perf_counter()

@@ -22,6 +22,7 @@ from .codec import (
     ScaleMode,
     decode_e8m0,
     dequantize_mxfp4,
+    normalize_scale_mode,
     quantize_mxfp4,
 )
 from .inspect import sum_squares
@@ -138,7 +139,7 @@ def _eligibility(info: TensorInfo) -> str | None:
 def quantization_error(
     path: str | os.PathLike[str],
     *,
-    scale_mode: ScaleMode = "floor",
+    scale_mode: ScaleMode = "compressed-tensors",
     tensor: str | None = None,
     include_all: bool = False,
     chunk_bytes: int = ERROR_CHUNK_BYTES,
@@ -150,7 +151,8 @@ def quantization_error(
 
     Args:
         path: a ``.safetensors`` file.
-        scale_mode: ``"floor"`` (OCP, what K3 uses), ``"ceil"`` or ``"even"``.
+        scale_mode: ``"compressed-tensors"`` (what made K3's experts), ``"ocp"`` (alias
+            ``"floor"``), ``"ceil"`` or ``"even"``; see :func:`quantize_mxfp4`.
         tensor: measure only this tensor (whatever its role).
         include_all: also measure tensors whose role K3 keeps in high precision
             (:data:`SKIPPED_KINDS`).
@@ -161,8 +163,7 @@ def quantization_error(
         MxInspectError: ``tensor`` is missing or not quantizable, or no tensor qualifies.
         ValueError: unknown ``scale_mode``.
     """
-    if scale_mode not in ("floor", "ceil", "even"):
-        raise ValueError(f"scale_mode must be 'floor', 'ceil' or 'even', got {scale_mode!r}")
+    scale_mode = normalize_scale_mode(scale_mode)  # type: ignore[assignment]
     t0 = time.perf_counter()
     header = read_header(path)
     rows: list[ErrorRow] = []

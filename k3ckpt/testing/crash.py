@@ -245,7 +245,7 @@ def fetch_campaign(served: Path, work: Path, *, kills: int, seed: int, power_los
     nchunks = sum(max(1, -(-p.stat().st_size // CHUNK)) for p in served.rglob("*") if p.is_file())
     with LoopbackHub({REPO: served}, cache_dir=hub_cache or work / "hub-cache") as hub:
         args = [sys.executable, "-m", "k3ckpt", "fetch", "--source", rng.choice(["hf", "modelscope"]), "--repo", REPO,
-                "--dest", str(dest), "--endpoint", hub.url, "--chunk-size", str(CHUNK), "--workers", "3"]
+                "--dest", str(dest), "--endpoint", hub.url, "--chunk-size", str(CHUNK), "--jobs", "3"]
         env = _child_env(hub.env_vars())
         while stats.kills < kills:
             child_env, ready, at_point = _arm_fetch_kill(
@@ -383,7 +383,7 @@ def reshard_campaign(source: Path, work: Path, *, kills: int, seed: int, power_l
     rng = random.Random(seed)
     stats = CrashStats("reshard", seed)
     topo = rng.choice([["--ep", "2"], ["--ep", "4"], ["--tp", "2"], ["--ep", "2", "--tp", "2", "--world-size", "2"]])
-    common = [sys.executable, "-m", "k3ckpt", "reshard", str(source), "--format", "rank", *topo, "--max-file-size", "256KiB",
+    common = [sys.executable, "-m", "k3ckpt", "reshard", str(source), "--format", "rank", *topo, "--max-shard-size", "256KiB",
               "--jobs", "2"]
     ref_dir = work / "reference"
     res = subprocess.run([*common, "-o", str(ref_dir)], capture_output=True, text=True, timeout=600)
@@ -445,7 +445,7 @@ def share_fetch_campaign(served: Path, work: Path, *, kills: int, seed: int, hub
     topo = rng.choice(SHARE_FETCHES)
     with LoopbackHub({REPO: served}, cache_dir=hub_cache or work / "hub-cache") as hub:
         base = [sys.executable, "-m", "k3ckpt", "fetch", "--source", rng.choice(["hf", "modelscope"]), "--repo", REPO,
-                "--endpoint", hub.url, "--chunk-size", str(SHARE_CHUNK), "--workers", "3", *topo]
+                "--endpoint", hub.url, "--chunk-size", str(SHARE_CHUNK), "--jobs", "3", *topo]
         env = _child_env(hub.env_vars())
         reference = work / "reference"
         start = hub.total_bytes_sent()
@@ -548,7 +548,7 @@ def _cli(*args: str) -> list[str]:
 
 
 def _reshard_args(source: Path, out: Path, topo: list[str]) -> list[str]:
-    return _cli("reshard", str(source), "-o", str(out), "--format", "rank", *topo, "--max-file-size", "256KiB",
+    return _cli("reshard", str(source), "-o", str(out), "--format", "rank", *topo, "--max-shard-size", "256KiB",
                 "--jobs", "2")
 
 

@@ -16,7 +16,7 @@ Quick start::
 
 From a shell::
 
-    python -m k3ckpt.testing.hub /data/k3-mini --repo moonshotai/Kimi-K3 --port 8765
+    python -m k3ckpt.testing.hub /data/k3-mini --repo moonshotai/Kimi-K3 --port 8765 [--xet]
 
 Repository model
 ----------------
@@ -45,7 +45,10 @@ Hugging Face (what huggingface_hub 2.4 calls):
   client sends it, JSON also accepted) (``get_paths_info``, ``HfFileSystem.info``);
 - ``GET /api/models/{repo}/refs`` (``list_repo_refs``);
 - ``HEAD|GET /{repo}/resolve/{rev}/{path}`` (``hf_hub_download``: HEAD for ``X-Repo-Commit``,
-  ``ETag``, ``X-Linked-Etag``, ``X-Linked-Size``, then GET; ``HfFileSystem`` ranged GETs).
+  ``ETag``, ``X-Linked-Etag``, ``X-Linked-Size``, then GET; ``HfFileSystem`` ranged GETs); in
+  Xet mode a 302 to the bridge host for LFS files (below);
+- ``GET /api/models/{repo}/xet-read-token/{rev}`` (where a client with Xet enabled goes next):
+  501, the CAS protocol is not emulated.
 - 404s carry ``X-Error-Code: RepoNotFound | RevisionNotFound | EntryNotFound`` (mapped by the
   client to ``RepositoryNotFoundError`` / ``RevisionNotFoundError`` /
   ``RemoteEntryNotFoundError``); datasets/spaces are answered ``RepoNotFound``.
@@ -69,6 +72,36 @@ File bodies stream from disk (``socket.sendfile``), honour one ``Range: bytes=a-
 requests get the whole file with 200), support HEAD, and always set ``Content-Length`` on an
 HTTP/1.1 keep-alive connection.
 
+Xet mode
+--------
+``LoopbackHub(..., xet=True)`` (or ``RepoSpec(xet=True)`` per repo; ``--xet`` on the command
+line) presents a repo as Xet-backed, the way huggingface.co answers for one (checked against
+huggingface_hub 2.4's ``get_hf_file_metadata`` / ``parse_xet_file_data_from_response`` /
+``RepoFile`` and public captures of the real headers).  For its LFS files:
+
+- tree and paths-info entries carry ``xetHash`` (64 hex digits; a stand-in derived from the
+  sha256, see :attr:`FileEntry.xet_hash`);
+- ``HEAD|GET .../resolve/...`` answers 302 with ``X-Repo-Commit``, ``ETag``, ``X-Linked-Etag``
+  (sha256), ``X-Linked-Size``, ``X-Xet-Hash``, ``Link: <.../xet-read-token/{commit}>;
+  rel="xet-auth", <bridge/v1/reconstructions/{hash}>; rel="xet-reconstruction-info"`` and
+  ``Location: http://127.0.0.1:<bridge port>/xet-bridge-us/<repo _id>/<xet hash>?...&Expires=T
+  &Signature=S``: a URL signed (HMAC, secret per hub) and valid for ``xet_url_ttl`` seconds
+  (default :data:`XET_URL_TTL`, an hour, as the real ones);
+- the bridge is a second listening socket (same address, another port: another origin, so a
+  client must not send the hub's credentials there).  It serves the file with the usual Range
+  support, and answers 403 ``AccessDenied`` (S3-style XML) to an expired or forged URL, 404 to an
+  unknown object, and 400 to any request carrying an ``Authorization`` or ``Cookie`` header,
+  which its log records (``hub.bridge_log``, ``RequestRecord.credentials`` / ``server``).  The
+  hub's ``token`` is not required there: the signature is the credential.
+- File faults (``status``, ``drop_after``, ``corrupt_byte``, hostile kinds...) apply where the
+  bytes are served, at the bridge, and so does ``expired_url``; the counters count bridge
+  requests and bytes.  ModelScope endpoints are unchanged (ModelScope has no Xet).
+
+``huggingface_hub`` with ``HF_HUB_DISABLE_XET=1`` (which :meth:`LoopbackHub.client_env` exports)
+takes the HTTP path: it reads the metadata from the 302 itself, then GETs ``resolve`` again and
+follows the redirect (httpx drops ``Authorization`` on the cross-origin hop).  With Xet enabled
+and ``hf_xet`` installed it would call the xet-read-token route and fail on the 501.
+
 Client quirks found while building this (huggingface_hub 2.4.0, modelscope_hub 0.5.1)
 ---------------------------------------------------------------------------------------
 - ``huggingface_hub.constants.ENDPOINT`` is read from ``HF_ENDPOINT`` at import time, and so
@@ -78,8 +111,9 @@ Client quirks found while building this (huggingface_hub 2.4.0, modelscope_hub 0
   ``hf_hub_url`` rewrites the default endpoint prefix into the given one, so nothing else
   leaks to huggingface.co.  For the ``hf`` CLI (which has no ``--endpoint`` flag for
   ``cache verify``) run a subprocess with ``env=hub.client_env()``.
-- The emulator never sends ``X-Xet-Hash`` / ``xetHash``, so the client always takes the plain
-  HTTP path; ``HF_HUB_DISABLE_XET=1`` is still exported by :meth:`LoopbackHub.client_env`.
+- Outside Xet mode the emulator never sends ``X-Xet-Hash`` / ``xetHash``, so the client takes
+  the plain HTTP path; ``HF_HUB_DISABLE_XET=1`` is exported by :meth:`LoopbackHub.client_env`
+  for Xet mode's sake.
 - ``hf_hub_download`` refuses a HEAD answer without ``X-Repo-Commit`` or ETag
   (``FileMetadataError``), and prefers ``X-Linked-Etag``/``X-Linked-Size`` over ``ETag``/
   ``Content-Length``; the ETag names the cache blob, so it must be the sha256 for LFS files and
@@ -150,6 +184,10 @@ Hostile hubs (a compromised mirror, a broken proxy or CDN), for security tests:
   ``after`` bytes when ``after`` > 0, or when the client goes away).
 - ``html_200``: answer 200 with ``Content-Type: text/html`` and an HTML error page.
 
+Xet mode: ``expired_url``: the bridge answers the next ``times`` matching requests 403 "Request
+has expired" whatever their URL's expiry, as if it had just run out (only requests whose range
+starts at or past ``offset``: a URL that expires mid-download).
+
 With ``scope="api"`` a ``status`` fault matches the URL path of API requests instead of file
 paths (e.g. ``hub.inject("status", "/api/models/*/tree/*", scope="api", status=429)``).
 
@@ -167,6 +205,7 @@ import dataclasses
 import email.utils
 import fnmatch
 import hashlib
+import hmac
 import http.server
 import json
 import os
@@ -198,6 +237,7 @@ __all__ = [
     "RepoSnapshot",
     "RepoSpec",
     "RequestRecord",
+    "XET_URL_TTL",
     "main",
 ]
 
@@ -205,6 +245,9 @@ __all__ = [
 LFS_THRESHOLD = 1 << 20
 #: Block size used to hash files and to stream bodies that are modified on the fly.
 HASH_BLOCK = 8 << 20
+#: Lifetime of the signed bridge URLs a Xet-backed ``resolve`` redirects to (the real hub's
+#: are valid for an hour).
+XET_URL_TTL = 3600.0
 #: Glob patterns (on repo-relative posix paths) never served.
 DEFAULT_EXCLUDE: tuple[str, ...] = (".git/*", ".cache/huggingface/*")
 #: The fault kinds understood by :class:`Fault`.
@@ -224,6 +267,8 @@ FAULT_KINDS = frozenset(
         "redirect",
         "endless_body",
         "html_200",
+        # Xet mode:
+        "expired_url",
     }
 )
 #: Fault kinds that change what the listings say rather than how a file is served.
@@ -254,6 +299,8 @@ class RepoSpec:
         commit: Pin the 40-hex commit sha instead of deriving it from the listing.
         lfs_threshold: Size from which a file is reported as an LFS file.
         exclude: ``fnmatch`` patterns of repo-relative paths that are not served.
+        xet: Whether the repo's LFS files are Xet-backed (see "Xet mode"); None follows the
+            hub's ``xet`` argument.
     """
 
     path: Path
@@ -262,6 +309,7 @@ class RepoSpec:
     commit: str | None = None
     lfs_threshold: int = LFS_THRESHOLD
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    xet: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
@@ -312,6 +360,15 @@ class FileEntry:
     def etag(self) -> str:
         """The ETag the Hugging Face hub reports: sha256 for LFS files, git oid otherwise."""
         return self.sha256 if self.lfs else self.blob_id
+
+    @property
+    def xet_hash(self) -> str:
+        """A stand-in for the file's Xet hash (64 hex digits, derived from the sha256).
+
+        The real one is the root of a Merkle tree over content-defined chunks; nothing here
+        reconstructs files from CAS chunks, so only its shape and stability matter.
+        """
+        return hashlib.sha256(b"k3ckpt-loopback-xet\0" + bytes.fromhex(self.sha256)).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,6 +424,11 @@ class RepoSnapshot:
         """Every file and directory below a directory ("" is the root), sorted."""
         prefix = f"{directory}/" if directory else ""
         return sorted(p for p in (*self.dirs, *self.files) if p.startswith(prefix))
+
+
+def _repo_key(repo_id: str) -> str:
+    """The repo's opaque id (as ``_id`` in ``model_info``), which bridge URLs carry."""
+    return hashlib.sha1(repo_id.encode()).hexdigest()[:24]
 
 
 def _git_blob_oid(data: bytes) -> str:
@@ -565,7 +627,7 @@ class Fault:
         seconds: Sleep of ``stall``.
         close: Whether ``stall`` closes the connection after sleeping.
         reset: Whether ``drop_after`` aborts with an RST (True) or closes with a FIN.
-        offset: File offset flipped by ``corrupt_byte``.
+        offset: File offset flipped by ``corrupt_byte``; first offset ``expired_url`` applies to.
         delta: Size change of ``lie_size``; range shift of ``wrong_content_range``.
         name: The path ``list_as`` lists the file under.
         location: Base URL ``redirect`` sends the client to.
@@ -685,7 +747,9 @@ class RequestRecord:
         range: The ``Range`` header, if any.
         body_bytes: Body bytes handed to the socket.
         credentials: Whether the request carried an ``Authorization`` header or a ModelScope
-            ``m_session_id`` cookie (what must not follow a redirect to another host).
+            ``m_session_id`` cookie (what must not follow a redirect to another host); on the
+            Xet bridge, any ``Authorization`` or ``Cookie`` header at all.
+        server: ``"hub"``, or ``"bridge"`` for the Xet bridge host (see "Xet mode").
     """
 
     method: str
@@ -697,6 +761,7 @@ class RequestRecord:
     range: str | None
     body_bytes: int
     credentials: bool = False
+    server: str = "hub"
 
 
 class _Counters:
@@ -754,8 +819,9 @@ class _Server(http.server.ThreadingHTTPServer):
     request_queue_size = 128
     hub: LoopbackHub
 
-    def __init__(self, addr: tuple[str, int], hub: LoopbackHub) -> None:
+    def __init__(self, addr: tuple[str, int], hub: LoopbackHub, role: str = "hub") -> None:
         self.hub = hub
+        self.role = role  # "hub", or "bridge" for the Xet bridge host
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         super().__init__(addr, _Handler)
@@ -876,6 +942,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             split = urlsplit(self.path)
             self._query = {k: v[-1] for k, v in parse_qs(split.query, keep_blank_values=True).items()}
             raw_path = split.path
+            if self.server.role == "bridge":
+                # A signed URL is its own credential: the hub token is neither needed nor wanted.
+                self._handle_bridge(raw_path)
+                return
             is_ms = raw_path.startswith("/api/v1/") or raw_path.startswith("/openapi/")
             if hub.token is not None and not self._authorized(hub.token):
                 self._route = "auth"
@@ -906,10 +976,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     file=self._file,
                     range=self.headers.get("Range"),
                     body_bytes=self._body_bytes,
-                    credentials=bool(self.headers.get("Authorization"))
-                    or "m_session_id" in (self.headers.get("Cookie") or ""),
+                    credentials=self._carries_credentials(),
+                    server=self.server.role,
                 )
             )
+
+    def _carries_credentials(self) -> bool:
+        if self.server.role == "bridge":
+            # Nothing a client holds for the hub has any business on the bridge host.
+            return bool(self.headers.get("Authorization") or self.headers.get("Cookie"))
+        return bool(self.headers.get("Authorization")) or "m_session_id" in (self.headers.get("Cookie") or "")
 
     def _authorized(self, token: str) -> bool:
         auth = self.headers.get("Authorization", "")
@@ -1028,6 +1104,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif parts == ["refs"] and self._method in ("GET", "HEAD"):
             self._route = "hf.refs"
             self._hf_refs(snap)
+        elif len(parts) == 2 and parts[0] == "xet-read-token" and self._method == "GET":
+            # What a client with Xet enabled asks next; the CAS protocol is not emulated.
+            self._route = "hf.xet_token"
+            self._hf_error(501, None, "the loopback hub serves Xet-backed files over the HTTP bridge only; "
+                                      "set HF_HUB_DISABLE_XET=1")
         else:
             self._hf_error(404, None, f"Not found: /api/{rest}")
 
@@ -1054,6 +1135,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         d: dict[str, Any] = {"type": "file", "oid": e.blob_id, "size": size, "path": path}
         if e.lfs:
             d["lfs"] = {"oid": e.sha256, "size": size, "pointerSize": len(e.pointer)}
+            if self.server.hub.is_xet(snap.repo_id):
+                d["xetHash"] = e.xet_hash
         if expand:
             d["lastCommit"] = self._hf_last_commit(snap)
             d["securityFileStatus"] = {"status": "safe", "avScan": {"virusFound": False},
@@ -1091,7 +1174,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             siblings.append(s)
         owner = snap.repo_id.split("/")[0] if "/" in snap.repo_id else None
         payload = {
-            "_id": hashlib.sha1(snap.repo_id.encode()).hexdigest()[:24],
+            "_id": _repo_key(snap.repo_id),
             "id": snap.repo_id,
             "modelId": snap.repo_id,
             "author": owner,
@@ -1218,7 +1301,70 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if entry.lfs:
             headers["X-Linked-Etag"] = f'"{entry.sha256}"'
             headers["X-Linked-Size"] = str(self._listed(snap, entry)[1])
+            if self.server.hub.is_xet(snap.repo_id):
+                self._xet_redirect(snap, entry, commit, headers)
+                return
         self._serve_file(snap, entry, headers, ms=False)
+
+    def _xet_redirect(self, snap: RepoSnapshot, entry: FileEntry, commit: str, headers: dict[str, str]) -> None:
+        """Answer a Xet-backed ``resolve`` as the real hub does: 302 to a signed bridge URL,
+        with the file's metadata (``X-Xet-Hash``, ``X-Linked-*``) on the redirect itself."""
+        hub = self.server.hub
+        location = hub.signed_bridge_url(snap.repo_id, entry)
+        token_url = f"{self._base_url()}/api/models/{snap.repo_id}/xet-read-token/{commit}"
+        headers.update({
+            "X-Xet-Hash": entry.xet_hash,
+            "Link": f'<{token_url}>; rel="xet-auth", '
+                    f'<{hub.bridge_url}/v1/reconstructions/{entry.xet_hash}>; rel="xet-reconstruction-info"',
+            "Location": location,
+            "Accept-Ranges": "bytes",
+            "Cache-Control": "no-cache",
+            "Content-Length": "0",
+        })
+        self._send_head(302, headers)
+
+    # -- the Xet bridge host -------------------------------------------------------------------
+
+    def _handle_bridge(self, raw_path: str) -> None:
+        """Serve a signed bridge URL (``/xet-bridge-us/<repo key>/<xet hash>?...``)."""
+        self._route = "xet.bridge"
+        hub = self.server.hub
+        if self._method not in ("GET", "HEAD"):
+            self._bridge_error(405, "MethodNotAllowed", "The specified method is not allowed against this resource.")
+            return
+        if self._carries_credentials():
+            # What S3 says to a request that is authenticated twice; the point here is that a
+            # client sent the hub's credentials to another host, which the log now shows.
+            self._bridge_error(400, "InvalidArgument", "Only one auth mechanism allowed; only the signed URL "
+                                                       "or the Authorization header should be specified")
+            return
+        found = hub.bridge_object(raw_path)
+        if found is None:
+            self._bridge_error(404, "NoSuchKey", "The specified key does not exist.")
+            return
+        snap, entry = found
+        self._repo, self._file = snap.repo_id, entry.path
+        problem = hub.check_signature(self.path)
+        parsed = _parse_range(self.headers.get("Range"), entry.size)
+        first = parsed[0] if isinstance(parsed, tuple) else 0
+        if problem is None and hub.faults.take("file", snap.repo_id, entry.path, self._method,
+                                               lambda f: f.kind == "expired_url" and first >= f.offset):
+            problem = "Request has expired"
+        if problem is not None:
+            self._bridge_error(403, "AccessDenied", problem)
+            return
+        disposition = self._query.get("response-content-disposition")
+        headers = {"ETag": f'"{entry.xet_hash}"'}
+        if disposition:
+            headers["Content-Disposition"] = disposition
+        self._serve_file(snap, entry, headers, ms=False)
+
+    def _bridge_error(self, status: int, code: str, message: str) -> None:
+        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                f"<Message>{message}</Message></Error>").encode()
+        self._send_head(status, {"Content-Type": "application/xml", "Content-Length": str(len(body))})
+        if self._method != "HEAD":
+            self.wfile.write(body)
 
     # -- ModelScope ------------------------------------------------------------------------------
 
@@ -1588,6 +1734,9 @@ class LoopbackHub:
         token: If set, every request needs ``Authorization: Bearer <token>`` (or the
             ModelScope ``m_session_id`` cookie), else 401.
         page_size: Entries per page of the HF tree listing (the real hub uses 1000).
+        xet: Present every repo's LFS files as Xet-backed (a :class:`RepoSpec` may say
+            otherwise per repo): see "Xet mode" in the module docstring.
+        xet_url_ttl: Seconds a signed bridge URL stays valid (0: already expired when issued).
 
     Use as a context manager or call :meth:`start` / :meth:`stop`.
     """
@@ -1600,11 +1749,15 @@ class LoopbackHub:
         cache_dir: str | os.PathLike[str] | None = None,
         token: str | None = None,
         page_size: int = 1000,
+        xet: bool = False,
+        xet_url_ttl: float = XET_URL_TTL,
     ) -> None:
         if not repos:
             raise ValueError("at least one repo is required")
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
+        if xet_url_ttl < 0:
+            raise ValueError("xet_url_ttl must be >= 0")
         self.specs: dict[str, RepoSpec] = {}
         for repo_id, value in repos.items():
             if not repo_id or repo_id.startswith("/") or repo_id.endswith("/") or repo_id.count("/") > 1:
@@ -1620,6 +1773,14 @@ class LoopbackHub:
         )
         self.token = token
         self.page_size = page_size
+        self.xet = xet
+        self.xet_url_ttl = xet_url_ttl
+        # Signs the bridge URLs; only this process can mint one, so a URL is only ever valid
+        # as the hub issued it.
+        self._xet_secret = os.urandom(32)
+        self._xet_objects: dict[tuple[str, str], tuple[str, str]] = {}
+        self._bridge: _Server | None = None
+        self._bridge_thread: threading.Thread | None = None
         self.faults = FaultSet()
         self.hash_stats = HashStats()
         self._counters = _Counters()
@@ -1645,6 +1806,15 @@ class LoopbackHub:
             target=server.serve_forever, kwargs={"poll_interval": 0.05}, name=f"loopback-hub:{self.port}", daemon=True
         )
         self._thread.start()
+        if any(self.is_xet(rid) for rid in self.specs):
+            # The bridge is "another host" to a client: same address, another port, so another
+            # origin, to which no credential of the hub may be sent.
+            bridge = _Server((self.host, 0), self, role="bridge")
+            self._bridge = bridge
+            self._bridge_thread = threading.Thread(
+                target=bridge.serve_forever, kwargs={"poll_interval": 0.05},
+                name=f"loopback-hub-bridge:{bridge.server_address[1]}", daemon=True)
+            self._bridge_thread.start()
         return self
 
     def stop(self) -> None:
@@ -1653,12 +1823,16 @@ class LoopbackHub:
         if server is None:
             return
         self._stopping.set()
-        server.shutdown()
-        server.close_all_connections()
-        server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        bridge, self._bridge = self._bridge, None
+        for srv in (server, bridge):
+            if srv is not None:
+                srv.shutdown()
+                srv.close_all_connections()
+                srv.server_close()
+        for thread in (self._thread, self._bridge_thread):
+            if thread is not None:
+                thread.join(timeout=5)
+        self._thread = self._bridge_thread = None
 
     def __enter__(self) -> LoopbackHub:
         return self.start()
@@ -1671,6 +1845,11 @@ class LoopbackHub:
         stats = HashStats()
         snapshots = {rid: _scan_repo(rid, spec, self.cache_dir, stats) for rid, spec in self.specs.items()}
         self.hash_stats = stats
+        self._xet_objects = {
+            (_repo_key(rid), e.xet_hash): (rid, e.path)
+            for rid, snap in snapshots.items() if self.is_xet(rid)
+            for e in snap.files.values() if e.lfs
+        }
         self._snapshots = snapshots
 
     @property
@@ -1684,6 +1863,13 @@ class LoopbackHub:
         if self._server is None:
             raise RuntimeError("the hub is not running; call start() first")
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def bridge_url(self) -> str:
+        """Base URL of the Xet bridge host (valid after :meth:`start`, in Xet mode only)."""
+        if self._bridge is None:
+            raise RuntimeError("no Xet bridge: the hub is not running or serves no Xet-backed repo")
+        return f"http://{self.host}:{self._bridge.server_address[1]}"
 
     def client_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """Environment for a client subprocess: ``base`` (default ``os.environ``) plus the hub vars."""
@@ -1714,6 +1900,48 @@ class LoopbackHub:
     def files(self, repo_id: str) -> dict[str, FileEntry]:
         """Repo-relative path -> :class:`FileEntry` for a repo."""
         return self.snapshot(repo_id).files
+
+    def is_xet(self, repo_id: str) -> bool:
+        """Whether a repo's LFS files are presented as Xet-backed."""
+        spec = self.specs[repo_id]
+        return self.xet if spec.xet is None else spec.xet
+
+    def signed_bridge_url(self, repo_id: str, entry: FileEntry) -> str:
+        """A bridge URL for a file, signed and valid for ``xet_url_ttl`` seconds, in the shape
+        of the real hub's."""
+        expires = time.time() + self.xet_url_ttl
+        disposition = (f"inline; filename*=UTF-8''{quote(Path(entry.path).name)}; "
+                       f'filename="{quote(Path(entry.path).name)}";')
+        signed = (f"/xet-bridge-us/{_repo_key(repo_id)}/{entry.xet_hash}?X-Xet-Cas-Uid=public"
+                  f"&response-content-disposition={quote(disposition, safe='')}&Expires={expires:.3f}")
+        return f"{self.bridge_url}{signed}&Signature={self._sign(signed)}"
+
+    def _sign(self, text: str) -> str:
+        return hmac.new(self._xet_secret, text.encode(), hashlib.sha256).hexdigest()
+
+    def check_signature(self, target: str) -> str | None:
+        """Why a bridge request target (path and query) is refused, or None if it is valid."""
+        signed, sep, signature = target.rpartition("&Signature=")
+        if not sep or not hmac.compare_digest(self._sign(signed), signature):
+            return "Invalid signature"
+        try:
+            expires = float(parse_qs(urlsplit(signed).query).get("Expires", [""])[-1])
+        except ValueError:
+            return "Invalid signature"
+        if time.time() >= expires:
+            return "Request has expired"
+        return None
+
+    def bridge_object(self, path: str) -> tuple[RepoSnapshot, FileEntry] | None:
+        """The served file a bridge URL path names, or None."""
+        parts = path.strip("/").split("/")
+        if len(parts) != 3 or parts[0] != "xet-bridge-us":
+            return None
+        found = self._xet_objects.get((parts[1], parts[2]))
+        if found is None:
+            return None
+        snap = self._snapshots[found[0]]
+        return snap, snap.files[found[1]]
 
     def resolve_url(self, repo_id: str, path: str, revision: str = "main") -> str:
         """The Hugging Face ``resolve`` URL of a file."""
@@ -1767,6 +1995,11 @@ class LoopbackHub:
         with self._log_lock:
             return list(self._log)
 
+    @property
+    def bridge_log(self) -> list[RequestRecord]:
+        """The requests the Xet bridge host saw (``credentials`` says whether any carried one)."""
+        return [r for r in self.request_log if r.server == "bridge"]
+
     def routes_used(self) -> collections.Counter[str]:
         """Route name -> number of requests, from the request log."""
         return collections.Counter(r.route for r in self.request_log)
@@ -1796,6 +2029,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--commit", default=None, help="pin the commit sha (single repo only)")
     parser.add_argument("--page-size", type=int, default=1000)
     parser.add_argument("--cache-dir", type=Path, default=None, help="hash cache directory")
+    parser.add_argument("--xet", action="store_true",
+                        help="present LFS files as Xet-backed: resolve redirects to a signed URL on a bridge port")
+    parser.add_argument("--xet-url-ttl", type=float, default=XET_URL_TTL, metavar="SECONDS",
+                        help=f"lifetime of the signed bridge URLs (default {XET_URL_TTL:g})")
     args = parser.parse_args(argv)
 
     repos_ids = args.repo or (["moonshotai/Kimi-K3"] if len(args.dirs) == 1 else [])
@@ -1805,7 +2042,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--commit needs exactly one DIR")
     repos = {rid: RepoSpec(d, commit=args.commit) for rid, d in zip(repos_ids, args.dirs)}
     hub = LoopbackHub(repos, host=args.host, port=args.port, cache_dir=args.cache_dir, token=args.token,
-                      page_size=args.page_size)
+                      page_size=args.page_size, xet=args.xet, xet_url_ttl=args.xet_url_ttl)
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: Any) -> None:
@@ -1816,6 +2053,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     hub.start()
     try:
         print(f"Serving on {hub.url}", flush=True)
+        if args.xet:
+            print(f"Xet bridge on {hub.bridge_url}", flush=True)
         for rid in repos:
             snap = hub.snapshot(rid)
             total = sum(e.size for e in snap.files.values())

@@ -2,7 +2,8 @@
 one family, like gpt-oss and Kimi-K2/DeepSeek-V3 FP8).
 
 A synthetic checkpoint has the real config structure, the real tensor names, dtypes and shard
-naming; its MXFP4 experts are quantized from seeded random weights with the OCP MX rule, and
+naming; its MXFP4 experts are quantized from seeded random weights with compressed-tensors'
+MXFP4 rule (the one that made K3's experts; see ``quantize_mxfp4``), and
 each expert's six tensors are adjacent in one shard. Every tensor's data depends only on the
 seed and its name, so shards can be written in parallel and any one tensor can be regenerated.
 

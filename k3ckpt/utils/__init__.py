@@ -2,9 +2,19 @@
 files, and how sizes, fractions and sets are written for people (and sizes read back)."""
 
 from ._format import format_percent, format_ranges, human_bytes, human_count
-from ._fs import atomic_output, fsync_dir, is_within, pwrite_all, temp_name, write_atomic
+from ._fs import (
+    atomic_output,
+    copy_file,
+    copy_files,
+    fsync_dir,
+    is_within,
+    pwrite_all,
+    temp_name,
+    write_atomic,
+)
 from ._jsonfile import load_json
 from ._parse import parse_size
 
-__all__ = ["atomic_output", "format_percent", "format_ranges", "fsync_dir", "human_bytes", "human_count", "is_within",
-           "load_json", "parse_size", "pwrite_all", "temp_name", "write_atomic"]
+__all__ = ["atomic_output", "copy_file", "copy_files", "format_percent", "format_ranges",
+           "fsync_dir", "human_bytes", "human_count", "is_within", "load_json", "parse_size", "pwrite_all",
+           "temp_name", "write_atomic"]

@@ -134,3 +134,47 @@ def is_within(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> boo
     """
     p, r = Path(path).resolve(), Path(root).resolve()
     return p == r or r in p.parents
+
+
+# Errors on which ``copy_file_range`` is not usable for this pair of files (another filesystem,
+# no kernel support, a special file) and a plain read/write copy is used instead.
+_COPY_RANGE_FALLBACK = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF,
+                       errno.EPERM)
+_COPY_CHUNK = 8 * 1024 * 1024
+
+
+def copy_files(src: Path, rels: list[str], out: Path) -> None:
+    """Copy the files ``rels`` (relative paths) from ``src`` to ``out``, each under a temporary
+    name first so that no half-copied file ever has its final name."""
+    for rel in rels:
+        dst = out / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        copy_file(src / rel, dst)
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` in bounded chunks (kernel-side where possible; never the whole
+    file in memory), through :func:`atomic_output`: ``dst`` never holds a partial copy, and
+    nothing planted at the temporary name redirects the write."""
+    with open(src, "rb") as fin, atomic_output(dst) as fd:
+        _copy_fd(fin.fileno(), fd)
+
+
+def _copy_fd(src: int, dst: int) -> None:
+    off = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while True:
+                k = os.copy_file_range(src, dst, _COPY_CHUNK, off, off)
+                if k == 0:
+                    return
+                off += k
+        except OSError as e:
+            if e.errno not in _COPY_RANGE_FALLBACK:
+                raise
+    while True:
+        data = os.pread(src, _COPY_CHUNK, off)
+        if not data:
+            return
+        pwrite_all(dst, memoryview(data), off)
+        off += len(data)
