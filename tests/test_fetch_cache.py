@@ -324,3 +324,21 @@ def test_offline_check_of_an_interrupted_cache_fetch_names_what_is_missing(hub, 
     doc = json.loads(res.output)
     assert list(doc["failed"]) == ["config.json"] and doc["revision"] == h.commit(REPO)
     assert h.request_log == []
+
+
+def test_cache_fetch_from_a_xet_backed_repo(k3_tiny: Path, tmp_path: Path, isolated_hub_clients: None,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Xet-backed repo (resolve redirects to the bridge host): the blobs are still named by the
+    sha256 the hub reports as the LFS ETag, and the client finds the snapshot offline."""
+    from huggingface_hub import snapshot_download
+
+    from k3ckpt.testing.hub import LoopbackHub
+
+    cache = tmp_path / "hf-cache"
+    with LoopbackHub({REPO: k3_tiny}, cache_dir=tmp_path / "hashes", xet=True) as h:
+        res = _fetch(h, "--source", "hf", "--cache-dir", str(cache))
+        assert res.exit_code == 0, res.output
+        blobs = {e.etag for e in h.files(REPO).values()}
+    assert {b.name for b in (cache / "models--moonshotai--Kimi-K3" / "blobs").iterdir()} == blobs
+    _offline_hf(monkeypatch)
+    assert tree_digests(Path(snapshot_download(REPO, cache_dir=cache, local_files_only=True))) == tree_digests(k3_tiny)
