@@ -40,6 +40,7 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
     ├── DiskSpaceError                 the destination has less free space than needed
     ├── RankFetchError                 the repo or manifest does not allow a rank-aware fetch
     ├── EmptySelectionError            --include/--exclude leave no file: nothing to do
+    ├── OfflineNoRecordError           HF_HUB_OFFLINE and no record of an earlier fetch to verify against
     ├── MxSelectionError               no MX tensor matches the selection
     ├── MxInspectError                 an input cannot be inspected or measured
     ├── MxPlotUnavailableError         --plot without matplotlib installed
@@ -95,6 +96,7 @@ __all__ = [
     "MxInspectError",
     "MxPlotUnavailableError",
     "MxSelectionError",
+    "OfflineNoRecordError",
     "OutputLockedError",
     "OutputNotOwnedError",
     "PreflightError",
@@ -398,6 +400,12 @@ class EmptySelectionError(K3ckptError):
     """``--include``/``--exclude`` leave none of the files they filter: the command would do
     nothing (or only part of what was meant), so it is refused before any byte moves. The
     message names the patterns."""
+
+
+class OfflineNoRecordError(K3ckptError):
+    """``fetch`` under ``HF_HUB_OFFLINE=1`` found no record of an earlier fetch of that repo (and
+    revision) where it was pointed: there is nothing to verify against, and the hub may not be
+    asked (the message names the directory)."""
 
 
 # -- MX (microscaling) tensors -----------------------------------------------------------------

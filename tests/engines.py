@@ -280,6 +280,48 @@ class VLLM(Wheel):
         """The mapping the K3 model uses with DeepGEMM MegaMoE experts (pure Python)."""
         return self.definition(V_K3, "make_kimi_k3_mega_moe_expert_params_mapping", {})
 
+    @cached_property
+    def download_weights_from_hf(self) -> Any:
+        """vLLM's weight download (``weight_utils.py``): ``snapshot_download(cache_dir=...,
+        local_files_only=huggingface_hub.constants.HF_HUB_OFFLINE)`` under its own file lock.
+        Executed from the wheel with its helpers from the wheel too (``get_lock``,
+        ``DisabledTqdm``, ``repo_utils.hf_api``/``hf_fs``) over the real ``huggingface_hub``,
+        ``filelock`` and ``tqdm``; stand-ins: ``logger``, vLLM's version string, and
+        ``SAFE_WEIGHTS_INDEX_NAME`` (transformers' constant, ``model.safetensors.index.json``) and
+        the ``@instrument`` tracing decorator (returns the function unchanged)."""
+        import fnmatch
+        import hashlib
+        import json
+        import tempfile
+        import time
+
+        import filelock
+        import huggingface_hub
+        from tqdm.auto import tqdm
+
+        repo_utils = "vllm/transformers_utils/repo_utils.py"
+        ns: dict[str, Any] = {"os": os, "json": json, "fnmatch": fnmatch, "time": time, "Path": Path,
+                              "hashlib": hashlib, "filelock": filelock, "tqdm": tqdm, "huggingface_hub": huggingface_hub,
+                              "HfApi": huggingface_hub.HfApi, "logger": LoggerStandIn(), "VLLM_VERSION": "0.33.0",
+                              "SAFE_WEIGHTS_INDEX_NAME": "model.safetensors.index.json",
+                              "temp_dir": tempfile.gettempdir(), "_hf_api": None,
+                              "instrument": lambda **_: (lambda f: f)}
+        for member, name in ((repo_utils, "hf_api"), (repo_utils, "hf_fs"), (V_WEIGHT_UTILS, "get_lock"),
+                             (V_WEIGHT_UTILS, "DisabledTqdm")):
+            self.definition(member, name, ns)
+        return self.definition(V_WEIGHT_UTILS, "download_weights_from_hf", ns)
+
+    @cached_property
+    def maybe_download_from_modelscope(self) -> Any:
+        """vLLM's ``VLLM_USE_MODELSCOPE=1`` path (``weight_utils.py``): ModelScope's
+        ``snapshot_download(cache_dir=download_dir, local_files_only=HF_HUB_OFFLINE, ...)`` under
+        ``get_lock`` (from the wheel), over the real ``modelscope``; ``envs`` is a stand-in with
+        ``VLLM_USE_MODELSCOPE`` set."""
+        ns = {"envs": types.SimpleNamespace(VLLM_USE_MODELSCOPE=True)}
+        ns.update({k: v for k, v in self.download_weights_from_hf.__globals__.items()
+                   if k in ("os", "huggingface_hub", "get_lock")})
+        return self.definition(V_WEIGHT_UTILS, "maybe_download_from_modelscope", ns)
+
 def load_vllm() -> VLLM | None:
     path = find_wheel("vllm")
     return VLLM(path) if path else None

@@ -33,10 +33,13 @@ from ._output import ByteProgress, emit_json
               help="Which hub.")
 @click.option("--repo", "repo_option", hidden=True, help="REPO_ID (the name in 0.1, kept for a release).")
 @revision_option("the download is pinned to the resolved commit")
-@aliased_option("--local-dir", "dest", aliases=("--dest",), required=True,
-                type=click.Path(file_okay=False, path_type=str),
+@aliased_option("--local-dir", "dest", aliases=("--dest",), type=click.Path(file_okay=False, path_type=str),
                 help="Download into this directory: the repo's files at their paths (a plain checkpoint directory "
-                     "the other commands read).")
+                     "the other commands read) [default: the hub's cache, see --cache-dir].")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=str),
+              help="Write the hub's cache layout here, which its client and the engines read offline [default "
+                   "without --local-dir: the hub's own cache: HF_HUB_CACHE / HF_HOME/hub / ~/.cache/huggingface/hub, "
+                   "MODELSCOPE_CACHE / ~/.cache/modelscope].")
 @click.option("--include", multiple=True, help="Only files matching this pattern (repeatable; rank-aware: filters the "
                                                "non-weight files). As hf download: fnmatch on the whole path, `*` "
                                                "crosses `/`, `dir/` is everything under dir. Patterns leaving no file "
@@ -68,9 +71,10 @@ from ._output import ByteProgress, emit_json
 @click.option("-v", "--verbose", is_flag=True, help="Name every file as it completes.")
 @handle_errors
 def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: str | None, revision: str | None,
-          dest: str, include: tuple[str, ...], exclude: tuple[str, ...], token: str | None, jobs: int,
-          chunk_size: int, endpoint: str | None, selection: RankSelection, layout: str | None, max_shard_size: int,
-          manifest_path: str | None, dry_run: bool, as_json: bool, verbose: bool) -> None:
+          dest: str | None, cache_dir: str | None, include: tuple[str, ...], exclude: tuple[str, ...],
+          token: str | None, jobs: int, chunk_size: int, endpoint: str | None, selection: RankSelection,
+          layout: str | None, max_shard_size: int, manifest_path: str | None, dry_run: bool, as_json: bool,
+          verbose: bool) -> None:
     """Download a checkpoint from Hugging Face or ModelScope: resumable, parallel, verified.
 
     The vocabulary of `hf download` (and `modelscope download`): REPO_ID, then optionally
@@ -86,6 +90,14 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
     interrupted run resumes where it stopped, every file's sha256 checked before it is renamed
     into place. Files already present and verified are skipped. Exits 1 and lists every file
     it could not fetch.
+
+    Where: by default into the hub's own cache, in its layout (Hugging Face:
+    models--org--name/ with blobs/, snapshots/<commit>/ links and refs/<revision>; ModelScope:
+    models/org--name/snapshots/<revision>/), so that the hub's client - and vLLM, SGLang and
+    transformers through it - finds the files offline; --cache-dir names another cache;
+    --local-dir (alias --dest) writes a plain directory instead. With HF_HUB_OFFLINE=1 nothing
+    is fetched: what an earlier fetch put there is verified against the listing it recorded
+    (exit 0 when complete, 1 when files are missing or damaged).
 
     Rank-aware (--node or --ranks with --tp/--dp/--ep; --ranks or --node without a topology
     is refused, not read as one rank holding everything): reads every shard's header, then
@@ -104,6 +116,7 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
 
     \b
     Examples:
+      k3ckpt fetch moonshotai/Kimi-K3 --cache-dir /nvme/hf-cache
       k3ckpt fetch moonshotai/Kimi-K3 --local-dir /nvme/Kimi-K3
       k3ckpt fetch moonshotai/Kimi-K3 config.json tokenizer_config.json --local-dir ./k3
       k3ckpt fetch moonshotai/Kimi-K3 --source modelscope --local-dir /nvme/Kimi-K3 --max-workers 16
@@ -119,7 +132,14 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
         # hf download warns and ignores the patterns; a selection half-applied is not ours to guess
         raise click.UsageError("FILES and --include/--exclude both select files: give one of them")
     sel = selection
-    if sel.names_topology or sel.ranks is not None or sel.node is not None:
+    rank_aware = sel.names_topology or sel.ranks is not None or sel.node is not None
+    if dest is not None and cache_dir is not None:
+        raise click.UsageError("--local-dir and --cache-dir name two destinations: give one")
+    if _offline():
+        # FILES select as patterns do here: the recorded listing is checked, not the hub asked
+        _check_offline(hub, repo, revision, dest, cache_dir, include or files, exclude, jobs, rank_aware, as_json)
+        return
+    if rank_aware:
         if sel.ranks is None and sel.node is None:
             raise click.UsageError("rank-aware fetch needs --ranks or --node (all ranks need the whole checkpoint: "
                                    "drop --ep/--tp/--world-size for a full fetch)")
@@ -133,7 +153,15 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
             if sel.ranks is not None:
                 raise click.UsageError("--format node writes whole nodes: give --node N (or --format partial for "
                                        "--ranks)")
+            if dest is None:
+                # its files are renamed and regrouped (dense, per-rank experts): not a snapshot of the repo
+                raise click.UsageError("a node directory (--format node) is not a snapshot of the repo, so it is not "
+                                       "written into a hub cache: give --local-dir DIR, or --format partial to "
+                                       "publish the ranks' share in the cache under a k3ckpt revision")
             _fetch_node(run, max_shard_size)
+            return
+        if dest is None:
+            _fetch_ranks_to_cache(run, cache_dir)
             return
         _fetch_ranks(run)
         return
@@ -142,8 +170,12 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
         if given is not None:
             raise click.UsageError(f"{flag} is for a rank-aware fetch: add --ranks or --node with --ep/--tp")
 
-    plan = plan_fetch(hub, repo, dest, revision=revision, include=include, exclude=exclude, endpoint=endpoint,
-                      token=token, files=files)
+    from ..hub.cache import default_cache_dir
+
+    if dest is None and cache_dir is None:
+        cache_dir = str(default_cache_dir(hub))
+    plan = plan_fetch(hub, repo, dest, cache_dir=cache_dir, revision=revision, include=include, exclude=exclude,
+                      endpoint=endpoint, token=token, files=files)
     if dry_run:
         if as_json:
             emit_json(plan.to_json())
@@ -158,6 +190,38 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
         click.echo(render_fetch(plan, res, verbose=verbose))
         for note in res.notes:  # about the run, not the files: on stderr, like the progress bar
             click.echo(f"  note: {note}", err=True)
+    if not res.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
+def _offline() -> bool:
+    """``HF_HUB_OFFLINE`` as the Hugging Face client read it. The ModelScope client has no offline
+    switch of its own; vLLM passes ``HF_HUB_OFFLINE`` to it as ``local_files_only``, so it applies
+    to both sources here."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _check_offline(hub: str, repo: str, revision: str | None, dest: str | None, cache_dir: str | None,
+                   include: tuple[str, ...], exclude: tuple[str, ...], workers: int, rank_aware: bool,
+                   as_json: bool) -> None:
+    """``fetch`` under ``HF_HUB_OFFLINE=1``: verify what is there against the recorded listing,
+    never contacting the hub; exit 1 when a file is missing or damaged."""
+    from ..hub.cache import default_cache_dir
+    from ..hub.fetch import check_offline
+
+    if rank_aware:
+        raise click.UsageError("HF_HUB_OFFLINE is set: a rank-aware fetch's files are not the hub's, so there is no "
+                               "hub listing to check them against offline; check them with `k3ckpt verify DIR`")
+    if dest is None and cache_dir is None:
+        cache_dir = str(default_cache_dir(hub))
+    res = check_offline(hub, repo, local_dir=dest, cache_dir=cache_dir, revision=revision, include=include,
+                        exclude=exclude, jobs=workers)
+    if as_json:
+        emit_json(res.to_json())
+    else:
+        click.echo(res.render())
     if not res.ok:
         sys.exit(EXIT_PROBLEMS)
 
@@ -179,7 +243,7 @@ class _Run:
     hub: str
     repo: str
     revision: str | None
-    dest: str
+    dest: str | None  # None: into a hub cache
     include: tuple[str, ...]
     exclude: tuple[str, ...]
     token: str | None
@@ -197,16 +261,65 @@ def _fetch_ranks(r: _Run) -> None:
     """``k3ckpt fetch`` with a rank selection: see :mod:`k3ckpt.hub.rankfetch`."""
     from ..hub import rankfetch as rf
 
+    assert r.dest is not None  # a fetch into a cache goes to _fetch_ranks_to_cache
     plan = rf.plan_rank_fetch(r.hub, r.repo, r.dest, r.selection, revision=r.revision, endpoint=r.endpoint,
                               token=r.token, manifest=r.manifest_path, include=r.include, exclude=r.exclude,
                               chunk_size=r.chunk_size, jobs=r.jobs)
     _run_planned(r, plan, rf.render_rank_fetch_plan, rf.run_rank_fetch, rf.render_rank_fetch, rf.rank_fetch_json)
 
 
+def _fetch_ranks_to_cache(r: _Run, cache_dir: str | None) -> None:
+    """``k3ckpt fetch --ranks ... --cache-dir C`` (``--format partial``): the partial checkpoint
+    is fetched into a k3ckpt folder of the cache, then published as a snapshot of its own under
+    the ref ``k3ckpt-partial-<key>`` (:func:`k3ckpt.hub.cache.publish_partial`)."""
+    from pathlib import Path
+
+    from ..format.checkpoint import INDEX_NAME
+    from ..format.layout import PARTIAL_MARKER
+    from ..hub import cache as hc
+    from ..hub import rankfetch as rf
+
+    root = Path(cache_dir) if cache_dir is not None else hc.default_cache_dir(r.hub)
+    plan = rf.plan_rank_fetch(r.hub, r.repo, root, r.selection, revision=r.revision, endpoint=r.endpoint,
+                              token=r.token, manifest=r.manifest_path, include=r.include, exclude=r.exclude,
+                              chunk_size=r.chunk_size, jobs=r.jobs)
+    # named after the resolved selection (--ranks 0-3 and 0,1,2,3 are one snapshot)
+    key = hc.partial_key(plan.topology.to_json(), plan.ranks, r.include, r.exclude)
+    staging = plan.dest = hc.partial_staging(r.hub, root, r.repo, key)
+    if r.dry_run:
+        if r.as_json:
+            emit_json(plan.to_json())
+        else:
+            click.echo(rf.render_rank_fetch_plan(plan))
+        return
+    with ByteProgress(not r.as_json, "fetching") as bar:
+        res = rf.run_rank_fetch(plan, workers=r.jobs, token=r.token, progress=bar, on_plan=bar.plan)
+    published = None
+    if res.ok:
+        paths = [s.path for s in plan.shards] + list(plan.files) + [PARTIAL_MARKER]
+        paths += [INDEX_NAME] if (staging / INDEX_NAME).is_file() and INDEX_NAME not in paths else []
+        published, failed = hc.publish_partial(r.hub, root, r.repo, plan.listing.revision, key, staging,
+                                               sorted(set(paths)))
+        res.failed.update(failed)
+    if r.as_json:
+        doc = rf.rank_fetch_json(plan, res)
+        if published is not None:
+            doc.update(snapshot=str(published.snapshot), snapshot_revision=published.revision)
+        emit_json(doc)
+    else:
+        click.echo(rf.render_rank_fetch(plan, res, verbose=r.verbose))
+        if published is not None and res.ok:
+            click.echo(f"snapshot: {published.snapshot} (revision {published.revision}: pass it as --revision to the "
+                       "engine or snapshot_download; the hub's own revisions are untouched)")
+    if not res.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
 def _fetch_node(r: _Run, max_shard_size: int) -> None:
     """``k3ckpt fetch --node N`` (``--format node``): see :mod:`k3ckpt.hub.nodefetch`."""
     from ..hub import nodefetch as nf
 
+    assert r.dest is not None  # refused into a cache by the caller
     plan = nf.plan_node_fetch(r.hub, r.repo, r.dest, r.selection, revision=r.revision, endpoint=r.endpoint,
                               token=r.token, manifest=r.manifest_path, include=r.include, exclude=r.exclude,
                               chunk_size=r.chunk_size, max_file_size=max_shard_size, jobs=r.jobs)

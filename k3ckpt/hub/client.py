@@ -149,12 +149,17 @@ class HubFile:
         git_sha1 (`str`, *optional*):
             Hugging Face blob id of a non-LFS file (sha1 of ``b"blob <size>\\0" + content``),
             else ``None``.
+        blob_id (`str`, *optional*):
+            Hugging Face git blob id of the repo entry (for an LFS file: of its pointer file), as
+            the ``blobId``/``oid`` of the listing; what ``huggingface_hub``'s tree cache records
+            (``fetch --cache-dir`` writes it). ``None`` on ModelScope.
     """
 
     path: str
     size: int
     sha256: str | None
     git_sha1: str | None
+    blob_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -349,7 +354,7 @@ def _hex_or_none(value: Any, pattern: re.Pattern[str], what: str, ctx: dict[str,
 
 
 def _add_file(files: dict[str, HubFile], ctx: dict[str, Any], path: Any, size: Any, sha256: Any,
-              git_sha1: Any) -> None:
+              git_sha1: Any, blob_id: Any = None) -> None:
     """Validate one listing entry and add it to ``files``."""
     reason = _dest.unsafe_reason(path)
     if reason is not None:
@@ -363,7 +368,8 @@ def _add_file(files: dict[str, HubFile], ctx: dict[str, Any], path: Any, size: A
         raise HubListingError(f"the hub reports the sha256 of empty content for a {size}-byte file "
                               "(a broken upload?)", path=path, **ctx)
     files[path] = HubFile(path=path, size=size, sha256=sha, git_sha1=_hex_or_none(git_sha1, _HEX40, "git blob id",
-                                                                                 ctx, path))
+                                                                                 ctx, path),
+                          blob_id=_hex_or_none(blob_id, _HEX40, "git blob id", ctx, path))
 
 
 def _sends_token(hub: str, token: str | None) -> bool:
@@ -437,9 +443,9 @@ def _list_hf(repo: str, revision: str | None, endpoint: str, token: str | None) 
                                       **ctx)
             if not lfs_sha:
                 raise HubListingError("LFS file without a sha256", path=sib.rfilename, **ctx)
-            _add_file(files, ctx, sib.rfilename, sib.size, lfs_sha, None)
+            _add_file(files, ctx, sib.rfilename, sib.size, lfs_sha, None, sib.blob_id)
         else:
-            _add_file(files, ctx, sib.rfilename, sib.size, None, sib.blob_id)
+            _add_file(files, ctx, sib.rfilename, sib.size, None, sib.blob_id, sib.blob_id)
     return HubListing(hub="hf", repo=repo, revision=sha, endpoint=endpoint, files=dict(sorted(files.items())))
 
 

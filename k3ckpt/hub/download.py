@@ -619,6 +619,7 @@ def fetch_files(
     retry: RetryPolicy | None = None,
     check_space: bool = True,
     take_lock: bool = True,
+    place: Callable[[HubFile], str] | None = None,
 ) -> FetchResult:
     """Download files of ``listing`` into ``dest``: parallel, chunked, resumable and verified.
 
@@ -639,6 +640,8 @@ def fetch_files(
         check_space: Refuse to start when the filesystem has less free space than needed.
         take_lock: ``False`` when the caller already holds ``dest``'s lock (the rank-aware fetch
             downloads its whole files inside its own locked run).
+        place: Where a file goes, relative to ``dest`` (default: its repo path); a hub cache
+            stores files under their blob names (:mod:`k3ckpt.hub.cache`).
 
     Returns:
         FetchResult: ``ok`` only if every requested file is present and verified; every file
@@ -673,7 +676,7 @@ def fetch_files(
                 continue
             # Check the listing's own name too: a hand-built listing skips hubclient's validation.
             try:
-                final = _dest.target(dest_real, rel)
+                final = _dest.target(dest_real, rel if place is None else place(entry))
                 if entry.path != rel:
                     raise ValueError(f"listing key {rel!r} names the file {entry.path!r}")
             except ValueError as e:

@@ -4,7 +4,12 @@ Metadata (file list, sizes, sha256, the resolved commit) comes through the real 
 libraries (:mod:`k3ckpt.hubclient`); bytes come through our own parallel ranged downloader
 (:mod:`k3ckpt.download`), because none of the clients resumes across runs, verifies what it
 wrote, and fetches byte ranges of tensors. The destination is a plain local-dir checkpoint the
-other commands accept.
+other commands accept (``--local-dir``), or a hub cache in the layout the hub's own client reads
+(``--cache-dir``, :mod:`k3ckpt.hub.cache`).
+
+Every fetch first records the listing it fetches against (:data:`LISTING_RECORD` in a local dir,
+``.k3ckpt/<snapshot>.json`` in a cache): under ``HF_HUB_OFFLINE=1`` :func:`check_offline` verifies
+what is there against it without contacting the hub.
 """
 
 from __future__ import annotations
@@ -17,15 +22,22 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EmptySelectionError, EntryNotFoundError
-from .client import HubListing, list_repo
+from .cache import CacheLayout
+from .client import HubFile, HubListing, list_repo
+
+#: The listing a local-dir fetch fetched against (for ``fetch`` under ``HF_HUB_OFFLINE=1``).
+LISTING_RECORD = ".cache/k3ckpt/listing.json"
+_RECORD_FORMAT = "k3ckpt-fetch-listing"
 
 
 @dataclass
 class FetchPlan:
     listing: HubListing
-    dest: Path
+    dest: Path  # the local dir, or the snapshot directory in a hub cache
     paths: list[str]  # what will be fetched (or checked and skipped), sorted
     excluded: list[str] = field(default_factory=list)
+    revision: str | None = None  # as requested (None: the hub's default branch)
+    cache: CacheLayout | None = None  # set for a fetch into a hub cache
 
     @property
     def bytes_total(self) -> int:
@@ -114,8 +126,9 @@ def source_text(listing: HubListing) -> str:
 def plan_fetch(
     hub: str,
     repo: str,
-    dest: str | os.PathLike[str],
+    dest: str | os.PathLike[str] | None,
     *,
+    cache_dir: str | os.PathLike[str] | None = None,
     revision: str | None = None,
     include: tuple[str, ...] = (),
     exclude: tuple[str, ...] = (),
@@ -125,7 +138,8 @@ def plan_fetch(
 ) -> FetchPlan:
     """List the repo (pinned to its resolved commit) and choose the files to fetch: ``files``
     (paths, globs or ``dir/``, as ``hf download REPO FILE...``; not with ``include``/``exclude``),
-    else those ``include``/``exclude`` select (:func:`select_paths`), else all.
+    else those ``include``/``exclude`` select (:func:`select_paths`), else all; into the local
+    directory ``dest``, or (``dest`` None) into the hub cache at ``cache_dir``.
 
     Raises:
         EmptySelectionError: ``include``/``exclude`` leave no file (refused before any download).
@@ -139,7 +153,12 @@ def plan_fetch(
         paths, excluded = select_named(listing, files)
     else:
         paths, excluded = select_paths(list(listing.files), include, exclude, what=f"files of {source_text(listing)}")
-    return FetchPlan(listing, Path(dest), paths, excluded)
+    if dest is None:
+        if cache_dir is None:
+            raise ValueError("plan_fetch needs dest or cache_dir")
+        layout = CacheLayout.of(listing, cache_dir, revision)
+        return FetchPlan(listing, layout.snapshot, paths, excluded, revision, layout)
+    return FetchPlan(listing, Path(dest), paths, excluded, revision)
 
 
 def run_fetch(
@@ -156,12 +175,16 @@ def run_fetch(
     from . import _dest
     from .download import DEFAULT_CHUNK, fetch_files
 
+    if plan.cache is not None:
+        return _run_cache_fetch(plan, plan.cache, workers=workers, chunk_size=chunk_size or DEFAULT_CHUNK,
+                                token=token, progress=progress, on_plan=on_plan)
     os.makedirs(plan.dest, exist_ok=True)
     with _dest.DestLock(os.path.realpath(plan.dest)) as lock:
         # never into a directory holding files k3ckpt did not write (fetch would replace
         # same-named ones); a resumed fetch's own destination is accepted
         _dest.claim_dest(os.path.dirname(lock.path), plan.paths)
         _forget_partial(plan)
+        write_listing_record(plan.dest / LISTING_RECORD, plan)
         result = fetch_files(plan.listing, plan.dest, plan.paths, workers=workers,
                              chunk_size=chunk_size or DEFAULT_CHUNK, token=token, progress=progress,
                              on_plan=on_plan, take_lock=False)
@@ -244,3 +267,226 @@ def record_source(dest: str | os.PathLike[str], listing: HubListing) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"hub": listing.hub, "repo": listing.repo, "revision": listing.revision}
     write_atomic(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+
+
+# ----------------------------------------------------------------------------------------------
+# Into a hub cache
+# ----------------------------------------------------------------------------------------------
+
+
+def _run_cache_fetch(plan: FetchPlan, layout: CacheLayout, *, workers: int, chunk_size: int, token: str | None,
+                     progress: Callable[[int], None] | None, on_plan: Callable[[int], None] | None) -> Any:
+    """``run_fetch`` into a hub cache (see :mod:`k3ckpt.hub.cache`), under k3ckpt's own lock in
+    the repo folder's ``.k3ckpt/``; no ownership claim: the cache is shared with the clients."""
+    from ..integrity.verify import record_verified
+    from . import _dest
+    from .download import fetch_files
+
+    os.makedirs(layout.records, exist_ok=True)
+    with _dest.DestLock(os.path.realpath(layout.records)):
+        write_listing_record(layout.records / f"{layout.snapshot.name}.json", plan)
+        if layout.hub == "hf":
+            result = _fetch_blobs(plan, layout, workers=workers, chunk_size=chunk_size, token=token,
+                                  progress=progress, on_plan=on_plan)
+        else:
+            result = fetch_files(plan.listing, layout.snapshot, plan.paths, workers=workers, chunk_size=chunk_size,
+                                 token=token, progress=progress, on_plan=on_plan, take_lock=False)
+            legacy = layout.legacy_dir()
+            if legacy is not None:
+                result.notes.append(f"the ModelScope client returns the older SDK's folder {legacy} before this "
+                                    "snapshot: move it away for the client to use what fetch wrote")
+        if result.ok:
+            # last, and only now: a failed fetch of a new commit must not move the branch away
+            # from the complete snapshot of the previous one
+            from .cache import write_ref
+
+            write_ref(layout)
+    files = plan.listing.files
+    record_verified(plan.dest, {p: (files[p].sha256, files[p].git_sha1) for p in result.fetched + result.skipped})
+    result.dest = plan.dest
+    return result
+
+
+def _fetch_blobs(plan: FetchPlan, layout: CacheLayout, **kw: Any) -> Any:
+    """The Hugging Face cache: each distinct content once, as ``blobs/<etag>`` (verified before
+    it takes the name), then every path's snapshot link, with the commit's tree listing written
+    first so the client's offline completeness check sees what is still missing."""
+    from .cache import blob_name, link_snapshot, write_tree_cache
+    from .download import fetch_files
+
+    files = plan.listing.files
+    groups: dict[str, list[str]] = {}
+    unnamed: dict[str, str] = {}
+    for p in plan.paths:
+        blob = blob_name(files[p])
+        if blob is None:
+            unnamed[p] = "the listing gives neither its sha256 nor its git blob id: no blob name for the cache"
+        else:
+            groups.setdefault(blob, []).append(p)
+
+    def place(entry: HubFile) -> str:
+        return f"blobs/{blob_name(entry)}"
+
+    result = fetch_files(plan.listing, layout.repo_dir, [ps[0] for ps in groups.values()], place=place,
+                         take_lock=False, **kw)
+    result.failed.update(unnamed)
+    write_tree_cache(layout, plan.listing)
+    for paths in groups.values():
+        first = paths[0]
+        if first in result.failed:
+            result.failed.update({p: f"same content as {first}: {result.failed[first]}" for p in paths[1:]})
+            continue
+        result.skipped.extend(paths[1:])  # the same blob, just verified
+        for p in paths:
+            why = link_snapshot(layout, files[p])
+            if why is not None:
+                result.failed[p] = why
+                for done in (result.fetched, result.skipped):
+                    if p in done:
+                        done.remove(p)
+    result.fetched.sort()
+    result.skipped.sort()
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# The listing record, and the offline check against it
+# ----------------------------------------------------------------------------------------------
+
+
+def write_listing_record(path: Path, plan: FetchPlan) -> None:
+    """Record the listing ``plan`` fetches against (every file's size and digests, and which
+    were selected), before the first byte: an interrupted fetch's record then lets the offline
+    check say which files are still missing."""
+    from ..utils import write_atomic
+
+    lst = plan.listing
+    doc = {"format": _RECORD_FORMAT, "version": 1, "hub": lst.hub, "repo": lst.repo, "revision": plan.revision,
+           "commit": lst.revision, "selected": plan.paths,
+           "files": {p: {"size": f.size, "sha256": f.sha256, "git_sha1": f.git_sha1} for p, f in lst.files.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+
+
+@dataclass
+class OfflineCheck:
+    """What ``fetch`` found under ``HF_HUB_OFFLINE=1``: the recorded source and, for each
+    selected file, whether the copy there matches it."""
+
+    hub: str
+    repo: str
+    commit: str
+    dest: Path
+    verified: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def render(self) -> str:
+        head = (f"{'ok' if self.ok else 'FAILED'} (offline, HF_HUB_OFFLINE is set): {self.hub}:{self.repo}@{self.commit}"
+                f" -> {self.dest}: {len(self.verified)} verified against the recorded listing, "
+                f"{len(self.failed)} missing or damaged; the hub was not contacted")
+        return "\n".join([head] + [f"  {p}: {why}" for p, why in sorted(self.failed.items())])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "offline": True, "hub": self.hub, "repo": self.repo, "revision": self.commit,
+                "dest": str(self.dest), "verified": sorted(self.verified), "failed": dict(sorted(self.failed.items()))}
+
+
+def check_offline(hub: str, repo: str, *, local_dir: str | os.PathLike[str] | None = None,
+                  cache_dir: str | os.PathLike[str] | None = None, revision: str | None = None,
+                  include: tuple[str, ...] = (), exclude: tuple[str, ...] = (), jobs: int = 8) -> OfflineCheck:
+    """Verify, without contacting the hub, what an earlier fetch put in ``local_dir`` or in the
+    hub cache at ``cache_dir``, against the listing it recorded: every selected file (that run's
+    selection, or ``include``/``exclude`` applied to the recorded listing) must be there with the
+    recorded size and digest (in a cache: as the snapshot the client would return).
+
+    Raises:
+        OfflineNoRecordError: No record of an earlier fetch of ``repo`` (at ``revision``) there.
+        EmptySelectionError: ``include``/``exclude`` leave no recorded file.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..errors import OfflineNoRecordError
+
+    wanted = revision or ("main" if hub == "hf" else "master")
+    if local_dir is not None:
+        dest = Path(local_dir)
+        record = dest / LISTING_RECORD
+    else:
+        assert cache_dir is not None
+        layout = CacheLayout(hub, Path(cache_dir), repo, wanted, _cached_commit(hub, Path(cache_dir), repo, wanted))
+        dest, record = layout.snapshot, layout.records / f"{layout.snapshot.name}.json"
+    doc = _read_record(record)
+    if doc is None or doc.get("hub") != hub or doc.get("repo") != repo:
+        raise OfflineNoRecordError(f"HF_HUB_OFFLINE is set and {dest} holds no record of a k3ckpt fetch of "
+                                   f"{hub}:{repo}: nothing to verify against (unset HF_HUB_OFFLINE to fetch)",
+                                   path=record)
+    if revision is not None and local_dir is not None and revision not in (doc["revision"], doc["commit"]):
+        raise OfflineNoRecordError(f"HF_HUB_OFFLINE is set and {dest} holds {hub}:{repo}@{doc['commit']} "
+                                   f"(fetched as {doc['revision'] or 'the default branch'}), not {revision}",
+                                   path=record)
+    files = {p: HubFile(p, f["size"], f["sha256"], f["git_sha1"]) for p, f in doc["files"].items()}
+    paths = (select_paths(list(files), include, exclude, what=f"recorded files of {hub}:{repo}@{doc['commit']}")[0]
+             if include or exclude else list(doc["selected"]))
+    out = OfflineCheck(hub, repo, doc["commit"], dest)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        problems = list(pool.map(lambda p: _offline_problem(dest, files[p]), paths))
+    for p, why in zip(paths, problems):
+        if why is None:
+            out.verified.append(p)
+        else:
+            out.failed[p] = why
+    return out
+
+
+def _cached_commit(hub: str, root: Path, repo: str, revision: str) -> str:
+    """The commit a cache's ``refs/<revision>`` names (Hugging Face), else ``revision`` itself
+    (a commit, or ModelScope's snapshot name)."""
+    if hub != "hf":
+        return revision
+    layout = CacheLayout(hub, root, repo, revision, revision)
+    try:
+        return (layout.repo_dir / "refs" / revision).read_text().strip() or revision
+    except OSError:
+        pass
+    # No ref: the ref is written only once a fetch completes. The latest record of a fetch of
+    # this revision then names its commit, so the check can say what that fetch still lacks.
+    records = sorted(layout.records.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for rec in records:
+        doc = _read_record(rec)
+        if doc is not None and (doc.get("revision") or "main") == revision and rec.stem == doc.get("commit"):
+            return str(doc["commit"])
+    return revision
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != _RECORD_FORMAT:
+        return None
+    return doc
+
+
+def _offline_problem(dest: Path, entry: HubFile) -> str | None:
+    """Why ``dest/<path>`` does not hold the recorded content, or None when it does."""
+    from ..integrity.hashing import HashError, hash_file
+
+    path = dest / entry.path
+    if not path.exists():
+        return "missing" + (" (a dangling link)" if path.is_symlink() else "")
+    try:
+        digest = hash_file(path, git_sha1=entry.sha256 is None and entry.git_sha1 is not None)
+    except (HashError, OSError) as e:
+        return f"unreadable ({e})"
+    if digest.size != entry.size:
+        return f"size {digest.size} != recorded {entry.size}"
+    if entry.sha256 is not None and digest.sha256 != entry.sha256:
+        return f"sha256 mismatch: recorded {entry.sha256}, found {digest.sha256}"
+    if entry.sha256 is None and entry.git_sha1 is not None and digest.git_sha1 != entry.git_sha1:
+        return f"git blob id mismatch: recorded {entry.git_sha1}, found {digest.git_sha1}"
+    return None
