@@ -117,10 +117,11 @@ def test_fetch_hitting_a_really_full_disk_mid_file_keeps_a_resumable_state(hub_e
                                                                           tmp_path: Path) -> None:
     """A real ENOSPC after the space check passed: the .part (preallocated) fits exactly, the
     lock and the first journal take the last pages, and the journal update after the first
-    chunk finds the disk full. The journal on disk is the previous, valid one."""
+    chunk finds the disk full (the listing record, written before the first byte, takes one
+    more). The journal on disk is the previous, valid one."""
     hub, served, env = hub_env
     page = 4096
-    size = (math.ceil((served / SHARD).stat().st_size / page) + 2) * page
+    size = (math.ceil((served / SHARD).stat().st_size / page) + 3) * page  # + the listing record
     dest = small_tmpfs.mount(size) / "dest"
     res = k3ckpt(fetch_args(hub, dest, "--include", SHARD, "--workers", "1"), env=env)
     assert res.returncode == 1, res.stdout + res.stderr

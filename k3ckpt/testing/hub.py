@@ -750,6 +750,8 @@ class RequestRecord:
             ``m_session_id`` cookie (what must not follow a redirect to another host); on the
             Xet bridge, any ``Authorization`` or ``Cookie`` header at all.
         server: ``"hub"``, or ``"bridge"`` for the Xet bridge host (see "Xet mode").
+        started: ``time.monotonic()`` when the request arrived: records are appended when a
+            request completes, so "did B come after A" compares ``started``, not log positions.
     """
 
     method: str
@@ -762,6 +764,7 @@ class RequestRecord:
     body_bytes: int
     credentials: bool = False
     server: str = "hub"
+    started: float = 0.0  # time.monotonic() when the request arrived (the log is in completion order)
 
 
 class _Counters:
@@ -923,6 +926,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._dispatch("POST")
 
     def _dispatch(self, method: str) -> None:
+        self._started = time.monotonic()
         self._method = method
         self._route = "unknown"
         self._repo: str | None = None
@@ -978,6 +982,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     body_bytes=self._body_bytes,
                     credentials=self._carries_credentials(),
                     server=self.server.role,
+                    started=self._started,
                 )
             )
 
