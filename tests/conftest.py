@@ -20,6 +20,17 @@ import pytest
 from k3ckpt.testing.synth import spec_from_preset, synthesize
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """No test writes into this machine's hub caches: ``fetch`` without ``--local-dir`` writes
+    into the clients' own cache (``HF_HOME``, ``MODELSCOPE_CACHE``), so unless the caller chose
+    them, they point into a directory of this run (child processes inherit them)."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="k3ckpt-test-caches-"))
+    for var, sub in (("HF_HOME", "hf-home"), ("MODELSCOPE_CACHE", "ms-cache")):
+        os.environ.setdefault(var, str(root / sub))
+
+
 def write_raw_safetensors(
     path: str | os.PathLike[str],
     header_obj_or_bytes: Any,
