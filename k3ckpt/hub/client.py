@@ -19,8 +19,13 @@ theirs:
   the name through the revision map and list (and later read) by ``CommitId``, so a listing and
   the bytes read against it cannot come from two different pushes.
 
-Bytes are read with plain ranged GETs (:func:`read_range`, :func:`fetch_header`): neither client
-has a public "give me bytes a..b of this file" call, and both download whole files into a cache.
+Bytes are read with plain ranged GETs (:func:`read_range`, :func:`fetch_header`).
+``huggingface_hub`` can read ranges (``HfFileSystem`` files, ``HfApi.get_safetensors_metadata``
+for headers) and ``modelscope_hub`` has no public ranged read; one reader serves both hubs with
+the same rules: the URL pinned to the listed commit, credentials dropped on a redirect to another
+origin, the answer's ``Content-Range`` checked against the request, a header's announced length
+checked against the listed file size and ``K3CKPT_MAX_HEADER_BYTES`` before it is requested,
+and one retry policy.
 
 Client quirks this module works around (huggingface_hub 2.4, modelscope 1.40 / modelscope_hub 0.5):
 
