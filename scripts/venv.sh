@@ -3,9 +3,9 @@
 # Usage: ensure_venv EXTRAS [VENV [PIP_ARGS...]]   (e.g. ensure_venv "" or ensure_venv "test,plot";
 #        VENV defaults to .venv; PIP_ARGS such as "-c constraints/minimum.txt" go to pip install)
 # Re-runs are fast: the install is skipped while pyproject.toml (and PIP_ARGS) are unchanged and
-# the extras asked for are among those already installed. A venv serves the demo ("") and the
-# tests ("test,plot") alike: asking for fewer extras than installed reinstalls nothing, asking for
-# more installs the union.
+# the extras asked for are among those already installed. One venv serves the demo ("") and the
+# tests ("test,plot") alike: asking for fewer extras than installed reinstalls nothing; asking for
+# more, or a changed pyproject.toml, installs the union of the old and the new.
 
 # find_python: print the first interpreter >= 3.10 (only $PYTHON when set). Probed silently: with pyenv,
 # `command -v python3.13` finds a shim that prints "pyenv: python3.13: command not found" when run.
@@ -42,11 +42,12 @@ ensure_venv() {
     | sha256sum | cut -c1-16)"
   have_key="$(cut -d' ' -f1 "$stamp" 2>/dev/null || true)"
   have_extras="$(sed -n 's/^[^ ]* extras=//p' "$stamp" 2>/dev/null || true)"
-  if [ "$have_key" = "$key" ]; then
-    want_extras="$(extras_union "$have_extras" "$extras")"
-    [ "$want_extras" != "$have_extras" ] || { export PATH="$venv/bin:$PATH"; return 0; }
-  else
-    want_extras="$(extras_union "" "$extras")"  # pyproject changed: what this caller needs, afresh
+  # Extras installed before stay (a reinstall keeps them current): the next script to run with
+  # the other extras then finds the venv ready.
+  want_extras="$(extras_union "$have_extras" "$extras")"
+  if [ "$have_key" = "$key" ] && [ "$want_extras" = "$have_extras" ]; then
+    export PATH="$venv/bin:$PATH"
+    return 0
   fi
   echo "== installing k3ckpt${want_extras:+[$want_extras]} into $venv" >&2
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
