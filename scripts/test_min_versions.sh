@@ -2,8 +2,8 @@
 # The minimum-versions job: install k3ckpt with every runtime dependency pinned at its declared
 # floor (constraints/minimum.txt) into a venv of its own (.venv-min), then run a smoke subset of
 # the suite: fetch (hf download's vocabulary, Xet redirects included) and rank-aware fetch from
-# both hubs (the loopback emulator), manifest pull,
-# verify against a hub listing, signing, F8_E8M0/MXFP4 reading, mx dequant/quantize, reshard.
+# both hubs (the loopback emulator), manifest pull, verify against a hub listing, signing,
+# F8_E8M0/MXFP4 reading, mx dequant/quantize, reshard.
 # A floor in pyproject.toml that no longer works fails here. Extra arguments go to pytest.
 # Left out: what checks the emulator or `hf download` against the newest huggingface_hub rather
 # than k3ckpt at its floors (the real `hf download` of 1.0 treats FILES "sub/" as a file; the
