@@ -256,6 +256,19 @@ def test_read_tensor_matches_safe_open(k3_tiny: Path) -> None:
     assert ck.read_tensor(U8_NAME).shape == (128, 32)  # w2: [expert width, moe_intermediate / 2]
 
 
+def test_read_tensor_of_every_float8_dtype(write_raw, tmp_path: Path) -> None:
+    # F8_E8M0 (MX scales) needs ml_dtypes >= 0.5, the declared floor: at 0.4 this was an AttributeError
+    data = bytes([0, 1, 126, 127, 128, 254, 255, 0x38])
+    dtypes = ("F8_E8M0", "F8_E4M3", "F8_E5M2")
+    header = {f"t.{d}": {"dtype": d, "shape": [8], "data_offsets": [8 * i, 8 * i + 8]} for i, d in enumerate(dtypes)}
+    write_raw(tmp_path / "model.safetensors", header, data * len(dtypes))
+    ck = open_checkpoint(tmp_path)
+    e8m0 = ck.read_tensor("t.F8_E8M0").astype(np.float64)
+    assert list(e8m0[:6]) == [2.0**-127, 2.0**-126, 0.5, 1.0, 2.0, 2.0**127] and np.isnan(e8m0[6])
+    assert ck.read_tensor("t.F8_E4M3").astype(np.float32)[7] == 1.0  # 0x38: exponent 7 (bias 7), mantissa 0
+    assert ck.read_tensor("t.F8_E5M2").astype(np.float32)[7] == 0.5  # 0x38: exponent 14 (bias 15)
+
+
 def test_read_tensor_of_truncated_shard(k3_tiny: Path, clone_checkpoint) -> None:
     root = clone_checkpoint(k3_tiny)
     ck = open_checkpoint(root)

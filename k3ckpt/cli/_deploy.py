@@ -251,9 +251,11 @@ def preflight(directory: str, selection: RankSelection, full: bool, io_test: flo
     from ..deploy.preflight import preflight as run_preflight
     from ..deploy.preflight import render_preflight
 
-    rep = run_preflight(directory, selection, full=full, io_test=io_test, kv_budget=kv_budget,
-                        min_free_disk=min_free_disk, use_env=not no_env, jobs=jobs, engine=engine,
-                        leader_address=leader_address, rpc_port=rpc_port, served_model_name=served_model_name)
+    with ByteProgress(not as_json, "checking (--full)") as bar:  # only --full reads enough to need one
+        rep = run_preflight(directory, selection, full=full, io_test=io_test, kv_budget=kv_budget,
+                            min_free_disk=min_free_disk, use_env=not no_env, jobs=jobs, engine=engine,
+                            leader_address=leader_address, rpc_port=rpc_port, served_model_name=served_model_name,
+                            progress=bar, on_plan=bar.plan)
     if as_json:
         emit_json(rep.to_json())
     else:

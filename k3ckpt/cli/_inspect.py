@@ -11,7 +11,7 @@ import click
 
 from ..errors import EXIT_PROBLEMS
 from ._options import CONTEXT, handle_errors, jobs_option, json_option
-from ._output import emit_json
+from ._output import ByteProgress, emit_json
 
 # -- inspect -----------------------------------------------------------------------------------
 
@@ -42,7 +42,8 @@ def inspect(path: str, show_layers: bool, as_json: bool, jobs: int | None) -> No
     from ..format.layout import read_node_marker
 
     t0 = time.perf_counter()
-    ckpt = open_checkpoint(path, jobs=jobs)
+    with ByteProgress(not as_json, "reading headers", unit="shard") as bar:
+        ckpt = open_checkpoint(path, jobs=jobs, progress=bar, on_plan=bar.plan)
     # a node's copy (reshard --format hf-node, fetch --ranks/--node) holds only the experts its
     # marker lists: those are the ones each MoE layer must have
     marker = read_node_marker(ckpt.root)
@@ -109,7 +110,8 @@ def synth(dest: str, preset: str, jobs: int | None, force: bool, as_json: bool, 
     from ..testing.synth import render_synth, spec_from_preset, synthesize
 
     spec = spec_from_preset(preset, **overrides)
-    res = synthesize(spec, dest, jobs=jobs or os.cpu_count() or 1, force=force)
+    with ByteProgress(not as_json, "writing") as bar:
+        res = synthesize(spec, dest, jobs=jobs or os.cpu_count() or 1, force=force, progress=bar, on_plan=bar.plan)
     if as_json:
         emit_json(res.to_json())
     else:

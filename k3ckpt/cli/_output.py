@@ -17,23 +17,26 @@ def emit_json(obj: Any) -> None:
 
 
 class ByteProgress:
-    """A tqdm bar for bytes (rate, ETA) on an interactive stderr; silent otherwise or with --json.
+    """A tqdm bar for bytes (rate, ETA) - or, with ``unit``, for counted items such as shards -
+    on an interactive stderr; silent otherwise or with --json.
 
     Callable from several hashing threads at once."""
 
-    def __init__(self, enabled: bool, desc: str) -> None:
+    def __init__(self, enabled: bool, desc: str, unit: str = "B") -> None:
         import threading
 
         self._bar: tqdm[Any] | None = None
         self._lock = threading.Lock()
         self._enabled = enabled and sys.stderr.isatty()
         self._desc = desc
+        self._unit = unit
 
     def plan(self, total: int) -> None:
         if self._enabled and total:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000,
+            scaled = self._unit == "B"  # 1.2GB/s; items are counted as they are
+            self._bar = tqdm(total=total, unit=self._unit, unit_scale=scaled, unit_divisor=1000,
                              desc=self._desc, file=sys.stderr, leave=False, dynamic_ncols=True)
 
     def __call__(self, n: int) -> None:

@@ -31,7 +31,7 @@ from ..format.topology import (
     ranks_of_node,
     tensors_for_ranks,
 )
-from ..integrity.hashing import hash_files
+from ..integrity.hashing import Progress, hash_files
 from ..utils import format_ranges, human_bytes, load_json
 from ._preflight_host import (
     device_slots,
@@ -79,6 +79,13 @@ class Request:
     jobs: int | None
     env: RankEnv
     environ: Mapping[str, str]
+    # --full's progress: on_plan(bytes to read), then progress(bytes) as they are read
+    progress: Progress | None = None
+    on_plan: Callable[[int], None] | None = None
+
+    def plan_bytes(self, total: int) -> None:
+        if self.on_plan is not None:
+            self.on_plan(total)
 
     @property
     def per_node(self) -> int | None:
@@ -440,7 +447,8 @@ class RankLayout:
     def _compare_digests(self, states: list[_RankState]) -> None:
         # files with a wrong size already have their problem; hashing them would say it twice
         todo = {rel: st for st in states for rel in st.digests if _size_of(self.root / rel) == st.files[rel]}
-        digests, errors = hash_files(self.root, sorted(todo), jobs=self.ask.jobs)
+        self.ask.plan_bytes(sum(todo[rel].files[rel] for rel in todo))
+        digests, errors = hash_files(self.root, sorted(todo), jobs=self.ask.jobs, progress=self.ask.progress)
         for rel, err in sorted(errors.items()):
             todo[rel].problems.append(f"{rel.split('/', 1)[1]}: cannot read ({err.strerror or err})")
         for rel, d in sorted(digests.items()):
@@ -604,7 +612,9 @@ class PlainCheckpoint:
         scanned = ""
         if self.ask.full:
             spans = scale_spans(ckpt)
-            for f, flagged in sorted(scan_files(ckpt.root, sorted(spans), spans, self.ask.jobs).items()):
+            self.ask.plan_bytes(sum(s.stop - s.start for ss in spans.values() for s in ss))
+            scanned_files = scan_files(ckpt.root, sorted(spans), spans, self.ask.jobs, progress=self.ask.progress)
+            for f, flagged in sorted(scanned_files.items()):
                 if isinstance(flagged, OSError):
                     issues.append(_issue("unreadable", f, str(flagged.strerror)))
                 else:

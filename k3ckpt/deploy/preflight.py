@@ -66,7 +66,7 @@ Test hooks (documented, read from the same environment as the launcher variables
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ..errors import PreflightError
@@ -149,6 +149,8 @@ def preflight(
     leader_address: str | None = None,
     rpc_port: int = DEFAULT_RPC_PORT,
     served_model_name: str | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
 ) -> PreflightReport:
     """Check that the directory ``path`` is ready for this node to load.
 
@@ -172,6 +174,8 @@ def preflight(
         leader_address, rpc_port, served_model_name: for the serve command (:func:`serve_command`);
             the leader's address defaults to ``LWS_LEADER_ADDRESS`` / ``MASTER_ADDR``, else the
             placeholder ``LEADER_ADDRESS``.
+        progress, on_plan: ``full``'s progress: called with the bytes it will read (every rank
+            file, or a checkpoint's E8M0 scales), then with the bytes as they are read.
 
     Raises:
         PreflightError / TopologyError: ``path`` is missing or holds neither a rank layout nor
@@ -188,7 +192,7 @@ def preflight(
     if selection.node is not None and selection.gpus_per_node is None:
         raise PreflightError("--node needs --gpus-per-node")
     ask = Request(rank, selection, full, kv_budget, min_free_disk, jobs,
-                   launcher_env(env) if use_env else RankEnv(), env)
+                   launcher_env(env) if use_env else RankEnv(), env, progress, on_plan)
     rank_layout = (root / TOPOLOGY_NAME).exists() or any(root.glob("rank-[0-9]*"))
     if engine is None and not rank_layout and (root / NODE_MARKER).is_file():
         engine = "vllm"  # a node directory is written for an engine launch: check that one

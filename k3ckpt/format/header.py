@@ -5,10 +5,12 @@ Format (https://github.com/huggingface/safetensors): 8-byte little-endian header
 {str: str}}``, right-padded with spaces), then the data buffer. Offsets are relative to the
 start of the data buffer.
 
-We parse headers ourselves rather than through ``safetensors.safe_open`` because opening a
-checkpoint must read *only* headers (a 17 GB shard is never mapped just to list it), must say
-precisely which file and which tensor is wrong, and must bound what a hostile file can make us
-allocate. Tensor data is read with the ``safetensors`` library or ``numpy.memmap`` when asked.
+We parse headers ourselves rather than through ``safetensors.safe_open``: its Python API hands
+back tensors, not the byte offsets that verify, reshard and the rank-aware fetch work with (and a
+hub shard's header must be parsed from bytes read by a Range request, with no file to open); an
+error must name the file and the tensor that is wrong; and what a hostile header can make us
+allocate is bounded by ``K3CKPT_MAX_HEADER_BYTES`` (the library's cap is a fixed 100 MB). Tensor
+data is read with ``numpy.fromfile`` at the tensor's offset when asked (:mod:`k3ckpt.format.checkpoint`).
 """
 
 from __future__ import annotations

@@ -19,8 +19,13 @@ theirs:
   the name through the revision map and list (and later read) by ``CommitId``, so a listing and
   the bytes read against it cannot come from two different pushes.
 
-Bytes are read with plain ranged GETs (:func:`read_range`, :func:`fetch_header`): neither client
-has a public "give me bytes a..b of this file" call, and both download whole files into a cache.
+Bytes are read with plain ranged GETs (:func:`read_range`, :func:`fetch_header`).
+``huggingface_hub`` can read ranges (``HfFileSystem`` files, ``HfApi.get_safetensors_metadata``
+for headers) and ``modelscope_hub`` has no public ranged read; one reader serves both hubs with
+the same rules: the URL pinned to the listed commit, credentials dropped on a redirect to another
+origin, the answer's ``Content-Range`` checked against the request, a header's announced length
+checked against the listed file size and ``K3CKPT_MAX_HEADER_BYTES`` before it is requested,
+and one retry policy.
 
 Client quirks this module works around (huggingface_hub 2.4, modelscope 1.40 / modelscope_hub 0.5):
 
@@ -45,12 +50,14 @@ Client quirks this module works around (huggingface_hub 2.4, modelscope 1.40 / m
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import struct
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 from urllib.parse import quote_plus, urlsplit
 
@@ -384,16 +391,21 @@ def _status(e: Any) -> int | None:
     return getattr(response, "status_code", None)
 
 
+def _hf_http_package(hf_errors: ModuleType) -> ModuleType:
+    """The HTTP package whose transport errors ``HfApi`` raises: httpx (huggingface_hub 1.x) or httpx2 (2.x).
+
+    Taken from the base class of huggingface_hub's own ``HfHubHTTPError`` rather than imported by
+    name: the package is huggingface_hub's dependency, not ours, and changes with its major version.
+    """
+    return importlib.import_module(hf_errors.HTTPError.__module__.partition(".")[0])
+
+
 def _list_hf(repo: str, revision: str | None, endpoint: str, token: str | None) -> HubListing:
     import huggingface_hub
     from huggingface_hub import constants as hf_constants
     from huggingface_hub import errors as hf_errors
 
-    try:
-        import httpx2 as httpx  # what huggingface_hub 2.x is built on
-    except ImportError:  # pragma: no cover - huggingface_hub 1.x uses httpx
-        import httpx  # type: ignore[no-redef]  # one name for whichever of the two is installed
-
+    httpx = _hf_http_package(hf_errors)
     rev = revision or hf_constants.DEFAULT_REVISION  # "main", as hf_hub_download/snapshot_download
     ctx: dict[str, Any] = {"hub": "hf", "repo": repo, "revision": rev, "endpoint": endpoint}
     api = huggingface_hub.HfApi(endpoint=endpoint, token=False if token == "" else token,

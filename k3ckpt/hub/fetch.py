@@ -1,11 +1,18 @@
 """``k3ckpt fetch``: download a checkpoint from Hugging Face or ModelScope, resumably, verified.
 
 Metadata (file list, sizes, sha256, the resolved commit) comes through the real client
-libraries (:mod:`k3ckpt.hubclient`); bytes come through our own parallel ranged downloader
-(:mod:`k3ckpt.download`), because none of the clients resumes across runs, verifies what it
-wrote, and fetches byte ranges of tensors. The destination is a plain local-dir checkpoint the
-other commands accept (``--local-dir``), or a hub cache in the layout the hub's own client reads
-(``--cache-dir``, :mod:`k3ckpt.hub.cache`).
+libraries (:mod:`k3ckpt.hub.client`); bytes come through our own parallel ranged downloader
+(:mod:`k3ckpt.hub.download`). Not because the clients lack resume or checks - ``modelscope_hub``
+resumes a partial file across runs, splits large files into parallel ranges and checks the
+sha256; ``huggingface_hub`` resumes within a run and checks the size (its HTTP path writes a
+process-unique ``.incomplete`` file, so a new run starts over; Xet has its own) - but because
+both hubs get one behaviour here: a resume that trusts only chunks journaled after their bytes
+were ``fdatasync``-ed (a SIGKILL or power loss costs the chunks in flight, never a silently
+short or stale prefix), the sha256 checked before the final name appears, one lock and
+ownership record per destination, and the same reader for the rank-aware fetch, which needs the
+byte ranges of single tensors composed into rewritten shards. The destination is a plain
+local-dir checkpoint the other commands accept (``--local-dir``), or a hub cache in the layout
+the hub's own client reads (``--cache-dir``, :mod:`k3ckpt.hub.cache`).
 
 Every fetch first records the listing it fetches against (:data:`LISTING_RECORD` in a local dir,
 ``.k3ckpt/<snapshot>.json`` in a cache): under ``HF_HUB_OFFLINE=1`` :func:`check_offline` verifies

@@ -42,7 +42,7 @@ from ..format.checkpoint import (
     resolve_root,
 )
 from ..utils import write_atomic
-from .hashing import FileDigest, HashError, Span, hash_files, scan_file
+from .hashing import FileDigest, HashError, Progress, Span, hash_files, scan_file
 from .manifest import Manifest, tensors_from_headers
 
 if TYPE_CHECKING:
@@ -559,12 +559,18 @@ def _span_start(s: Span) -> int:
     return s.start
 
 
-def scan_files(root: Path, files: list[str], spans: dict[str, list[Span]], jobs: int | None) -> dict[str, Any]:
+def scan_files(root: Path, files: list[str], spans: dict[str, list[Span]], jobs: int | None,
+               progress: Progress | None = None) -> dict[str, Any]:
+    """``{file: names of its spans holding a NaN scale byte, or the HashError}``; ``progress``
+    gets each file's span bytes once it is scanned."""
     def one(f: str) -> tuple[str, Any]:
         try:
             return f, scan_file(root / f, spans[f])
         except HashError as e:
             return f, e
+        finally:
+            if progress is not None:
+                progress(sum(s.stop - s.start for s in spans[f]))
 
     with ThreadPoolExecutor(max_workers=max(1, min(jobs or os.cpu_count() or 1, len(files)))) as ex:
         return dict(ex.map(one, files))

@@ -91,8 +91,8 @@ E2M1_VALUES.setflags(write=False)
 Float32 value of each 4-bit E2M1 code (index = code; bit 3 is the sign, so code 8 is -0.0).
 
 Written out literally instead of decoded through `ml_dtypes.float4_e2m1fn`: the table *is* the
-OCP definition, `float4_e2m1fn` only exists from ml_dtypes 0.5 while the package supports 0.4,
-and keeping it independent lets the test-suite use ml_dtypes as a genuine cross-check.
+OCP definition, and keeping it independent of ml_dtypes lets the test-suite use
+`float4_e2m1fn` as a genuine cross-check.
 """
 
 
@@ -101,9 +101,9 @@ def _build_e8m0_table() -> tuple[np.ndarray, str]:
     reference = np.empty(256, dtype=np.float32)
     reference[:255] = np.ldexp(np.ones(255, dtype=np.float32), np.arange(255, dtype=np.int32) - E8M0_BIAS)
     reference[255] = np.nan
-    # Prefer ml_dtypes' own float8_e8m0fnu decoding (0.6 decodes byte 0 to 2**-127 and 255 to NaN,
-    # i.e. exactly the spec), but only after checking it bit for bit: the type is missing before
-    # ml_dtypes 0.5, and the byte-0 subnormal is precisely what naive `s << 23` decoders get wrong.
+    # Prefer ml_dtypes' own float8_e8m0fnu decoding (0.5 to 0.7 decode byte 0 to 2**-127 and 255 to
+    # NaN, i.e. exactly the spec), but only after checking it bit for bit: the byte-0 subnormal is
+    # precisely what naive `s << 23` decoders get wrong (the type itself arrived in ml_dtypes 0.5).
     # Either way decoding is a 256-entry gather, which is faster than a per-element dtype cast.
     e8m0 = getattr(ml_dtypes, "float8_e8m0fnu", None)
     if e8m0 is None:
@@ -473,7 +473,7 @@ def round_to_e2m1_codes(values: np.ndarray) -> np.ndarray:
     code with an even last bit: 0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0,
     3.5 -> 4.0, 5.0 -> 4.0. Implemented with exact comparisons against the midpoints rather than a
     cast to `ml_dtypes.float4_e2m1fn` (which agrees on float32 input): it is about twice as fast,
-    works with ml_dtypes 0.4, and does not double-round float64 input through float32.
+    and does not double-round float64 input through float32.
 
     Args:
         values (`np.ndarray`):
@@ -872,8 +872,8 @@ def quantize_mxfp8(
     finite value.
 
     The rounding is done here with `np.rint` on exactly power-of-two-scaled values, and
-    `ml_dtypes` is only used for the final, exact, conversion to FP8 bytes: ml_dtypes 0.6 casts
-    float64 to FP8 through float32, which double-rounds (1 + 2**-4 + 2**-30 becomes 1.0 in E4M3
+    `ml_dtypes` is only used for the final, exact, conversion to FP8 bytes: ml_dtypes 0.5 and 0.6
+    cast float64 to FP8 through float32, which double-rounds (1 + 2**-4 + 2**-30 becomes 1.0 in E4M3
     instead of 1.125).
 
     Args:

@@ -687,12 +687,16 @@ def render_synth(res: SynthResult) -> str:
             f"{human_bytes(res.total_bytes)}{' (sparse, headers only)' if res.spec.headers_only else ''}")
 
 
-def synthesize(spec: SynthSpec, dest: str | os.PathLike[str], *, jobs: int = 1, force: bool = False) -> SynthResult:
+def synthesize(spec: SynthSpec, dest: str | os.PathLike[str], *, jobs: int = 1, force: bool = False,
+               progress: Callable[[int], None] | None = None,
+               on_plan: Callable[[int], None] | None = None) -> SynthResult:
     """Write the checkpoint described by ``spec`` into ``dest``.
 
     Args:
         jobs: shards written in parallel (processes; quantization is CPU-bound).
         force: replace an earlier synthetic checkpoint in ``dest`` (never anything else).
+        progress, on_plan: called with the tensor bytes to write, then with each shard's tensor
+            bytes once it is written (``synth``'s progress bar).
 
     Raises:
         SynthError: bad spec, or ``dest`` holds a synthetic checkpoint already, without ``force``.
@@ -712,15 +716,22 @@ def synthesize(spec: SynthSpec, dest: str | os.PathLike[str], *, jobs: int = 1, 
             if old.name not in names:
                 old.unlink()
     out.mkdir(parents=True, exist_ok=True)
+    total = sum(t.spec.nbytes for u in units for t in u.tensors)
+    shard_bytes = [sum(t.spec.nbytes for u in su for t in u.tensors) for su in shards]
+    tick = progress or (lambda n: None)
+    if on_plan is not None:
+        on_plan(total)
     if jobs > 1 and n > 1 and not spec.headers_only:
         with ProcessPoolExecutor(max_workers=jobs) as ex:
-            list(ex.map(_write_shard_job, [(spec, str(out / nm), i) for i, nm in enumerate(names)]))
+            jobs_args = [(spec, str(out / nm), i) for i, nm in enumerate(names)]
+            for i, _ in enumerate(ex.map(_write_shard_job, jobs_args)):  # in shard order
+                tick(shard_bytes[i])
     else:
-        for nm, shard_units in zip(names, shards):
+        for nm, shard_units, size in zip(names, shards, shard_bytes):
             _write_shard(out / nm, shard_units)
+            tick(size)
 
     weight_map = {t.spec.name: nm for nm, su in zip(names, shards) for u in su for t in u.tensors}
-    total = sum(t.spec.nbytes for u in units for t in u.tensors)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_atomic(out / "model.safetensors.index.json", json.dumps(index, indent=2).encode() + b"\n")
     write_atomic(out / "config.json", json.dumps(make_config(spec), indent=2).encode() + b"\n")
