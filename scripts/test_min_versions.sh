@@ -9,10 +9,7 @@
 # Left out: what checks the emulator or `hf download` against the newest huggingface_hub rather
 # than k3ckpt at its floors (the real `hf download` of 1.0 treats FILES "sub/" as a file; the
 # emulator's Xet listing is checked with a helper huggingface_hub 1.0 does not have; its
-# snapshot_download has no IncompleteSnapshotError for a partial cache); and test_xet's two
-# "... resolved again" tests, whose request-log oracle (resolves_after_refusals) reads the log in
-# completion order and so depends on thread timing (they fail at times in the full suite too,
-# more often at these pins).
+# snapshot_download has no IncompleteSnapshotError for a partial cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
@@ -49,4 +46,4 @@ exec .venv-min/bin/python -m pytest -q -p no:cacheprovider \
   tests/test_reshard.py::test_k3_layouts_complete \
   tests/test_reshard.py::test_cli \
   -k "not bounded_memory and not positional_is_hf_download_files and not client_parses_for_xet_files \
-    and not resolved_again and not refuses_an_incomplete_cache_fetch_offline" "$@"
+    and not refuses_an_incomplete_cache_fetch_offline" "$@"
