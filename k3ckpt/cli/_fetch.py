@@ -111,7 +111,7 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
     tensors under its own name, plus a matching index, the non-weight files and
     k3ckpt-partial.json (written last); reshard and verify accept it. The hub's sha256 covers
     whole files, so new files are verified tensor by tensor against --manifest (from `k3ckpt
-    manifest build --tensor-hashes`); without it only structure and sizes are checked, and it
+    manifest pull --tensor-hashes`, before the download); without it only structure and sizes are checked, and it
     says so.
 
     \b

@@ -39,7 +39,7 @@ Requests are grouped into *tasks*, the unit of hashing: one request of whole ten
 requests of one large tensor, fetched in order by one worker.
 
 Verification. The hub's sha256 covers whole files, so a rewritten shard cannot be checked
-against it. With a tensor-hash manifest (``k3ckpt manifest build --tensor-hashes``) each
+against it. With a tensor-hash manifest (``k3ckpt manifest pull|build --tensor-hashes``) each
 tensor is hashed while its bytes stream in (no second read) and compared with the manifest; a
 mismatch re-fetches that task once, then fails the shard naming the tensor. The manifest must
 describe the hub's headers exactly (file, dtype, shape, offsets) or the run is refused before
@@ -114,8 +114,8 @@ VERIFIED_STRUCTURE = "structure-and-sizes"
 VERIFIED_FILES = "file-sha256"
 #: Said plainly whenever no manifest was given.
 STRUCTURE_ONLY_NOTE = ("no --manifest: the files assembled from tensors were checked for structure and sizes only (the hub's "
-                       "sha256 covers whole files); pass a tensor-hash manifest (k3ckpt manifest build "
-                       "--tensor-hashes) to verify every tensor")
+                       "sha256 covers whole files); pass a tensor-hash manifest (k3ckpt manifest pull "
+                       "--tensor-hashes, before the download, or manifest build --tensor-hashes) to verify every tensor")
 
 _JOURNAL_VERSION = 1
 _READ_BACK = 1 << 20  # bytes per pread when re-hashing a resumed large tensor
@@ -440,7 +440,8 @@ def _check_manifest(manifest: Manifest, label: str, headers: list[ShardHeader], 
     """The manifest must describe the hub's headers exactly and hash every wanted tensor."""
     where = f"manifest {label}"
     if not manifest.tensor_hashes:
-        raise RankFetchError(f"{where} has no tensor hashes; build it with `k3ckpt manifest build --tensor-hashes`")
+        raise RankFetchError(f"{where} has no tensor hashes; pull one with `k3ckpt manifest pull --tensor-hashes` "
+                             "(or build it from a full copy with `k3ckpt manifest build --tensor-hashes`)")
     unhashed = next((n for n in sorted(wanted) if n in manifest.tensors and not manifest.tensors[n].sha256), None)
     if unhashed is not None:
         raise RankFetchError(f"{where}: tensor {unhashed!r} has no sha256")
