@@ -32,6 +32,7 @@ of their own under the ref ``k3ckpt-partial-<key>`` with blobs named by their ow
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -183,11 +184,9 @@ def write_ref(layout: CacheLayout) -> None:
     if layout.hub != "hf" or layout.revision == layout.commit:
         return
     path = layout.repo_dir / "refs" / layout.revision
-    try:
+    with contextlib.suppress(OSError):  # no ref (or an unreadable one): write it
         if path.read_text() == layout.commit:
             return
-    except OSError:
-        pass
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, layout.commit.encode())
 

@@ -21,6 +21,7 @@ what is there against it without contacting the hub.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -455,10 +456,8 @@ def _cached_commit(hub: str, root: Path, repo: str, revision: str) -> str:
     if hub != "hf":
         return revision
     layout = CacheLayout(hub, root, repo, revision, revision)
-    try:
+    with contextlib.suppress(OSError):  # no ref yet: see below
         return (layout.repo_dir / "refs" / revision).read_text().strip() or revision
-    except OSError:
-        pass
     # No ref: the ref is written only once a fetch completes. The latest record of a fetch of
     # this revision then names its commit, so the check can say what that fetch still lacks.
     records = sorted(layout.records.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)

@@ -54,7 +54,6 @@ from . import client as hubclient
 from .client import HubFile, HubListing, RetryPolicy
 from .fetch import record_source
 from .rankfetch import (
-    STRUCTURE_ONLY_NOTE,
     VERIFIED_STRUCTURE,
     VERIFIED_TENSORS,
     Piece,
@@ -67,6 +66,7 @@ from .rankfetch import (
     _pieces_and_tasks,
     _Run,
     _ShardJob,
+    dry_run_total,
     fetch_summary,
     load_manifest,
     other_files,
@@ -530,13 +530,7 @@ def render_node_fetch_plan(plan: NodeFetchPlan) -> str:
                      f"{'s' if n != 1 else ''}, {len(o.pieces)} request{'s' if len(o.pieces) != 1 else ''})")
     for f in plan.files:
         lines.append(f"{human_bytes(plan.listing.files[f].size):>10}  {f}")
-    share = plan.bytes_total / plan.source_bytes if plan.source_bytes else 1.0
-    lines.append(f"would fetch {human_bytes(plan.bytes_total)} of {human_bytes(plan.source_bytes)} ({share:.1%}) "
-                 f"from {_source_text(plan)} into {plan.dest} for {_selection_text(plan)}: {plan.tensors:,} tensors "
-                 f"in {len(plan.outputs)} node files and {len(plan.files)} other files; headers read: "
-                 f"{human_bytes(plan.header_bytes)}")
-    if plan.verification == VERIFIED_STRUCTURE:
-        lines.append(f"note: {STRUCTURE_ONLY_NOTE}")
+    lines += dry_run_total(plan, _selection_text(plan), f"{len(plan.outputs)} node files")
     return "\n".join(lines)
 
 

@@ -1210,14 +1210,42 @@ def render_rank_fetch_plan(plan: RankFetchPlan) -> str:
         lines.append(f"{human_bytes(sp.download_bytes):>10} of {human_bytes(sp.source.size):>10}  {sp.path}  ({how})")
     for f in plan.files:
         lines.append(f"{human_bytes(plan.listing.files[f].size):>10}{'':14}  {f}")
+    lines += dry_run_total(plan, _selection_text(plan),
+                           f"{len(plan.shards)} shards ({sum(not s.whole for s in plan.shards)} rewritten)")
+    return "\n".join(lines)
+
+
+class FetchPlanTotals(Protocol):
+    """What a rank-aware or a node fetch plan both tell about the whole run."""
+
+    @property
+    def listing(self) -> HubListing: ...
+    @property
+    def dest(self) -> Path: ...
+    @property
+    def files(self) -> list[str]: ...
+    @property
+    def header_bytes(self) -> int: ...
+    @property
+    def source_bytes(self) -> int: ...
+    @property
+    def bytes_total(self) -> int: ...
+    @property
+    def tensors(self) -> int: ...
+    @property
+    def verification(self) -> str: ...
+
+
+def dry_run_total(plan: FetchPlanTotals, selection: str, written: str) -> list[str]:
+    """The last lines of a rank-aware or node fetch's dry run: what would be fetched of the
+    whole, into what (``written``: the weight files), and the structure-only note."""
     share = plan.bytes_total / plan.source_bytes if plan.source_bytes else 1.0
-    lines.append(f"would fetch {human_bytes(plan.bytes_total)} of {human_bytes(plan.source_bytes)} ({share:.1%}) "
-                 f"from {_source_text(plan)} into {plan.dest} for {_selection_text(plan)}: {plan.tensors:,} tensors "
-                 f"in {len(plan.shards)} shards ({sum(not s.whole for s in plan.shards)} rewritten) and "
-                 f"{len(plan.files)} other files; headers read: {human_bytes(plan.header_bytes)}")
+    lines = [f"would fetch {human_bytes(plan.bytes_total)} of {human_bytes(plan.source_bytes)} ({share:.1%}) "
+             f"from {source_text(plan.listing)} into {plan.dest} for {selection}: {plan.tensors:,} tensors "
+             f"in {written} and {len(plan.files)} other files; headers read: {human_bytes(plan.header_bytes)}"]
     if plan.verification == VERIFIED_STRUCTURE:
         lines.append(f"note: {STRUCTURE_ONLY_NOTE}")
-    return "\n".join(lines)
+    return lines
 
 
 def render_rank_fetch(plan: RankFetchPlan, res: RankFetchResult, *, verbose: bool = False) -> str:
