@@ -30,9 +30,15 @@ work cannot avoid, measured in the same rounds on the same data (pinned to the l
 
 Scaling = wall at the fewest workers / wall at the most: about N where the work is CPU-bound.
 
+Fixed and marginal: the same commands on ``--fixed-shape`` (default ``k3-tiny``, 6 MB) give each
+work's fixed CPU-s (interpreter start, imports, planning; ~0.2-0.9 s, a visible part of 1 GB
+but nothing on 1.56 TB); ``marginal_cpu_s_per_gb`` = (CPU-s - fixed) / (GB - the tiny shape's
+GB) is the cost per GB a large run pays, the one to compare with the floor.
+
 The report (``bench_cost.md`` / ``bench_cost.json``) ends with ``cost``: per work the constant a
-cost model takes (``cpu_s_per_gb``: the largest of the shapes' medians at the most workers, so
-the contention of parallel workers is in it), its ``floor_cpu_s_per_gb`` and the floor's parts.
+cost model takes (``cpu_s_per_gb``, ``fixed_cpu_s`` and ``marginal_cpu_s_per_gb``: each the
+largest of the shapes' medians at the most workers, so the contention of parallel workers is in
+it), its ``floor_cpu_s_per_gb`` and the floor's parts.
 """
 
 from __future__ import annotations
@@ -64,12 +70,12 @@ def received(stdout: str) -> int | None:
 
 def shown(cmd: list[str], shape: bl.Shape, work: Path) -> str:
     """``cmd`` as a reader would type it: ``k3ckpt ...`` with the paths named by role."""
-    text = " ".join(cmd[3:]).replace(str(shape.path), "SRC").replace(str(work / "out"), "OUT")
-    return "k3ckpt " + text.replace(str(shape.manifest), "M").replace(f"bench/{shape.name}", "REPO")
+    text = " ".join(cmd[3:]).replace(str(shape.manifest), "M").replace(str(shape.path), "SRC")
+    return "k3ckpt " + text.replace(str(work / "out"), "OUT").replace(f"bench/{shape.name}", "REPO")
 
 
 def contenders(setup: bl.Setup, shape: bl.Shape, hub: bl.Hub, works: list[str], workers: list[int],
-               pin: bool) -> list[bl.Contender]:
+               pin: bool, floors: bool = True) -> list[bl.Contender]:
     src, out = str(shape.path), setup.work / "out"
     repo = f"bench/{shape.name}"
     env = hub.env(K3CKPT_CACHE_DIR=str(setup.work / "cache"), HF_HOME=str(setup.work / "hf-home"))
@@ -92,6 +98,8 @@ def contenders(setup: bl.Setup, shape: bl.Shape, hub: bl.Hub, works: list[str], 
                 cs.append(bl.Contender(f"{work} x{n}", cmd, out=out, sync=True, inputs=shape.files,
                                        env=env if work.endswith("fetch") else None, cores=n if pin else None,
                                        count=received if work.endswith("fetch") else None, meta=meta))
+    if not floors:
+        return cs
     n = max(workers)
     cores = n if pin else None
     listing = " ".join(f"'{f}'" for f in shape.files)
@@ -126,8 +134,9 @@ def cost_rows(cs: list[bl.Contender], res: dict[str, bl.Summary], sha: float) ->
         if work in WORKS:
             basis, part = WORKS[work]
             r["basis"] = basis
-            r["floor_cpu_s_per_gb"] = round(sha + copy[part], 4)
-            r["x_floor"] = round(s.cpu_s_per_gb / r["floor_cpu_s_per_gb"], 3)
+            if part in copy:  # (the fixed-cost shape measures no copies)
+                r["floor_cpu_s_per_gb"] = round(sha + copy[part], 4)
+                r["x_floor"] = round(s.cpu_s_per_gb / r["floor_cpu_s_per_gb"], 3)
             runs = by_work[work]
             if len(runs) > 1 and n == max(runs) and runs[n].wall_s:
                 r["scaling"] = round(runs[min(runs)].wall_s / runs[n].wall_s, 3)
@@ -135,6 +144,24 @@ def cost_rows(cs: list[bl.Contender], res: dict[str, bl.Summary], sha: float) ->
             r["basis"] = "read" if work in ("read_copy", "sha256_read") else ("written" if work == "write_copy" else "received")
         rows.append(r)
     return rows
+
+
+def in_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows by work (as in WORKS, the floor's copies last), then workers."""
+    return sorted(rows, key=lambda r: (list(WORKS).index(r["work"]) if r["work"] in WORKS else len(WORKS), r["workers"]))
+
+
+def add_marginal(rows: list[dict[str, Any]], fixed_rows: list[dict[str, Any]]) -> None:
+    """Split each work's CPU-s into a fixed part (the same command on the tiny shape: start-up,
+    imports, planning) and a marginal cost per GB beyond it - what a 1.56 TB run pays per GB."""
+    fixed = {(r["work"], r["workers"]): r for r in fixed_rows if r["work"] in WORKS}
+    for r in rows:
+        f = fixed.get((r["work"], r["workers"]))
+        if f is None or r["bytes"] <= f["bytes"]:
+            continue
+        r["fixed_cpu_s"] = f["cpu_s"]
+        r["marginal_cpu_s_per_gb"] = round((r["cpu_s"] - f["cpu_s"]) / ((r["bytes"] - f["bytes"]) / bl.GB), 4)
+        r["x_floor_marginal"] = round(r["marginal_cpu_s_per_gb"] / r["floor_cpu_s_per_gb"], 3)
 
 
 def cost_summary(rows: list[dict[str, Any]], sha: float, sha_speed: float) -> dict[str, Any]:
@@ -154,7 +181,10 @@ def cost_summary(rows: list[dict[str, Any]], sha: float, sha_speed: float) -> di
     for work, (basis, _part) in WORKS.items():
         if any(r["work"] == work for r in rows):
             cost[work] = {"basis": f"GB {basis}", "cpu_s_per_gb": worst(work, "cpu_s_per_gb"),
+                          "fixed_cpu_s": worst(work, "fixed_cpu_s"),
+                          "marginal_cpu_s_per_gb": worst(work, "marginal_cpu_s_per_gb"),
                           "floor_cpu_s_per_gb": worst(work, "floor_cpu_s_per_gb"), "x_floor": worst(work, "x_floor"),
+                          "x_floor_marginal": worst(work, "x_floor_marginal"),
                           "scaling_by_shape": {r["shape"]: r.get("scaling") for r in rows
                                                if r["work"] == work and r["workers"] == most},
                           "server_cpu_s_per_gb": worst(work, "server_cpu_s_per_gb") if work.endswith("fetch") else None}
@@ -165,7 +195,8 @@ COLUMNS = [("work", "work", "`{}`"), ("command", "label", "`{}`"), ("workers", "
            ("of", "basis", "{}"),
            ("wall (s)", "wall_s", "{:.2f}"), ("CPU-s", "cpu_s", "{:.2f}"), ("CPU/wall", "cpu_per_wall", "{:.2f}"),
            ("CPU-s per GB", "cpu_s_per_gb", "{:.3f}"), ("floor CPU-s per GB", "floor_cpu_s_per_gb", "{:.3f}"),
-           ("x floor", "x_floor", "{:.2f}x"), ("scaling (wall 1 / wall 2)", "scaling", "{:.2f}x"),
+           ("x floor", "x_floor", "{:.2f}x"), ("marginal CPU-s per GB", "marginal_cpu_s_per_gb", "{:.3f}"),
+           ("scaling (wall 1 / wall 2)", "scaling", "{:.2f}x"),
            ("hub CPU-s per GB", "server_cpu_s_per_gb", "{:.3f}"), ("peak RSS (MiB)", "peak_rss_mib", "{:.0f}")]
 
 
@@ -175,6 +206,8 @@ def main() -> None:
     ap.add_argument("--workers", default="1,2", help="worker counts, comma-separated [default: 1,2]")
     ap.add_argument("--works", default=",".join(WORKS), help=f"comma-separated, of: {', '.join(WORKS)}")
     ap.add_argument("--no-pin", action="store_true", help="do not pin an N-worker run to N CPUs")
+    ap.add_argument("--fixed-shape", default="k3-tiny",
+                    help="the shape whose runs give each work's fixed CPU-s ('' for none) [default: k3-tiny]")
     args = ap.parse_args()
     workers = sorted({int(w) for w in args.workers.split(",") if w})
     works = [w for w in args.works.split(",") if w]
@@ -186,18 +219,29 @@ def main() -> None:
     speed = setup.machine["openssl_sha256_gb_per_s_per_core"] * bl.GB
     sha = bl.GB / speed
     shapes = {name: setup.shape(name, manifest=True) for name in setup.shapes}
+    tiny = setup.shape(args.fixed_shape, manifest=True) if args.fixed_shape else None
+    served = {f"bench/{n}": s.path for n, s in shapes.items()}
+    if tiny is not None:
+        served[f"bench/{tiny.name}"] = tiny.path
     rows: list[dict[str, Any]] = []
+    fixed_rows: list[dict[str, Any]] = []
     tables = []
-    with bl.Hub({f"bench/{n}": s.path for n, s in shapes.items()}, setup.work) as hub:
+    with bl.Hub(served, setup.work) as hub:
+        if tiny is not None:
+            print(f"\n{tiny.name} (fixed costs)", flush=True)
+            cs = contenders(setup, tiny, hub, works, workers, not args.no_pin, floors=False)
+            fixed_rows = cost_rows(cs, bl.summarize_all(bl.interleave(cs, args.runs, setup.cache, server=hub)), sha)
         for shape in shapes.values():
             print(f"\n{shape.name}", flush=True)
             cs = contenders(setup, shape, hub, works, workers, not args.no_pin)
             res = bl.summarize_all(bl.interleave(cs, args.runs, setup.cache, server=hub))
             shape_rows = cost_rows(cs, res, sha)
             rows += shape_rows
-            ordered = sorted(shape_rows, key=lambda r: (list(WORKS).index(r["work"]) if r["work"] in WORKS else 99,
-                                                        r["workers"]))
-            tables.append(bl.Table(shape.describe(), COLUMNS, ordered))
+            tables.append(bl.Table(shape.describe(), COLUMNS, in_order(shape_rows)))
+    add_marginal(rows, fixed_rows)
+    if fixed_rows:
+        tables.append(bl.Table(tiny.describe() + ": the fixed cost of each command (start-up, imports, planning)"
+                               if tiny else "", COLUMNS[:8], in_order(fixed_rows)))
     cost = cost_summary(rows, sha, speed)
     floor = cost["floor"]
     notes = (f"Floor per GB = sha256 at OpenSSL speed ({floor['openssl_sha256_gb_per_s_per_core']:.2f} GB/s per core: "
@@ -207,9 +251,12 @@ def main() -> None:
              f"(`openssl dgst`): {floor['sha256_read_cpu_s_per_gb'] or 0:.3f}. `x floor` = CPU-s per GB over the floor.")
     summary = bl.Table("Cost per GB, for a cost model (the largest of the shapes at the most workers)",
                        [("work", "work", "`{}`"), ("of", "basis", "{}"), ("CPU-s per GB", "cpu_s_per_gb", "{:.3f}"),
+                        ("fixed CPU-s", "fixed_cpu_s", "{:.2f}"),
+                        ("marginal CPU-s per GB", "marginal_cpu_s_per_gb", "{:.3f}"),
                         ("floor", "floor_cpu_s_per_gb", "{:.3f}"), ("x floor", "x_floor", "{:.2f}x"),
-                        ("scaling", "scaling", "{}")],
-                       [{"work": w, "basis": c["basis"], "cpu_s_per_gb": c["cpu_s_per_gb"],
+                        ("x floor (marginal)", "x_floor_marginal", "{:.2f}x"), ("scaling", "scaling", "{}")],
+                       [{"work": w, "basis": c["basis"], "cpu_s_per_gb": c["cpu_s_per_gb"], "fixed_cpu_s": c["fixed_cpu_s"],
+                         "marginal_cpu_s_per_gb": c["marginal_cpu_s_per_gb"], "x_floor_marginal": c["x_floor_marginal"],
                          "floor_cpu_s_per_gb": c["floor_cpu_s_per_gb"], "x_floor": c["x_floor"],
                          "scaling": ", ".join(f"{k} {v:.2f}x" for k, v in c["scaling_by_shape"].items() if v)}
                         for w, c in cost.items() if w in WORKS], notes)

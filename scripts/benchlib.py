@@ -48,7 +48,8 @@ SHAPES: dict[str, list[str]] = {
     "k3-density": ["--preset", "k3-small", "--layers", "10", "--experts", "48", "--moe-intermediate", "2048",
                    "--expert-hidden", "2048"],
     "dense": ["--preset", "k3-small", "--layers", "24"],  # 83 KB per tensor: the fixed-cost worst case
-    "k3-tiny": ["--preset", "k3-tiny"],  # a few MB: smoke runs of the scripts
+    "k3-tiny": ["--preset", "k3-tiny"],  # 6 MB: smoke runs, and bench_cost's fixed costs
+    "k3-tiny-wide": ["--preset", "k3-tiny", "--experts", "64", "--layers", "8"],  # 14 MB: smoke runs
 }
 DEFAULT_SHAPES = ("k3-8shard", "k3-small")
 INDEX = "model.safetensors.index.json"
