@@ -164,3 +164,16 @@ def test_the_marginal_cost_leaves_the_fixed_cost_out() -> None:
     cost = bench_cost.cost_summary(rows, sha=0.6, sha_speed=1.6e9)
     assert cost["verify"]["marginal_cpu_s_per_gb"] == pytest.approx(1.0)
     assert cost["floor"]["sha256_cpu_s_per_gb"] == 0.6 and "fetch" not in cost
+
+
+def test_the_hub_process_serves_the_shapes_and_reports_its_cpu(k3_tiny: Path, tmp_path: Path) -> None:
+    import urllib.request
+
+    with bl.Hub({"bench/k3-tiny": k3_tiny}, tmp_path) as hub:
+        assert hub.url.startswith("http://127.0.0.1:") and len(hub.commits["bench/k3-tiny"]) == 40
+        url = hub.resolve_url("bench/k3-tiny", "config.json")
+        assert hub.commits["bench/k3-tiny"] in url
+        with urllib.request.urlopen(url) as resp:
+            assert resp.read() == (k3_tiny / "config.json").read_bytes()
+        assert hub.cpu_s() > 0 and hub.env()["HF_ENDPOINT"] == hub.url
+    assert hub.cpu_s() == 0.0  # stopped
