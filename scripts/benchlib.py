@@ -231,7 +231,7 @@ class Contender:
     cores: int | None = None
     ok_codes: tuple[int, ...] = (0,)
     count: Callable[[str], int | None] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)  # carried to the summary (e.g. shape, workers)
+    meta: dict[str, Any] = field(default_factory=dict)  # for the caller's tables (e.g. shape, workers)
 
 
 @dataclass(frozen=True)
