@@ -1,34 +1,30 @@
 #!/usr/bin/env python3
 """Benchmark: `k3ckpt fetch` against the hub clients and the machine's no-verification limit.
 
-Serves a multi-GB synthetic K3-shaped checkpoint on the loopback hub emulator (127.0.0.1) and
-downloads it, in one run on the same files, each contender a fresh process into a fresh
-directory (deleted between runs), median of N:
-  - `k3ckpt fetch --source hf` (parallel ranged chunks, sha256 of every file verified);
+    .venv/bin/python scripts/bench_fetch.py [--work work/bench_fetch] [--runs 3] [--workers 8] [--shapes k3-8shard,k3-small]
+
+Serves the shapes (default: issue #16's ``k3-8shard`` and ``k3-small``; ``k3-density``, the
+3.33 GB set of the earlier measurements, on request) from the page cache with the loopback hub
+emulator (``k3ckpt.testing.hub``, in its own process, 127.0.0.1) and downloads each, in
+interleaved rounds (the shared method of scripts/benchlib.py; warm source, ``sync`` before every
+run), each contender a fresh process into a fresh directory:
+  - `k3ckpt fetch REPO --local-dir D` (parallel ranged chunks, sha256 of every file verified,
+    fsync before each rename), followed by ``sync`` (a no-op for its files);
   - `huggingface_hub.snapshot_download(local_dir=...)` (the real client; verifies nothing);
   - `modelscope.snapshot_download(local_dir=...)` (the real client; checks sha256 itself);
-  - the limit: `xargs -P <workers> curl -s -o` of the same files (no verification), and the
-    durable limit: the same followed by `sync` (k3ckpt fsyncs every file before its rename,
-    so its files are on disk when it exits; curl's are still dirty page cache).
-Every run starts after a `sync`, so no run pays for an earlier one's writeback.
-
-Usage: .venv/bin/python scripts/bench_fetch.py [--work work/bench] [--runs 3] [--workers 8]
-Prints Markdown to paste into BENCHMARKS.md.
+  - the limit: `xargs -P <workers> curl -s -O` of the same files (no verification), and the
+    durable limit: the same followed by `sync` (curl's files are still dirty page cache when it
+    exits; k3ckpt's are on disk).
+The hub's own CPU-s per run is reported beside each contender.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import shutil
-import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
+from typing import Any
 
-REPO = "bench/k3"
+import benchlib as bl
 
 HF = """
 import sys
@@ -42,78 +38,56 @@ from modelscope import snapshot_download
 snapshot_download(sys.argv[1], local_dir=sys.argv[2], max_workers=int(sys.argv[3]))
 """
 
+K3CKPT, HFHUB, MSCOPE, CURL, DURABLE = ("k3ckpt fetch (verifies every sha256, fsync)",
+                                        "huggingface_hub snapshot_download (no verification)",
+                                        "modelscope snapshot_download", "limit: xargs -P{w} curl -O (no verification)",
+                                        "durable limit: xargs -P{w} curl -O, then sync")
 
-def timed(make_cmd, dest: Path, runs: int, env: dict[str, str]) -> list[float]:
-    out = []
-    for _ in range(runs):
-        shutil.rmtree(dest, ignore_errors=True)
-        os.sync()  # start clean: no earlier run's dirty pages flushed on this run's time
-        cmd = make_cmd(dest)
-        t = time.perf_counter()
-        p = subprocess.run(cmd, shell=isinstance(cmd, str), env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
-        out.append(time.perf_counter() - t)
-        if p.returncode != 0:
-            raise SystemExit(f"benchmark command failed ({p.returncode}): {cmd}\n{p.stderr[-2000:]}")
-    shutil.rmtree(dest, ignore_errors=True)
-    return out
+
+def contenders(setup: bl.Setup, hub: bl.Hub, shape: bl.Shape, workers: int) -> list[bl.Contender]:
+    repo = f"bench/{shape.name}"
+    dest = setup.work / "fetch-dest"
+    w = str(workers)
+    env = hub.env(K3CKPT_CACHE_DIR=str(setup.work / "cache"), MODELSCOPE_CACHE=str(setup.work / "ms-cache"),
+                  HF_HOME=str(setup.work / "hf-home"))
+    urls = [hub.resolve_url(repo, f.name) for f in shape.files]
+    common: dict[str, Any] = {"out": dest, "inputs": shape.files, "env": env}
+    return [
+        bl.Contender(K3CKPT, [*bl.K3, "fetch", repo, "--local-dir", str(dest), "--max-workers", w], sync=True, **common),
+        bl.Contender(HFHUB, [sys.executable, "-c", HF, repo, str(dest), w], **common),
+        bl.Contender(MSCOPE, [sys.executable, "-c", MS, repo, str(dest), w], **common),
+        bl.Contender(CURL.format(w=w), bl.curl_cmd(urls, dest, workers), **common),
+        bl.Contender(DURABLE.format(w=w), bl.curl_cmd(urls, dest, workers), sync=True, **common),
+    ]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default="work/bench")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--workers", type=int, default=8)
+    bl.add_common_args(ap, "bench_fetch")
+    ap.add_argument("--workers", type=int, default=8, help="concurrent requests of every contender [default: 8]")
     args = ap.parse_args()
-    work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    py = sys.executable
-    src = work / "verify-k3-density"  # shared with bench_verify.py
-    if not (src / "model.safetensors.index.json").is_file():
-        subprocess.run([py, "-m", "k3ckpt", "synth", str(src), "--force", "--preset", "k3-small", "--layers", "10",
-                        "--experts", "48", "--moe-intermediate", "2048", "--expert-hidden", "2048"], check=True)
-    files = sorted(p.name for p in src.iterdir() if p.is_file())
-    total = sum((src / f).stat().st_size for f in files)
-    subprocess.run(["cat", *(str(src / f) for f in files)], stdout=subprocess.DEVNULL, check=True)  # warm
-
-    from k3ckpt.testing.hub import LoopbackHub
-
-    dest = work / "fetch-dest"
-    w = str(args.workers)
-    with LoopbackHub({REPO: src}, cache_dir=work / "hub-cache") as hub:
-        hub.files(REPO)  # hash once for the listing before timing
-        env = dict(hub.client_env(), HF_HUB_DISABLE_PROGRESS_BARS="1", K3CKPT_CACHE_DIR=str(work / "cache"),
-                   MODELSCOPE_CACHE=str(work / "ms-cache"), HF_HOME=str(work / "hf-home"))
-        urls = " ".join(hub.resolve_url(REPO, f, hub.commit(REPO)) for f in files)
-        rows = [
-            ("k3ckpt fetch (verifies every sha256)",
-             timed(lambda d: [py, "-m", "k3ckpt", "fetch", "--source", "hf", "--repo", REPO, "--dest", str(d),
-                              "--workers", w], dest, args.runs, env)),
-            ("huggingface_hub snapshot_download (no verification)",
-             timed(lambda d: [py, "-c", HF, REPO, str(d), w], dest, args.runs, env)),
-            ("modelscope snapshot_download",
-             timed(lambda d: [py, "-c", MS, REPO, str(d), w], dest, args.runs, env)),
-            (f"limit: xargs -P{w} curl -o (no verification)",
-             timed(lambda d: f"mkdir -p '{d}' && cd '{d}' && printf '%s\\n' {urls} | "
-                             f"xargs -P{w} -n1 curl -s -f -O", dest, args.runs, env)),
-            # k3ckpt's files are on disk when it exits (fsync before each rename); curl's are
-            # still dirty page cache. The durable limit adds the flush.
-            (f"durable limit: xargs -P{w} curl -o, then sync",
-             timed(lambda d: f"mkdir -p '{d}' && cd '{d}' && printf '%s\\n' {urls} | "
-                             f"xargs -P{w} -n1 curl -s -f -O && sync", dest, args.runs, env)),
-        ]
-
-    print(f"machine: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, "
-          f"{platform.system()}; date {time.strftime('%Y-%m-%d')}; runs {args.runs}; workers {w}")
-    print(f"data: {len(files)} files, {total / 1e9:.2f} GB served from the page cache by the loopback hub\n")
-    print("| contender | median (s) | MB/s | vs huggingface_hub | vs ModelScope | vs curl limit | vs durable limit |")
-    print("|---|---|---|---|---|---|---|")
-    rate = {name: total / statistics.median(ts) for name, ts in rows}
-    hf, ms, limit, durable = (rate[rows[i][0]] for i in (1, 2, 3, 4))
-    for name, ts in rows:
-        r = rate[name]
-        print(f"| {name} | {statistics.median(ts):.2f} | {r / 1e6:.0f} | {r / hf:.2f}x | {r / ms:.2f}x "
-              f"| {r / limit:.2f}x | {r / durable:.2f}x |")
+    setup = bl.start("bench_fetch", args)
+    shapes = {name: setup.shape(name) for name in setup.shapes}
+    tables = []
+    with bl.Hub({f"bench/{n}": s.path for n, s in shapes.items()}, setup.work) as hub:
+        for shape in shapes.values():
+            print(f"\n{shape.name}", flush=True)
+            cs = contenders(setup, hub, shape, args.workers)
+            res = bl.summarize_all(bl.interleave(cs, args.runs, setup.cache, server=hub))
+            peers = {key: res[c.label] for key, c in zip(("k3", "hf", "ms", "curl", "durable"), cs)}
+            rows = []
+            for c, s in zip(cs, res.values()):
+                r = bl.row(s, peers["durable"], shape=shape.name, sync="yes" if c.sync else "no")
+                for key in ("hf", "ms", "curl"):
+                    r[f"vs_{key}"] = round(s.gb_per_s / peers[key].gb_per_s, 3) if peers[key].gb_per_s else None
+                rows.append(r)
+            columns = [bl.COLUMNS[0], ("sync", "sync", "{}"), *bl.COLUMNS[1:6], ("vs hf", "vs_hf", "{:.2f}x"),
+                       ("vs ModelScope", "vs_ms", "{:.2f}x"), ("vs curl", "vs_curl", "{:.2f}x"),
+                       ("vs durable (wall)", "vs_wall", "{:.2f}x"), ("vs durable (CPU)", "vs_cpu", "{:.2f}x"),
+                       ("hub CPU-s", "server_cpu_s", "{:.2f}"), ("peak RSS (MiB)", "peak_rss_mib", "{:.0f}")]
+            tables.append(bl.Table(shape.describe() + f"; served from the page cache; {args.workers} concurrent requests",
+                                   columns, rows))
+    bl.write_report(setup, tables)
     return 0
 
 

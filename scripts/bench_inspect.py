@@ -10,20 +10,17 @@ then times, each as a fresh process, best and median of N runs:
   - peer: `json.load` of `model.safetensors.index.json` alone (the floor for anything that
     looks at the index).
 
-Usage: .venv/bin/python scripts/bench_inspect.py [--work work/bench] [--runs 5]
-Prints a Markdown table row block to paste into BENCHMARKS.md.
+Usage: .venv/bin/python scripts/bench_inspect.py [--work work/bench_inspect] [--runs 5]
+The shared method of scripts/benchlib.py (interleaved rounds, medians, machine line, report).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import statistics
 import subprocess
 import sys
-import time
-from pathlib import Path
+
+import benchlib as bl
 
 PEER_SAFETENSORS = r"""
 import json, sys
@@ -46,43 +43,34 @@ print(len(json.load(open(sys.argv[1] + "/model.safetensors.index.json"))["weight
 """
 
 
-def timed(cmd: list[str], runs: int) -> list[float]:
-    out = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        out.append(time.perf_counter() - t)
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default="work/bench")
-    ap.add_argument("--runs", type=int, default=5)
+    bl.add_common_args(ap, "bench_inspect", runs=5)
     args = ap.parse_args()
-    full = Path(args.work) / "k3-full"
+    setup = bl.start("bench_inspect", args)
+    full = setup.work / "k3-full"
     py = sys.executable
-    k3 = [py, "-m", "k3ckpt"]
-    if not (full / "model.safetensors.index.json").is_file():
-        subprocess.run(k3 + ["synth", str(full), "--preset", "k3-full", "--headers-only", "--force"], check=True)
-    # Warm the page cache once so every contender reads headers from memory, as on a node
-    # that has just downloaded the checkpoint.
-    subprocess.run(k3 + ["inspect", str(full)], check=True, stdout=subprocess.DEVNULL)
-
-    rows = [
-        ("k3ckpt inspect --json", timed(k3 + ["inspect", str(full), "--json"], args.runs)),
-        ("safetensors safe_open + get_slice (peer)", timed([py, "-c", PEER_SAFETENSORS, str(full)], args.runs)),
-        ("json.load of the index only (floor)", timed([py, "-c", PEER_INDEX, str(full)], args.runs)),
+    if not (full / bl.INDEX).is_file():
+        subprocess.run([*bl.K3, "synth", str(full), "--preset", "k3-full", "--headers-only", "--force"], check=True,
+                       stdout=subprocess.DEVNULL)
+    # Warm the page cache once with a first inspect (the headers only: the shards are sparse,
+    # 1.56 TB apparent, so the shared cache control - which reads inputs - is given none), as on
+    # a node that has just downloaded the checkpoint.
+    subprocess.run([*bl.K3, "inspect", str(full)], check=True, stdout=subprocess.DEVNULL)
+    cs = [
+        bl.Contender("k3ckpt inspect --json", [*bl.K3, "inspect", str(full), "--json"]),
+        bl.Contender("safetensors safe_open + get_slice (peer)", [py, "-c", PEER_SAFETENSORS, str(full)]),
+        bl.Contender("json.load of the index only (floor)", [py, "-c", PEER_INDEX, str(full)]),
     ]
-    cpu = platform.processor() or platform.machine()
-    print(f"machine: {os.cpu_count()} cores, {cpu}, Python {platform.python_version()}, {platform.system()}")
-    print(f"date: {time.strftime('%Y-%m-%d')}, runs: {args.runs}\n")
-    print("| command | best (s) | median (s) | vs k3ckpt |")
-    print("|---|---|---|---|")
-    base = statistics.median(rows[0][1])
-    for name, ts in rows:
-        med = statistics.median(ts)
-        print(f"| {name} | {min(ts):.2f} | {med:.2f} | {med / base:.2f}x |")
+    res = bl.summarize_all(bl.interleave(cs, args.runs, setup.cache))
+    base = res[cs[0].label]
+    rows = [{"label": s.label, "best_s": min(s.walls), "wall_s": s.wall_s, "cpu_s": s.cpu_s,
+             "vs_k3ckpt": s.wall_s / base.wall_s, "peak_rss_mib": s.peak_rss / 2**20} for s in res.values()]
+    table = bl.Table("`k3-full --headers-only`: 96 shards, ~497k tensors, 1.56 TB apparent",
+                     [("command", "label", "{}"), ("best (s)", "best_s", "{:.2f}"), ("median (s)", "wall_s", "{:.2f}"),
+                      ("CPU-s", "cpu_s", "{:.2f}"), ("vs k3ckpt", "vs_k3ckpt", "{:.2f}x"),
+                      ("peak RSS (MiB)", "peak_rss_mib", "{:.0f}")], rows)
+    bl.write_report(setup, [table])
     return 0
 
 

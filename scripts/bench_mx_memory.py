@@ -27,6 +27,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import benchlib as bl
+
 MEASURE = textwrap.dedent("""
     import json, sys, time
     def hwm_kb():
@@ -74,6 +76,7 @@ def main() -> None:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
 
+    print(bl.machine_line(bl.machine(bl.ROOT)) + "\n")
     print(f"`k3ckpt mx dequant DIR --layer 1 --to {args.to}` on a K3-shaped layer "
           f"({os.cpu_count()} CPUs, default chunk {os.environ.get('K3CKPT_MX_CHUNK_BYTES', str(8 * 2**20))} B packed):\n")
     print("| experts | packed (data + scales) | output | peak RSS | wall time | output rate |")

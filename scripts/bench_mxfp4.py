@@ -32,12 +32,12 @@ import argparse
 import datetime
 import gc
 import math
-import platform
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+import benchlib as bl
 import ml_dtypes
 import numpy as np
 
@@ -194,17 +194,6 @@ def bench_case(label: str, packed: np.ndarray, scales: np.ndarray, dtype_name: s
     return lines + [""]
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=7, help="timed runs per contender (median reported)")
@@ -214,8 +203,7 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"- Date: {datetime.date.today().isoformat()}")
-    print(f"- Machine: {os.cpu_count()} cores {platform.machine()} ({cpu_model()}), {platform.system()}, "
-          f"Python {platform.python_version()}; numpy {np.__version__}, ml_dtypes {ml_dtypes.__version__}, "
+    print(f"- {bl.machine_line(bl.machine(bl.ROOT))}; numpy {np.__version__}, ml_dtypes {ml_dtypes.__version__}, "
           f"torch {torch.__version__ if torch is not None else 'not available'}; all contenders on 1 thread")
     if torch is None:
         print(f"- Note: torch did not import ({TORCH_ERROR}); the transformers-approach contender is skipped. "

@@ -1,124 +1,102 @@
 #!/usr/bin/env python3
-"""Benchmark: `k3ckpt verify` hashing throughput against its peers, on the same warm files.
+"""Benchmark: `k3ckpt verify` hashing throughput against its peers, on the same files.
 
-Synthesizes two multi-GB K3-shaped checkpoints once and, for each, builds its manifest, warms
-the page cache, then times in one run, each as a fresh process:
-  - `k3ckpt verify DIR --manifest M --no-cache` (full: structure + every file's sha256 + scale scan);
-  - the physical limit: `ls FILES | xargs -P$(nproc) -n1 openssl dgst -sha256` (OpenSSL SHA-256,
-    all cores, no structure checks);
+    .venv/bin/python scripts/bench_verify.py [--work work/bench_verify] [--runs 3] [--shapes k3-8shard,k3-small]
+
+Per shape (default: issue #16's ``k3-8shard`` and ``k3-small``; ``k3-density``, ~1.15 MB per
+tensor, and ``dense``, 83 KB per tensor, the earlier data sets, on request), builds the
+checkpoint and its manifest once, then times in interleaved rounds (the shared method of
+scripts/benchlib.py; warm page cache by default):
+  - `k3ckpt verify DIR --manifest M --no-cache` (structure + every file's sha256 + scale scan);
+  - the limit: `xargs -P$(nproc) -n1 openssl dgst -sha256` over the files (OpenSSL SHA-256, all
+    cores, no structure checks);
   - `sha256sum` over the files, sequential (coreutils; slower per core than OpenSSL);
   - `hf cache verify REPO --local-dir DIR` against the loopback hub serving the same files (the
     real huggingface_hub CLI; sha256 per file in one thread);
-and a `--quick` re-verify of an unchanged `k3-full --headers-only` checkpoint (the stat cache
-warm from a previous quick run).
+and (unless ``--skip-quick``) a `--quick` re-verify of an unchanged `k3-full --headers-only`
+checkpoint (the stat cache warm from a first quick run).
 
-The two data sets differ in bytes per tensor, which sets how much the fixed per-tensor work
-(parsing headers and the manifest, structure checks) weighs against hashing:
-  - "k3-density": ~1 MB per tensor (real K3: 1.56 TB / 497k tensors = 3.1 MB per tensor);
-  - "dense": k3-small widened to 24 layers, ~83 KB per tensor (a worst case).
-
-Usage: .venv/bin/python scripts/bench_verify.py [--work work/bench] [--runs 3]
-Prints Markdown to paste into BENCHMARKS.md.
+Bytes per tensor set how much the fixed per-tensor work (parsing headers and the manifest,
+structure checks) weighs against hashing: real K3 has 3.1 MB per tensor.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
+import contextlib
+import json
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
+from typing import Any
+
+import benchlib as bl
 
 
-def timed(cmd: list[str] | str, runs: int, env: dict[str, str] | None = None, ok_codes: tuple[int, ...] = (0,)) -> list[float]:
-    out = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        p = subprocess.run(cmd, shell=isinstance(cmd, str), env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
-        if p.returncode not in ok_codes:
-            raise SystemExit(f"benchmark command failed ({p.returncode}): {cmd}\n{p.stderr}")
-        out.append(time.perf_counter() - t)
+def contenders(setup: bl.Setup, shape: bl.Shape, hub: bl.Hub | None) -> list[bl.Contender]:
+    files = [str(f) for f in shape.files]
+    listing = " ".join(f"'{f}'" for f in files)
+    nproc = setup.machine["nproc"]
+    common: dict[str, Any] = {"nbytes": shape.nbytes, "inputs": shape.files}
+    out = [
+        bl.Contender("k3ckpt verify --manifest M --no-cache",
+                     [*bl.K3, "verify", str(shape.path), "--manifest", str(shape.manifest), "--no-cache"],
+                     env=bl.child_env(K3CKPT_CACHE_DIR=str(setup.work / "cache")), **common),
+        bl.Contender(f"limit: xargs -P{nproc} -n1 openssl dgst -sha256",
+                     f"printf '%s\\n' {listing} | xargs -P{nproc} -n1 openssl dgst -sha256", **common),
+        bl.Contender("sha256sum (sequential)", ["sha256sum", *files], **common),
+    ]
+    hf = shutil.which("hf", path=str(Path(sys.executable).parent)) or shutil.which("hf")
+    if hub is not None and hf:
+        out.append(bl.Contender("hf cache verify --local-dir (loopback hub)",
+                                [hf, "cache", "verify", f"bench/{shape.name}", "--local-dir", str(shape.path)],
+                                env=hub.env(), **common))
     return out
 
 
-def bench_one(k3: list[str], py: str, work: Path, ckpt: Path, runs: int) -> tuple[int, int, int, list]:
-    """Time k3ckpt and its peers on the warm files of ``ckpt``."""
-    manifest = ckpt.with_suffix(".manifest.json")
-    subprocess.run(k3 + ["manifest", "build", str(ckpt), "-o", str(manifest)], check=True)
-    files = sorted(str(p) for p in ckpt.iterdir() if p.is_file())
-    total = sum(os.path.getsize(f) for f in files)
-    tensors = sum(1 for line in manifest.read_text().splitlines() if '"offsets"' in line)
-    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
-    env = dict(os.environ, K3CKPT_CACHE_DIR=str(work / "cache"))
-    listing = " ".join(f"'{f}'" for f in files)
-    rows = [
-        ("k3ckpt verify --manifest (full, --no-cache)",
-         timed(k3 + ["verify", str(ckpt), "--manifest", str(manifest), "--no-cache"], runs, env)),
-        (f"limit: xargs -P{os.cpu_count()} openssl dgst -sha256",
-         timed(f"printf '%s\\n' {listing} | xargs -P{os.cpu_count()} -n1 openssl dgst -sha256", runs)),
-        ("sha256sum (sequential)", timed(["sha256sum", *files], runs)),
-    ]
-    # The real huggingface_hub CLI against the loopback hub serving the same directory.
-    from k3ckpt.testing.hub import LoopbackHub
-
-    hf = shutil.which("hf", path=str(Path(py).parent)) or shutil.which("hf")
-    if hf:
-        with LoopbackHub({"bench/ckpt": ckpt}, cache_dir=work / "hub-cache") as hub:
-            hub.files("bench/ckpt")  # hash once for the listing before timing
-            rows.append(("hf cache verify --local-dir (loopback hub)",
-                         timed([hf, "cache", "verify", "bench/ckpt", "--local-dir", str(ckpt)], runs,
-                               hub.client_env())))
-    return len(files), tensors, total, rows
+def quick_reverify(setup: bl.Setup) -> bl.Table:
+    full = setup.work / "k3-full"
+    if not (full / bl.INDEX).is_file():
+        subprocess.run([*bl.K3, "synth", str(full), "--preset", "k3-full", "--headers-only", "--force"], check=True,
+                          cwd=bl.ROOT, stdout=subprocess.DEVNULL)
+    env = bl.child_env(K3CKPT_CACHE_DIR=str(setup.work / "quick-cache"))
+    shutil.rmtree(setup.work / "quick-cache", ignore_errors=True)
+    cmd = [*bl.K3, "verify", str(full), "--quick"]
+    first = bl.run_timed(cmd, env=env)
+    again = [bl.run_timed(cmd, env=env) for _ in range(setup.args.runs)]
+    table = bl.Table("`k3ckpt verify --quick` on `k3-full --headers-only` (96 shards, 1.56 TB apparent)",
+                     [("run", "label", "{}"), ("wall (s)", "wall_s", "{:.2f}"), ("CPU-s", "cpu_s", "{:.2f}")])
+    table.rows = [{"label": "first (fills the stat cache)", "wall_s": first.wall_s, "cpu_s": first.cpu_s},
+                  {"label": f"unchanged re-verify (median of {len(again)})",
+                   "wall_s": statistics.median(t.wall_s for t in again), "cpu_s": statistics.median(t.cpu_s for t in again)}]
+    return table
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default="work/bench")
-    ap.add_argument("--runs", type=int, default=3)
+    bl.add_common_args(ap, "bench_verify")
+    ap.add_argument("--skip-quick", action="store_true", help="skip the --quick re-verify of k3-full --headers-only")
+    ap.add_argument("--skip-hf", action="store_true", help="skip `hf cache verify` (and the loopback hub)")
     args = ap.parse_args()
-    work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    py = sys.executable
-    k3 = [py, "-m", "k3ckpt"]
-    datasets = {
-        "k3-density": ["--preset", "k3-small", "--layers", "10", "--experts", "48",
-                       "--moe-intermediate", "2048", "--expert-hidden", "2048"],
-        "dense": ["--preset", "k3-small", "--layers", "24"],
-    }
+    setup = bl.start("bench_verify", args)
+    shapes = {name: setup.shape(name, manifest=True) for name in setup.shapes}
     tables = []
-    for label, synth_args in datasets.items():
-        ckpt = work / f"verify-{label}"
-        if not (ckpt / "model.safetensors.index.json").is_file():
-            subprocess.run(k3 + ["synth", str(ckpt), "--force", *synth_args], check=True)
-        tables.append((label, synth_args, bench_one(k3, py, work, ckpt, args.runs)))
-
-    print(f"machine: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, "
-          f"{platform.system()}; date {time.strftime('%Y-%m-%d')}; runs {args.runs}")
-    for label, synth_args, (files, tensors, total, rows) in tables:
-        print(f"\n{label}: `k3ckpt synth {' '.join(synth_args)}` - {files} files, {tensors:,} tensors, "
-              f"{total / 1e9:.2f} GB ({total / tensors / 1e6:.2f} MB per tensor), warm page cache\n")
-        print("| command | median (s) | GB/s | vs limit |")
-        print("|---|---|---|---|")
-        limit = total / statistics.median(rows[1][1])
-        for name, ts in rows:
-            rate = total / statistics.median(ts)
-            print(f"| {name} | {statistics.median(ts):.2f} | {rate / 1e9:.2f} | {rate / limit:.2f}x |")
-
-    full = work / "k3-full"
-    if not (full / "model.safetensors.index.json").is_file():
-        subprocess.run(k3 + ["synth", str(full), "--preset", "k3-full", "--headers-only", "--force"], check=True)
-    qenv = dict(os.environ, K3CKPT_CACHE_DIR=tempfile.mkdtemp(prefix="k3ckpt-bench-cache-"))
-    first = timed(k3 + ["verify", str(full), "--quick"], 1, qenv)
-    quick = timed(k3 + ["verify", str(full), "--quick"], args.runs, qenv)
-
-    print(f"\n`k3ckpt verify --quick` on k3-full --headers-only (96 shards, 1.56 TB apparent): "
-          f"first run {first[0]:.2f} s, unchanged re-verify median {statistics.median(quick):.2f} s")
+    hub = None if args.skip_hf else bl.Hub({f"bench/{n}": s.path for n, s in shapes.items()}, setup.work)
+    with hub or contextlib.nullcontext():
+        for shape in shapes.values():
+            print(f"\n{shape.name}", flush=True)
+            cs = contenders(setup, shape, hub)
+            res = bl.summarize_all(bl.interleave(cs, args.runs, setup.cache, server=hub))
+            limit = res[cs[1].label]
+            tensors = len(json.loads(shape.manifest.read_text())["tensors"]) if shape.manifest else 0
+            per = f", {tensors:,} tensors ({shape.nbytes / tensors / 1e6:.2f} MB per tensor)" if tensors else ""
+            tables.append(bl.Table(shape.describe() + per, bl.COLUMNS,
+                                   [bl.row(s, limit, shape=shape.name) for s in res.values()]))
+    if not args.skip_quick:
+        tables.append(quick_reverify(setup))
+    bl.write_report(setup, tables)
     return 0
 
 

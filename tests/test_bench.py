@@ -1,0 +1,179 @@
+"""scripts/benchlib.py, the method every benchmark shares, and bench_cost.py's arithmetic: rounds
+interleaved, medians, the row and report writers, the cache control, the timed run. No timing
+is asserted (benchmarks live in BENCHMARKS.md); the runs here are ``true``/``false``/``cat``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench_cost  # noqa: E402
+import benchlib as bl  # noqa: E402
+
+
+def test_each_round_starts_one_contender_further_on() -> None:
+    assert [bl.round_order(3, r) for r in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert bl.round_order(0, 5) == []
+
+
+def test_interleave_runs_every_contender_once_per_round(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    cs = [bl.Contender(name, f"echo {name} >> '{log}'", nbytes=10) for name in ("a", "b", "c")]
+    runs = bl.interleave(cs, 2, bl.CacheControl("warm"), quiet=True)
+    assert log.read_text().split() == ["a", "b", "c", "b", "c", "a"]
+    assert {k: len(v) for k, v in runs.items()} == {"a": 2, "b": 2, "c": 2}
+    assert all(r.nbytes == 10 and r.wall_s > 0 for v in runs.values() for r in v)
+
+
+def test_interleave_refuses_two_contenders_of_one_label() -> None:
+    with pytest.raises(ValueError, match="duplicate"):
+        bl.interleave([bl.Contender("a", "true"), bl.Contender("a", "true")], 1, bl.CacheControl("warm"))
+
+
+def test_a_writer_is_measured_by_what_it_wrote_and_its_output_removed(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale").write_bytes(b"x" * 99)  # an earlier run's leftovers must not count
+    c = bl.Contender("w", f"mkdir -p '{out}/.cache' && head -c 1000 /dev/zero > '{out}/f' && "
+                          f"head -c 5 /dev/zero > '{out}/.cache/rec'", out=out, sync=True)
+    run = bl.run_one(c, bl.CacheControl("warm"))
+    assert run.nbytes == 1000  # the hidden .cache records of a fetch are not output
+    assert not out.exists()
+
+
+def test_a_count_from_stdout_wins_and_falls_back_when_absent(tmp_path: Path) -> None:
+    def count(text: str) -> int | None:
+        return bl.json_value(text, "bytes_downloaded") if text.strip() else None
+
+    found = bl.Contender("j", """echo '{"result": {"bytes_downloaded": 1234}}'""", nbytes=7, count=count)
+    assert bl.run_one(found, bl.CacheControl("warm")).nbytes == 1234
+    absent = bl.Contender("k", "true", nbytes=7, count=count)
+    assert bl.run_one(absent, bl.CacheControl("warm")).nbytes == 7
+
+
+def test_run_timed_counts_the_child_trees_cpu_and_pins_cores() -> None:
+    t = bl.run_timed([sys.executable, "-c", "import os; print(len(os.sched_getaffinity(0)))"], cores=1, capture=True)
+    assert t.stdout.strip() == "1"
+    assert t.cpu_s > 0 and t.peak_rss > 0
+    busy = bl.run_timed("sh -c 'i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done'")  # a grandchild's CPU
+    assert busy.cpu_s > 0
+
+
+def test_a_failing_command_stops_the_benchmark_with_its_stderr() -> None:
+    with pytest.raises(SystemExit, match=r"failed \(3\).*boom"):
+        bl.run_timed("echo boom >&2; exit 3")
+    assert bl.run_timed("exit 1", ok_codes=(0, 1)).wall_s > 0
+
+
+def test_summaries_are_medians_and_the_largest_peak() -> None:
+    runs = [bl.Run(3.0, 1.0, 10, 2_000_000_000), bl.Run(1.0, 3.0, 30, 2_000_000_000), bl.Run(2.0, 2.0, 20, 2_000_000_000)]
+    s = bl.summarize("x", runs)
+    assert (s.wall_s, s.cpu_s, s.peak_rss, s.walls) == (2.0, 2.0, 30, (3.0, 1.0, 2.0))
+    assert s.gb_per_s == 1.0 and s.cpu_s_per_gb == 1.0
+    with pytest.raises(ValueError):
+        bl.summarize("x", [])
+
+
+def test_a_row_against_its_peer_reads_faster_and_cheaper_above_one() -> None:
+    ours = bl.summarize("ours", [bl.Run(1.0, 1.0, 0, 10**9)])
+    peer = bl.summarize("peer", [bl.Run(2.0, 3.0, 0, 10**9)])
+    r = bl.row(ours, peer, shape="s")
+    assert (r["vs_wall"], r["vs_cpu"], r["peer"], r["shape"]) == (2.0, 3.0, "peer", "s")
+    assert "vs_wall" not in bl.row(peer, peer)  # the peer's own row compares with nothing
+
+
+def test_table_markdown_formats_cells_and_leaves_missing_ones_empty() -> None:
+    t = bl.Table("T", [("command", "label", "`{}`"), ("bytes", "bytes", "{:,}"), ("vs", "vs_wall", "{:.2f}x")],
+                 [{"label": "a", "bytes": 1234567, "vs_wall": 0.5}, {"label": "b", "bytes": 1, "vs_wall": None}])
+    assert t.markdown().splitlines() == ["T", "", "| command | bytes | vs |", "|---|---:|---:|",
+                                         "| `a` | 1,234,567 | 0.50x |", "| `b` | 1 |  |"]
+
+
+def test_the_report_is_written_as_markdown_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    m = {"cpu": "CPU", "nproc": 2, "ram_gib": 4.0, "kernel": "k", "python": "3", "filesystem": "ext4 on /dev/x",
+         "openssl_sha256_gb_per_s_per_core": 1.5, "load_avg_1min": 0.1, "date": "D", "git_rev": "abc"}
+    args = argparse.Namespace(report=tmp_path / "r", runs=3)
+    setup = bl.Setup("bench_x", args, tmp_path, ["s"], bl.CacheControl("warm"), m)
+    rows = [{"label": "a", "wall_s": 1.23456}]
+    md, js = bl.write_report(setup, [bl.Table("T", [("c", "label", "{}"), ("w", "wall_s", "{:.2f}")], rows)],
+                             {"cost": {"verify": 1}})
+    assert md == tmp_path / "r" / "bench_x.md" and "| a | 1.23 |" in md.read_text()
+    assert "nproc 2" in md.read_text() and "1.50 GB/s per core" in md.read_text()
+    doc = json.loads(js.read_text())
+    assert doc["tables"][0]["rows"] == rows and doc["cost"] == {"verify": 1} and doc["machine"] == m
+    assert "| a | 1.23 |" in capsys.readouterr().out
+
+
+def test_the_cache_control_says_how_it_dropped(tmp_path: Path) -> None:
+    f = tmp_path / "f"
+    f.write_bytes(b"x" * 10000)
+    warm = bl.CacheControl("warm")
+    warm.prepare([tmp_path])
+    assert "warm" in warm.describe()
+    cold = bl.CacheControl("cold", drop="fadvise")
+    cold.prepare([f])
+    assert "POSIX_FADV_DONTNEED" in cold.describe()
+    auto = bl.CacheControl("cold")
+    assert auto.method == ("proc" if os.access("/proc/sys/vm/drop_caches", os.W_OK) else "fadvise")
+    with pytest.raises(ValueError):
+        bl.CacheControl("tepid")
+
+
+def test_shapes_are_reused_from_a_data_directory(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "k3-tiny").mkdir(parents=True)
+    (data / "k3-tiny" / bl.INDEX).write_text("{}")
+    (data / "k3-tiny" / "a.safetensors").write_bytes(b"x" * 5)
+    (data / "k3-tiny.manifest.json").write_text("{}")
+    shape = bl.build_shape("k3-tiny", tmp_path / "work", data, manifest=True)
+    assert shape.path == data / "k3-tiny" and shape.manifest == data / "k3-tiny.manifest.json"
+    assert shape.nbytes == 7 and [f.name for f in shape.files] == ["a.safetensors", bl.INDEX]
+    with pytest.raises(SystemExit, match="unknown shape"):
+        bl.build_shape("k3-huge", tmp_path)
+
+
+def _cost_row(work: str, workers: int, cpu_s: float, nbytes: int, wall_s: float = 1.0) -> dict[str, object]:
+    return {"work": work, "workers": workers, "cpu_s": cpu_s, "bytes": nbytes, "wall_s": wall_s, "shape": "s",
+            "floor_cpu_s_per_gb": 1.0, "cpu_s_per_gb": cpu_s / (nbytes / 1e9)}
+
+
+def test_cost_rows_take_the_floor_and_the_scaling_of_each_work() -> None:
+    runs = {"verify x1": [bl.Run(2.0, 2.0, 0, 10**9)], "verify x2": [bl.Run(1.0, 2.2, 0, 10**9)],
+            "read_copy": [bl.Run(0.1, 0.2, 0, 10**9)]}
+    cs = [bl.Contender("verify x1", "true", meta={"work": "verify", "workers": 1, "shape": "s", "shown": "v1"}),
+          bl.Contender("verify x2", "true", meta={"work": "verify", "workers": 2, "shape": "s", "shown": "v2"}),
+          bl.Contender("read_copy", "true", meta={"work": "read_copy", "workers": 2, "shape": "s"})]
+    rows = bench_cost.cost_rows(cs, bl.summarize_all(runs), sha=0.6)
+    v1, v2, copy = rows
+    assert v1["floor_cpu_s_per_gb"] == pytest.approx(0.8) and v1["x_floor"] == pytest.approx(2.5)
+    assert "scaling" not in v1 and v2["scaling"] == 2.0
+    assert copy["label"] == "cat FILES > /dev/null" and copy["basis"] == "read"
+
+
+def test_the_marginal_cost_leaves_the_fixed_cost_out() -> None:
+    rows = [_cost_row("verify", 2, 1.3, 1_100_000_000)]
+    bench_cost.add_marginal(rows, [_cost_row("verify", 2, 0.3, 100_000_000)])
+    assert rows[0]["fixed_cpu_s"] == 0.3 and rows[0]["marginal_cpu_s_per_gb"] == pytest.approx(1.0)
+    cost = bench_cost.cost_summary(rows, sha=0.6, sha_speed=1.6e9)
+    assert cost["verify"]["marginal_cpu_s_per_gb"] == pytest.approx(1.0)
+    assert cost["floor"]["sha256_cpu_s_per_gb"] == 0.6 and "fetch" not in cost
+
+
+def test_the_hub_process_serves_the_shapes_and_reports_its_cpu(k3_tiny: Path, tmp_path: Path) -> None:
+    import urllib.request
+
+    with bl.Hub({"bench/k3-tiny": k3_tiny}, tmp_path) as hub:
+        assert hub.url.startswith("http://127.0.0.1:") and len(hub.commits["bench/k3-tiny"]) == 40
+        url = hub.resolve_url("bench/k3-tiny", "config.json")
+        assert hub.commits["bench/k3-tiny"] in url
+        with urllib.request.urlopen(url) as resp:
+            assert resp.read() == (k3_tiny / "config.json").read_bytes()
+        assert hub.cpu_s() > 0 and hub.env()["HF_ENDPOINT"] == hub.url
+    assert hub.cpu_s() == 0.0  # stopped
