@@ -217,7 +217,7 @@ def test_cli_prints_the_time_to_ready(k3_tiny: Path) -> None:
     assert res.exit_code == 0, res.output
     out = res.stdout
     assert "node     ranks" in out  # the plan is still there, the estimate after it
-    assert "link 3.12 GB/s, disk 7.00 GB/s (reads and writes share it), 64 cores" in out
+    assert "link 3.12 GB/s (25 Gbit/s), disk 7.00 GB/s (reads + writes), 64 cores" in out
     assert "nodes 0-1, each (2 GPUs)" in out
     for line in (TWO_STEP, "  fetch --ranks", "  verify", "  reshard --node", "  load (vLLM, 2 ranks)",
                  ONE_STEP, "  fetch --node", NAIVE, "  hf download", "  hf cache verify"):

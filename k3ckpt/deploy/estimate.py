@@ -148,7 +148,7 @@ class RouteEstimate:
 
 
 #: The routes, in the order they are shown.
-TWO_STEP, ONE_STEP, NAIVE = "k3ckpt fetch, verify, reshard", "k3ckpt fetch --node", "naive: hf download, hf cache verify"
+TWO_STEP, ONE_STEP, NAIVE = "fetch, verify, reshard", "fetch --node", "naive: hf download, verify"
 
 
 @dataclass(frozen=True)
@@ -258,10 +258,10 @@ def render_ready(est: ReadyEstimate) -> list[str]:
     lines = [
         "time to ready  all nodes at once, each step after the last; a step takes the longest of",
         "               download / link, (read + write) / disk and CPU-s / cores",
-        f"limits         per node: link {human_bytes(lim.link)}/s, disk {human_bytes(lim.disk)}/s "
-        f"(reads and writes share it), {lim.cores} cores",
+        f"limits         per node: link {human_bytes(lim.link)}/s ({lim.link * 8 / GB:g} Gbit/s), "
+        f"disk {human_bytes(lim.disk)}/s (reads + writes), {lim.cores} cores",
         f"CPU-s per GB   fetch {c.fetch:.2f}, verify {c.verify:.2f}, reshard {c.reshard:.2f}, "
-        f"fetch --node {c.node_fetch:.2f}; sha256 {c.sha256_rate:.2f} GB/s per core (measured: BENCHMARKS.md)",
+        f"fetch --node {c.node_fetch:.2f}; sha256 {c.sha256_rate:.2f} GB/s a core",
     ]
     groups: dict[Any, list[NodeEstimate]] = {}
     for n in est.nodes:
@@ -273,15 +273,15 @@ def render_ready(est: ReadyEstimate) -> list[str]:
         ids = [n.node for n in members]
         lines += ["", (f"node {ids[0]}" if len(ids) == 1 else f"nodes {format_ranges(ids)}, each")
                   + f" ({len(first.ranks)} GPUs)",
-                  f"{'route / step':<38} {'download':>10} {'write':>10} {'read':>10} {'hash':>10} {'CPU-s':>8} "
-                  f"{'time':>7}  bound"]
+                  f"{'route / step':<30} {'download':>10} {'write':>10} {'read':>10} {'hash':>10} {'CPU-s':>6} "
+                  f"{'time':>6}  bound"]
         for route in first.routes:
-            lines.append(f"{route.name:<38} {'':>10} {'':>10} {'':>10} {'':>10} {'':>8} "
-                         f"{format_duration(route.seconds):>7}")
+            lines.append(f"{route.name:<30} {'':>10} {'':>10} {'':>10} {'':>10} {'':>6} "
+                         f"{format_duration(route.seconds):>6}")
             for s in route.steps:
                 cpu = "-" if not s.cpu_seconds else f"{s.cpu_seconds:,.0f}" if s.cpu_seconds >= 10 else f"{s.cpu_seconds:.2f}"
-                lines.append(f"  {s.name:<36} {b(s.download_bytes):>10} {b(s.write_bytes):>10} {b(s.read_bytes):>10} "
-                             f"{b(s.hash_bytes):>10} {cpu:>8} {format_duration(s.seconds):>7}  {s.bound}")
+                lines.append(f"  {s.name:<28} {b(s.download_bytes):>10} {b(s.write_bytes):>10} "
+                             f"{b(s.read_bytes):>10} {b(s.hash_bytes):>10} {cpu:>6} {format_duration(s.seconds):>6}  {s.bound}")
         best = min(first.routes, key=lambda r: r.seconds)
         naive = first.route(NAIVE)
         line = f"ready in       {format_duration(best.seconds)} by {best.name}"
