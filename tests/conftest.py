@@ -76,6 +76,13 @@ def k3_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def k3_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The full K3 inventory with empty tensor data (the ``k3-full`` preset, headers only: ~10 s,
+    130 MB on disk), once per session, for ``slow`` tests at K3 scale (read-only)."""
+    return _synth("k3-full", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def gptoss_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The ``gptoss-tiny`` preset (read-only)."""
     return _synth("gptoss-tiny", tmp_path_factory)

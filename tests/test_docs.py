@@ -7,7 +7,12 @@ what it printed (stdout and stderr, in order). The conventions:
 - A page's blocks run in order, in one fresh empty directory, so a page sets itself up in the
   open (``$ k3ckpt synth Kimi-K3`` first) and later blocks use what earlier ones made.
 - ``<!-- no-test: REASON -->`` on the line before a block (blank lines allowed between) skips
-  it, with that reason: a real hub, a GPU, an engine, K3-scale data.
+  it, with that reason: a real hub, a GPU, an engine.
+- ``<!-- docs-test: k3-full -->`` there instead marks a block at K3 scale: it runs with
+  ``k3-full`` (``k3ckpt synth k3-full --preset k3-full --headers-only``, ~10 s, made once per
+  session and hard-linked into the page's directory) in the ``slow`` test
+  ``test_k3_scale_examples_run`` and when recording, not in ``test_examples_run``. It may use
+  ``k3-full`` and what earlier K3-scale blocks of its page made, nothing else.
 - ``<!-- docs-test: serve PRESET as OWNER/NAME -->`` on a line of a page: before its blocks run,
   ``k3ckpt synth PRESET`` is served on a loopback hub (:mod:`k3ckpt.testing.hub`) as that repo,
   with ``HF_ENDPOINT`` / ``MODELSCOPE_ENDPOINT`` pointing at it - what the page's output was
@@ -52,6 +57,9 @@ README_LIMIT = 12 * 1024
 #: Digest of the code that writes the served synthetic checkpoints.
 SYNTH_DIGEST = hashlib.sha256((ROOT / "k3ckpt" / "testing" / "synth.py").read_bytes()).hexdigest()[:12]
 NO_TEST = re.compile(r"^\s*<!--\s*no-test:\s*(.*?)\s*-->\s*$")
+K3_FULL = re.compile(r"^\s*<!--\s*docs-test:\s*k3-full\s*-->\s*$")
+#: The name a K3-scale block finds the full inventory under, in the page's directory.
+K3_FULL_NAME = "k3-full"
 SERVE = re.compile(r"^\s*<!--\s*docs-test:\s*serve\s+(\S+)\s+as\s+(\S+)\s*-->\s*$", re.MULTILINE)
 FENCE = re.compile(r"^```(\S*)\s*$")
 
@@ -82,6 +90,7 @@ class Block:
     commands: list[Command]
     skip: str | None
     end: int  # index of the closing fence line
+    k3_full: bool = False  # runs only with the full K3 inventory (``<!-- docs-test: k3-full -->``)
 
 
 @dataclass
@@ -111,7 +120,7 @@ def parse(path: Path) -> Page:
                 k -= 1
             skip_m = NO_TEST.match(lines[k]) if k >= 0 else None
             blocks.append(Block(start + 1, _commands(lines[start + 1:j], start + 2),
-                                skip_m.group(1) if skip_m else None, j))
+                                skip_m.group(1) if skip_m else None, j, k >= 0 and bool(K3_FULL.match(lines[k]))))
         i = j + 1
     return Page(path, blocks, (serve_m.group(1), serve_m.group(2)) if serve_m else None)
 
@@ -228,12 +237,29 @@ class Hubs:
         self._hubs.clear()
 
 
-def run_page(page: Page, scratch: Path, cwd: Path, hubs: Hubs | None = None) -> Iterator[Result]:
+def link_tree(src: Path, dest: Path) -> None:
+    """``cp -al``: ``dest`` a new directory of hard links to ``src``'s files (same filesystem).
+    Not a symlink: commands print the paths they open resolved, and ``k3-full`` must print as
+    itself. Never a copy: the headers-only files are sparse, 1.56 TB in all."""
+    for path in sorted(src.rglob("*")):
+        target = dest / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(path, target)
+
+
+def run_page(page: Page, scratch: Path, cwd: Path, hubs: Hubs | None = None, *, k3_full: Path | None = None,
+             only_k3_full: bool = False) -> Iterator[Result]:
     """Run a page's testable blocks in ``cwd`` (made empty); ``scratch`` holds caches (and the
-    hub's checkpoint when no shared ``hubs`` are given)."""
+    hub's checkpoint when no shared ``hubs`` are given). K3-scale blocks run only given
+    ``k3_full`` (linked into ``cwd`` as ``k3-full``); ``only_k3_full``: run only them."""
     shutil.rmtree(cwd, ignore_errors=True)
     cwd.mkdir(parents=True)
     scratch.mkdir(parents=True, exist_ok=True)
+    if k3_full is not None and any(b.k3_full for b in page.blocks):
+        link_tree(k3_full, cwd / K3_FULL_NAME)
     own = hubs is None and page.serve is not None
     if own:
         hubs = Hubs(scratch)
@@ -241,7 +267,7 @@ def run_page(page: Page, scratch: Path, cwd: Path, hubs: Hubs | None = None) -> 
         extra = hubs.env(*page.serve) if hubs is not None and page.serve else {}
         env = _env(scratch, extra)
         for block in page.blocks:
-            if block.skip is not None:
+            if block.skip is not None or (block.k3_full and k3_full is None) or (only_k3_full and not block.k3_full):
                 continue
             for cmd in block.commands:
                 proc = subprocess.run(["bash", "-c", cmd.text], check=False, cwd=cwd, env=env,
@@ -297,6 +323,38 @@ def test_every_page_has_something_to_run() -> None:
             continue
         page = parse(path)
         assert any(b.skip is None and b.commands for b in page.blocks), f"{_page_id(path)}: no tested example"
+
+
+K3_PAGES = [p for p in PAGES if any(b.k3_full for b in parse(p).blocks)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", K3_PAGES, ids=_page_id)
+def test_k3_scale_examples_run(path: Path, k3_full: Path, tmp_path: Path, hubs: Hubs) -> None:
+    """The K3-scale blocks (``<!-- docs-test: k3-full -->``), on the full inventory's headers."""
+    cwd = tmp_path / "page"
+    problems: list[str] = []
+    for res in run_page(parse(path), tmp_path / "scratch", cwd, hubs, k3_full=k3_full, only_k3_full=True):
+        problems += res.problems(cwd)
+    assert not problems, f"{_page_id(path)}:\n" + "\n".join(problems)
+
+
+def test_k3_scale_blocks_run_only_with_the_inventory(tmp_path: Path) -> None:
+    """A K3-scale block is skipped by the ordinary run and run, alone with ``only_k3_full``,
+    against the inventory linked in as ``k3-full`` (here a small stand-in)."""
+    doc = tmp_path / "k3.md"
+    doc.write_text("```console\n$ echo small\nsmall\n```\n\n<!-- docs-test: k3-full -->\n\n"
+                   "```console\n$ cat k3-full/marker\nbig\n```\n", encoding="utf-8")
+    page = parse(doc)
+    assert [b.k3_full for b in page.blocks] == [False, True] and page.blocks[1].skip is None
+    inventory = tmp_path / "inventory"
+    inventory.mkdir()
+    (inventory / "marker").write_text("big\n")
+    cwd = tmp_path / "page"
+    assert [r.command.text for r in run_page(page, tmp_path / "scratch", cwd)] == ["echo small"]
+    results = list(run_page(page, tmp_path / "scratch", cwd, k3_full=inventory, only_k3_full=True))
+    assert [(r.command.text, r.problems(cwd)) for r in results] == [("cat k3-full/marker", [])]
+    assert (cwd / "k3-full" / "marker").stat().st_ino == (inventory / "marker").stat().st_ino  # linked
 
 
 def test_skips_give_a_reason() -> None:
@@ -416,9 +474,15 @@ def _record(path: Path, write: bool) -> int:
     scratch = RECORD_ROOT / f".{path.stem.lower()}-scratch"
     for sub in ("cache", "hf-home", "ms-cache"):
         shutil.rmtree(scratch / sub, ignore_errors=True)
+    k3_full = None
+    if any(b.k3_full for b in page.blocks):  # made once, kept beside the pages for the next recording
+        k3_full = RECORD_ROOT / f".k3-full-{SYNTH_DIGEST}"
+        if not (k3_full / "config.json").exists():
+            subprocess.run(["k3ckpt", "synth", str(k3_full), "--preset", "k3-full", "--headers-only", "--force"],
+                           check=True, env=_env(scratch, {}), stdout=subprocess.DEVNULL)
     by_block: dict[int, list[Result]] = {}
     failed = 0
-    for res in run_page(page, scratch, cwd):
+    for res in run_page(page, scratch, cwd, k3_full=k3_full):
         by_block.setdefault(res.block.line, []).append(res)
         failed += bool(res.problems(cwd))
         print(f"$ {res.command.text}\n" + "\n".join(res.output) + (f"\n[exit {res.rc}]" if res.rc else ""))

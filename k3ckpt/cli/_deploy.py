@@ -11,6 +11,7 @@ from ..errors import EXIT_PROBLEMS
 from ..format.topology import RankSelection
 from ._options import (
     CONTEXT,
+    ByteRate,
     Decorator,
     handle_errors,
     jobs_option,
@@ -55,9 +56,15 @@ def _engine_topology(**extra: str) -> Decorator:
               help=_FORMAT)
 @_engine_topology()
 @size_option("--kv-budget", default="20GiB", help=_KV_BUDGET)
+@click.option("--link", type=ByteRate(), help="Time to ready: each node's network link, in bits (25Gbit/s) or bytes "
+              "(3GB/s) per second. With --disk and --cores.")
+@click.option("--disk", type=ByteRate(), help="Time to ready: each node's disk bandwidth, reads and writes together "
+              "(7GB/s).")
+@click.option("--cores", type=click.IntRange(1), help="Time to ready: each node's CPU cores.")
 @json_option()
 @handle_errors
-def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, layout: str) -> None:
+def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, layout: str,
+         link: float | None, disk: float | None, cores: int | None) -> None:
     """What each rank of a TP/EP topology holds, and which accelerators fit it.
 
     SOURCE is a local checkpoint or a manifest (so a deployment can be planned before anything
@@ -68,15 +75,28 @@ def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, l
     reshard) also what each node directory holds on disk. Impossible topologies are refused
     with the precise reason (exit 2).
 
+    With --link, --disk and --cores (each node's), also the time to ready of every node by
+    three routes - fetch, verify and reshard; the one-step fetch --node; the naive hf download
+    of everything, hf cache verify - each followed by vLLM's load, from the CPU-seconds per GB
+    measured in BENCHMARKS.md: per step the longest of download / link, (read + write) / disk
+    and CPU-s / cores.
+
     \b
     Examples:
       k3ckpt plan ./Kimi-K3 --tp 2 --dp 4
       k3ckpt plan kimi-k3.manifest.json --tp 8 --dp 2 --gpus-per-node 8
       k3ckpt plan ./Kimi-K3 --format rank --tp 8 --kv-budget 40GiB --json
+      k3ckpt plan ./Kimi-K3 --tp 8 --dp 2 --gpus-per-node 8 --link 25Gbit/s --disk 7GB/s --cores 64
     """
+    from ..deploy.estimate import Limits
     from ..deploy.plan import plan_topology, render_plan
 
-    rep = plan_topology(source, selection, kv_budget=kv_budget, layout=layout)
+    given = {"--link": link, "--disk": disk, "--cores": cores}
+    if any(v is not None for v in given.values()) and any(v is None for v in given.values()):
+        missing = ", ".join(k for k, v in given.items() if v is None)
+        raise click.UsageError(f"--link, --disk and --cores go together (the time to ready needs all three): add {missing}")
+    limits = Limits(link, disk, cores) if link is not None and disk is not None and cores is not None else None
+    rep = plan_topology(source, selection, kv_budget=kv_budget, layout=layout, limits=limits)
     if as_json:
         emit_json(rep.to_json())
     else:

@@ -15,7 +15,7 @@ import click
 
 from ..errors import EXIT_CANNOT_RUN, K3ckptError
 from ..format.topology import PLACEMENTS, RankSelection
-from ..utils import parse_size
+from ..utils import parse_rate, parse_size
 from ._output import emit_json
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -141,6 +141,21 @@ class ByteSize(click.ParamType):
         if n <= 0:
             self.fail(f"{value!r} must be positive", param, ctx)
         return n
+
+
+class ByteRate(click.ParamType):
+    """Rates like ``25Gbit/s`` (bits) or ``7GB/s`` (bytes), in bytes per second (read by
+    :func:`k3ckpt.utils.parse_rate`, which refuses what could be either)."""
+
+    name = "rate"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        if isinstance(value, float):
+            return value
+        try:
+            return parse_rate(str(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
 
 
 class AliasedOption(click.Option):

@@ -31,6 +31,7 @@ from ..format.topology import (
     ranks_of_node,
     tensors_for_ranks,
 )
+from .estimate import MEASURED_COSTS, CostPerGB, Limits, ReadyEstimate, estimate_ready, render_ready
 
 #: Rule of thumb for what a rank needs beyond its weights (activations, CUDA graphs, buffers).
 WEIGHT_OVERHEAD = 1.15
@@ -90,6 +91,7 @@ class PlanReport:
     notes: list[str] = field(default_factory=list)
     layout: str = "node"
     nodes: list[NodeBytes] = field(default_factory=list)  # with layout "node"
+    ready: ReadyEstimate | None = None  # with limits: the time to ready of every node
 
     @property
     def largest(self) -> RankPlan:
@@ -112,6 +114,7 @@ class PlanReport:
             "largest_rank": self.largest.rank, "need_per_gpu_bytes": self.need_per_gpu(),
             "weight_overhead": WEIGHT_OVERHEAD, "fits": self.fits(), "notes": self.notes, "format": self.layout,
             "nodes": [{**asdict(n), "total_bytes": n.total_bytes} for n in self.nodes],
+            **({"time_to_ready": self.ready.to_json()} if self.ready is not None else {}),
         }
 
 
@@ -130,11 +133,15 @@ def plan_topology(
     kv_budget: int = DEFAULT_KV_BUDGET,
     jobs: int | None = None,
     layout: str = "node",
+    limits: Limits | None = None,
+    costs: CostPerGB = MEASURED_COSTS,
 ) -> PlanReport:
     """Plan ``selection``'s ep x tp over a checkpoint directory or a manifest file: every rank,
     grouped into nodes of ``selection.gpus_per_node``. ``layout``: ``node`` (vLLM's expert
     parallel reading of the options, :meth:`RankSelection.topology`; adds each node
     directory's bytes, one node of the whole world without ``gpus_per_node``) or ``rank``.
+    ``limits``: each node's link, disk and cores; the report then adds every node's time to
+    ready by three routes, from ``costs`` (:mod:`k3ckpt.deploy.estimate`; node layout only).
 
     Raises:
         TopologyError / SplitError: the topology is impossible, with the precise reason, or
@@ -165,6 +172,9 @@ def plan_topology(
     layout = LAYOUT_ALIASES.get(layout, layout)
     if layout not in LAYOUTS:
         raise TopologyError(f"unknown --format {layout!r}; choose {' or '.join(LAYOUTS)}")
+    if limits is not None and layout != "node":
+        raise TopologyError("the time to ready (--link, --disk, --cores) is estimated for the node format's "
+                            "routes: drop --format rank")
     topo = selection.topology(num_experts_of(idx, cfg.num_experts if cfg else None), engine=layout == "node")
     check_heads(cfg, topo.tp, notes) if ckpt is not None else notes.append(
         "no config.json in a manifest: attention-head divisibility by --tp was not checked")
@@ -185,8 +195,9 @@ def plan_topology(
     if layout == "node":
         gpus_per_node = gpus_per_node or topo.world_size
         nodes = node_bytes(idx, topo, gpus_per_node)
+    ready = estimate_ready(idx, topo, nodes, total, limits, costs) if limits is not None else None
     topo_json = {**topo.to_json(), "moe_tp": topo.moe_tp, "dp": topo.dp, "gpus_per_node": gpus_per_node}
-    return PlanReport(label, topo_json, ranks, kv_budget, total, notes, layout, nodes)
+    return PlanReport(label, topo_json, ranks, kv_budget, total, notes, layout, nodes, ready)
 
 
 def node_bytes(idx: InventoryIndex, topo: Topology, gpus_per_node: int) -> list[NodeBytes]:
@@ -236,5 +247,7 @@ def render_plan(rep: PlanReport) -> str:
             span = f"{n.ranks[0]}-{n.ranks[-1]}" if len(n.ranks) > 1 else str(n.ranks[0])
             lines.append(f"{n.node:>4} {span:>9} {n.experts:>8} {human_bytes(n.dense_bytes):>11} "
                          f"{human_bytes(n.expert_bytes):>11} {human_bytes(n.total_bytes):>11}")
+    if rep.ready is not None:
+        lines += ["", *render_ready(rep.ready)]
     lines += [f"note      {n}" for n in rep.notes]
     return "\n".join(lines)

@@ -13,8 +13,8 @@ from ._fs import (
     write_atomic,
 )
 from ._jsonfile import load_json
-from ._parse import parse_size
+from ._parse import parse_rate, parse_size
 
 __all__ = ["atomic_output", "copy_file", "copy_files", "format_percent", "format_ranges",
-           "fsync_dir", "human_bytes", "human_count", "is_within", "load_json", "parse_size", "pwrite_all",
+           "fsync_dir", "human_bytes", "human_count", "is_within", "load_json", "parse_rate", "parse_size", "pwrite_all",
            "temp_name", "write_atomic"]

@@ -30,3 +30,31 @@ def parse_size(text: str) -> int:
     if m is None or unit not in SIZE_UNITS:
         raise ValueError(f"{text!r} is not a size ({SIZE_EXAMPLES})")
     return int(float(m.group(1)) * SIZE_UNITS[unit])
+
+
+#: What to show a user who wrote a rate some other way.
+RATE_EXAMPLES = "examples: 25Gbit/s, 100Gbit, 7GB/s, 3.5GiB/s"
+
+_RATE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?(bit|B)(?:/s)?\s*", re.IGNORECASE)
+
+
+def parse_rate(text: str) -> float:
+    """Bytes per second in ``text``: bits as ``25Gbit/s`` or ``100Mbit`` (network links), bytes
+    as ``7GB/s`` or ``3.5GiB/s`` (disks); ``/s`` is optional. Prefixes as in :func:`parse_size`
+    (K/M/G/T decimal, Ki/Mi/Gi/Ti binary). The unit must say which: ``bit`` for bits, an upper-case
+    ``B`` for bytes. ``25Gb/s``, ``25Gbps`` and a bare ``25G`` are refused, since people write
+    each of them for both.
+
+    Raises:
+        ValueError: ``text`` is not a rate, or it is zero.
+    """
+    m = _RATE.fullmatch(text)
+    # "b" alone is upper-case "B" only: the regex ignores case for the prefix and "bit"
+    if m is None or m.group(3) == "b":
+        raise ValueError(f"{text!r} is not a rate: write bits as Gbit/s or bytes as GB/s ({RATE_EXAMPLES})")
+    bits = m.group(3).lower() == "bit"
+    prefix = (m.group(2) or "").upper()
+    rate = float(m.group(1)) * (SIZE_UNITS[prefix + "B"] if prefix else 1) / (8 if bits else 1)
+    if rate <= 0:
+        raise ValueError(f"{text!r} is not a rate: it must be more than zero")
+    return rate

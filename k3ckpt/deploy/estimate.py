@@ -1,0 +1,291 @@
+"""Time to ready: how long each node of a topology takes from an empty disk to a loaded engine,
+by three routes, from the measured cost per GB of each step and the node's stated limits.
+
+The model (docs/deploy.md, "Time to ready"). Every node works at once on its own share, with its
+own network link, disk and cores; nothing is shared between nodes (the hub is assumed to keep
+up). A route is a sequence of steps run one after another; within a step the three resources
+overlap perfectly (bytes stream), so a step takes the longest of
+
+    download / link,   (read + write) / disk,   CPU-seconds / cores
+
+where CPU-seconds = GB processed x the step's measured CPU-s per GB (:class:`CostPerGB`, spread
+evenly over the cores). One disk rate covers reads and writes together: a step that reads and
+writes the same bytes (reshard) moves them twice through the disk. The routes:
+
+- **two steps**: ``fetch`` (the whole checkpoint on one node, else ``fetch --ranks`` of the
+  node's ranks: dense tensors plus the node's experts), ``verify``, ``reshard --node`` into the
+  node directory, then the engine's load;
+- **one step**: ``fetch --node`` (the node directory straight from the hub, every tensor
+  checked against a tensor-hash manifest), then the load;
+- **naive**: every node downloads the whole checkpoint (``hf download``, no CPU counted),
+  ``hf cache verify`` hashes all of it (at :attr:`CostPerGB.sha256_rate` per core), then the
+  load from the original layout.
+
+The load is vLLM's with ``--enable-expert-parallel --enable-ep-weight-filter``: every rank of the
+node reads every dense tensor, every expert tensor its directory holds except the heavy weights
+(``.weight``/``.weight_packed``) of other ranks' experts - so from the original layout all 896
+experts' scales - and its own experts whole (BENCHMARKS.md, "What each rank reads at load under
+vLLM's weight filter"; docs/engines.md). Ranks read separately: no page-cache sharing is counted.
+The load's CPU and the engine's start-up after it are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..format.topology import InventoryIndex, Topology
+
+if TYPE_CHECKING:
+    from .plan import NodeBytes
+
+GB = 10**9
+
+#: Tensor parts vLLM's weight filter skips for experts that are not the rank's (``should_skip_weight``:
+#: names ending in ``.weight`` or ``.weight_packed``); every other part (scales) is always read.
+FILTERED_PARTS = frozenset({"weight", "weight_packed"})
+
+
+@dataclass(frozen=True)
+class CostPerGB:
+    """What each step costs in CPU-seconds per GB (10^9 bytes) on one core, and the sha256 rate
+    of one core: the measured figures the estimate scales by the node's cores. Each default
+    names the BENCHMARKS.md section (and row) it comes from; a re-measurement changes one line."""
+
+    #: per GB hashed by ``verify --manifest M --no-cache``. BENCHMARKS.md "Where the time goes
+    #: (2026-12-01, before #16 changes)", `verify ... --jobs 1` on k3-8shard: 1.31 CPU-s / 1.070 GB.
+    verify: float = 1.22
+    #: per GB received by a whole ``fetch`` (sha256 of every byte, write, fsync). BENCHMARKS.md
+    #: "CPU-seconds per GB of fetch and fetch --node (2026-12-01, shared machine)": 3.76 CPU-s / 1.070 GB.
+    fetch: float = 3.51
+    #: per GB written by ``reshard`` into node directories. BENCHMARKS.md "Where the time goes
+    #: (2026-12-01, before #16 changes)", `reshard ... (node) --jobs 1` on k3-8shard: 3.07 CPU-s / 1.406 GB.
+    reshard: float = 2.18
+    #: per GB received by ``fetch --node --manifest M``. BENCHMARKS.md "CPU-seconds per GB of fetch
+    #: and fetch --node (2026-12-01, shared machine)": 3.38 CPU-s / 0.704 GB.
+    node_fetch: float = 4.80
+    #: GB/s of sha256 on one core (``openssl speed -evp sha256 -bytes 16384``): the floor of any
+    #: hashing, and ``hf cache verify``'s cost. BENCHMARKS.md "Where the time goes (2026-12-01,
+    #: before #16 changes)", machine line: 1.71-1.72 GB/s.
+    sha256_rate: float = 1.71
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not value > 0:
+                raise ValueError(f"cost {name} must be more than zero, not {value!r}")
+
+
+#: The figures the CLI uses.
+MEASURED_COSTS = CostPerGB()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one node can do: ``link`` bytes/s in from the network, ``disk`` bytes/s through its
+    disk (reads and writes together), ``cores`` CPU cores."""
+
+    link: float
+    disk: float
+    cores: int
+
+    def __post_init__(self) -> None:
+        if not (self.link > 0 and self.disk > 0 and self.cores >= 1):
+            raise ValueError(f"limits must be positive: link {self.link!r}, disk {self.disk!r}, cores {self.cores!r}")
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """One step on one node: the bytes it moves and checks, its CPU-seconds, and how long each
+    limit alone would take; :attr:`seconds` is the longest, :attr:`bound` which one it is."""
+
+    name: str
+    download_bytes: int
+    read_bytes: int
+    write_bytes: int
+    hash_bytes: int
+    cpu_seconds: float
+    link_seconds: float
+    disk_seconds: float
+    cpu_wall_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.link_seconds, self.disk_seconds, self.cpu_wall_seconds)
+
+    @property
+    def bound(self) -> str:
+        """``link``, ``disk`` or ``cpu``: the limit that sets the step's time (the first on a tie)."""
+        times = {"link": self.link_seconds, "disk": self.disk_seconds, "cpu": self.cpu_wall_seconds}
+        return max(times, key=times.__getitem__)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "seconds": self.seconds, "bound": self.bound}
+
+
+def step_estimate(name: str, limits: Limits, *, downloads: int = 0, reads: int = 0, writes: int = 0,
+                  hashes: int = 0, cpu_seconds: float = 0.0) -> StepEstimate:
+    """A step's time under ``limits``: max(downloads / link, (reads + writes) / disk, CPU-s / cores)."""
+    return StepEstimate(name, download_bytes=downloads, read_bytes=reads, write_bytes=writes, hash_bytes=hashes,
+                        cpu_seconds=cpu_seconds,
+                        link_seconds=downloads / limits.link, disk_seconds=(reads + writes) / limits.disk,
+                        cpu_wall_seconds=cpu_seconds / limits.cores)
+
+
+@dataclass(frozen=True)
+class RouteEstimate:
+    """A route's steps on one node, run one after another."""
+
+    name: str
+    steps: tuple[StepEstimate, ...]
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.steps)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "seconds": self.seconds, "steps": [s.to_json() for s in self.steps]}
+
+
+#: The routes, in the order they are shown.
+TWO_STEP, ONE_STEP, NAIVE = "fetch, verify, reshard", "fetch --node", "naive: hf download, verify"
+
+
+@dataclass(frozen=True)
+class NodeEstimate:
+    node: int
+    ranks: tuple[int, ...]
+    routes: tuple[RouteEstimate, ...]
+
+    def route(self, name: str) -> RouteEstimate:
+        return next(r for r in self.routes if r.name == name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "ranks": list(self.ranks), "routes": [r.to_json() for r in self.routes]}
+
+
+@dataclass
+class ReadyEstimate:
+    """Every node's routes under one set of limits and costs."""
+
+    limits: Limits
+    costs: CostPerGB
+    checkpoint_bytes: int
+    nodes: list[NodeEstimate] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"limits": {"link_bytes_per_second": self.limits.link, "disk_bytes_per_second": self.limits.disk,
+                           "cores": self.limits.cores},
+                "cpu_seconds_per_gb": asdict(self.costs), "checkpoint_bytes": self.checkpoint_bytes,
+                "nodes": [n.to_json() for n in self.nodes]}
+
+
+def _cpu(gb_cost: float, nbytes: int) -> float:
+    return gb_cost * nbytes / GB
+
+
+def engine_read_bytes(idx: InventoryIndex, topo: Topology, rank: int, held: set[int] | None) -> int:
+    """The tensor bytes vLLM's expert-parallel load with ``--enable-ep-weight-filter`` reads on
+    ``rank`` from a directory holding the experts ``held`` (``None``: every expert, the original
+    layout): every dense tensor, the always-read parts (scales) of every held expert, and the
+    filtered parts (:data:`FILTERED_PARTS`) of the rank's own experts."""
+    size = [s.nbytes for s in idx.sigs]
+    heavy = [s.part in FILTERED_PARTS for s in idx.sigs]
+    own = set(topo.rank_info(rank).experts)
+    total = sum(map(size.__getitem__, idx.dense_sigs))
+    for e, counts in idx.expert_counts.items():
+        if held is not None and e not in held:
+            continue
+        for s, n in counts.items():
+            if e in own or not heavy[s]:
+                total += n * size[s]
+    return total
+
+
+def estimate_ready(idx: InventoryIndex, topo: Topology, nodes: Sequence[NodeBytes], checkpoint_bytes: int,
+                   limits: Limits, costs: CostPerGB = MEASURED_COSTS) -> ReadyEstimate:
+    """The three routes (module docstring) for every node of ``nodes`` (the node directories of
+    ``topo``, :func:`k3ckpt.deploy.plan.node_bytes`); ``checkpoint_bytes``: the whole checkpoint."""
+    out = ReadyEstimate(limits, costs, checkpoint_bytes)
+    for nb in nodes:
+        held = {e for r in nb.ranks for e in topo.rank_info(r).experts}
+        share = nb.total_bytes
+        whole = len(held) >= topo.num_experts
+        load_node = sum(engine_read_bytes(idx, topo, r, held) for r in nb.ranks)
+        load_orig = sum(engine_read_bytes(idx, topo, r, None) for r in nb.ranks)
+        load_name = f"load (vLLM, {len(nb.ranks)} rank{'s' if len(nb.ranks) != 1 else ''})"
+        two = RouteEstimate(TWO_STEP, (
+            step_estimate("fetch" if whole else "fetch --ranks", limits, downloads=share, writes=share,
+                          hashes=share, cpu_seconds=_cpu(costs.fetch, share)),
+            step_estimate("verify", limits, reads=share, hashes=share, cpu_seconds=_cpu(costs.verify, share)),
+            step_estimate("reshard --node", limits, reads=share, writes=share, hashes=share,
+                          cpu_seconds=_cpu(costs.reshard, share)),
+            step_estimate(load_name, limits, reads=load_node),
+        ))
+        one = RouteEstimate(ONE_STEP, (
+            step_estimate("fetch --node", limits, downloads=share, writes=share, hashes=share,
+                          cpu_seconds=_cpu(costs.node_fetch, share)),
+            step_estimate(load_name, limits, reads=load_node),
+        ))
+        naive = RouteEstimate(NAIVE, (
+            step_estimate("hf download", limits, downloads=checkpoint_bytes, writes=checkpoint_bytes),
+            step_estimate("hf cache verify", limits, reads=checkpoint_bytes, hashes=checkpoint_bytes,
+                          cpu_seconds=checkpoint_bytes / GB / costs.sha256_rate),
+            step_estimate(load_name, limits, reads=load_orig),
+        ))
+        out.nodes.append(NodeEstimate(nb.node, tuple(nb.ranks), (two, one, naive)))
+    return out
+
+
+def format_duration(seconds: float) -> str:
+    """``1h02m``, ``4m28s``, ``0m07s``: whole seconds (minutes past an hour), never a bare number
+    of seconds."""
+    s = round(seconds)
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
+
+
+def render_ready(est: ReadyEstimate) -> list[str]:
+    """The estimate as text lines: the model and figures used, then per group of nodes with the
+    same numbers a table of routes and steps, and which route is fastest."""
+    from ..utils import format_ranges, human_bytes
+
+    def b(n: int) -> str:
+        return human_bytes(n) if n else "-"
+
+    lim, c = est.limits, est.costs
+    lines = [
+        "time to ready  all nodes at once, each step after the last; a step takes the longest of",
+        "               download / link, (read + write) / disk and CPU-s / cores",
+        f"limits         per node: link {human_bytes(lim.link)}/s ({lim.link * 8 / GB:g} Gbit/s), "
+        f"disk {human_bytes(lim.disk)}/s (reads + writes), {lim.cores} cores",
+        f"CPU-s per GB   fetch {c.fetch:.2f}, verify {c.verify:.2f}, reshard {c.reshard:.2f}, "
+        f"fetch --node {c.node_fetch:.2f}; sha256 {c.sha256_rate:.2f} GB/s a core",
+    ]
+    groups: dict[Any, list[NodeEstimate]] = {}
+    for n in est.nodes:
+        key = tuple((s.name, s.download_bytes, s.read_bytes, s.write_bytes, s.hash_bytes)
+                    for r in n.routes for s in r.steps)
+        groups.setdefault(key, []).append(n)
+    for members in groups.values():
+        first = members[0]
+        ids = [n.node for n in members]
+        lines += ["", (f"node {ids[0]}" if len(ids) == 1 else f"nodes {format_ranges(ids)}, each")
+                  + f" ({len(first.ranks)} GPUs)",
+                  f"{'route / step':<30} {'download':>10} {'write':>10} {'read':>10} {'hash':>10} {'CPU-s':>6} "
+                  f"{'time':>6}  bound"]
+        for route in first.routes:
+            lines.append(f"{route.name:<30} {'':>10} {'':>10} {'':>10} {'':>10} {'':>6} "
+                         f"{format_duration(route.seconds):>6}")
+            for s in route.steps:
+                cpu = "-" if not s.cpu_seconds else f"{s.cpu_seconds:,.0f}" if s.cpu_seconds >= 10 else f"{s.cpu_seconds:.2f}"
+                lines.append(f"  {s.name:<28} {b(s.download_bytes):>10} {b(s.write_bytes):>10} "
+                             f"{b(s.read_bytes):>10} {b(s.hash_bytes):>10} {cpu:>6} {format_duration(s.seconds):>6}  {s.bound}")
+        best = min(first.routes, key=lambda r: r.seconds)
+        naive = first.route(NAIVE)
+        line = f"ready in       {format_duration(best.seconds)} by {best.name}"
+        if best is not naive:
+            line += f"; the naive route takes {format_duration(naive.seconds)} ({naive.seconds / best.seconds:.1f}x as long)"
+        lines.append(line)
+    return lines

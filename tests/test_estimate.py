@@ -1,0 +1,277 @@
+"""Time to ready (``k3ckpt plan --link --disk --cores``, :mod:`k3ckpt.deploy.estimate`): the
+model on hand-computed cases, the bytes it counts against an independent count (and vLLM's own
+filter where the wheel is present), the rate parser, and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from engines import load_vllm, missing_reason, rank_read_bytes
+from helpers import assert_one_line_error, run
+from k3ckpt.deploy import MEASURED_COSTS, CostPerGB, Limits, plan_topology
+from k3ckpt.deploy.estimate import (
+    NAIVE,
+    ONE_STEP,
+    TWO_STEP,
+    engine_read_bytes,
+    format_duration,
+    step_estimate,
+)
+from k3ckpt.format import open_checkpoint
+from k3ckpt.format.roles import classify
+from k3ckpt.format.topology import RankSelection, Topology, index_of
+from k3ckpt.utils import parse_rate
+
+GB = 10**9
+VLLM = load_vllm()
+
+# -- the model, by hand ------------------------------------------------------------------------
+
+# 1 GB/s link, 2 GB/s disk, 4 cores: easy to compute by hand
+LIMITS = Limits(link=1 * GB, disk=2 * GB, cores=4)
+
+
+def test_a_download_is_bound_by_the_link() -> None:
+    s = step_estimate("fetch", LIMITS, downloads=10 * GB, writes=10 * GB, cpu_seconds=20.0)
+    # link 10 s, disk 10 GB / 2 GB/s = 5 s, CPU 20 CPU-s / 4 cores = 5 s
+    assert (s.link_seconds, s.disk_seconds, s.cpu_wall_seconds) == (10.0, 5.0, 5.0)
+    assert s.seconds == 10.0 and s.bound == "link"
+
+
+def test_reads_and_writes_share_the_disk() -> None:
+    """A step that reads and writes the same bytes moves them twice through one disk rate."""
+    s = step_estimate("reshard", LIMITS, reads=6 * GB, writes=6 * GB, cpu_seconds=8.0)
+    assert s.disk_seconds == 6.0  # (6 + 6) GB / 2 GB/s, not 6 GB / 2 GB/s
+    assert s.seconds == 6.0 and s.bound == "disk"
+
+
+def test_hashing_on_few_cores_is_bound_by_the_cpu() -> None:
+    s = step_estimate("verify", LIMITS, reads=4 * GB, hashes=4 * GB, cpu_seconds=4 * 1.22 * 10)
+    assert s.disk_seconds == 2.0 and s.cpu_wall_seconds == pytest.approx(12.2)
+    assert s.seconds == pytest.approx(12.2) and s.bound == "cpu"
+    more_cores = step_estimate("verify", dataclasses.replace(LIMITS, cores=64), reads=4 * GB, hashes=4 * GB,
+                               cpu_seconds=4 * 1.22 * 10)
+    assert more_cores.bound == "disk" and more_cores.seconds == 2.0
+
+
+def test_a_tie_names_the_first_limit() -> None:
+    s = step_estimate("x", LIMITS, downloads=2 * GB, reads=4 * GB, cpu_seconds=8.0)
+    assert s.seconds == 2.0 and s.bound == "link"
+
+
+def test_costs_and_limits_refuse_what_cannot_be() -> None:
+    with pytest.raises(ValueError, match="verify"):
+        CostPerGB(verify=0)
+    with pytest.raises(ValueError, match="limits must be positive"):
+        Limits(link=1e9, disk=0, cores=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        MEASURED_COSTS.verify = 1.0  # type: ignore[misc]
+
+
+def test_the_measured_costs_name_their_benchmarks_section() -> None:
+    """Each constant cites the BENCHMARKS.md section it was measured in, by its heading, so a
+    re-measurement is a one-line change a reader can check against the table it cites."""
+    from k3ckpt.deploy import estimate
+
+    source = inspect.getsource(estimate.CostPerGB)
+    benchmarks = (Path(__file__).resolve().parents[1] / "BENCHMARKS.md").read_text(encoding="utf-8")
+    headings = {line[3:].strip() for line in benchmarks.splitlines() if line.startswith("## ")}
+    for f in dataclasses.fields(CostPerGB):
+        m = re.search(rf"((?:[ \t]*#:.*\n)+)[ \t]*{f.name}: float =", source)
+        assert m, f"CostPerGB.{f.name} has no #: comment"
+        comment = " ".join(line.strip().removeprefix("#:").strip() for line in m.group(1).splitlines())
+        cited = re.findall(r'BENCHMARKS\.md "([^"]+)"', comment)
+        assert cited, f"CostPerGB.{f.name} names no BENCHMARKS.md section"
+        assert not set(cited) - headings, f"CostPerGB.{f.name} cites a section BENCHMARKS.md lacks: {cited}"
+
+
+def test_durations_are_minutes_and_hours() -> None:
+    assert format_duration(0.4) == "0m00s"
+    assert format_duration(268) == "4m28s"
+    assert format_duration(3723) == "1h02m"
+
+
+# -- the rate parser -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "rate"), [
+    ("25Gbit/s", 25e9 / 8), ("25Gbit", 25e9 / 8), ("100 Mbit/s", 100e6 / 8), ("400gbit", 50e9),
+    ("1Gibit/s", 1024**3 / 8), ("7GB/s", 7e9), ("3.5GiB/s", 3.5 * 1024**3), ("7B", 7.0), ("8bit", 1.0),
+])
+def test_parse_rate(text: str, rate: float) -> None:
+    assert parse_rate(text) == rate
+
+
+@pytest.mark.parametrize("text", ["25Gb/s", "25Gbps", "25G", "25", "7GB/sec", "-1GB/s", "fast", ""])
+def test_parse_rate_refuses_what_could_be_bits_or_bytes(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a rate: write bits as Gbit/s or bytes as GB/s"):
+        parse_rate(text)
+
+
+def test_parse_rate_refuses_zero() -> None:
+    with pytest.raises(ValueError, match="more than zero"):
+        parse_rate("0GB/s")
+
+
+# -- what each step moves, on k3-tiny ------------------------------------------------------------
+
+
+def _reads_by_name(ckpt_tensors: dict, own: set[int], held: set[int] | None) -> int:
+    """vLLM's filter written from the tensor names alone (not from the inventory index): every
+    tensor but other ranks' ``.weight``/``.weight_packed`` experts, of the experts held."""
+    total = 0
+    for name, t in ckpt_tensors.items():
+        role = classify(name)
+        e = role.expert
+        if e is not None and held is not None and e not in held:
+            continue
+        if e is not None and e not in own and name.endswith((".weight", ".weight_packed")):
+            continue
+        total += t.nbytes
+    return total
+
+
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+def test_engine_reads_match_a_count_by_name(k3_tiny: Path, placement: str) -> None:
+    ckpt = open_checkpoint(k3_tiny)
+    idx = index_of(ckpt)
+    topo = Topology.make(ep=4, tp=2, world_size=4, placement=placement, num_experts=16)
+    node0 = {e for r in (0, 1) for e in topo.rank_info(r).experts}
+    for rank in range(4):
+        own = set(topo.rank_info(rank).experts)
+        assert engine_read_bytes(idx, topo, rank, None) == _reads_by_name(ckpt.tensors, own, None)
+        assert engine_read_bytes(idx, topo, rank, node0) == _reads_by_name(ckpt.tensors, own, node0)
+    # the original layout's reads hold every expert's scales; the node directory only its own
+    assert engine_read_bytes(idx, topo, 0, node0) < engine_read_bytes(idx, topo, 0, None)
+
+
+@pytest.mark.skipif(VLLM is None, reason=missing_reason("vllm"))
+@pytest.mark.parametrize(("tp", "dp", "gpus", "placement"), [(2, 2, 2, "linear"), (1, 4, 2, "round_robin"),
+                                                               (4, 1, 4, "linear")])
+def test_engine_reads_equal_vllms_filter(k3_tiny: Path, tp: int, dp: int, gpus: int, placement: str) -> None:
+    """The load step's bytes are what vLLM's own ``should_skip_weight`` keeps (tests/engines.py)."""
+    assert VLLM is not None
+    ckpt = open_checkpoint(k3_tiny)
+    rep = plan_topology(ckpt, RankSelection(tp=tp, dp=dp, gpus_per_node=gpus, placement=placement),
+                        limits=LIMITS)
+    assert rep.ready is not None
+    rows = rank_read_bytes(VLLM, {n: t.nbytes for n, t in ckpt.tensors.items()}, tp=tp, dp=dp,
+                           gpus_per_node=gpus, num_experts=16, placement=placement)
+    for node in rep.ready.nodes:
+        want_node = sum(from_node for r, _, from_node in rows if r in node.ranks)
+        want_orig = sum(from_source for r, from_source, _ in rows if r in node.ranks)
+        assert node.route(ONE_STEP).steps[-1].read_bytes == want_node
+        assert node.route(TWO_STEP).steps[-1].read_bytes == want_node
+        assert node.route(NAIVE).steps[-1].read_bytes == want_orig
+
+
+def test_routes_on_k3_tiny(k3_tiny: Path) -> None:
+    """Two 2-GPU nodes of tp 2 x dp 2: each step's bytes and CPU-seconds from the node's share and
+    the costs, its time from the limits."""
+    costs = CostPerGB(verify=1.0, fetch=2.0, reshard=3.0, node_fetch=4.0, sha256_rate=2.0)
+    rep = plan_topology(k3_tiny, RankSelection(tp=2, dp=2, gpus_per_node=2), limits=LIMITS, costs=costs)
+    assert rep.ready is not None and len(rep.ready.nodes) == 2
+    for node, nb in zip(rep.ready.nodes, rep.nodes):
+        share, whole = nb.total_bytes, rep.checkpoint_bytes
+        assert share < whole  # half the experts
+        fetch, verify, reshard, load = node.route(TWO_STEP).steps
+        assert (fetch.name, verify.name, reshard.name) == ("fetch --ranks", "verify", "reshard --node")
+        assert (fetch.download_bytes, fetch.write_bytes, fetch.hash_bytes) == (share, share, share)
+        assert (verify.download_bytes, verify.read_bytes, verify.hash_bytes) == (0, share, share)
+        assert (reshard.read_bytes, reshard.write_bytes) == (share, share)
+        assert fetch.cpu_seconds == pytest.approx(2.0 * share / GB)
+        assert verify.cpu_seconds == pytest.approx(1.0 * share / GB)
+        assert reshard.cpu_seconds == pytest.approx(3.0 * share / GB)
+        assert reshard.disk_seconds == pytest.approx(2 * share / (2 * GB))
+        node_fetch, load1 = node.route(ONE_STEP).steps
+        assert node_fetch.download_bytes == share and node_fetch.cpu_seconds == pytest.approx(4.0 * share / GB)
+        assert load1 == load and load.cpu_seconds == 0 and load.download_bytes == 0
+        download, cache_verify, load_orig = node.route(NAIVE).steps
+        assert (download.download_bytes, download.write_bytes, download.cpu_seconds) == (whole, whole, 0)
+        assert cache_verify.hash_bytes == whole and cache_verify.cpu_seconds == pytest.approx(whole / GB / 2.0)
+        assert load_orig.read_bytes > load.read_bytes
+        for route in node.routes:
+            assert route.seconds == pytest.approx(sum(s.seconds for s in route.steps))
+
+
+def test_one_node_fetches_the_whole_checkpoint(k3_tiny: Path) -> None:
+    rep = plan_topology(k3_tiny, RankSelection(tp=2), limits=LIMITS)
+    assert rep.ready is not None
+    fetch = rep.ready.nodes[0].route(TWO_STEP).steps[0]
+    assert fetch.name == "fetch" and fetch.download_bytes == rep.nodes[0].total_bytes
+
+
+# -- the CLI -------------------------------------------------------------------------------------
+
+RATES = ["--link", "25Gbit/s", "--disk", "7GB/s", "--cores", "64"]
+
+
+def test_cli_prints_the_time_to_ready(k3_tiny: Path) -> None:
+    res = run("plan", str(k3_tiny), "--tp", "2", "--dp", "2", "--gpus-per-node", "2", *RATES)
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    assert "node     ranks" in out  # the plan is still there, the estimate after it
+    assert "link 3.12 GB/s (25 Gbit/s), disk 7.00 GB/s (reads + writes), 64 cores" in out
+    assert "nodes 0-1, each (2 GPUs)" in out
+    for line in (TWO_STEP, "  fetch --ranks", "  verify", "  reshard --node", "  load (vLLM, 2 ranks)",
+                 ONE_STEP, "  fetch --node", NAIVE, "  hf download", "  hf cache verify"):
+        assert any(x.startswith(line) for x in out.splitlines()), line
+    assert "ready in" in out
+
+
+def test_cli_json_gives_the_same_numbers(k3_tiny: Path) -> None:
+    args = ["plan", str(k3_tiny), "--tp", "2", "--dp", "2", "--gpus-per-node", "2", *RATES]
+    res = run(*args, "--json")
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)["time_to_ready"]
+    rep = plan_topology(k3_tiny, RankSelection(tp=2, dp=2, gpus_per_node=2),
+                        limits=Limits(link=25e9 / 8, disk=7e9, cores=64))
+    assert rep.ready is not None
+    assert got == json.loads(json.dumps(rep.ready.to_json()))
+    assert got["limits"] == {"link_bytes_per_second": 3.125e9, "disk_bytes_per_second": 7e9, "cores": 64}
+    assert got["cpu_seconds_per_gb"] == dataclasses.asdict(MEASURED_COSTS)
+    step = got["nodes"][0]["routes"][0]["steps"][0]
+    assert step["seconds"] == max(step["link_seconds"], step["disk_seconds"], step["cpu_wall_seconds"])
+    assert "time_to_ready" not in json.loads(run(*args[:7], "--json").stdout)  # only when asked
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--link", "25Gb/s", "--disk", "7GB/s", "--cores", "8"], ["--link", "'25Gb/s' is not a rate", "Gbit/s"]),
+    (["--link", "25G", "--disk", "7GB/s", "--cores", "8"], ["--link", "'25G' is not a rate"]),
+    (["--link", "25Gbit", "--disk", "fast", "--cores", "8"], ["--disk", "'fast' is not a rate"]),
+    (["--link", "25Gbit", "--disk", "0GB/s", "--cores", "8"], ["--disk", "more than zero"]),
+    (["--link", "25Gbit", "--disk", "7GB/s", "--cores", "0"], ["--cores"]),
+    (["--link", "25Gbit", "--cores", "8"], ["go together", "add --disk"]),
+    (["--link", "25Gbit", "--disk", "7GB/s", "--cores", "8", "--format", "rank"], ["drop --format rank"]),
+])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_cli_refuses_bad_limits_in_one_line(k3_tiny: Path, args: list[str], needles: list[str],
+                                            as_json: bool) -> None:
+    res = run("plan", str(k3_tiny), "--tp", "2", *args, *(["--json"] if as_json else []))
+    assert_one_line_error(res, 2, *needles)
+
+
+# -- K3 itself -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_k3_load_bytes_are_the_benchmarked_ones(k3_full: Path) -> None:
+    """On the real K3 inventory the load step reads, per rank, the figures BENCHMARKS.md measured
+    with vLLM's own filter ("What each rank reads at load under vLLM's weight filter")."""
+    for sel, from_orig, from_node in [
+        (RankSelection(tp=8, gpus_per_node=8), 369_769_051_104, 369_769_051_104),
+        (RankSelection(tp=8, dp=2, gpus_per_node=8), 284_683_400_160, 242_140_574_688),
+        (RankSelection(tp=4, dp=4, gpus_per_node=4, placement="round_robin"), 284_683_400_160, 220_869_161_952),
+    ]:
+        rep = plan_topology(k3_full, sel, limits=Limits(link=25e9 / 8, disk=7e9, cores=64))
+        assert rep.ready is not None
+        for node in rep.ready.nodes:
+            ranks = len(node.ranks)
+            assert node.route(NAIVE).steps[-1].read_bytes == ranks * from_orig
+            assert node.route(ONE_STEP).steps[-1].read_bytes == ranks * from_node
