@@ -33,6 +33,7 @@ __all__ = [
     "REGISTRY",
     "EnvVar",
     "K3CKPT_CACHE_DIR",
+    "K3CKPT_DIRECT_IO",
     "K3CKPT_HASH_BUFFER",
     "K3CKPT_KEY_PASSPHRASE",
     "K3CKPT_LOCK_STALE_SECONDS",
@@ -46,6 +47,7 @@ __all__ = [
     "PATH",
     "SECONDS",
     "SIZE",
+    "SWITCH",
     "TEXT",
     "pause_point",
 ]
@@ -53,7 +55,7 @@ __all__ = [
 T = TypeVar("T")
 
 #: The types a variable can have, as ``docs/env.md`` names them.
-SIZE, SECONDS, PATH, TEXT = "size", "seconds", "path", "text"
+SIZE, SECONDS, PATH, TEXT, SWITCH = "size", "seconds", "path", "text", "switch"
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class EnvVar(Generic[T]):
         name (`str`):
             The variable's name, ``K3CKPT_...``.
         kind (`str`):
-            ``"size"`` (bytes), ``"seconds"``, ``"path"`` or ``"text"``.
+            ``"size"`` (bytes), ``"seconds"``, ``"path"``, ``"text"`` or ``"switch"`` (on/off).
         default:
             What :meth:`get` returns when the variable is unset or blank (``None``: the
             feature is off, or the default is worked out elsewhere - see ``default_doc``).
@@ -105,6 +107,8 @@ class EnvVar(Generic[T]):
             return self.default_doc
         if self.default is None:
             return "unset"
+        if self.kind == SWITCH:
+            return "on" if self.default else "off"
         if self.kind == SIZE and isinstance(self.default, int):
             return _size_text(self.default)
         return f"{self.default:g}" if isinstance(self.default, float) else str(self.default)
@@ -136,6 +140,16 @@ def _seconds(raw: str) -> float:
     if not math.isfinite(s) or s < 0:
         raise ValueError("is not a number of seconds >= 0 (examples: 60, 0.5, 86400)")
     return s
+
+
+_ON, _OFF = ("1", "on", "yes", "true"), ("0", "off", "no", "false")
+
+
+def _switch(raw: str) -> bool:
+    word = raw.strip().lower()
+    if word not in _ON + _OFF:
+        raise ValueError("is not on or off (examples: on, off, 1, 0)")
+    return word in _ON
 
 
 def _path(raw: str) -> Path:
@@ -173,6 +187,12 @@ K3CKPT_CACHE_DIR: EnvVar[Path | None] = _declare(EnvVar(
     "Directory of the stat cache of `verify` (also run by `fetch`): digests of files whose size, "
     "mtime and inode have not changed are reused.",
     _path, default_doc="$XDG_CACHE_HOME/k3ckpt, else ~/.cache/k3ckpt"))
+
+K3CKPT_DIRECT_IO: EnvVar[bool] = _declare(EnvVar(
+    "K3CKPT_DIRECT_IO", SWITCH, True,
+    "`fetch` writes downloaded bytes with O_DIRECT where the filesystem allows it (no copy into the "
+    "page cache, no dirty pages left to flush); off: buffered writes, so the files stay in the page cache.",
+    _switch))
 
 K3CKPT_HASH_BUFFER: EnvVar[int] = _declare(EnvVar(
     "K3CKPT_HASH_BUFFER", SIZE, 16 * 1024**2,
