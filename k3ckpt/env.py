@@ -188,12 +188,6 @@ K3CKPT_CACHE_DIR: EnvVar[Path | None] = _declare(EnvVar(
     "mtime and inode have not changed are reused.",
     _path, default_doc="$XDG_CACHE_HOME/k3ckpt, else ~/.cache/k3ckpt"))
 
-K3CKPT_DIRECT_IO: EnvVar[bool] = _declare(EnvVar(
-    "K3CKPT_DIRECT_IO", SWITCH, True,
-    "`fetch` writes downloaded bytes with O_DIRECT where the filesystem allows it (no copy into the "
-    "page cache, no dirty pages left to flush); off: buffered writes, so the files stay in the page cache.",
-    _switch))
-
 K3CKPT_HASH_BUFFER: EnvVar[int] = _declare(EnvVar(
     "K3CKPT_HASH_BUFFER", SIZE, 16 * 1024**2,
     "Bytes read per call while hashing (verify, manifest build, fetch's checks); one buffer per "
@@ -215,6 +209,12 @@ K3CKPT_LOCK_STALE_SECONDS: EnvVar[float] = _declare(EnvVar(
     "K3CKPT_LOCK_STALE_SECONDS", SECONDS, 24 * 3600.0,
     "Age after which another host's fetch lock on the destination is taken as abandoned.",
     _seconds))
+
+K3CKPT_DIRECT_IO: EnvVar[bool] = _declare(EnvVar(
+    "K3CKPT_DIRECT_IO", SWITCH, True,
+    "`fetch` writes downloaded bytes with O_DIRECT where the filesystem allows it (no copy into the "
+    "page cache, no dirty pages left to flush); off: buffered writes, so the files stay in the page cache.",
+    _switch))
 
 K3CKPT_MX_CHUNK_BYTES: EnvVar[int] = _declare(EnvVar(
     "K3CKPT_MX_CHUNK_BYTES", SIZE, 8 * 1024**2,

@@ -119,7 +119,8 @@ def copy_body(resp: Any, fd: int, start: int, dest_offset: int, length: int, can
               direct_fd: int | None = None) -> int:
     """Write up to ``length`` body bytes (bytes ``start``... of the file) to ``fd`` at
     ``dest_offset``, reading ``piece`` bytes at a time; returns how many arrived. ``sink`` sees
-    every written piece in order (to hash while streaming); ``on_offset`` is told the offset
+    every written piece in order (to hash while streaming; the view is valid only during the
+    call: the buffer behind it is reused for the next piece); ``on_offset`` is told the offset
     reached after each piece (the sequential fallback journals with it); ``direct_fd`` (the
     same file opened with ``O_DIRECT``, see :func:`open_direct`) takes the aligned pieces."""
     return _copy_body(resp, fd, start, dest_offset, length, cancel, count, sink, on_offset, piece, direct_fd)
