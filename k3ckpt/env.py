@@ -212,8 +212,9 @@ K3CKPT_LOCK_STALE_SECONDS: EnvVar[float] = _declare(EnvVar(
 
 K3CKPT_DIRECT_IO: EnvVar[bool] = _declare(EnvVar(
     "K3CKPT_DIRECT_IO", SWITCH, True,
-    "`fetch` writes downloaded bytes with O_DIRECT where the filesystem allows it (no copy into the "
-    "page cache, no dirty pages left to flush); off: buffered writes, so the files stay in the page cache.",
+    "`fetch` writes downloaded bytes with O_DIRECT on a local disk's filesystem (ext4, xfs, btrfs...): "
+    "no copy into the page cache, no dirty pages left to flush; off: through the page cache, so the "
+    "files stay cached.",
     _switch))
 
 K3CKPT_MX_CHUNK_BYTES: EnvVar[int] = _declare(EnvVar(

@@ -644,17 +644,25 @@ def test_resumed_bytes_are_hashed_too(workers: int, hub: LoopbackHub, hf_listing
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to name descriptors")
-@pytest.mark.parametrize("direct", ["on", "off"])
+@pytest.mark.parametrize("direct", ["on", "off", "nfs"])
 def test_direct_io_takes_the_aligned_pieces(direct: str, hub: LoopbackHub, hf_listing: HubListing, served: Path,
                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With K3CKPT_DIRECT_IO on (the default) aligned pieces are written with O_DIRECT and the
-    rest (a file's unaligned tail) through the page cache; off, nothing is written with
+    """With K3CKPT_DIRECT_IO on (the default) on a local disk's filesystem, aligned pieces are
+    written with O_DIRECT and the rest (a file's unaligned tail) through the page cache; off,
+    or on a network filesystem (here a mount table saying NFS), nothing is written with
     O_DIRECT. The files are the same either way."""
     import fcntl
 
-    if direct == "on" and not _direct_io_supported(tmp_path):
-        pytest.skip("this filesystem has no O_DIRECT")
-    monkeypatch.setenv("K3CKPT_DIRECT_IO", direct)
+    local = download.filesystem_of(tmp_path) in download.DIRECT_IO_FILESYSTEMS
+    if direct != "off" and not (local and _direct_io_supported(tmp_path)):
+        pytest.skip("the temporary directory is not on a local filesystem with O_DIRECT")
+    monkeypatch.setenv("K3CKPT_DIRECT_IO", "off" if direct == "off" else "on")
+    if direct == "nfs":
+        table = tmp_path / "mountinfo"
+        table.write_text(f"21 1 0:21 / / rw,relatime - ext4 /dev/vda rw\n"
+                         f"40 21 0:40 / {os.path.realpath(tmp_path)} rw,relatime - nfs4 server:/export rw,vers=4.2\n")
+        monkeypatch.setattr(download, "MOUNTINFO", str(table))
+        assert download.filesystem_of(tmp_path / "o") == "nfs4"
     writes: list[tuple[bool, int, int]] = []
     pwrite = os.pwrite
 
@@ -669,10 +677,24 @@ def test_direct_io_takes_the_aligned_pieces(direct: str, hub: LoopbackHub, hf_li
     assert r.ok, r.failed
     _assert_identical(served, dest, [BIG, "config.json"])
     direct_writes = [(o, n) for d, o, n in writes if d]
-    if direct == "off":
+    if direct != "on":
         assert writes and not direct_writes
         return
     assert direct_writes and all(o % 4096 == 0 and n % 4096 == 0 for o, n in direct_writes)
     buffered = [(o, n) for d, o, n in writes if not d]
     assert all(o % 4096 or n < 4096 for o, n in buffered)  # only what O_DIRECT cannot take
     assert sum(n for _, n in direct_writes) >= hf_listing.files[BIG].size - 4096
+
+
+def test_filesystem_of_reads_the_mount_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    table = tmp_path / "mountinfo"
+    table.write_text("21 1 8:1 / / rw - ext4 /dev/vda rw\n"
+                     "30 21 0:40 / /mnt/my\\040share rw - nfs4 srv:/x rw\n"
+                     "31 21 0:41 / /mnt/my rw - xfs /dev/vdb rw\n"
+                     "garbage line\n")
+    monkeypatch.setattr(download, "MOUNTINFO", str(table))
+    assert download.filesystem_of("/mnt/my share/a/b") == "nfs4"  # \040 is a space
+    assert download.filesystem_of("/mnt/my/x") == "xfs"
+    assert download.filesystem_of("/mnt/myself") == "ext4"  # a prefix of the name is not the mount
+    monkeypatch.setattr(download, "MOUNTINFO", str(tmp_path / "absent"))
+    assert download.filesystem_of("/") is None

@@ -3,9 +3,10 @@
 Several files are fetched at once and every file is split into ``chunk_size`` pieces fetched
 with ``Range`` requests; workers spread over files first (one worker per file, its chunks in
 order) and share the chunks of the last files.  Each chunk is streamed into a preallocated
-``<final>.part`` file with ``os.pwrite`` at its offset (with ``O_DIRECT`` where the filesystem
-allows and the piece is aligned: ``K3CKPT_DIRECT_IO``); once a chunk's bytes are on disk
-(``fdatasync``) its index is recorded in a small journal ``<final>.part.journal``.  The file's
+``<final>.part`` file with ``os.pwrite`` at its offset (its aligned blocks with ``O_DIRECT`` on
+a local disk's filesystem: :data:`DIRECT_IO_FILESYSTEMS`, ``K3CKPT_DIRECT_IO``); once a chunk's
+bytes are on disk (``fdatasync``) its index is recorded in a small journal
+``<final>.part.journal``.  The file's
 sha256 is computed while it downloads, in file order: the worker streaming the next chunk in
 line feeds it the bytes it receives (the buffer it writes), and a chunk that completed ahead
 of its turn is read back from the ``.part`` when its turn comes.  Only a ``.part`` whose digest
@@ -55,6 +56,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -76,12 +78,14 @@ from .client import HubFile, HubListing, RetryPolicy
 
 __all__ = [
     "DEFAULT_CHUNK",
+    "DIRECT_IO_FILESYSTEMS",
     "FETCH_RETRY",
     "LOCK_NAME",
     "DiskSpaceError",
     "FetchLockedError",
     "FetchResult",
     "fetch_files",
+    "filesystem_of",
 ]
 
 #: Default chunk size: big enough that per-request overhead vanishes, small enough that a crash
@@ -96,6 +100,14 @@ PIECE = _transfer.PIECE
 FETCH_RETRY = RetryPolicy(attempts=8, backoff=1.0, max_backoff=60.0, max_retry_after=300.0)
 
 _JOURNAL_VERSION = 1
+
+#: Filesystems on a local block device, where an ``O_DIRECT`` write goes to the disk without
+#: a page-cache copy. Elsewhere fetch writes through the page cache: on NFS or SMB every direct
+#: write is a synchronous round trip (and a COMMIT), on tmpfs there is nothing to bypass, and
+#: FUSE or cluster filesystems each do something of their own.
+DIRECT_IO_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs"})
+#: Where the mount table is read from (a module setting so tests can give another).
+MOUNTINFO = "/proc/self/mountinfo"
 
 
 @dataclass
@@ -743,6 +755,30 @@ def _already_present(entry: HubFile, final: str) -> bool:
     return _mismatch(entry, digest.size, digest.sha256, digest.git_sha1) is None
 
 
+def filesystem_of(path: str | os.PathLike[str]) -> str | None:
+    """The type (``ext4``, ``nfs4``...) of the filesystem holding ``path`` (resolved), from the
+    mount table :data:`MOUNTINFO` (the mount point that is the longest prefix wins); None when
+    there is no mount table (not Linux) or it cannot be read."""
+    real = os.path.realpath(path)
+    try:
+        with open(MOUNTINFO, encoding="utf-8", errors="replace") as f:
+            table = f.read().splitlines()
+    except OSError:
+        return None
+    best: tuple[int, str] | None = None
+    for line in table:
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(" "), right.split(" ")
+        if not sep or len(fields) < 5 or not tail[0]:
+            continue
+        # octal escapes of space, tab, newline and backslash in the mount point
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if real == point or real.startswith(point.rstrip("/") + "/"):
+            if best is None or len(point) >= best[0]:
+                best = (len(point), tail[0])
+    return best[1] if best is not None else None
+
+
 def fetch_files(
     listing: HubListing,
     dest: str | Path,
@@ -801,7 +837,8 @@ def fetch_files(
     wanted = list(listing.files) if paths is None else list(dict.fromkeys(paths))
     result = FetchResult(dest=dest_path)
 
-    direct = K3CKPT_DIRECT_IO.get()  # here, not in a worker: a bad value is the run's error
+    # read here, not in a worker: a bad value is the run's error
+    direct = K3CKPT_DIRECT_IO.get() and filesystem_of(dest_real) in DIRECT_IO_FILESYSTEMS
     lock = _dest.DestLock(dest_real)
     if take_lock:
         lock.acquire()
