@@ -33,6 +33,7 @@ __all__ = [
     "REGISTRY",
     "EnvVar",
     "K3CKPT_CACHE_DIR",
+    "K3CKPT_DIRECT_IO",
     "K3CKPT_HASH_BUFFER",
     "K3CKPT_KEY_PASSPHRASE",
     "K3CKPT_LOCK_STALE_SECONDS",
@@ -46,6 +47,7 @@ __all__ = [
     "PATH",
     "SECONDS",
     "SIZE",
+    "SWITCH",
     "TEXT",
     "pause_point",
 ]
@@ -53,7 +55,7 @@ __all__ = [
 T = TypeVar("T")
 
 #: The types a variable can have, as ``docs/env.md`` names them.
-SIZE, SECONDS, PATH, TEXT = "size", "seconds", "path", "text"
+SIZE, SECONDS, PATH, TEXT, SWITCH = "size", "seconds", "path", "text", "switch"
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class EnvVar(Generic[T]):
         name (`str`):
             The variable's name, ``K3CKPT_...``.
         kind (`str`):
-            ``"size"`` (bytes), ``"seconds"``, ``"path"`` or ``"text"``.
+            ``"size"`` (bytes), ``"seconds"``, ``"path"``, ``"text"`` or ``"switch"`` (on/off).
         default:
             What :meth:`get` returns when the variable is unset or blank (``None``: the
             feature is off, or the default is worked out elsewhere - see ``default_doc``).
@@ -105,6 +107,8 @@ class EnvVar(Generic[T]):
             return self.default_doc
         if self.default is None:
             return "unset"
+        if self.kind == SWITCH:
+            return "on" if self.default else "off"
         if self.kind == SIZE and isinstance(self.default, int):
             return _size_text(self.default)
         return f"{self.default:g}" if isinstance(self.default, float) else str(self.default)
@@ -136,6 +140,16 @@ def _seconds(raw: str) -> float:
     if not math.isfinite(s) or s < 0:
         raise ValueError("is not a number of seconds >= 0 (examples: 60, 0.5, 86400)")
     return s
+
+
+_ON, _OFF = ("1", "on", "yes", "true"), ("0", "off", "no", "false")
+
+
+def _switch(raw: str) -> bool:
+    word = raw.strip().lower()
+    if word not in _ON + _OFF:
+        raise ValueError("is not on or off (examples: on, off, 1, 0)")
+    return word in _ON
 
 
 def _path(raw: str) -> Path:
@@ -195,6 +209,13 @@ K3CKPT_LOCK_STALE_SECONDS: EnvVar[float] = _declare(EnvVar(
     "K3CKPT_LOCK_STALE_SECONDS", SECONDS, 24 * 3600.0,
     "Age after which another host's fetch lock on the destination is taken as abandoned.",
     _seconds))
+
+K3CKPT_DIRECT_IO: EnvVar[bool] = _declare(EnvVar(
+    "K3CKPT_DIRECT_IO", SWITCH, True,
+    "`fetch` writes downloaded bytes with O_DIRECT on a local disk's filesystem (ext4, xfs, btrfs...): "
+    "no copy into the page cache, no dirty pages left to flush; off: through the page cache, so the "
+    "files stay cached.",
+    _switch))
 
 K3CKPT_MX_CHUNK_BYTES: EnvVar[int] = _declare(EnvVar(
     "K3CKPT_MX_CHUNK_BYTES", SIZE, 8 * 1024**2,

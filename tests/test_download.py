@@ -544,3 +544,157 @@ def test_ctrl_c_stops_promptly_releases_lock_and_resumes(hub: LoopbackHub, hf_li
     received = int(re.search(rb"RECEIVED (\d+)", err).group(1))  # type: ignore[union-attr]
     kept = sum(f.size for f in hf_listing.files.values()) - r.bytes_downloaded
     assert received - kept <= 3 * CHUNK
+
+
+# ----------------------------------------------------------------------------------------------
+# hashing as the bytes arrive, and O_DIRECT writes
+# ----------------------------------------------------------------------------------------------
+
+
+def _direct_io_supported(where: Path) -> bool:
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        fd = os.open(where / "direct-probe", os.O_RDWR | os.O_CREAT | flag, 0o644)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(where / "direct-probe")
+    return True
+
+
+def _is_part(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").endswith(".part")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to name descriptors")
+@pytest.mark.parametrize("direct", ["on", "off"])
+def test_one_worker_per_file_hashes_what_it_receives(direct: str, hub: LoopbackHub, listing: HubListing,
+                                                     served: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks fetched in file order are hashed from the receive buffer: no byte is read back
+    from a .part (the old way read every chunk back from the page cache)."""
+    monkeypatch.setenv("K3CKPT_DIRECT_IO", direct)
+    read_back: list[int] = []
+    preadv = os.preadv
+
+    def counting_preadv(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        if _is_part(fd):
+            read_back.append(offset)
+        return preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    r = fetch_files(listing, tmp_path / "o", chunk_size=CHUNK, token="", workers=1, retry=_fast())
+    assert r.ok, r.failed
+    _assert_identical(served, tmp_path / "o", list(listing.files))
+    assert read_back == []
+
+
+@pytest.mark.parametrize("workers", [1, 8])
+def test_corrupt_byte_mid_chunk_never_reaches_the_final_name(workers: int, hub: LoopbackHub, listing: HubListing,
+                                                             tmp_path: Path) -> None:
+    """Hashed as it arrives (one worker) or read back (several on one file): a byte flipped in
+    the middle of a chunk, every time it is served, fails the file before its rename."""
+    hub.inject("corrupt_byte", BIG, times=None, offset=3 * CHUNK + CHUNK // 3)
+    dest = tmp_path / "o"
+    r = fetch_files(listing, dest, [BIG], chunk_size=CHUNK, token="", workers=workers, retry=_fast())
+    assert not r.ok and "sha256 mismatch" in r.failed[BIG]
+    assert not (dest / BIG).exists() and _work_files(dest) == []
+
+
+def test_a_request_lost_mid_chunk_is_unhashed_before_its_retry(hub: LoopbackHub, listing: HubListing,
+                                                               served: Path, tmp_path: Path) -> None:
+    """The bytes a failed request fed to the file's digest are taken back (the retry sends them
+    again): the file verifies at once, with no whole-file re-fetch. Without the rollback they
+    would be hashed twice, the digest would not match and the file would be fetched again."""
+    size = listing.files[BIG].size
+    # FIN, not RST: every byte sent before the close is received (and hashed) first
+    drop = hub.inject("drop_after", BIG, times=1, after=CHUNK // 2, reset=False)
+    r = fetch_files(listing, tmp_path / "o", [BIG], chunk_size=CHUNK, token="", workers=1, retry=_fast())
+    assert r.ok and drop.hits == 1
+    assert r.bytes_downloaded == size + CHUNK // 2
+    _assert_identical(served, tmp_path / "o", [BIG])
+
+
+@pytest.mark.parametrize("workers", [1, 8])
+def test_resumed_bytes_are_hashed_too(workers: int, hub: LoopbackHub, hf_listing: HubListing, served: Path,
+                                      tmp_path: Path) -> None:
+    """Chunks journaled by an earlier run are not fetched again, but their bytes on disk are
+    still part of the digest: one rotten there makes the file fail its check and be fetched
+    again in full, never renamed with it."""
+    dest = tmp_path / "o"
+    dest.mkdir()
+    entry = hf_listing.files[BIG]
+    data = bytearray((served / BIG).read_bytes())
+    data[CHUNK + 7] ^= 0xFF  # in chunk 1, "written before the kill"
+    (dest / (BIG + ".part")).write_bytes(bytes(data))
+    nchunks = -(-entry.size // CHUNK)
+    doc = {"version": 1, "path": BIG, "size": entry.size, "sha256": entry.sha256, "git_sha1": entry.git_sha1,
+           "chunk_size": CHUNK, "done": list(range(nchunks - 1))}
+    (dest / (BIG + ".part.journal")).write_text(json.dumps(doc))
+    r = fetch_files(hf_listing, dest, [BIG], chunk_size=CHUNK, token="", workers=workers, retry=_fast())
+    assert r.ok, r.failed
+    last = entry.size - (nchunks - 1) * CHUNK
+    assert r.bytes_downloaded == last + entry.size  # the missing chunk, then the whole file again
+    _assert_identical(served, dest, [BIG])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to name descriptors")
+@pytest.mark.parametrize("direct", ["on", "off", "nfs"])
+def test_direct_io_takes_the_aligned_pieces(direct: str, hub: LoopbackHub, hf_listing: HubListing, served: Path,
+                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With K3CKPT_DIRECT_IO on (the default) on a local disk's filesystem, aligned pieces are
+    written with O_DIRECT and the rest (a file's unaligned tail) through the page cache; off,
+    or on a network filesystem (here a mount table saying NFS), nothing is written with
+    O_DIRECT. The files are the same either way."""
+    import fcntl
+
+    local = download.filesystem_of(tmp_path) in download.DIRECT_IO_FILESYSTEMS
+    if direct != "off" and not (local and _direct_io_supported(tmp_path)):
+        pytest.skip("the temporary directory is not on a local filesystem with O_DIRECT")
+    monkeypatch.setenv("K3CKPT_DIRECT_IO", "off" if direct == "off" else "on")
+    if direct == "nfs":
+        table = tmp_path / "mountinfo"
+        table.write_text(f"21 1 0:21 / / rw,relatime - ext4 /dev/vda rw\n"
+                         f"40 21 0:40 / {os.path.realpath(tmp_path)} rw,relatime - nfs4 server:/export rw,vers=4.2\n")
+        monkeypatch.setattr(download, "MOUNTINFO", str(table))
+        assert download.filesystem_of(tmp_path / "o") == "nfs4"
+    writes: list[tuple[bool, int, int]] = []
+    pwrite = os.pwrite
+
+    def recording_pwrite(fd: int, data: Any, offset: int) -> int:
+        if _is_part(fd):
+            writes.append((bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), offset, len(data)))
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", recording_pwrite)
+    dest = tmp_path / "o"
+    r = fetch_files(hf_listing, dest, [BIG, "config.json"], chunk_size=CHUNK, token="", workers=2, retry=_fast())
+    assert r.ok, r.failed
+    _assert_identical(served, dest, [BIG, "config.json"])
+    direct_writes = [(o, n) for d, o, n in writes if d]
+    if direct != "on":
+        assert writes and not direct_writes
+        return
+    assert direct_writes and all(o % 4096 == 0 and n % 4096 == 0 for o, n in direct_writes)
+    buffered = [(o, n) for d, o, n in writes if not d]
+    assert all(o % 4096 or n < 4096 for o, n in buffered)  # only what O_DIRECT cannot take
+    assert sum(n for _, n in direct_writes) >= hf_listing.files[BIG].size - 4096
+
+
+def test_filesystem_of_reads_the_mount_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    table = tmp_path / "mountinfo"
+    table.write_text("21 1 8:1 / / rw - ext4 /dev/vda rw\n"
+                     "30 21 0:40 / /mnt/my\\040share rw - nfs4 srv:/x rw\n"
+                     "31 21 0:41 / /mnt/my rw - xfs /dev/vdb rw\n"
+                     "garbage line\n")
+    monkeypatch.setattr(download, "MOUNTINFO", str(table))
+    assert download.filesystem_of("/mnt/my share/a/b") == "nfs4"  # \040 is a space
+    assert download.filesystem_of("/mnt/my/x") == "xfs"
+    assert download.filesystem_of("/mnt/myself") == "ext4"  # a prefix of the name is not the mount
+    monkeypatch.setattr(download, "MOUNTINFO", str(tmp_path / "absent"))
+    assert download.filesystem_of("/") is None

@@ -112,6 +112,9 @@ def test_get_reads_at_call_time_and_blank_means_default(monkeypatch: pytest.Monk
     assert var.get() == var.default
     assert var.get({var.name: "2KiB"}) == 2048 and var.get({}) == var.default  # an explicit environment
     assert env.K3CKPT_LOCK_STALE_SECONDS.get({"K3CKPT_LOCK_STALE_SECONDS": "0.5"}) == 0.5
+    assert [env.K3CKPT_DIRECT_IO.get({"K3CKPT_DIRECT_IO": v}) for v in ("OFF", "0", "no", "On", "1", "true")] == \
+        [False, False, False, True, True, True]
+    assert env.K3CKPT_DIRECT_IO.get({}) is True
     assert env.K3CKPT_CACHE_DIR.get({"K3CKPT_CACHE_DIR": "~/c"}) == Path("~/c").expanduser()
 
 
@@ -122,6 +125,7 @@ def test_get_reads_at_call_time_and_blank_means_default(monkeypatch: pytest.Monk
     ("K3CKPT_LOCK_STALE_SECONDS", "a day", "is not a number of seconds"),
     ("K3CKPT_LOCK_STALE_SECONDS", "-1", "is not a number of seconds >= 0"),
     ("K3CKPT_LOCK_STALE_SECONDS", "inf", "is not a number of seconds >= 0"),
+    ("K3CKPT_DIRECT_IO", "maybe", "is not on or off (examples: on, off, 1, 0)"),
 ])
 def test_bad_values_are_typed_errors(name: str, value: str, problem: str) -> None:
     with pytest.raises(EnvError) as e:
@@ -134,11 +138,12 @@ def test_bad_values_are_typed_errors(name: str, value: str, problem: str) -> Non
 
 #: The variables the CLI tests below set to a bad value; paths and text have none.
 CLI_CHECKED = {"K3CKPT_HASH_BUFFER", "K3CKPT_MAX_HEADER_BYTES", "K3CKPT_MX_CHUNK_BYTES", "K3CKPT_MX_INSPECT_CHUNK_BYTES",
-               "K3CKPT_PREFLIGHT_FREE_BYTES", "K3CKPT_PREFLIGHT_MEM_BYTES", "K3CKPT_LOCK_STALE_SECONDS"}
+               "K3CKPT_PREFLIGHT_FREE_BYTES", "K3CKPT_PREFLIGHT_MEM_BYTES", "K3CKPT_LOCK_STALE_SECONDS",
+               "K3CKPT_DIRECT_IO"}
 
 
 def test_every_variable_that_can_be_bad_is_checked_through_the_cli() -> None:
-    assert CLI_CHECKED == {v.name for v in env.REGISTRY.values() if v.kind in (env.SIZE, env.SECONDS)}
+    assert CLI_CHECKED == {v.name for v in env.REGISTRY.values() if v.kind in (env.SIZE, env.SECONDS, env.SWITCH)}
 
 
 @pytest.fixture()
@@ -232,3 +237,16 @@ def test_lock_stale_seconds(served_hub, tmp_path: Path) -> None:
     res = run(*args, env_vars={"K3CKPT_LOCK_STALE_SECONDS": "60"})
     assert res.exit_code == 0, res.output
     assert (dest / "LICENSE").exists() and not lock.exists()
+
+
+@pytest.mark.usefixtures("isolated_hub_clients")
+def test_direct_io(served_hub, tmp_path: Path) -> None:
+    h, _ = served_hub
+    args = ("fetch", "--source", "hf", "--repo", REPO, "--endpoint", h.url, "--include", "LICENSE")
+    res = run(*args, "--dest", str(tmp_path / "a"), env_vars={"K3CKPT_DIRECT_IO": "maybe"})
+    assert_one_line_error(res, "K3CKPT_DIRECT_IO='maybe' is not on or off")
+    assert not (tmp_path / "a" / "LICENSE").exists()
+    for value in ("off", "on"):
+        res = run(*args, "--dest", str(tmp_path / value), env_vars={"K3CKPT_DIRECT_IO": value})
+        assert res.exit_code == 0, res.output
+        assert (tmp_path / value / "LICENSE").exists()

@@ -10,12 +10,15 @@ hook that freezes a run at a named moment.
 
 from __future__ import annotations
 
-import collections
+import errno
+import http.client
+import mmap
+import os
 import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import requests
 import urllib3.exceptions
@@ -112,50 +115,145 @@ def request(listing: HubListing, entry: HubFile, headers: dict[str, str], timeou
 
 def copy_body(resp: Any, fd: int, start: int, dest_offset: int, length: int, cancel: threading.Event,
               count: Callable[[int], None], sink: Callable[[memoryview], None] | None = None,
-              on_offset: Callable[[int], None] | None = None, piece: int = PIECE) -> int:
+              on_offset: Callable[[int], None] | None = None, piece: int = PIECE,
+              direct_fd: int | None = None) -> int:
     """Write up to ``length`` body bytes (bytes ``start``... of the file) to ``fd`` at
     ``dest_offset``, reading ``piece`` bytes at a time; returns how many arrived. ``sink`` sees
-    every written piece in order (to hash while streaming); ``on_offset`` is told the offset
-    reached after each piece (the sequential fallback journals with it)."""
-    return _copy_body(resp, fd, start, dest_offset, length, cancel, count, sink, on_offset, piece)
+    every written piece in order (to hash while streaming; the view is valid only during the
+    call: the buffer behind it is reused for the next piece); ``on_offset`` is told the offset
+    reached after each piece (the sequential fallback journals with it); ``direct_fd`` (the
+    same file opened with ``O_DIRECT``, see :func:`open_direct`) takes the aligned pieces."""
+    return _copy_body(resp, fd, start, dest_offset, length, cancel, count, sink, on_offset, piece, direct_fd)
+
+
+#: ``O_DIRECT`` wants the buffer address, the file offset and the length aligned to the
+#: device's logical block: 4 KiB covers both 512-byte and 4 KiB sectors.
+DIRECT_ALIGN = 4096
+
+_LOCAL = threading.local()
+
+
+def piece_buffer(size: int) -> memoryview:
+    """This thread's reusable receive buffer of at least ``size`` bytes: an anonymous ``mmap``,
+    so page-aligned (an ``O_DIRECT`` write may take it as it is) and never freed and faulted in
+    again per piece, as a fresh ``bytes`` per read would be."""
+    buf: memoryview | None = getattr(_LOCAL, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _LOCAL.buf = memoryview(mmap.mmap(-1, max(size, PIECE)))
+    return buf
+
+
+def open_direct(fd: int) -> int | None:
+    """A second descriptor on ``fd``'s file with ``O_DIRECT`` (re-opened through
+    ``/proc/self/fd``, so it is the same inode even if the name changed), or None where the
+    platform or filesystem has no direct I/O (tmpfs before Linux 6.6, some FUSE mounts).
+
+    Why: a buffered write copies every byte into freshly allocated page cache (the biggest CPU
+    cost of a fetch after sha256; on a VM each new page may also fault in the host) and leaves
+    it dirty for the ``fdatasync`` to write. ``O_DIRECT`` hands the receive buffer to the disk
+    instead: no copy, no dirty pages, the same durability once ``fdatasync`` returns. Callers
+    ask only when ``K3CKPT_DIRECT_IO`` is on (read once per run, before any worker starts)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | flag)
+    except OSError:
+        return None
+
+
+def _readinto_of(resp: Any) -> Callable[[memoryview], int]:
+    """How to read ``resp``'s body into a buffer. The ``http.client`` response under urllib3's
+    (``raw._fp``) has ``readinto``: the socket fills our buffer directly, with http.client's own
+    Content-Length / chunked framing. urllib3's ``read`` returns a new ``bytes`` per call (one
+    more copy and allocation); that path stays for any other raw stream, and whenever urllib3
+    has buffered or decodes anything (never here: identity encoding is required)."""
+    raw = resp.raw
+    fp = getattr(raw, "_fp", None)
+    decoded = getattr(raw, "_decoded_buffer", None)
+    if isinstance(fp, http.client.HTTPResponse) and getattr(raw, "_decoder", None) is None and not decoded:
+        def read_direct(view: memoryview) -> int:
+            n = fp.readinto(view)
+            if not n and view and fp.length:
+                # http.client returns 0 when the peer closes before Content-Length (urllib3 raises)
+                raise http.client.IncompleteRead(b"", fp.length)
+            return n
+
+        return read_direct
+
+    def read_copy(view: memoryview) -> int:
+        data = raw.read(len(view), decode_content=False)
+        view[:len(data)] = data
+        return len(data)
+
+    return read_copy
+
+
+def _write_piece(fd: int, direct_fd: int | None, data: memoryview, offset: int) -> bool:
+    """Write ``data`` at ``offset``: its whole blocks through ``direct_fd`` when the offset is
+    aligned, the rest (a file's unaligned tail) through ``fd``; False when the direct write was
+    refused (the caller stops trying it for this body)."""
+    head = len(data) - len(data) % DIRECT_ALIGN
+    if direct_fd is not None and head and offset % DIRECT_ALIGN == 0:
+        try:
+            pwrite_all(direct_fd, data[:head], offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # a stricter alignment than ours: fall back; anything else is real
+                raise
+            pwrite_all(fd, data, offset)
+            return False
+        if head < len(data):
+            pwrite_all(fd, data[head:], offset + head)
+        return True
+    pwrite_all(fd, data, offset)
+    return True
 
 
 def _copy_body(resp: Any, fd: int | None, start: int, dest_offset: int, length: int, cancel: threading.Event,
                count: Callable[[int], None], sink: Callable[[memoryview], None] | None,
-               on_offset: Callable[[int], None] | None, piece: int) -> int:
-    """:func:`copy_body`; ``fd`` None writes nothing (only ``sink`` sees the bytes)."""
-    raw = resp.raw
+               on_offset: Callable[[int], None] | None, piece: int, direct_fd: int | None = None) -> int:
+    """:func:`copy_body`; ``fd`` None writes nothing (only ``sink`` sees the bytes).
+
+    One reused buffer per thread: the socket is read into it, ``sink`` hashes it and the same
+    bytes are written from it, so what is hashed is exactly what was written."""
+    readinto = _readinto_of(resp)
+    buf = piece_buffer(piece)
     received = 0
     offset = dest_offset
-    try:
-        while received < length:
-            if cancel.is_set():
-                raise Cancelled()
-            data = raw.read(min(length - received, piece), decode_content=False)
-            if not data:
-                break
-            count(len(data))
-            if fd is not None:
-                pwrite_all(fd, data, offset)
-            offset += len(data)
-            if sink is not None:
-                sink(memoryview(data))
-            received += len(data)
-            if on_offset is not None:
-                on_offset(offset)
-    except (TimeoutError, urllib3.exceptions.HTTPError, requests.exceptions.RequestException, ConnectionError) as e:
-        got = "an empty body" if received == 0 else f"{received} of {length} bytes"
-        raise Retryable(f"connection lost after {got} (bytes {start}-{start + length - 1}; {type(e).__name__})") from None
+    while received < length:
+        if cancel.is_set():
+            raise Cancelled()
+        try:
+            n = readinto(buf[:min(length - received, piece)])
+        except (OSError, http.client.HTTPException, urllib3.exceptions.HTTPError,
+                requests.exceptions.RequestException) as e:
+            # (TimeoutError and ConnectionError are OSErrors: the socket's, never the disk's here)
+            got = "an empty body" if received == 0 else f"{received} of {length} bytes"
+            raise Retryable(f"connection lost after {got} (bytes {start}-{start + length - 1}; "
+                            f"{type(e).__name__})") from None
+        if not n:
+            break
+        data = buf[:n]
+        count(n)
+        if fd is not None and not _write_piece(fd, direct_fd, data, offset):
+            direct_fd = None
+        offset += n
+        if sink is not None:
+            sink(data)
+        received += n
+        if on_offset is not None:
+            on_offset(offset)
     return received
 
 
 def stream_range(listing: HubListing, entry: HubFile, start: int, length: int, fd: int, dest_offset: int,
                  headers: dict[str, str], timeout: float, cancel: threading.Event, count: Callable[[int], None],
-                 sink: Callable[[memoryview], None] | None = None) -> None:
+                 sink: Callable[[memoryview], None] | None = None, direct_fd: int | None = None) -> None:
     """One ranged GET of bytes ``[start, start + length)`` of ``entry``, written to ``fd`` at
     ``dest_offset`` (the rank-aware fetch writes a tensor at another offset than the source's);
-    ``sink`` sees every written piece in order. See :func:`_stream_range`."""
-    _stream_range(listing, entry, start, length, fd, dest_offset, headers, timeout, cancel, count, sink)
+    ``sink`` sees every written piece in order; ``direct_fd``: see :func:`copy_body`. See
+    :func:`_stream_range`."""
+    _stream_range(listing, entry, start, length, fd, dest_offset, headers, timeout, cancel, count, sink, direct_fd)
 
 
 def hash_range(listing: HubListing, entry: HubFile, start: int, length: int, headers: dict[str, str],
@@ -168,7 +266,7 @@ def hash_range(listing: HubListing, entry: HubFile, start: int, length: int, hea
 
 def _stream_range(listing: HubListing, entry: HubFile, start: int, length: int, fd: int | None, dest_offset: int,
                   headers: dict[str, str], timeout: float, cancel: threading.Event, count: Callable[[int], None],
-                  sink: Callable[[memoryview], None] | None) -> None:
+                  sink: Callable[[memoryview], None] | None, direct_fd: int | None = None) -> None:
     """One ranged GET into ``fd`` (None: nowhere) and ``sink``. Raises Retryable/Fatal/Cancelled
     (after one of them, what ``sink`` saw is void for a writer that journals whole requests; it
     was every byte received, in order), or RangeIgnored.
@@ -206,7 +304,7 @@ def _stream_range(listing: HubListing, entry: HubFile, start: int, length: int, 
                 raise Retryable(f"server sent {what} (HTTP 200) for a {entry.size}-byte file")
             if start != 0 or length != entry.size:
                 raise RangeIgnored(f"the server ignores Range (HTTP 200 with the whole file for bytes {start}-{end})")
-        received = _copy_body(resp, fd, start, dest_offset, length, cancel, count, sink, None, PIECE)
+        received = _copy_body(resp, fd, start, dest_offset, length, cancel, count, sink, None, PIECE, direct_fd)
         extra = b""
         if received == length and announced is None:
             try:
@@ -234,7 +332,16 @@ def back_off(policy: RetryPolicy, failures: int, retry_after: float | None) -> N
     policy.sleep(delay)
 
 
-def next_task(cond: threading.Condition, queue: collections.deque[Any], busy: Callable[[], bool],
+class TaskQueue(Protocol):
+    """What :func:`next_task` takes tasks from: a ``collections.deque``, or a queue with its own
+    order (the downloader hands out chunks per file)."""
+
+    def __len__(self) -> int: ...
+
+    def popleft(self) -> Any: ...
+
+
+def next_task(cond: threading.Condition, queue: TaskQueue, busy: Callable[[], bool],
               cancel: threading.Event) -> Any | None:
     """A worker's next task: waits (under ``cond``) while the queue is empty but tasks are still
     running (a running task may queue more); None when cancelled or when nothing is left."""

@@ -1,12 +1,17 @@
 """A parallel, resumable, verified downloader for hub listings (the bytes behind ``k3ckpt fetch``).
 
-Several files are fetched at once and every file is split into ``chunk_size`` pieces fetched in
-parallel with ``Range`` requests.  Each chunk is streamed into a preallocated ``<final>.part``
-file with ``os.pwrite`` at its offset; once a chunk's bytes are on disk (``fdatasync``) its index
-is recorded in a small journal ``<final>.part.journal``.  The file's sha256 is computed while
-it downloads (chunks are hashed in order from the page cache as soon as every earlier chunk is
-on disk), and only a ``.part`` whose digest matches is renamed (``os.replace``) to its final
-name, so a partial or corrupt file never appears under the final name.
+Several files are fetched at once and every file is split into ``chunk_size`` pieces fetched
+with ``Range`` requests; workers spread over files first (one worker per file, its chunks in
+order) and share the chunks of the last files.  Each chunk is streamed into a preallocated
+``<final>.part`` file with ``os.pwrite`` at its offset (its aligned blocks with ``O_DIRECT`` on
+a local disk's filesystem: :data:`DIRECT_IO_FILESYSTEMS`, ``K3CKPT_DIRECT_IO``); once a chunk's
+bytes are on disk (``fdatasync``) its index is recorded in a small journal
+``<final>.part.journal``.  The file's
+sha256 is computed while it downloads, in file order: the worker streaming the next chunk in
+line feeds it the bytes it receives (the buffer it writes), and a chunk that completed ahead
+of its turn is read back from the ``.part`` when its turn comes.  Only a ``.part`` whose digest
+matches is renamed (``os.replace``) to its final name, after an ``fsync``, so a partial or
+corrupt file never appears under the final name.
 
 Crash safety (SIGKILL, power loss, Ctrl-C at any moment):
 
@@ -49,7 +54,9 @@ import collections
 import errno
 import hashlib
 import json
+import mmap
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +66,7 @@ from typing import Any
 
 import urllib3.exceptions
 
+from ..env import K3CKPT_DIRECT_IO
 from ..errors import DiskSpaceError, FetchLockedError
 from ..integrity.hashing import HashError, hash_file
 from ..utils import fsync_dir, write_atomic
@@ -70,12 +78,14 @@ from .client import HubFile, HubListing, RetryPolicy
 
 __all__ = [
     "DEFAULT_CHUNK",
+    "DIRECT_IO_FILESYSTEMS",
     "FETCH_RETRY",
     "LOCK_NAME",
     "DiskSpaceError",
     "FetchLockedError",
     "FetchResult",
     "fetch_files",
+    "filesystem_of",
 ]
 
 #: Default chunk size: big enough that per-request overhead vanishes, small enough that a crash
@@ -90,6 +100,14 @@ PIECE = _transfer.PIECE
 FETCH_RETRY = RetryPolicy(attempts=8, backoff=1.0, max_backoff=60.0, max_retry_after=300.0)
 
 _JOURNAL_VERSION = 1
+
+#: Filesystems on a local block device, where an ``O_DIRECT`` write goes to the disk without
+#: a page-cache copy. Elsewhere fetch writes through the page cache: on NFS or SMB every direct
+#: write is a synchronous round trip (and a COMMIT), on tmpfs there is nothing to bypass, and
+#: FUSE or cluster filesystems each do something of their own.
+DIRECT_IO_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs"})
+#: Where the mount table is read from (a module setting so tests can give another).
+MOUNTINFO = "/proc/self/mountinfo"
 
 
 @dataclass
@@ -143,19 +161,28 @@ class FetchResult:
 
 
 class _StreamDigest:
-    """The digest of a ``.part``, computed while the download runs.
+    """The digest of a ``.part``, computed while the download runs, in file order.
 
-    Chunks complete out of order, but sha256 is sequential: whichever worker finishes a chunk
-    hashes, from the page cache, every chunk from the cursor on that is already on disk. The
-    last chunk's arrival then leaves at most a chunk or two to hash, instead of a second pass
-    over the whole file after the download. One thread hashes a file at a time (``busy``);
-    the others never wait for it.
+    Two ways a chunk gets hashed:
+
+    - **as it arrives**: the worker streaming chunk ``i`` takes the digest over (:meth:`claim`)
+      once every byte before the chunk is hashed, and feeds it each received buffer - the same
+      buffer it writes, so no byte is read back. With one worker per file (how the run hands
+      out chunks while there are more files than workers) every chunk goes this way. If the
+      request fails, :meth:`rollback` restores the digest as it was at the chunk's start (the
+      retry's bytes replace the failed one's); :meth:`commit` moves the cursor past the chunk.
+    - **after it is on disk**: a chunk that completed ahead of the cursor (several workers on
+      one file) is hashed by whichever worker finds it next in line (:meth:`advance`), read
+      back from the ``.part``.
+
+    One thread hashes a file at a time (``busy``); the others never wait for it.
     """
 
     def __init__(self, entry: HubFile) -> None:
         self.git = entry.sha256 is None and entry.git_sha1 is not None
         self.size = entry.size
         self.busy = threading.Lock()
+        self.saved: tuple[Any, Any, int] | None = None  # the state at the claimed chunk's start
         self.reset()
 
     def reset(self) -> None:
@@ -165,19 +192,60 @@ class _StreamDigest:
         self.sha256 = hashlib.sha256()
         self.blob = hashlib.sha1(b"blob %d\0" % self.size) if self.git else None
 
-    def _hash_range(self, fd: int, start: int, length: int) -> None:
+    def feed(self, data: memoryview) -> None:
+        """Hash the next bytes of the file (the caller holds ``busy``)."""
+        self.sha256.update(data)
+        if self.blob is not None:
+            self.blob.update(data)
+        self.hashed += len(data)
+
+    def hash_written(self, job: _Job, start: int, length: int) -> None:
+        """Hash ``length`` bytes of the ``.part`` from ``start``, read back from it (through the
+        ``O_DIRECT`` descriptor when there is one and the offset allows: the bytes were written
+        past the page cache, and reading them through it would allocate it after all)."""
+        fd, dfd = job.fd, job.dfd
         view = _hash_buffer()
         pos, end = start, start + length
         while pos < end:
-            n = os.preadv(fd, [view[:min(len(view), end - pos)]], pos)
+            want = min(len(view), end - pos)
+            n = -1
+            if dfd is not None and pos % _transfer.DIRECT_ALIGN == 0:
+                try:  # whole blocks: the last may reach past ``end`` (into the view, not the result)
+                    n = min(want, os.preadv(dfd, [view[:-(-want // _transfer.DIRECT_ALIGN) * _transfer.DIRECT_ALIGN]], pos))
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+            if n < 0:
+                n = os.preadv(fd, [view[:want]], pos)  # type: ignore[arg-type]  # fd is open here
             if n <= 0:
                 raise OSError(f"the .part ended at byte {pos}, expected {end}")
-            data = view[:n]
-            self.sha256.update(data)
-            if self.blob is not None:
-                self.blob.update(data)
+            self.feed(view[:n])
             pos += n
-        self.hashed += length
+
+    def claim(self, index: int) -> bool:
+        """Take the digest over for the worker streaming chunk ``index`` if every byte before
+        the chunk is hashed and no other thread is hashing; the claimant then feeds it, and
+        ends with :meth:`commit` or :meth:`rollback` (which release ``busy``)."""
+        if self.next != index or not self.busy.acquire(blocking=False):
+            return False
+        if self.next != index:  # moved on between the look and the lock
+            self.busy.release()
+            return False
+        self.saved = (self.sha256.copy(), self.blob.copy() if self.blob is not None else None, self.hashed)
+        return True
+
+    def commit(self, index: int) -> None:
+        """Every byte of claimed chunk ``index`` (as written) is hashed: move past it."""
+        self.next = index + 1
+        self.saved = None
+        self.busy.release()
+
+    def rollback(self) -> None:
+        """The claimed chunk's request failed: forget what it fed (its retry writes the bytes again)."""
+        assert self.saved is not None
+        self.sha256, self.blob, self.hashed = self.saved
+        self.saved = None
+        self.busy.release()
 
     def advance(self, job: _Job, *, wait: bool = False) -> None:
         """Hash the chunks from the cursor on that are done; with ``wait``, wait for the thread
@@ -191,7 +259,7 @@ class _StreamDigest:
                     if not ready or fd is None:
                         break
                     start, length = job.chunk(i)
-                    self._hash_range(fd, start, length)
+                    self.hash_written(job, start, length)
                     self.next = i + 1
             finally:
                 self.busy.release()
@@ -211,17 +279,18 @@ _HASH_LOCAL = threading.local()
 
 
 def _hash_buffer() -> memoryview:
-    """This thread's reusable read buffer for hashing (no allocation per chunk)."""
+    """This thread's reusable read buffer for hashing (no allocation per chunk; an anonymous
+    ``mmap``, so page-aligned for ``O_DIRECT`` reads)."""
     buf = getattr(_HASH_LOCAL, "buf", None)
     if buf is None:
-        buf = _HASH_LOCAL.buf = memoryview(bytearray(8 << 20))
+        buf = _HASH_LOCAL.buf = memoryview(mmap.mmap(-1, 8 << 20))
     return buf
 
 
 class _Job:
     """One file being downloaded: its ``.part`` descriptor, journal and outstanding chunks."""
 
-    def __init__(self, entry: HubFile, final: str, chunk_size: int, dest_real: str) -> None:
+    def __init__(self, entry: HubFile, final: str, chunk_size: int, dest_real: str, direct: bool = False) -> None:
         self.entry = entry
         self.final = final
         self.dest_real = dest_real
@@ -234,6 +303,10 @@ class _Job:
         # The .part's descriptor: set by open() before the first transfer, None again after
         # close(). Calls made while the job runs pass it with "type: ignore[arg-type]".
         self.fd: int | None = None
+        # The same file opened with O_DIRECT (aligned pieces are written through it), or None:
+        # K3CKPT_DIRECT_IO off, or a filesystem without direct I/O.
+        self.direct = direct
+        self.dfd: int | None = None
         self.outstanding = 0  # queued or running tasks of this file
         self.failed: str | None = None
         self.refetched = False
@@ -271,6 +344,8 @@ class _Job:
                                       resume=bool(self.done))
         except ValueError as e:  # its directory resolves outside the destination
             raise _transfer.Fatal(str(e)) from None
+        if self.direct:
+            self.dfd = _transfer.open_direct(self.fd)
         if not self.done:
             self.write_journal()
 
@@ -281,6 +356,9 @@ class _Job:
         write_atomic(self.journal, json.dumps(doc).encode(), reuse_temp=True)
 
     def close(self) -> None:
+        if self.dfd is not None:
+            os.close(self.dfd)
+            self.dfd = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -298,9 +376,35 @@ _WHOLE = -1
 def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str, str], timeout: float,
                   cancel: threading.Event, count: Callable[[int], None]) -> None:
     """One ranged GET of chunk ``index`` written in place; raises Retryable/Fatal/Cancelled,
-    or RangeIgnored when the server sends the whole file instead."""
+    or RangeIgnored when the server sends the whole file instead.
+
+    The file's digest is fed the received bytes as they are written once this chunk is next in
+    line (:meth:`_StreamDigest.claim`: at once when every earlier chunk is hashed, else as soon
+    as it is, after hashing from the ``.part`` what this request wrote before)."""
     start, length = job.chunk(index)
-    _transfer.stream_range(listing, job.entry, start, length, job.fd, start, headers, timeout, cancel, count)  # type: ignore[arg-type]  # fd is open here
+    digest = job.digest
+    owner = False
+    seen = 0  # bytes of this request written so far
+
+    def sink(data: memoryview) -> None:
+        nonlocal owner, seen
+        if not owner and digest.claim(index):
+            owner = True
+            if seen:
+                digest.hash_written(job, start, seen)
+        if owner:
+            digest.feed(data)
+        seen += len(data)
+
+    try:
+        _transfer.stream_range(listing, job.entry, start, length, job.fd, start, headers, timeout, cancel, count,  # type: ignore[arg-type]  # fd is open here
+                               sink=sink, direct_fd=job.dfd)
+    except BaseException:
+        if owner:
+            digest.rollback()
+        raise
+    if owner:
+        digest.commit(index)
 
 
 def _stream_whole(listing: HubListing, job: _Job, headers: dict[str, str], timeout: float,
@@ -328,7 +432,7 @@ def _stream_whole(listing: HubListing, job: _Job, headers: dict[str, str], timeo
                 reached[0] += 1
 
         received = _transfer.copy_body(resp, job.fd, 0, 0, entry.size, cancel, count, on_offset=on_offset,  # type: ignore[arg-type]  # fd is open here
-                                       piece=PIECE)
+                                       piece=PIECE, direct_fd=job.dfd)
         extra = b""
         if received == entry.size and announced is None:
             try:
@@ -347,6 +451,50 @@ def _stream_whole(listing: HubListing, job: _Job, headers: dict[str, str], timeo
 # ----------------------------------------------------------------------------------------------
 
 
+class _Tasks:
+    """The queued (job, chunk) tasks of a run, per file, handed out so that workers spread over
+    files: a worker gets the next chunk of the first file nobody is working on, and only when
+    every file with chunks left is in someone's hands does it join one (the file with the most
+    chunks left). While there are more files than workers each file is then fetched by one
+    worker, chunk after chunk, so its digest is fed as the bytes arrive (no read-back) and its
+    chunks are written in order; the last files still spread over all workers.
+
+    Not thread-safe on its own: the run calls it under its condition."""
+
+    def __init__(self) -> None:
+        self.queued: dict[_Job, collections.deque[int | None]] = {}
+        self.running: collections.Counter[_Job] = collections.Counter()
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def append(self, item: tuple[_Job, int | None]) -> None:
+        job, index = item
+        self.queued.setdefault(job, collections.deque()).append(index)
+        self.count += 1
+
+    def popleft(self) -> tuple[_Job, int | None]:
+        if not self.count:
+            raise IndexError("no task queued")
+        job = next((j for j in self.queued if not self.running[j]), None)
+        if job is None:
+            job = max(self.queued, key=lambda j: len(self.queued[j]))  # the first of the longest
+        tasks = self.queued[job]
+        index = tasks.popleft()
+        if not tasks:
+            del self.queued[job]
+        self.count -= 1
+        self.running[job] += 1
+        return job, index
+
+    def finished(self, job: _Job) -> None:
+        """A task of ``job`` handed out by :meth:`popleft` is over."""
+        self.running[job] -= 1
+        if not self.running[job]:
+            del self.running[job]
+
+
 class _Run:
     """Shared state of one fetch: a work queue of (job, chunk) tasks and ``workers`` threads."""
 
@@ -359,7 +507,7 @@ class _Run:
         self.progress = progress
         self.result = result
         self.cond = threading.Condition()
-        self.queue: collections.deque[tuple[_Job, int | None]] = collections.deque()
+        self.queue = _Tasks()
         self.pending = 0  # tasks queued or running
         self.cancel = threading.Event()
         self.bytes_lock = threading.Lock()
@@ -383,8 +531,9 @@ class _Run:
             self.pending += 1
             self.cond.notify()
 
-    def _task_done(self) -> None:
+    def _task_done(self, job: _Job) -> None:
         with self.cond:
+            self.queue.finished(job)
             self.pending -= 1
             self.cond.notify_all()
 
@@ -416,7 +565,7 @@ class _Run:
                     # The last task of a failed or finished file closes its .part descriptor.
                     if job.outstanding == 0 and (job.failed is not None or job.finished):
                         job.close()
-                self._task_done()
+                self._task_done(job)
 
     def _run_task(self, job: _Job, index: int | None) -> None:
         with job.lock:
@@ -606,6 +755,30 @@ def _already_present(entry: HubFile, final: str) -> bool:
     return _mismatch(entry, digest.size, digest.sha256, digest.git_sha1) is None
 
 
+def filesystem_of(path: str | os.PathLike[str]) -> str | None:
+    """The type (``ext4``, ``nfs4``...) of the filesystem holding ``path`` (resolved), from the
+    mount table :data:`MOUNTINFO` (the mount point that is the longest prefix wins); None when
+    there is no mount table (not Linux) or it cannot be read."""
+    real = os.path.realpath(path)
+    try:
+        with open(MOUNTINFO, encoding="utf-8", errors="replace") as f:
+            table = f.read().splitlines()
+    except OSError:
+        return None
+    best: tuple[int, str] | None = None
+    for line in table:
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(" "), right.split(" ")
+        if not sep or len(fields) < 5 or not tail[0]:
+            continue
+        # octal escapes of space, tab, newline and backslash in the mount point
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if real == point or real.startswith(point.rstrip("/") + "/"):
+            if best is None or len(point) >= best[0]:
+                best = (len(point), tail[0])
+    return best[1] if best is not None else None
+
+
 def fetch_files(
     listing: HubListing,
     dest: str | Path,
@@ -664,6 +837,8 @@ def fetch_files(
     wanted = list(listing.files) if paths is None else list(dict.fromkeys(paths))
     result = FetchResult(dest=dest_path)
 
+    # read here, not in a worker: a bad value is the run's error
+    direct = K3CKPT_DIRECT_IO.get() and filesystem_of(dest_real) in DIRECT_IO_FILESYSTEMS
     lock = _dest.DestLock(dest_real)
     if take_lock:
         lock.acquire()
@@ -699,7 +874,7 @@ def fetch_files(
                 if os.path.isfile(final + ".part") and not os.path.islink(final + ".part"):
                     _dest.unlink(final + ".part")
                 continue
-            job = _Job(entry, final, chunk_size, dest_real)
+            job = _Job(entry, final, chunk_size, dest_real, direct)
             job.load_resume()
             jobs.append(job)
 
