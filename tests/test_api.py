@@ -146,6 +146,45 @@ def test_the_cli_starts_without_the_heavy_libraries() -> None:
     assert not HEAVY & loaded, sorted(HEAVY & loaded)
 
 
+def test_the_root_command_loads_no_command_module() -> None:
+    """``k3ckpt --version`` (and any command's start) imports the root group only: each command's
+    module, and the library behind it, is imported when that command is looked up."""
+    loaded = _modules_after("import k3ckpt.cli")
+    assert not HEAVY & loaded, sorted(HEAVY & loaded)
+    ours = {m for m in loaded if m.startswith("k3ckpt.")}
+    assert not {m for m in ours if m.split(".")[1] not in ("cli", "errors", "utils")}, sorted(ours)
+    assert not {m for m in ours if m.startswith("k3ckpt.cli.") and m not in (
+        "k3ckpt.cli._main", "k3ckpt.cli._options", "k3ckpt.cli._output")}, sorted(ours)
+    assert "multiprocessing" not in loaded and "concurrent.futures.process" not in loaded
+
+
+def test_verify_loads_only_what_it_uses() -> None:
+    """The verify command's path (its CLI module and the library it calls) leaves out the topology
+    math, the hubs, the deploy and MXFP4 packages, multiprocessing (a small checkpoint's headers
+    are read in-process) and statistics: start-up is most of verify's fixed cost."""
+    loaded = _modules_after("from k3ckpt.cli import main; main.commands['verify']; "
+                            "import k3ckpt.integrity.verify, k3ckpt.integrity.share, k3ckpt.format.inspect")
+    assert {"k3ckpt.cli._manifest", "k3ckpt.integrity.verify", "k3ckpt.format.checkpoint"} <= loaded
+    unwanted = {"k3ckpt.format.topology", "k3ckpt.format.nodedir", "k3ckpt.integrity.signing", "k3ckpt.cli._deploy",
+                "k3ckpt.cli._fetch", "multiprocessing", "concurrent.futures.process", "statistics"}
+    assert not unwanted & loaded, sorted(unwanted & loaded)
+    assert not {m for m in loaded if m.split(".")[:2] in (["k3ckpt", "hub"], ["k3ckpt", "deploy"], ["k3ckpt", "mx"])}
+    assert not HEAVY & loaded, sorted(HEAVY & loaded)
+
+
+def test_lazy_package_namespaces_give_the_same_objects() -> None:
+    """``k3ckpt.format``, ``k3ckpt.integrity`` and ``k3ckpt.hub`` load their names on first use:
+    each exported name is the object its module defines, and ``dir()`` lists it."""
+    for package in ("k3ckpt.format", "k3ckpt.integrity", "k3ckpt.hub"):
+        mod = importlib.import_module(package)
+        assert set(mod.__all__) <= set(dir(mod))
+        for name in mod.__all__:
+            value = getattr(mod, name)
+            assert getattr(importlib.import_module(value.__module__), name) is value, (package, name)
+        with pytest.raises(AttributeError, match="no_such_name"):
+            mod.no_such_name  # noqa: B018
+
+
 def test_first_use_loads_only_what_is_needed() -> None:
     loaded = _modules_after("import k3ckpt; k3ckpt.open_checkpoint")
     assert "k3ckpt.format.checkpoint" in loaded and not {"numpy", "huggingface_hub"} & loaded
