@@ -139,11 +139,14 @@ def _chunks(fd: int, path: str, size: int, step: int, buffer: bytearray | None) 
     try:
         while pos < size:
             stop = min(size, pos + step)
-            if os.fstat(fd).st_size < stop:
-                raise HashError(0, f"read {pos} bytes but the file is {os.fstat(fd).st_size} (changed while hashing?)",
-                                path)
             start = pos - pos % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a granule
-            window = mmap.mmap(fd, stop - start, access=mmap.ACCESS_READ, offset=start)
+            try:
+                if os.fstat(fd).st_size < stop:
+                    raise ValueError("shrank")
+                window = mmap.mmap(fd, stop - start, access=mmap.ACCESS_READ, offset=start)
+            except ValueError:  # mmap checks the size too: "mmap length is greater than file size"
+                raise HashError(0, f"read {pos} bytes but the file is {os.fstat(fd).st_size} "
+                                   "(changed while hashing?)", path) from None
             try:
                 if hasattr(os, "posix_fadvise") and stop < size:
                     os.posix_fadvise(fd, stop, step, os.POSIX_FADV_WILLNEED)
