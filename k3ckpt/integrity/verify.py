@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import threading
 import time
@@ -510,10 +511,9 @@ def _path_issues(ckpt: Checkpoint) -> list[Issue]:
 
 def _layout_issues(ckpt: Checkpoint, manifest: Manifest) -> list[Issue]:
     """Tensors the manifest describes differently from the headers (or not at all)."""
-    actual = tensors_from_headers(ckpt.shards.values())
-    expected = {n: t._replace(sha256=None) for n, t in manifest.tensors.items()}
-    if actual == expected:  # compared in C: the common case costs no per-tensor Python
+    if _same_layout(ckpt, manifest):
         return []
+    actual = tensors_from_headers(ckpt.shards.values())
     bad_files = {p.where for p in ckpt.problems if p.kind in ("header", "missing-file")}
     out = []
     for name in sorted(manifest.tensors.keys() - actual.keys()):
@@ -530,13 +530,30 @@ def _layout_issues(ckpt: Checkpoint, manifest: Manifest) -> list[Issue]:
     return out
 
 
+def _same_layout(ckpt: Checkpoint, manifest: Manifest) -> bool:
+    """Do the headers hold exactly the manifest's tensors, each in the same file with the same
+    dtype, shape and offsets? The common case, decided on plain tuples compared in C (building
+    a :class:`TensorEntry` per tensor took verify's main thread longer than the rest of its
+    structure check): ``{name: (file, dtype, shape, offsets)}`` from each side, the headers'
+    built as :func:`tensors_from_headers` builds them (the last shard holding a name wins)."""
+    actual: dict[str, tuple[str, str, tuple[int, ...], tuple[int, int]]] = {}
+    for h in ckpt.shards.values():
+        ds, file = h.data_start, h.file
+        actual.update({n: (file, t.dtype, t.shape, (ds + t.begin, ds + t.end)) for n, t in h.tensors.items()})
+    m = manifest.tensors
+    return actual.keys() == m.keys() and actual == dict(zip(m, map(_LAYOUT_FIELDS, m.values())))
+
+
+_LAYOUT_FIELDS = operator.itemgetter(slice(0, 4))  # TensorEntry: (file, dtype, shape, offsets), no sha256
+
+
 def scale_spans(ckpt: Checkpoint) -> dict[str, list[Span]]:
     """E8M0 scale tensors (one byte per scale: 0xFF is NaN) by file."""
     out: dict[str, list[Span]] = {}
     for file, h in ckpt.shards.items():
-        ds = h.data_start
-        spans = [Span(n, ds + t.begin, ds + t.end) for n, t in h.tensors.items()
-                 if t.dtype in _E8M0_DTYPES and n.endswith(_SCALE_SUFFIXES)]
+        ds, tensors = h.data_start, h.tensors
+        spans = [Span(n, ds + t.begin, ds + t.end) for n in filter(_is_scale_name, tensors)
+                 if (t := tensors[n]).dtype in _E8M0_DTYPES]
         if spans:
             out[file] = sorted(spans, key=_span_start)
     return out
@@ -545,14 +562,17 @@ def scale_spans(ckpt: Checkpoint) -> dict[str, list[Span]]:
 def _manifest_scale_spans(manifest: Manifest) -> dict[str, list[Span]]:
     """:func:`scale_spans` as the manifest describes them, in the same order."""
     out: dict[str, list[Span]] = {}
-    for n, t in manifest.tensors.items():
-        if t.dtype in _E8M0_DTYPES and n.endswith(_SCALE_SUFFIXES):
+    tensors = manifest.tensors
+    for n in filter(_is_scale_name, tensors):
+        t = tensors[n]
+        if t.dtype in _E8M0_DTYPES:
             out.setdefault(t.file, []).append(Span(n, *t.offsets))
     return {f: sorted(v, key=_span_start) for f, v in out.items()}
 
 
 _E8M0_DTYPES = ("U8", "F8_E8M0")
 _SCALE_SUFFIXES = (".weight_scale", "_scales")
+_is_scale_name = operator.methodcaller("endswith", _SCALE_SUFFIXES)  # filters names in C
 
 
 def _span_start(s: Span) -> int:
