@@ -862,3 +862,29 @@ def test_a_file_changing_size_while_hashed_is_an_error_not_a_crash(tmp_path: Pat
     assert "HashError:" in res.stdout and "changed while hashing?" in res.stdout, res.stdout
     if mode == "shrink":
         assert "read 4194304 bytes but the file is 1052672" in res.stdout
+
+
+@pytest.mark.parametrize("change", ["file", "dtype", "shape", "offsets", "dropped", "added"])
+def test_each_way_the_manifest_layout_can_differ_from_the_headers(k3_tiny: Path, tmp_path: Path, manifests,
+                                                                  change: str) -> None:
+    """The layout check decides agreement on whole columns per shard; any one tensor's file,
+    dtype, shape or offsets differing, or a tensor missing or extra, is still named."""
+    m = manifests["files"]
+    t = m.tensors[SCALE]
+    other = next(f for f in m.files if f.endswith(".safetensors") and f != t.file)
+    tensors = dict(m.tensors)
+    if change == "dropped":
+        del tensors[SCALE]
+    elif change == "added":
+        tensors[SCALE + "_twin"] = t
+    else:
+        alter = {"file": other, "dtype": "F32", "shape": (*t.shape, 1), "offsets": (t.offsets[0], t.offsets[1] + 1)}
+        tensors[SCALE] = t._replace(**{change: alter[change]})
+    rep = verify(k3_tiny, tmp_path, manifest=Manifest(dict(m.files), tensors, dict(m.source), m.tensor_hashes),
+                 use_cache=False)
+    layout = of_kind(rep, "tensor-layout")
+    named = SCALE + "_twin" if change == "added" else SCALE
+    assert [i.tensor for i in layout] == [named], layout
+    if change not in ("dropped", "added"):
+        assert layout[0].message == f"{change} differs"
+    assert verify(k3_tiny, tmp_path, manifest=m, use_cache=False).ok

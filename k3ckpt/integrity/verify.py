@@ -532,19 +532,28 @@ def _layout_issues(ckpt: Checkpoint, manifest: Manifest) -> list[Issue]:
 
 def _same_layout(ckpt: Checkpoint, manifest: Manifest) -> bool:
     """Do the headers hold exactly the manifest's tensors, each in the same file with the same
-    dtype, shape and offsets? The common case, decided on plain tuples compared in C (building
-    a :class:`TensorEntry` per tensor took verify's main thread longer than the rest of its
-    structure check): ``{name: (file, dtype, shape, offsets)}`` from each side, the headers'
-    built as :func:`tensors_from_headers` builds them (the last shard holding a name wins)."""
-    actual: dict[str, tuple[str, str, tuple[int, ...], tuple[int, int]]] = {}
-    for h in ckpt.shards.values():
-        ds, file = h.data_start, h.file
-        actual.update({n: (file, t.dtype, t.shape, (ds + t.begin, ds + t.end)) for n, t in h.tensors.items()})
+    dtype, shape and offsets? The common case, decided shard by shard on columns compared in C
+    (``map`` and list equality): building a :class:`TensorEntry` per tensor took verify's main
+    thread longer than the rest of its structure check. ``False`` is not a verdict: the caller
+    then compares tensor by tensor (and so does any checkpoint with a name in two shards)."""
     m = manifest.tensors
-    return actual.keys() == m.keys() and actual == dict(zip(m, map(_LAYOUT_FIELDS, m.values())))
+    if not len(ckpt.tensors) == sum(len(h.tensors) for h in ckpt.shards.values()) == len(m):
+        return False
+    for h in ckpt.shards.values():
+        infos = list(h.tensors.values())  # TensorInfo: name, dtype, shape, begin, end, file
+        entries: list[Any] = list(map(m.get, h.tensors))  # TensorEntry: file, dtype, shape, offsets, sha256
+        if None in entries:
+            return False
+        ds = h.data_start
+        offsets = list(zip(map(ds.__add__, map(_BEGIN, infos)), map(ds.__add__, map(_END, infos))))
+        if (set(map(_FILE, entries)) != {h.file} or list(map(_DTYPE, infos)) != list(map(_DTYPE, entries))
+                or list(map(_SHAPE, infos)) != list(map(_SHAPE, entries)) or offsets != list(map(_OFFSETS, entries))):
+            return False
+    return True  # as many names as the manifest has, each found in it: the same set
 
 
-_LAYOUT_FIELDS = operator.itemgetter(slice(0, 4))  # TensorEntry: (file, dtype, shape, offsets), no sha256
+_FILE, _DTYPE, _SHAPE, _OFFSETS = (operator.itemgetter(i) for i in range(4))  # of a TensorEntry (and 1, 2 of a TensorInfo)
+_BEGIN, _END = operator.itemgetter(3), operator.itemgetter(4)  # of a TensorInfo
 
 
 def scale_spans(ckpt: Checkpoint) -> dict[str, list[Span]]:
