@@ -888,3 +888,14 @@ def test_each_way_the_manifest_layout_can_differ_from_the_headers(k3_tiny: Path,
     if change not in ("dropped", "added"):
         assert layout[0].message == f"{change} differs"
     assert verify(k3_tiny, tmp_path, manifest=m, use_cache=False).ok
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs procfs")
+def test_a_file_that_says_it_is_empty_but_reads_more_is_read_not_mapped() -> None:
+    """A size-0 file is never mapped: what a read gives is hashed and checked against the size,
+    as before mapped windows (procfs says 0 and reads more: changed while hashing)."""
+    from k3ckpt.errors import HashError
+    from k3ckpt.integrity.hashing import hash_file
+
+    with pytest.raises(HashError, match=r"read [1-9]\d* bytes but the file is 0 \(changed while hashing\?\)"):
+        hash_file("/proc/self/status")

@@ -139,33 +139,44 @@ def _chunks(fd: int, path: str, size: int, step: int, buffer: bytearray | None) 
     """
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    pos = 0
-    try:
-        while pos < size:
-            stop = min(size, pos + step)
-            start = pos - pos % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a granule
-            try:
-                if os.fstat(fd).st_size < stop:
-                    raise ValueError("shrank")
-                window = mmap.mmap(fd, stop - start, access=mmap.ACCESS_READ, offset=start)
-            except ValueError:  # mmap checks the size too: "mmap length is greater than file size"
-                raise HashError(0, f"read {pos} bytes but the file is {os.fstat(fd).st_size} "
-                                   "(changed while hashing?)", path) from None
-            try:
-                if hasattr(os, "posix_fadvise") and stop < size:
-                    os.posix_fadvise(fd, stop, step, os.POSIX_FADV_WILLNEED)
-                with memoryview(window) as whole, whole[pos - start:] as view:
-                    yield _Chunk(pos, view, window, pos - start)
-            finally:
-                with contextlib.suppress(BufferError):  # a slice still alive (in a traceback): unmapped when freed
-                    window.close()
-            pos = stop
-    except OSError as e:
-        if pos != 0 or e.errno not in _NO_MMAP:
-            raise
-    else:
-        return
+    if size:  # (nothing to map in an empty file; one that says 0 but reads more, procfs, is read)
+        try:
+            yield from _mapped_chunks(fd, path, size, step)
+            return
+        except _Unmappable:
+            pass
     yield from _read_chunks(fd, path, step, buffer)
+
+
+class _Unmappable(Exception):
+    """The file's first window could not be mapped: it is read instead."""
+
+
+def _mapped_chunks(fd: int, path: str, size: int, step: int) -> Iterator[_Chunk]:
+    pos = 0
+    while pos < size:
+        stop = min(size, pos + step)
+        start = pos - pos % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a granule
+        try:
+            if os.fstat(fd).st_size < stop:
+                raise ValueError("shrank")
+            window = mmap.mmap(fd, stop - start, access=mmap.ACCESS_READ, offset=start)
+        except ValueError:  # mmap checks the size too: "mmap length is greater than file size"
+            raise HashError(0, f"read {pos} bytes but the file is {os.fstat(fd).st_size} (changed while hashing?)",
+                            path) from None
+        except OSError as e:
+            if pos == 0 and e.errno in _NO_MMAP:
+                raise _Unmappable from e
+            raise
+        try:
+            if hasattr(os, "posix_fadvise") and stop < size:
+                os.posix_fadvise(fd, stop, step, os.POSIX_FADV_WILLNEED)  # the next window, read ahead
+            with memoryview(window) as whole, whole[pos - start:] as view:
+                yield _Chunk(pos, view, window, pos - start)
+        finally:
+            with contextlib.suppress(BufferError):  # a slice still alive (in a traceback): unmapped when freed
+                window.close()
+        pos = stop
 
 
 #: errno of an mmap the file or its filesystem does not support: read it instead.
@@ -304,6 +315,8 @@ def _data_segments(fd: int, size: int) -> list[tuple[int, int]]:
     out = []
     pos = 0
     try:
+        if size == 0:  # nothing to map; a file that says 0 but reads more (procfs) stays what a read says
+            raise OSError(errno.EINVAL, "empty")
         while pos < size:
             try:
                 start = os.lseek(fd, pos, os.SEEK_DATA)
