@@ -288,7 +288,7 @@ def verify_checkpoint(
     hashing: Future | None = None
     cancel = threading.Event()
     scan_spans: dict[str, list[Span]] = {}
-    spans_from_manifest = False
+    spans_from_manifest = same_layout = False
     if not quick:
         if scan and manifest is not None:
             # The manifest says where the scales are, so hashing need not wait for the headers;
@@ -321,12 +321,16 @@ def verify_checkpoint(
             report.structure_cached = True
         else:
             ckpt = ckpt or open_checkpoint(root, jobs=jobs, strict=False)
-            structure = structure_issues(ckpt, manifest)
+            same_layout = manifest is not None and _same_layout(ckpt, manifest)
+            structure = structure_issues(ckpt, manifest, same_layout=same_layout)
             if cache is not None:
                 cache.structure = {"key": structure_key, "issues": [asdict(i) for i in structure]}
         named = {i.file for i in structure if i.kind == "missing-file"}  # the index check named them once
         issues[:] = [i for i in issues if not (i.kind == "missing-file" and i.file in named)] + structure
-        header_scan_spans = scale_spans(ckpt) if scan and ckpt is not None else {}
+        if spans_from_manifest and same_layout:  # the headers hold the manifest's tensors: its scale spans
+            header_scan_spans = scan_spans
+        else:
+            header_scan_spans = scale_spans(ckpt) if scan and ckpt is not None else {}
         rescan: list[str] = []
         unscanned: set[str] = set()
         if spans_from_manifest:  # the scan followed the manifest: keep it only where the headers agree
@@ -462,7 +466,9 @@ def _structure_key(stats: dict[str, os.stat_result], manifest: Manifest | None, 
     return h.hexdigest()
 
 
-def structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue]:
+def structure_issues(ckpt: Checkpoint, manifest: Manifest | None, *, same_layout: bool | None = None) -> list[Issue]:
+    """The structure problems of ``ckpt`` (and, with ``manifest``, where its layout differs from
+    the headers'); ``same_layout``: :func:`_same_layout` of the two when the caller has it."""
     from ..format.inspect import inspect_checkpoint
     from ..format.layout import NODE_MARKER, LayoutError, read_node_marker
 
@@ -487,7 +493,7 @@ def structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue]
         else:
             out.append(Issue(kind, None, f"{f.where}: {f.message}"))
     if manifest is not None:
-        out += _layout_issues(ckpt, manifest)
+        out += _layout_issues(ckpt, manifest, same_layout)
     return out
 
 
@@ -509,9 +515,10 @@ def _path_issues(ckpt: Checkpoint) -> list[Issue]:
     return out
 
 
-def _layout_issues(ckpt: Checkpoint, manifest: Manifest) -> list[Issue]:
-    """Tensors the manifest describes differently from the headers (or not at all)."""
-    if _same_layout(ckpt, manifest):
+def _layout_issues(ckpt: Checkpoint, manifest: Manifest, same: bool | None = None) -> list[Issue]:
+    """Tensors the manifest describes differently from the headers (or not at all); ``same``:
+    :func:`_same_layout`, when known."""
+    if same if same is not None else _same_layout(ckpt, manifest):
         return []
     actual = tensors_from_headers(ckpt.shards.values())
     bad_files = {p.where for p in ckpt.problems if p.kind in ("header", "missing-file")}
