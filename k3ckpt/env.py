@@ -190,8 +190,8 @@ K3CKPT_CACHE_DIR: EnvVar[Path | None] = _declare(EnvVar(
 
 K3CKPT_HASH_BUFFER: EnvVar[int] = _declare(EnvVar(
     "K3CKPT_HASH_BUFFER", SIZE, 16 * 1024**2,
-    "Bytes read per call while hashing (verify, manifest build, fetch's checks); one buffer per "
-    "hashing thread.",
+    "Bytes hashed per step (verify, manifest build, fetch's checks): a read-only mapped window of "
+    "the file, or a read where mapping is refused; one window per hashing thread.",
     _bytes(1)))
 
 K3CKPT_MAX_HEADER_BYTES: EnvVar[int] = _declare(EnvVar(

@@ -146,6 +146,67 @@ def test_the_cli_starts_without_the_heavy_libraries() -> None:
     assert not HEAVY & loaded, sorted(HEAVY & loaded)
 
 
+_COMMAND_MODULES = """
+import json, sys
+from k3ckpt.cli import main
+loaded = sorted(sys.modules)
+FIRST
+loaded_first = sorted(sys.modules)
+homes = {name: main.commands[name].callback.__module__ for name in main.commands}
+print(json.dumps([loaded, loaded_first, homes]))
+"""
+
+
+def _command_modules(first: str = "") -> tuple[set[str], set[str], dict[str, str]]:
+    """Modules loaded by ``import k3ckpt.cli``, then after running ``first``, and the module
+    each command is defined in (read last: that loads them all)."""
+    out = subprocess.run([sys.executable, "-c", _COMMAND_MODULES.replace("FIRST", first)], capture_output=True,
+                         text=True, check=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}).stdout
+    loaded, loaded_first, homes = json.loads(out)
+    return set(loaded), set(loaded_first), homes
+
+
+def test_the_root_command_loads_no_command_module() -> None:
+    """``k3ckpt --version`` (and any command's start) imports the root group only: each command's
+    module, and the library behind it, is imported when that command is looked up."""
+    loaded, _, homes = _command_modules()
+    assert not set(homes.values()) & loaded, sorted(set(homes.values()) & loaded)
+    assert not HEAVY & loaded, sorted(HEAVY & loaded)
+    ours = {m for m in loaded if m.startswith("k3ckpt.")}
+    assert not {m for m in ours if m.split(".")[1] not in ("cli", "errors", "utils")}, sorted(ours)
+    assert "multiprocessing" not in loaded and "concurrent.futures.process" not in loaded
+
+
+def test_verify_loads_only_what_it_uses() -> None:
+    """The verify command's path (its CLI module and the library it calls) leaves out the other
+    commands' modules, the topology math, the hubs, the deploy and MXFP4 packages,
+    multiprocessing (a small checkpoint's headers are read in-process) and statistics:
+    start-up is most of verify's fixed cost."""
+    _, loaded, homes = _command_modules("main.commands['verify']; import k3ckpt.integrity.verify, "
+                                        "k3ckpt.integrity.share, k3ckpt.format.inspect")
+    assert {homes["verify"], "k3ckpt.integrity.verify", "k3ckpt.format.checkpoint"} <= loaded
+    others = {m for name, m in homes.items() if m != homes["verify"]}
+    assert others and not others & loaded, sorted(others & loaded)
+    unwanted = {"k3ckpt.format.topology", "k3ckpt.format.nodedir", "k3ckpt.integrity.signing", "multiprocessing",
+                "concurrent.futures.process", "statistics", "socket"}
+    assert not unwanted & loaded, sorted(unwanted & loaded)
+    assert not {m for m in loaded if m.split(".")[:2] in (["k3ckpt", "hub"], ["k3ckpt", "deploy"], ["k3ckpt", "mx"])}
+    assert not HEAVY & loaded, sorted(HEAVY & loaded)
+
+
+def test_lazy_package_namespaces_give_the_same_objects() -> None:
+    """``k3ckpt.format``, ``k3ckpt.integrity`` and ``k3ckpt.hub`` load their names on first use:
+    each exported name is the object its module defines, and ``dir()`` lists it."""
+    for package in ("k3ckpt.format", "k3ckpt.integrity", "k3ckpt.hub"):
+        mod = importlib.import_module(package)
+        assert set(mod.__all__) <= set(dir(mod))
+        for name in mod.__all__:
+            value = getattr(mod, name)
+            assert getattr(importlib.import_module(value.__module__), name) is value, (package, name)
+        with pytest.raises(AttributeError, match="no_such_name"):
+            mod.no_such_name  # noqa: B018
+
+
 def test_first_use_loads_only_what_is_needed() -> None:
     loaded = _modules_after("import k3ckpt; k3ckpt.open_checkpoint")
     assert "k3ckpt.format.checkpoint" in loaded and not {"numpy", "huggingface_hub"} & loaded

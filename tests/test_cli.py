@@ -23,6 +23,18 @@ def test_version_and_module_entry_point() -> None:
     assert __version__ in out.stdout
 
 
+def test_commands_load_by_name() -> None:
+    """The root group imports a command's module on first use (``k3ckpt --version`` imports
+    none): every listed name gives the command of that name, an unknown one is a usage error
+    with a suggestion, as click says it."""
+    names = list(main.commands)
+    assert names == sorted(names) and {"verify", "fetch", "reshard", "mx", "serve-command"} <= set(names)
+    assert all(main.commands[n].name == n for n in names) and len(main.commands) == len(names)
+    assert "nope" not in main.commands and main.commands.get("nope") is None
+    res = run("verifyy", "x")
+    assert res.exit_code == 2 and "No such command 'verifyy'. Did you mean 'verify'?" in res.output
+
+
 def _command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     out = []
     for name, cmd in sorted(group.commands.items()):

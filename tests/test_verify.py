@@ -783,3 +783,119 @@ def test_an_error_during_the_structure_check_stops_the_background_hashing(ckpt: 
         _time.sleep(0.05)
     # cancelled at the next chunk: far less than hashing all 15 files at 0.3 s each
     assert _time.perf_counter() - t0 < 15 * 0.3
+
+
+# -- hashing through mapped windows ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5, 100_003])
+@pytest.mark.parametrize("chunk", [997, 4096, 1 << 20])
+def test_mapped_windows_hash_what_a_read_hashes(tmp_path: Path, monkeypatch, size: int, chunk: int) -> None:
+    """Every window size (not a multiple of the page size too: a window then starts on the page
+    before its first byte) gives the file's sha256, its spans' sha256 and the scan's finds;
+    where mmap is refused the file is read instead, with the same results."""
+    import errno
+    import mmap
+
+    from k3ckpt.integrity.hashing import Span, hash_file
+
+    data = bytes((i * 7 + i // 4099) % 251 for i in range(size))
+    if size > 5000:
+        data = data[:4500] + b"\xff" + data[4501:]
+    p = tmp_path / "f.bin"
+    p.write_bytes(data)
+    spans = [Span("a", 0, size // 3), Span("b", size // 3, size // 3 + 17), Span("c", size - size // 5, size)]
+    scan = [Span("s", 4000, 5000), Span("t", 0, 100)] if size > 5000 else []
+    want = {s.name: hashlib.sha256(data[s.start:s.stop]).hexdigest() for s in spans}
+    seen: list[int] = []
+    d = hash_file(p, spans=spans, scan=scan, chunk_bytes=chunk, progress=seen.append)
+    assert d.sha256 == hashlib.sha256(data).hexdigest() and d.size == size and d.spans == want
+    assert d.flagged == (["s"] if scan else None)
+    assert seen == [min(chunk, size - k) for k in range(0, size, chunk)]  # the chunk boundaries of a read
+
+    def refused(*a, **kw):
+        raise OSError(errno.ENODEV, "no mmap here")
+
+    monkeypatch.setattr(mmap, "mmap", refused)
+    read = hash_file(p, spans=spans, scan=scan, chunk_bytes=chunk)
+    assert (read.sha256, read.spans, read.flagged) == (d.sha256, d.spans, d.flagged)
+
+
+_SHRINK_WHILE_HASHING = """
+import os, sys
+from k3ckpt.errors import HashError
+from k3ckpt.integrity.hashing import hash_file
+
+path = sys.argv[1]
+with open(path, "wb") as f:
+    f.truncate(64 << 20)
+mode = sys.argv[2]
+
+def after_chunk(n):
+    if mode == "shrink":
+        os.truncate(path, (1 << 20) + 4096)  # inside the next window: touching it would be SIGBUS
+    else:
+        with open(path, "ab") as f:
+            f.write(b"more")
+
+try:
+    hash_file(path, chunk_bytes=4 << 20, progress=after_chunk)
+except HashError as e:
+    print("HashError:", e.strerror)
+    sys.exit(1)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("mode", ["shrink", "grow"])
+def test_a_file_changing_size_while_hashed_is_an_error_not_a_crash(tmp_path: Path, mode: str) -> None:
+    """The size is checked before each mapped window: a file truncated (by someone else) between
+    windows is the HashError a short read is, not a SIGBUS that kills the process; a file that
+    grew is an error too. (In a child process: a regression would kill it, not the test run.)"""
+    import subprocess
+    import sys
+
+    p = tmp_path / "moving.bin"
+    res = subprocess.run([sys.executable, "-c", _SHRINK_WHILE_HASHING, str(p), mode], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
+    assert "HashError:" in res.stdout and "changed while hashing?" in res.stdout, res.stdout
+    if mode == "shrink":
+        assert "read 4194304 bytes but the file is 1052672" in res.stdout
+
+
+@pytest.mark.parametrize("change", ["file", "dtype", "shape", "offsets", "dropped", "added"])
+def test_each_way_the_manifest_layout_can_differ_from_the_headers(k3_tiny: Path, tmp_path: Path, manifests,
+                                                                  change: str) -> None:
+    """The layout check decides agreement on whole columns per shard; any one tensor's file,
+    dtype, shape or offsets differing, or a tensor missing or extra, is still named."""
+    m = manifests["files"]
+    t = m.tensors[SCALE]
+    other = next(f for f in m.files if f.endswith(".safetensors") and f != t.file)
+    tensors = dict(m.tensors)
+    if change == "dropped":
+        del tensors[SCALE]
+    elif change == "added":
+        tensors[SCALE + "_twin"] = t
+    else:
+        alter = {"file": other, "dtype": "F32", "shape": (*t.shape, 1), "offsets": (t.offsets[0], t.offsets[1] + 1)}
+        tensors[SCALE] = t._replace(**{change: alter[change]})
+    rep = verify(k3_tiny, tmp_path, manifest=Manifest(dict(m.files), tensors, dict(m.source), m.tensor_hashes),
+                 use_cache=False)
+    layout = of_kind(rep, "tensor-layout")
+    named = SCALE + "_twin" if change == "added" else SCALE
+    assert [i.tensor for i in layout] == [named], layout
+    if change not in ("dropped", "added"):
+        assert layout[0].message == f"{change} differs"
+    assert verify(k3_tiny, tmp_path, manifest=m, use_cache=False).ok
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs procfs")
+def test_a_file_that_says_it_is_empty_but_reads_more_is_read_not_mapped() -> None:
+    """A size-0 file is never mapped: what a read gives is hashed and checked against the size,
+    as before mapped windows (procfs says 0 and reads more: changed while hashing)."""
+    from k3ckpt.errors import HashError
+    from k3ckpt.integrity.hashing import hash_file
+
+    with pytest.raises(HashError, match=r"read [1-9]\d* bytes but the file is 0 \(changed while hashing\?\)"):
+        hash_file("/proc/self/status")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import click
 
 from .. import __version__
-from . import _deploy, _fetch, _inspect, _manifest, _mx
 from ._options import ARGV_META, CONTEXT, exit_broken_pipe, fail_usage
 
 # click >= 8.2 raises this (a UsageError) to show a group's help when it is given no command
@@ -63,6 +64,56 @@ def main(debug: bool) -> None:
     """
 
 
-for _module in (_inspect, _manifest, _fetch, _deploy, _mx):
-    for _command in _module.COMMANDS:
-        main.add_command(_command)
+#: command -> the module of this package that defines it (in its ``COMMANDS``).
+COMMAND_MODULES: dict[str, str] = {
+    "inspect": "_inspect", "synth": "_inspect",
+    "manifest": "_manifest", "verify": "_manifest",
+    "fetch": "_fetch",
+    "plan": "_deploy", "reshard": "_deploy", "unshard": "_deploy", "preflight": "_deploy", "serve-command": "_deploy",
+    "mx": "_mx",
+}
+
+
+class LazyCommands(MutableMapping[str, click.Command]):
+    """The root group's commands, each module imported when one of its commands is first
+    looked up: ``k3ckpt verify`` imports the verify command's module and the library it
+    uses, not the topology math, the hub clients or numpy; ``k3ckpt --version`` imports none.
+    ``--help`` (which lists them all) imports every module."""
+
+    def __init__(self, modules: dict[str, str]) -> None:
+        self._modules = dict(modules)
+        self._loaded: dict[str, click.Command] = {}
+
+    def __getitem__(self, name: str) -> click.Command:
+        if name not in self._loaded:
+            home = self._modules[name]  # KeyError (click: "No such command") for an unknown name
+            module = importlib.import_module(f"{__package__}.{home}")
+            defined = {command.name or "": command for command in module.COMMANDS}
+            listed = {n for n, m in self._modules.items() if m == home}
+            if defined.keys() != listed:  # a command added to a module but not to the table, or gone
+                raise LookupError(f"{module.__name__} defines {sorted(defined)}; COMMAND_MODULES lists {sorted(listed)}")
+            for n, command in defined.items():
+                self._loaded.setdefault(n, command)
+        return self._loaded[name]
+
+    def __setitem__(self, name: str, command: click.Command) -> None:
+        self._loaded[name] = command
+
+    def __delitem__(self, name: str) -> None:
+        known = name in self._loaded or name in self._modules
+        self._loaded.pop(name, None)
+        self._modules.pop(name, None)
+        if not known:
+            raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._modules.keys() | self._loaded.keys()))
+
+    def __len__(self) -> int:
+        return len(self._modules.keys() | self._loaded.keys())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._modules or name in self._loaded
+
+
+main.commands = LazyCommands(COMMAND_MODULES)

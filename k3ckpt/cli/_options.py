@@ -14,7 +14,6 @@ from typing import Any, NoReturn
 import click
 
 from ..errors import EXIT_CANNOT_RUN, K3ckptError
-from ..format.topology import PLACEMENTS, RankSelection
 from ..utils import parse_rate, parse_size
 from ._output import emit_json
 
@@ -243,18 +242,25 @@ def token_option() -> Decorator:
                              "or `modelscope login`'s].")
 
 
-# parameter -> (option, type); the parameter names are RankSelection's fields. Ranks are
-# selected by --ranks in every command (preflight: one rank); --rank is the same option.
-_TOPOLOGY_OPTIONS: dict[str, tuple[str, click.ParamType]] = {
-    "ep": ("--ep", click.IntRange(1)),
-    "tp": ("--tp", click.IntRange(1)),
-    "dp": ("--dp", click.IntRange(1)),
-    "world_size": ("--world-size", click.IntRange(1)),
-    "placement": ("--placement", click.Choice(list(PLACEMENTS))),
-    "ranks": ("--ranks", click.STRING),
-    "node": ("--node", click.IntRange(0)),
-    "gpus_per_node": ("--gpus-per-node", click.IntRange(1)),
-}
+def _topology_options() -> dict[str, tuple[str, click.ParamType]]:
+    """parameter -> (option, type); the parameter names are RankSelection's fields. Ranks are
+    selected by --ranks in every command (preflight: one rank); --rank is the same option.
+    (Built when a command declares them: the topology math is imported by the commands that
+    use it, not by every command.)"""
+    from ..format.topology import PLACEMENTS
+
+    return {
+        "ep": ("--ep", click.IntRange(1)),
+        "tp": ("--tp", click.IntRange(1)),
+        "dp": ("--dp", click.IntRange(1)),
+        "world_size": ("--world-size", click.IntRange(1)),
+        "placement": ("--placement", click.Choice(list(PLACEMENTS))),
+        "ranks": ("--ranks", click.STRING),
+        "node": ("--node", click.IntRange(0)),
+        "gpus_per_node": ("--gpus-per-node", click.IntRange(1)),
+    }
+
+
 # what plan and reshard show as defaults (the others leave "not given" apart from the default)
 _SHOWN_DEFAULTS: dict[str, Any] = {"ep": 1, "tp": 1, "placement": "linear"}
 
@@ -267,7 +273,10 @@ def topology_options(*, show_defaults: bool = False, **helps: str) -> Decorator:
     ``show_defaults``: ``--ep``/``--tp`` default to 1 and ``--placement`` to linear, shown in the
     help (plan, reshard); otherwise an option not given stays ``None`` ("not given").
     """
-    unknown = set(helps) - set(_TOPOLOGY_OPTIONS)
+    from ..format.topology import RankSelection
+
+    options = _topology_options()
+    unknown = set(helps) - set(options)
     if unknown:
         raise TypeError(f"no topology option {sorted(unknown)}")
 
@@ -279,7 +288,7 @@ def topology_options(*, show_defaults: bool = False, **helps: str) -> Decorator:
 
         decorated: Callable[..., Any] = wrapper
         for name, help in reversed(helps.items()):  # click lists the last-applied option first
-            flag, kind = _TOPOLOGY_OPTIONS[name]
+            flag, kind = options[name]
             default = _SHOWN_DEFAULTS.get(name) if show_defaults else None
             extra: dict[str, Any] = {"default": default, "show_default": True} if default is not None else {}
             aliases = ("--rank",) if name == "ranks" else ()

@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import gc
 import json
-import multiprocessing as mp
 import operator
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future, ProcessPoolExecutor
+
     import numpy as np
 
 
@@ -448,7 +448,14 @@ class HeaderReader:
             seen = []
         workers = min(jobs or os.cpu_count() or 1, len(seen))
         self._index: Future | None = None
-        if workers > 1 and len(seen) >= PARALLEL_HEADER_MIN_FILES and "fork" in mp.get_all_start_methods():
+        if workers <= 1 or len(seen) < PARALLEL_HEADER_MIN_FILES:
+            return
+        # imported here: a small checkpoint (and every command that never opens a large one)
+        # does not pay for loading multiprocessing
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        if "fork" in mp.get_all_start_methods():
             self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork"))
             if (root / INDEX_NAME).is_file():
                 self._index = self._pool.submit(_index_digests_job, str(root), tolerant)

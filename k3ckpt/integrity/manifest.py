@@ -37,7 +37,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, NamedTuple
 
 from ..errors import ManifestError, ManifestHashError
-from ..format.checkpoint import Checkpoint, open_checkpoint
+from ..format.checkpoint import Checkpoint, bulk_allocation, open_checkpoint
 from ..format.header import ShardHeader
 from ..utils import load_json, write_atomic
 from ..utils.ownership import refuse_foreign_file
@@ -149,21 +149,23 @@ class Manifest:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Manifest:
         p = Path(path)
-        data, raw = load_json(p, ManifestError)
-        m = cls.from_json(data, str(p))
+        with bulk_allocation():  # a tuple per tensor, ~497k for K3: no GC passes over them meanwhile
+            data, raw = load_json(p, ManifestError)
+            m = cls.from_json(data, str(p))
         m._fingerprint = hashlib.sha256(raw).hexdigest()
         return m
 
     @classmethod
     def loads(cls, raw: bytes, where: str = "manifest") -> Manifest:
         """Parse a manifest from bytes already read (e.g. the exact bytes a signature covers)."""
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{where}: not valid JSON ({e})") from None
-        except RecursionError:
-            raise ManifestError(f"{where}: not valid JSON (nested too deeply)") from None
-        m = cls.from_json(data, where)
+        with bulk_allocation():  # as in load
+            try:
+                data = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ManifestError(f"{where}: not valid JSON ({e})") from None
+            except RecursionError:
+                raise ManifestError(f"{where}: not valid JSON (nested too deeply)") from None
+            m = cls.from_json(data, where)
         m._fingerprint = hashlib.sha256(raw).hexdigest()
         return m
 
@@ -210,7 +212,7 @@ def _parse_tensor(v: dict[str, Any]) -> TensorEntry:
     start, stop = v["offsets"]
     if not (type(start) is int and type(stop) is int and 0 <= start <= stop):
         raise ValueError(f"bad offsets {v['offsets']!r}")
-    return TensorEntry(str(v["file"]), str(v["dtype"]), tuple(int(d) for d in v["shape"]), (start, stop),
+    return TensorEntry(str(v["file"]), str(v["dtype"]), tuple(map(int, v["shape"])), (start, stop),
                        v.get("sha256"))
 
 

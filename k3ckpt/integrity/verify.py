@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import threading
 import time
@@ -287,7 +288,7 @@ def verify_checkpoint(
     hashing: Future | None = None
     cancel = threading.Event()
     scan_spans: dict[str, list[Span]] = {}
-    spans_from_manifest = False
+    spans_from_manifest = same_layout = False
     if not quick:
         if scan and manifest is not None:
             # The manifest says where the scales are, so hashing need not wait for the headers;
@@ -320,12 +321,16 @@ def verify_checkpoint(
             report.structure_cached = True
         else:
             ckpt = ckpt or open_checkpoint(root, jobs=jobs, strict=False)
-            structure = structure_issues(ckpt, manifest)
+            same_layout = manifest is not None and _same_layout(ckpt, manifest)
+            structure = structure_issues(ckpt, manifest, same_layout=same_layout)
             if cache is not None:
                 cache.structure = {"key": structure_key, "issues": [asdict(i) for i in structure]}
         named = {i.file for i in structure if i.kind == "missing-file"}  # the index check named them once
         issues[:] = [i for i in issues if not (i.kind == "missing-file" and i.file in named)] + structure
-        header_scan_spans = scale_spans(ckpt) if scan and ckpt is not None else {}
+        if spans_from_manifest and same_layout:  # the headers hold the manifest's tensors: its scale spans
+            header_scan_spans = scan_spans
+        else:
+            header_scan_spans = scale_spans(ckpt) if scan and ckpt is not None else {}
         rescan: list[str] = []
         unscanned: set[str] = set()
         if spans_from_manifest:  # the scan followed the manifest: keep it only where the headers agree
@@ -461,7 +466,9 @@ def _structure_key(stats: dict[str, os.stat_result], manifest: Manifest | None, 
     return h.hexdigest()
 
 
-def structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue]:
+def structure_issues(ckpt: Checkpoint, manifest: Manifest | None, *, same_layout: bool | None = None) -> list[Issue]:
+    """The structure problems of ``ckpt`` (and, with ``manifest``, where its layout differs from
+    the headers'); ``same_layout``: :func:`_same_layout` of the two when the caller has it."""
     from ..format.inspect import inspect_checkpoint
     from ..format.layout import NODE_MARKER, LayoutError, read_node_marker
 
@@ -486,7 +493,7 @@ def structure_issues(ckpt: Checkpoint, manifest: Manifest | None) -> list[Issue]
         else:
             out.append(Issue(kind, None, f"{f.where}: {f.message}"))
     if manifest is not None:
-        out += _layout_issues(ckpt, manifest)
+        out += _layout_issues(ckpt, manifest, same_layout)
     return out
 
 
@@ -508,12 +515,12 @@ def _path_issues(ckpt: Checkpoint) -> list[Issue]:
     return out
 
 
-def _layout_issues(ckpt: Checkpoint, manifest: Manifest) -> list[Issue]:
-    """Tensors the manifest describes differently from the headers (or not at all)."""
-    actual = tensors_from_headers(ckpt.shards.values())
-    expected = {n: t._replace(sha256=None) for n, t in manifest.tensors.items()}
-    if actual == expected:  # compared in C: the common case costs no per-tensor Python
+def _layout_issues(ckpt: Checkpoint, manifest: Manifest, same: bool | None = None) -> list[Issue]:
+    """Tensors the manifest describes differently from the headers (or not at all); ``same``:
+    :func:`_same_layout`, when known."""
+    if same if same is not None else _same_layout(ckpt, manifest):
         return []
+    actual = tensors_from_headers(ckpt.shards.values())
     bad_files = {p.where for p in ckpt.problems if p.kind in ("header", "missing-file")}
     out = []
     for name in sorted(manifest.tensors.keys() - actual.keys()):
@@ -530,13 +537,39 @@ def _layout_issues(ckpt: Checkpoint, manifest: Manifest) -> list[Issue]:
     return out
 
 
+def _same_layout(ckpt: Checkpoint, manifest: Manifest) -> bool:
+    """Do the headers hold exactly the manifest's tensors, each in the same file with the same
+    dtype, shape and offsets? The common case, decided shard by shard on columns compared in C
+    (``map`` and list equality): building a :class:`TensorEntry` per tensor took verify's main
+    thread longer than the rest of its structure check. ``False`` is not a verdict: the caller
+    then compares tensor by tensor (and so does any checkpoint with a name in two shards)."""
+    m = manifest.tensors
+    if not len(ckpt.tensors) == sum(len(h.tensors) for h in ckpt.shards.values()) == len(m):
+        return False
+    for h in ckpt.shards.values():
+        infos = list(h.tensors.values())  # TensorInfo: name, dtype, shape, begin, end, file
+        entries: list[Any] = list(map(m.get, h.tensors))  # TensorEntry: file, dtype, shape, offsets, sha256
+        if None in entries:
+            return False
+        ds = h.data_start
+        offsets = list(zip(map(ds.__add__, map(_BEGIN, infos)), map(ds.__add__, map(_END, infos))))
+        if (set(map(_FILE, entries)) != {h.file} or list(map(_DTYPE, infos)) != list(map(_DTYPE, entries))
+                or list(map(_SHAPE, infos)) != list(map(_SHAPE, entries)) or offsets != list(map(_OFFSETS, entries))):
+            return False
+    return True  # as many names as the manifest has, each found in it: the same set
+
+
+_FILE, _DTYPE, _SHAPE, _OFFSETS = (operator.itemgetter(i) for i in range(4))  # of a TensorEntry (and 1, 2 of a TensorInfo)
+_BEGIN, _END = operator.itemgetter(3), operator.itemgetter(4)  # of a TensorInfo
+
+
 def scale_spans(ckpt: Checkpoint) -> dict[str, list[Span]]:
     """E8M0 scale tensors (one byte per scale: 0xFF is NaN) by file."""
     out: dict[str, list[Span]] = {}
     for file, h in ckpt.shards.items():
-        ds = h.data_start
-        spans = [Span(n, ds + t.begin, ds + t.end) for n, t in h.tensors.items()
-                 if t.dtype in _E8M0_DTYPES and n.endswith(_SCALE_SUFFIXES)]
+        ds, tensors = h.data_start, h.tensors
+        spans = [Span(n, ds + t.begin, ds + t.end) for n in filter(_is_scale_name, tensors)
+                 if (t := tensors[n]).dtype in _E8M0_DTYPES]
         if spans:
             out[file] = sorted(spans, key=_span_start)
     return out
@@ -545,14 +578,17 @@ def scale_spans(ckpt: Checkpoint) -> dict[str, list[Span]]:
 def _manifest_scale_spans(manifest: Manifest) -> dict[str, list[Span]]:
     """:func:`scale_spans` as the manifest describes them, in the same order."""
     out: dict[str, list[Span]] = {}
-    for n, t in manifest.tensors.items():
-        if t.dtype in _E8M0_DTYPES and n.endswith(_SCALE_SUFFIXES):
+    tensors = manifest.tensors
+    for n in filter(_is_scale_name, tensors):
+        t = tensors[n]
+        if t.dtype in _E8M0_DTYPES:
             out.setdefault(t.file, []).append(Span(n, *t.offsets))
     return {f: sorted(v, key=_span_start) for f, v in out.items()}
 
 
 _E8M0_DTYPES = ("U8", "F8_E8M0")
 _SCALE_SUFFIXES = (".weight_scale", "_scales")
+_is_scale_name = operator.methodcaller("endswith", _SCALE_SUFFIXES)  # filters names in C
 
 
 def _span_start(s: Span) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import time
 import uuid
 from typing import Any
@@ -116,7 +115,7 @@ class DirLock:
         lock primitive), and nobody ever sees an empty lock file.  Filesystems without hard
         links fall back to ``O_CREAT | O_EXCL`` followed by the write.
         """
-        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+        info = json.dumps({"host": _hostname(), "pid": os.getpid(), "started": time.time(),
                            "token": self.token}).encode()
         tmp = f"{self.path}.{self.token}.tmp"
         _create_synced(tmp, info)
@@ -144,7 +143,7 @@ class DirLock:
         if info is None:
             return "unreadable and old" if age > LOCK_UNREADABLE_GRACE else None
         host, pid = info.get("host"), info.get("pid")
-        if host == socket.gethostname() and isinstance(pid, int):
+        if host == _hostname() and isinstance(pid, int):
             return None if _pid_alive(pid) else f"pid {pid} is not running"
         if age > self.stale_seconds:
             return f"older than {self.stale_seconds:.0f} s"
@@ -204,3 +203,9 @@ class DirLock:
         info = _read_lock(self.path)
         if info is not None and info.get("token") == self.token:
             _unlink(self.path)
+
+
+def _hostname() -> str:
+    import socket  # here: verify imports this module (for is_lock_file) and never takes a lock
+
+    return socket.gethostname()
