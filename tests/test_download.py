@@ -220,6 +220,20 @@ def test_persistent_ignore_range_falls_back_to_one_sequential_get(hub: LoopbackH
     assert not (dest / (BIG + ".part")).exists() and not (dest / (BIG + ".part.journal")).exists()
 
 
+def test_range_dropped_mid_file_rehashes_the_rewritten_chunks(hub: LoopbackHub, listing: HubListing,
+                                                               served: Path, tmp_path: Path) -> None:
+    """The server honours Range for chunk 0, then ignores it: the whole-file GET rewrites chunk
+    0 with (here) a flipped byte. The digest must cover the rewritten bytes, not the ranged ones
+    hashed earlier, so the file is refused rather than renamed with the bad byte."""
+    hub.inject("ignore_range", BIG, times=None, skip=1)
+    corrupt = hub.inject("corrupt_byte", BIG, times=None, skip=1, offset=10)
+    dest = tmp_path / "o"
+    r = fetch_files(listing, dest, [BIG], chunk_size=CHUNK, token="", workers=1, retry=_fast(attempts=2))
+    assert corrupt.skipped == 1 and corrupt.hits >= 1  # chunk 0 came clean, the whole-file GETs did not
+    assert not r.ok and "sha256" in r.failed[BIG]
+    assert not (dest / BIG).exists()
+
+
 def test_sequential_fallback_journals_chunks_and_resumes(hub: LoopbackHub, listing: HubListing, served: Path,
                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole-file GET dies mid-body: the chunks it completed are journaled with their exact

@@ -660,6 +660,7 @@ class _Run:
                 raise _transfer.Cancelled()
             if job.failed is not None:
                 return False
+            self._restart_from_byte_zero(job)
             try:
                 _stream_whole(self.listing, job, self.headers, self.timeout, self.cancel, self.count, chunk_reached)
                 return True
@@ -670,6 +671,16 @@ class _Run:
                 failures += 1
                 if not self._backoff(job, e, failures):
                     return False
+
+    def _restart_from_byte_zero(self, job: _Job) -> None:
+        """Forget what was hashed and journaled before a whole-file GET: it rewrites the file
+        from byte 0, so chunks that ranged GETs (or an earlier attempt) wrote and hashed get new
+        bytes, which the digest must cover instead of the old ones."""
+        with job.digest.busy:
+            job.digest.reset()
+        with job.lock:
+            job.done = set()
+            job.write_journal()
 
     def _finish(self, job: _Job) -> None:
         """Verify the complete ``.part`` and rename it into place (or re-fetch once, or fail)."""

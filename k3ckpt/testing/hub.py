@@ -633,6 +633,8 @@ class Fault:
         location: Base URL ``redirect`` sends the client to.
         content_range: Whether ``endless_body`` answers 206 with a correct ``Content-Range``.
         fill: The byte value an ``endless_body`` repeats.
+        skip: Matching requests let through untouched before the fault acts (a server that
+            honours ``Range`` for the first chunk and then stops, say).
         hits: How many requests it has affected so far.
     """
 
@@ -655,7 +657,9 @@ class Fault:
     location: str = ""
     content_range: bool = False
     fill: int = 0
+    skip: int = 0
     hits: int = 0
+    skipped: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -673,7 +677,7 @@ class Fault:
         if self.kind == "status" and not 400 <= self.status <= 599:
             raise ValueError("status faults need a 4xx/5xx status")
         self.methods = tuple(m.upper() for m in self.methods)
-        if min(self.after, self.missing, self.offset) < 0 or self.seconds < 0:
+        if min(self.after, self.missing, self.offset, self.skip) < 0 or self.seconds < 0:
             raise ValueError("fault sizes, offsets and durations must be >= 0")
 
     @property
@@ -728,6 +732,9 @@ class FaultSet:
         with self._lock:
             for f in self._faults:
                 if not f.exhausted and f.matches(scope, repo_id, path, method) and accept(f):
+                    if f.skipped < f.skip:
+                        f.skipped += 1
+                        continue
                     f.hits += 1
                     taken.append(f)
         return taken
