@@ -149,10 +149,12 @@ def test_the_cli_starts_without_the_heavy_libraries() -> None:
 _COMMAND_MODULES = """
 import json, sys
 from k3ckpt.cli import main
+import click
 loaded = sorted(sys.modules)
 FIRST
 loaded_first = sorted(sys.modules)
-homes = {name: main.commands[name].callback.__module__ for name in main.commands}
+ctx = click.Context(main)
+homes = {name: main.get_command(ctx, name).callback.__module__ for name in main.list_commands(ctx)}
 print(json.dumps([loaded, loaded_first, homes]))
 """
 
@@ -182,7 +184,7 @@ def test_verify_loads_only_what_it_uses() -> None:
     commands' modules, the topology math, the hubs, the deploy and MXFP4 packages,
     multiprocessing (a small checkpoint's headers are read in-process) and statistics:
     start-up is most of verify's fixed cost."""
-    _, loaded, homes = _command_modules("main.commands['verify']; import k3ckpt.integrity.verify, "
+    _, loaded, homes = _command_modules("main.get_command(click.Context(main), 'verify'); import k3ckpt.integrity.verify, "
                                         "k3ckpt.integrity.share, k3ckpt.format.inspect")
     assert {homes["verify"], "k3ckpt.integrity.verify", "k3ckpt.format.checkpoint"} <= loaded
     others = {m for name, m in homes.items() if m != homes["verify"]}

@@ -14,6 +14,7 @@ import json
 from functools import cache
 from pathlib import Path
 
+import click
 import ml_dtypes
 import numpy as np
 import pytest
@@ -151,7 +152,7 @@ def test_decode_matches_compressed_tensors_for_every_scale_byte_but_nan() -> Non
 def test_cli_choices_are_the_codec_modes() -> None:
     from k3ckpt.cli import main
 
-    mx = main.commands["mx"]
+    mx = main.get_command(click.Context(main), "mx")
     for command in (mx.commands["error"], mx.commands["quantize"]):  # type: ignore[attr-defined]
         option = next(p for p in command.params if p.name == "scale_mode")
         assert list(option.type.choices) == [*M.SCALE_MODES[:2], "floor", *M.SCALE_MODES[2:]]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import click
@@ -28,6 +27,26 @@ class RootGroup(click.Group):
             return super().parse_args(ctx, args)
         except BrokenPipeError:  # --help or --version into a reader that went away
             exit_broken_pipe()
+
+    # Commands load lazily, as click's docs show ("Lazily Loading Subcommands"): ``k3ckpt verify``
+    # imports the verify command's module and the library it uses, not the topology math, the
+    # hub clients or numpy; ``k3ckpt --version`` imports none; ``--help`` imports them all.
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMAND_MODULES.keys() | self.commands.keys())
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMAND_MODULES:
+            self._load(COMMAND_MODULES[cmd_name])
+        return self.commands.get(cmd_name)
+
+    def _load(self, home: str) -> None:
+        module = importlib.import_module(f"{__package__}.{home}")
+        defined = {command.name or "": command for command in module.COMMANDS}
+        listed = {n for n, m in COMMAND_MODULES.items() if m == home}
+        if defined.keys() != listed:  # a command added to a module but not to the table, or gone
+            raise LookupError(f"{module.__name__} defines {sorted(defined)}; COMMAND_MODULES lists {sorted(listed)}")
+        for command in defined.values():
+            self.add_command(command)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -72,48 +91,3 @@ COMMAND_MODULES: dict[str, str] = {
     "plan": "_deploy", "reshard": "_deploy", "unshard": "_deploy", "preflight": "_deploy", "serve-command": "_deploy",
     "mx": "_mx",
 }
-
-
-class LazyCommands(MutableMapping[str, click.Command]):
-    """The root group's commands, each module imported when one of its commands is first
-    looked up: ``k3ckpt verify`` imports the verify command's module and the library it
-    uses, not the topology math, the hub clients or numpy; ``k3ckpt --version`` imports none.
-    ``--help`` (which lists them all) imports every module."""
-
-    def __init__(self, modules: dict[str, str]) -> None:
-        self._modules = dict(modules)
-        self._loaded: dict[str, click.Command] = {}
-
-    def __getitem__(self, name: str) -> click.Command:
-        if name not in self._loaded:
-            home = self._modules[name]  # KeyError (click: "No such command") for an unknown name
-            module = importlib.import_module(f"{__package__}.{home}")
-            defined = {command.name or "": command for command in module.COMMANDS}
-            listed = {n for n, m in self._modules.items() if m == home}
-            if defined.keys() != listed:  # a command added to a module but not to the table, or gone
-                raise LookupError(f"{module.__name__} defines {sorted(defined)}; COMMAND_MODULES lists {sorted(listed)}")
-            for n, command in defined.items():
-                self._loaded.setdefault(n, command)
-        return self._loaded[name]
-
-    def __setitem__(self, name: str, command: click.Command) -> None:
-        self._loaded[name] = command
-
-    def __delitem__(self, name: str) -> None:
-        known = name in self._loaded or name in self._modules
-        self._loaded.pop(name, None)
-        self._modules.pop(name, None)
-        if not known:
-            raise KeyError(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self._modules.keys() | self._loaded.keys()))
-
-    def __len__(self) -> int:
-        return len(self._modules.keys() | self._loaded.keys())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._modules or name in self._loaded
-
-
-main.commands = LazyCommands(COMMAND_MODULES)
