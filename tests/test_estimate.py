@@ -92,7 +92,8 @@ def test_the_measured_costs_name_their_benchmarks_section() -> None:
 
 
 def test_durations_are_minutes_and_hours() -> None:
-    assert format_duration(0.4) == "0m00s"
+    assert format_duration(0.4) == "0.4s" and format_duration(0.0) == "0.0s"
+    assert format_duration(0.96) == "0m01s"
     assert format_duration(268) == "4m28s"
     assert format_duration(3723) == "1h02m"
 

@@ -238,8 +238,10 @@ def estimate_ready(idx: InventoryIndex, topo: Topology, nodes: Sequence[NodeByte
 
 
 def format_duration(seconds: float) -> str:
-    """``1h02m``, ``4m28s``, ``0m07s``: whole seconds (minutes past an hour), never a bare number
-    of seconds."""
+    """``1h02m``, ``4m28s``, ``0m07s``: whole seconds (minutes past an hour); under a second,
+    ``0.4s`` (a small checkpoint's steps would otherwise all read ``0m00s``)."""
+    if seconds < 0.95:
+        return f"{seconds:.1f}s"
     s = round(seconds)
     h, rest = divmod(s, 3600)
     m, sec = divmod(rest, 60)
