@@ -94,7 +94,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..env import pause_point
 from ..errors import ReshardError
@@ -132,6 +132,9 @@ from ..utils import copy_files, fsync_dir, human_bytes, is_within, write_atomic
 from ..utils.ownership import claim_output_dir
 from ..utils.space import free_bytes, require_free_space, space_margin
 from .bytecopy import NO_SPACE, Copier, FdCache, Run, output_lock, tmp_name
+
+if TYPE_CHECKING:
+    from ..integrity.manifest import Manifest
 
 #: Alignment of each output file's data buffer.
 ALIGN = 4096
@@ -489,6 +492,50 @@ def _node_plan(ckpt: Checkpoint, idx: InventoryIndex, topo: Topology, node: int,
     return NodePlan(nd, files)
 
 
+def manifest_digests(ckpt: Checkpoint, manifest: Manifest, cache_directory: Path | None = None) -> dict[str, str]:
+    """The whole-tensor sha256 ``reshard --manifest`` takes from ``manifest`` instead of
+    hashing the bytes again: those of the source files whose current bytes are known to be the
+    manifest's - the verify stat cache (what ``k3ckpt verify`` and ``k3ckpt fetch`` record,
+    :class:`~k3ckpt.integrity.verify.StatCache`) holds the file with its stat unchanged
+    (size, mtime, inode, device) and the sha256 the manifest lists for it, and no tensor that
+    verify found differing from its manifest - and whose entry in the manifest has the source
+    header's dtype, shape and byte range. The file digest is what ties the manifest to the
+    bytes; its tensor digests are taken as the manifest states them. Every other tensor
+    (a file never verified, changed since, or listed with another digest) is hashed as without
+    a manifest: a source that does not match the manifest never gets the manifest's digests.
+
+    Raises:
+        ReshardError: the manifest has no tensor hashes (nothing to take from it).
+    """
+    from ..integrity.verify import StatCache
+
+    if not manifest.tensor_hashes:
+        raise ReshardError("the --manifest has no tensor hashes (build one with `k3ckpt manifest build "
+                           "--tensor-hashes`)")
+    cache = StatCache(ckpt.root, cache_directory)
+    trusted: set[str] = set()
+    for f in ckpt.shards:
+        listed = manifest.files.get(f)
+        try:
+            hit = cache.lookup(f, os.stat(ckpt.root / f))
+        except OSError:
+            continue
+        # a file whose last verify found tensors differing from its manifest is not trusted either
+        if (listed is not None and listed.sha256 and hit is not None and hit.get("sha256") == listed.sha256
+                and not hit.get("bad_tensors")):
+            trusted.add(f)
+    out: dict[str, str] = {}
+    for name, info in ckpt.tensors.items():
+        entry = manifest.tensors.get(name)
+        if info.file not in trusted or entry is None or entry.sha256 is None:
+            continue
+        start = ckpt.shards[info.file].data_start
+        if (entry.file, entry.dtype, tuple(entry.shape), tuple(entry.offsets)) == (
+                info.file, info.dtype, tuple(info.shape), (start + info.begin, start + info.end)):
+            out[name] = entry.sha256
+    return out
+
+
 class _OutOfSpace(ReshardError):
     """A write found the filesystem full (``ENOSPC``/``EDQUOT``); :func:`run_reshard` removes
     its temporary files and replaces the message with the shortfall."""
@@ -500,11 +547,14 @@ class _OutOfSpace(ReshardError):
 
 
 class _DigestCache:
-    """Digests of byte slices several ranks hold identically, computed once per run."""
+    """Digests of byte slices several ranks hold identically, computed once per run; ``known``:
+    whole-tensor digests taken from a verified source manifest (:func:`manifest_digests`),
+    which are never computed."""
 
-    def __init__(self) -> None:
+    def __init__(self, known: dict[str, str] | None = None) -> None:
         self._lock = threading.Lock()
-        self._done: dict[tuple, str] = {}
+        # a whole tensor's key is (name, None) in both formats (see _tensor_plan and _node_plan)
+        self._done: dict[tuple, str] = {(name, None): d for name, d in (known or {}).items()}
 
     def get(self, key: tuple) -> str | None:
         with self._lock:
@@ -650,12 +700,14 @@ class ReshardResult:
     seconds: float
     files_copied: list[str]
     layout: str = "rank"
+    digests_from_manifest: int = 0  # tensors whose sha256 came from --manifest, not from hashing
 
     def to_json(self) -> dict[str, Any]:
         unit = "nodes" if self.layout == "node" else "ranks"
         return {"out": str(self.out), "format": self.layout, "topology": self.topology, f"{unit}_written": self.written,
                 f"{unit}_skipped": self.skipped, "bytes_written": self.bytes_written,
                 "seconds": round(self.seconds, 3), "files_copied": self.files_copied,
+                "tensor_digests_from_manifest": self.digests_from_manifest,
                 "bytes_per_second": int(self.bytes_written / self.seconds) if self.seconds else None}
 
 
@@ -745,24 +797,30 @@ def run_reshard(
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
     check_space: bool = True,
+    manifest: Manifest | None = None,
     _fail_before: Callable[[str], None] | None = None,
 ) -> ReshardResult:
     """Write the ranks (or nodes, with ``--format node``) of ``plan`` under ``out``.
     ``mode``: ``kernel`` (copy_file_range for contiguous runs, falling back as needed) or
     ``buffered`` (pread/pwrite only). ``check_space``: refuse up front when the filesystem has
-    less free space than the bytes still to write plus a margin.
+    less free space than the bytes still to write plus a margin. ``manifest``: a source
+    manifest with tensor hashes; whole tensors of source files verified against it take their
+    digests from it instead of being hashed (:func:`manifest_digests`).
 
     ``out`` must be new, empty, or an earlier reshard's output holding nothing else
     (:func:`k3ckpt.utils.ownership.claim_output_dir`); the run holds ``out``'s lock throughout.
 
     Raises:
         ReshardError: ``out`` holds another topology or source (without ``force``); a write
-            failed (disk full: the temporary files are removed and the shortfall named).
+            failed (disk full: the temporary files are removed and the shortfall named);
+            ``manifest`` has no tensor hashes.
         OutputNotOwnedError: ``out`` holds files k3ckpt did not write, or another command's.
         OutputLockedError: another reshard or unshard is writing into ``out``.
         DiskSpaceError: not enough free space (checked before any byte is written).
     """
     t0 = time.perf_counter()
+    # before anything is written: a manifest without tensor hashes is refused with OUT untouched
+    known = manifest_digests(plan.ckpt, manifest) if manifest is not None else {}
     outp = Path(out)
     src = plan.ckpt.root
     if is_within(outp, src):
@@ -779,12 +837,12 @@ def run_reshard(
             entries += plan.extra_files
         claim_output_dir(outp, "reshard", entries)
         return _run_locked(plan, outp, t0, jobs=jobs, force=force, mode=mode, progress=progress, on_plan=on_plan,
-                           check_space=check_space, fail_before=_fail_before)
+                           check_space=check_space, fail_before=_fail_before, known=known)
 
 
 def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, force: bool, mode: str,
                 progress: Callable[[int], None] | None, on_plan: Callable[[int], None] | None, check_space: bool,
-                fail_before: Callable[[str], None] | None) -> ReshardResult:
+                fail_before: Callable[[str], None] | None, known: dict[str, str]) -> ReshardResult:
     topo_json = plan.topology_json()
     tpath = outp / TOPOLOGY_NAME
     old_units: list[Path] | None = None  # the unit directories of another layout, to replace (--force)
@@ -829,7 +887,8 @@ def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, f
                 copy_files(plan.ckpt.root, plan.extra_files, rdir)
         if on_plan is not None:
             on_plan(total)
-        written = _write_units(plan, outp, todo, jobs=jobs, mode=mode, progress=progress, fail_before=fail_before)
+        written = _write_units(plan, outp, todo, jobs=jobs, mode=mode, progress=progress, fail_before=fail_before,
+                               known=known)
     except _OutOfSpace as e:
         raise _out_of_space(plan, outp, todo, e.where, e.strerror) from None
     except OSError as e:
@@ -837,8 +896,10 @@ def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, f
             raise
         raise _out_of_space(plan, outp, todo, Path(e.filename or outp), e.strerror or str(e)) from None
     fsync_dir(outp)
+    from_manifest = len({t.name for rp in todo for f in rp.files for t in f.tensors if t.key == (t.name, None)}
+                        & known.keys())
     return ReshardResult(outp, topo_json, [rp.unit for rp in todo], skipped, written,
-                         time.perf_counter() - t0, list(plan.extra_files), plan.layout)
+                         time.perf_counter() - t0, list(plan.extra_files), plan.layout, from_manifest)
 
 
 def _extra_bytes(plan: ReshardPlan) -> int:
@@ -899,10 +960,11 @@ def _out_of_space(plan: ReshardPlan, outp: Path, todo: Sequence[RankPlan | NodeP
 
 
 def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan], *, jobs: int | None, mode: str,
-                 progress: Callable[[int], None] | None, fail_before: Callable[[str], None] | None) -> int:
+                 progress: Callable[[int], None] | None, fail_before: Callable[[str], None] | None,
+                 known: dict[str, str]) -> int:
     """Write every file of ``todo`` in parallel and finish each unit as its last file lands;
-    the bytes of the finished units."""
-    cache = _DigestCache()
+    the bytes of the finished units. ``known``: whole-tensor digests not to compute."""
+    cache = _DigestCache(known)
     # Two writers per core: a writer waits on its final fsync and on cold source reads, and
     # the other keeps the core hashing (measured: ~6% faster than one per core, BENCHMARKS.md).
     workers = jobs or min(16, 2 * (os.cpu_count() or 1))
@@ -1020,8 +1082,9 @@ def reshard(
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
     check_space: bool = True,
+    manifest: Manifest | None = None,
 ) -> ReshardResult:
     """Plan and write: :func:`plan_reshard` then :func:`run_reshard`."""
     plan = plan_reshard(source, selection, max_file_size=max_file_size, align=align, layout=layout)
     return run_reshard(plan, out, jobs=jobs, force=force, mode=mode, progress=progress, on_plan=on_plan,
-                       check_space=check_space)
+                       check_space=check_space, manifest=manifest)
