@@ -19,13 +19,17 @@ How bytes move (streaming; memory is a few bounded buffers per worker, whatever 
 - strided runs are gathered through bounded buffers (whole rows read, columns cut with numpy);
 - output files are written in parallel by a thread pool (``--jobs``).
 
-Hashing. Per-tensor and per-file sha256 are computed while writing, in the same pass: after each
-kernel-side chunk copy, the chunk just written is read back from the page cache (hot pages of
-the *output*; the source is never read a second time) and fed to the tensor's and the file's
-hashers; buffered chunks are hashed from the buffer they are written from. A tensor slice that
-several ranks hold identically (replicated and TP slices across dp ranks) is hashed once per
-run and its digest reused. The file digest must cover every output byte, so it is always
-computed.
+Hashing. Per-tensor and per-file sha256 are computed while writing, in the same pass: each
+kernel-side chunk is hashed from the *source's* pages through a bounded read-only mapping (hot
+pages: the copy that follows reads the same ones; nothing is read back from the output, and no
+byte is read from disk twice), and buffered chunks are hashed from the buffer they are written
+from. The file digest must cover every output byte, so it is always computed. A tensor slice's
+digest is computed once per run, fed from that same read, and reused wherever several ranks or
+nodes hold the same slice (replicated tensors, TP slices across dp ranks). With ``--manifest``
+(:func:`manifest_digests`) whole tensors of source files that ``verify`` or ``fetch`` last found
+unchanged and equal to the manifest take their digest from it and are not hashed at all; every
+other tensor is hashed as above, so a source that does not match the manifest never gets its
+digests.
 
 Decisions the contract leaves open:
 
@@ -717,6 +721,8 @@ def render_reshard(res: ReshardResult) -> str:
 
     rate = f" at {human_bytes(res.bytes_written / res.seconds)}/s" if res.seconds and res.bytes_written else ""
     skipped = f", {len(res.skipped)} already complete (skipped)" if res.skipped else ""
+    if res.digests_from_manifest:
+        skipped += f", {res.digests_from_manifest} tensor digests from the manifest"
     t = res.topology
     unit = "nodes" if res.layout == "node" else "ranks"
     shape = (f"ep {t['ep']} = tp {t['tp']} x dp {t['dp']}" if res.layout == "node"
