@@ -14,7 +14,7 @@ import pytest
 import safetensors
 
 from helpers import assert_one_line_error, run, shard_of, tensor_digests
-from k3ckpt.format.checkpoint import open_checkpoint
+from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
 from k3ckpt.integrity.manifest import build_manifest
 from k3ckpt.integrity.verify import record_verified
 
@@ -168,3 +168,76 @@ def test_manifest_without_tensor_hashes_is_refused(k3_tiny: Path, tmp_path: Path
     res = run("reshard", str(k3_tiny), "-o", str(tmp_path / "out"), "--manifest", str(m))
     assert_one_line_error(res, 2, "--manifest has no tensor hashes", "--tensor-hashes")
     assert not (tmp_path / "out").exists()
+
+
+class _CountingSha256:
+    """hashlib.sha256 that adds every byte it is fed to ``total``."""
+
+    total = 0
+
+    def __init__(self, data: bytes = b"") -> None:
+        self._h = hashlib.sha256(data)
+        _CountingSha256.total += len(data)
+
+    def update(self, data: bytes | memoryview) -> None:
+        _CountingSha256.total += len(data)
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+@pytest.mark.parametrize("manifest", [False, True])
+def test_each_byte_hashed_once_per_digest(k3_tiny: Path, tmp_path: Path, cache: Path,
+                                          monkeypatch: pytest.MonkeyPatch, manifest: bool) -> None:
+    """Node directories: each distinct output file is hashed once (the dense file every node
+    holds: once per run), each distinct tensor once - or not at all with a verified manifest -
+    and nothing is read back: the bytes hashed are exactly those sums."""
+    import types
+
+    from k3ckpt.deploy import reshard as rs
+    from k3ckpt.format.topology import RankSelection
+    from k3ckpt.integrity.manifest import Manifest
+
+    m = None
+    if manifest:
+        m = Manifest.load(_manifest(k3_tiny, tmp_path / "m.json"))
+        assert run("verify", str(k3_tiny), "--manifest", str(tmp_path / "m.json")).exit_code == 0
+    monkeypatch.setattr(rs, "hashlib", types.SimpleNamespace(sha256=_CountingSha256))
+    _CountingSha256.total = 0
+    res = rs.reshard(k3_tiny, tmp_path / "out", RankSelection(tp=2, dp=2, gpus_per_node=2), layout="node", jobs=3,
+                     manifest=m)
+    assert len(res.written) == 2
+    files = {(d / f).read_bytes() for d, mk in _units(tmp_path / "out") for f in mk["files"]}
+    dense = [d / "model-dense-00001-of-00001.safetensors" for d, _ in _units(tmp_path / "out")]
+    assert len(dense) == 2 and dense[0].read_bytes() == dense[1].read_bytes()  # the twin files
+    ckpt = open_checkpoint(k3_tiny)
+    tensors = {n for _, mk in _units(tmp_path / "out") for n in mk["tensors"]}
+    want = (sum(len(b) for b in files) + (0 if manifest else sum(ckpt.tensors[n].nbytes for n in tensors))
+            + (k3_tiny / INDEX_NAME).stat().st_size)  # the source's index digest, in topology.json
+    assert _CountingSha256.total == want
+    check_digests(k3_tiny, tmp_path / "out")
+
+
+def test_twin_of_a_failed_file_is_hashed_itself(k3_tiny: Path, tmp_path: Path, cache: Path) -> None:
+    """The first writer of the dense file fails: its twin on the other node is hashed as any
+    file, that node completes, and a re-run completes the other."""
+    from k3ckpt.deploy import reshard as rs
+    from k3ckpt.format.topology import RankSelection
+
+    sel = RankSelection(tp=2, dp=2, gpus_per_node=2)
+    plan = rs.plan_reshard(k3_tiny, sel, layout="node")
+    calls: list[str] = []
+
+    def boom(name: str) -> None:
+        calls.append(name)
+        if name.startswith("model-dense-") and calls.count(name) == 1:
+            raise rs.ReshardError(f"writing {name}: disk full")
+
+    with pytest.raises(rs.ReshardError, match="model-dense-"):
+        rs.run_reshard(plan, tmp_path / "out", jobs=2, _fail_before=boom)
+    ready = [d for d in (tmp_path / "out").glob("node-*") if (d / "READY").exists()]
+    assert len(ready) == 1
+    res = rs.reshard(k3_tiny, tmp_path / "out", sel, layout="node")
+    assert len(res.written) == 1 and len(res.skipped) == 1
+    check_digests(k3_tiny, tmp_path / "out")

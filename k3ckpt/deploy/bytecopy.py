@@ -116,8 +116,10 @@ class Copier:
             got += k
         return v
 
-    def contiguous(self, src: int, dst: int, so: int, do: int, n: int, sinks: Callable[[memoryview], None]) -> None:
-        """Copy ``n`` bytes and feed them, in order, to ``sinks``."""
+    def contiguous(self, src: int, dst: int, so: int, do: int, n: int,
+                   sinks: Callable[[memoryview], None] | None) -> None:
+        """Copy ``n`` bytes and feed them, in order, to ``sinks`` (None: nobody needs them, a
+        plain kernel-side copy)."""
         end = so + n
         if n > CHUNK:  # start reading ahead: a cold source is otherwise read chunk by chunk
             os.posix_fadvise(src, so, min(n, READ_AHEAD), os.POSIX_FADV_WILLNEED)
@@ -126,10 +128,13 @@ class Copier:
             ahead = so + READ_AHEAD
             if ahead < end:
                 os.posix_fadvise(src, ahead, min(CHUNK, end - ahead), os.POSIX_FADV_WILLNEED)
-            if self.mode == "buffered" or not self._hash_and_copy(src, dst, k, so, do, sinks):
+            if sinks is None and self.mode != "buffered" and self._kernel(src, dst, k, so, do):
+                pass
+            elif self.mode == "buffered" or sinks is None or not self._hash_and_copy(src, dst, k, so, do, sinks):
                 data = self._pread(src, k, so)
                 pwrite_all(dst, data, do)
-                sinks(data)
+                if sinks is not None:
+                    sinks(data)
             start_writeback(dst, do, k)
             n -= k
             so += k
@@ -177,7 +182,7 @@ class Copier:
             return None
         return mm, memoryview(mm)[so - start:]
 
-    def strided(self, src: int, dst: int, run: Run, do: int, sinks: Callable[[memoryview], None]) -> None:
+    def strided(self, src: int, dst: int, run: Run, do: int, sinks: Callable[[memoryview], None] | None) -> None:
         """Gather ``run.count`` rows of ``run.length`` bytes through bounded buffers."""
         import numpy as np
 
@@ -200,7 +205,8 @@ class Copier:
             np.copyto(out, full)
             mv = memoryview(self.gbuf)[: k * run.length]
             pwrite_all(dst, mv, do)
-            sinks(mv)
+            if sinks is not None:
+                sinks(mv)
             start_writeback(dst, do, k * run.length)
             do += k * run.length
 

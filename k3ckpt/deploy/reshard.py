@@ -571,8 +571,10 @@ class _DigestCache:
 
 def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
                 progress: Callable[[int], None] | None, fail_before: Callable[[str], None] | None = None,
-                ) -> dict[str, Any]:
-    """Write one output file under its temporary name, fsync it; return its digests.
+                twin: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write one output file under its temporary name, fsync it; return its digests. ``twin``:
+    the digests of a byte-identical file of this run (same header, same source runs: a dense
+    file every node holds) - the bytes are then copied, not hashed again.
 
     Raises:
         ReshardError: the file cannot be written (disk full, file too large, ...), naming it;
@@ -580,7 +582,7 @@ def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _Di
     """
     fds = FdCache(plan.ckpt.path_of)
     try:
-        return _write_file_with(plan, f, dest, mode, cache, progress, fds, fail_before)
+        return _write_file_with(plan, f, dest, mode, cache, progress, fds, fail_before, twin)
     except OSError as e:
         # copy_file_range/pwrite errors carry no file name; without it "File too large" is a riddle.
         if e.errno in NO_SPACE:
@@ -597,10 +599,10 @@ def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _Di
 
 def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
                      progress: Callable[[int], None] | None, fds: FdCache,
-                     fail_before: Callable[[str], None] | None) -> dict[str, Any]:
+                     fail_before: Callable[[str], None] | None, twin: dict[str, Any] | None) -> dict[str, Any]:
     copier = Copier(mode)
     tmp = tmp_name(dest)
-    fh = hashlib.sha256(f.prefix)
+    fh = hashlib.sha256(f.prefix if twin is None else b"")  # a twin is not hashed at all
     digests: dict[str, str] = {}
     # O_NOFOLLOW: a symlink planted at the temporary name must not redirect the write.
     dst = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
@@ -609,9 +611,12 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
         base = len(f.prefix)
         if f.size > base:
             os.ftruncate(dst, f.size)
+        ts = f.tensors
+        if twin is not None:  # its digests are known: copy only
+            _copy_unhashed(f, base, dst, copier, fds, progress)
+            ts = []
         # coalesce: consecutive tensors whose single contiguous runs are adjacent in one source file
         i = 0
-        ts = f.tensors
         while i < len(ts):
             t = ts[i]
             t_do = base + f.offsets[i][0]
@@ -687,7 +692,73 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
         os.fsync(dst)
     finally:
         os.close(dst)
+    if twin is not None:
+        return {"sha256": twin["sha256"], "size": f.size, "tensors": dict(twin["tensors"])}
     return {"sha256": fh.hexdigest(), "size": f.size, "tensors": digests}
+
+
+def _copy_unhashed(f: OutFile, base: int, dst: int, copier: Copier, fds: FdCache,
+                   progress: Callable[[int], None] | None) -> None:
+    """Copy every tensor of ``f`` (data buffer at ``base``) without hashing: contiguous runs
+    adjacent in one source file and in ``f`` are merged into one kernel-side copy."""
+    pending: tuple[str, int, int, int] | None = None  # source file, source offset, length, output offset
+
+    def flush() -> None:
+        if pending is not None:
+            copier.contiguous(fds.get(pending[0]), dst, pending[1], pending[3], pending[2], None)
+            if progress is not None:
+                progress(pending[2])
+
+    for t, (b, _e) in zip(f.tensors, f.offsets):
+        do = base + b
+        for run in t.runs:
+            if run.count != 1:
+                flush()
+                pending = None
+                copier.strided(fds.get(t.src_file), dst, run, do, None)
+                if progress is not None:
+                    progress(run.nbytes)
+            elif (pending is not None and pending[0] == t.src_file and pending[1] + pending[2] == run.offset
+                  and pending[3] + pending[2] == do):
+                pending = (pending[0], pending[1], pending[2] + run.length, pending[3])
+            else:
+                flush()
+                pending = (t.src_file, run.offset, run.length, do)
+            do += run.nbytes
+    flush()
+
+
+def _twin_key(f: OutFile) -> tuple:
+    """What fixes every byte of an output file: its header and the source runs of its tensors.
+    Files with equal keys are byte-identical (the dense files of every node)."""
+    return f.prefix, tuple((t.src_file, tuple(t.runs)) for t in f.tensors)
+
+
+def _after(first: Future, submit: Callable[[dict[str, Any] | None], Future]) -> Future:
+    """A future for ``submit(twin)``, called once ``first`` (a byte-identical file's writer) is
+    done, with its digests (``None`` if it failed: the file is then hashed as any other).
+    Submitting then, not waiting in a worker, keeps every worker copying meanwhile."""
+    out: Future = Future()
+
+    def relay(inner: Future) -> None:
+        if inner.cancelled():
+            out.set_exception(ReshardError("cancelled"))
+        elif inner.exception() is not None:
+            out.set_exception(inner.exception())
+        else:
+            out.set_result(inner.result())
+
+    def go(done: Future) -> None:
+        twin = None if done.cancelled() or done.exception() is not None else done.result()
+        try:
+            inner = submit(twin)
+        except RuntimeError as e:  # the pool is shutting down: an error or Ctrl-C ends the run
+            out.set_exception(e)
+            return
+        inner.add_done_callback(relay)
+
+    first.add_done_callback(go)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -982,10 +1053,19 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
         order = sorted(((f.size, rp.unit, k) for rp in todo for k, f in enumerate(rp.files)), reverse=True)
         by_unit = {rp.unit: rp for rp in todo}
         slots: dict[tuple[int, int], Future] = {}
+        firsts: dict[tuple, Future] = {}  # the writer of each distinct file content
         for _, r, k in order:
             f = by_unit[r].files[k]
             dest = outp / by_unit[r].dir_name / f.name
-            slots[(r, k)] = pool.submit(_write_file, plan, f, dest, mode, cache, progress, fail_before)
+            first = firsts.get(key := _twin_key(f))
+            if first is None:
+                slots[(r, k)] = firsts[key] = pool.submit(_write_file, plan, f, dest, mode, cache, progress,
+                                                          fail_before)
+            else:
+                def submit(twin: dict[str, Any] | None, f: OutFile = f, dest: Path = dest) -> Future:
+                    return pool.submit(_write_file, plan, f, dest, mode, cache, progress, fail_before, twin)
+
+                slots[(r, k)] = _after(first, submit)
         # A unit is finished (manifest, READY) as soon as its last file is written, whatever
         # order files complete in: a failed file costs only its own unit, and the first error
         # is raised once every other file is done ("completed ranks are kept").
