@@ -241,3 +241,24 @@ def test_twin_of_a_failed_file_is_hashed_itself(k3_tiny: Path, tmp_path: Path, c
     res = rs.reshard(k3_tiny, tmp_path / "out", sel, layout="node")
     assert len(res.written) == 1 and len(res.skipped) == 1
     check_digests(k3_tiny, tmp_path / "out")
+
+
+@pytest.mark.parametrize("fmt", ["node", "rank"])
+def test_source_truncated_after_planning_is_an_error_not_a_crash(
+        k3_tiny: Path, tmp_path: Path, clone_checkpoint: Callable[[Path], Path], fmt: str) -> None:
+    """Chunks are hashed through a mapping of the source: a source shorter than its header says
+    is a one-line error (mmap refuses to map past its end; the copy reports the short read), not
+    a SIGBUS, and leaves no file under a final name."""
+    from k3ckpt.deploy import reshard as rs
+    from k3ckpt.errors import SourceShortReadError
+    from k3ckpt.format.topology import RankSelection
+
+    src = clone_checkpoint(k3_tiny)
+    sel = RankSelection(tp=2, dp=2, gpus_per_node=2) if fmt == "node" else RankSelection(ep=4, tp=2)
+    plan = rs.plan_reshard(src, sel, layout=fmt)
+    for shard in open_checkpoint(src).shards.values():
+        with open(shard.path, "r+b") as fh:
+            fh.truncate(shard.data_start + 1)
+    with pytest.raises(SourceShortReadError, match="source ended early"):
+        rs.run_reshard(plan, tmp_path / "out", jobs=2)
+    assert not [p for p in (tmp_path / "out").rglob("*.safetensors")]  # no file under a final name

@@ -149,9 +149,10 @@ class Copier:
 
         Measured against a copy followed by a read-back of the output, and against read ->
         hash -> pwrite: ~10 % fewer CPU-seconds than the first, ~2x fewer than the second
-        (which pays a user copy each way). Before mapping, the source must still hold the
-        bytes (a mapped page past the end of a shrunken file would kill the process with
-        SIGBUS instead of raising)."""
+        (which pays a user copy each way). A source shorter than the chunk is not mapped
+        (``mmap`` refuses a length past the end of the file; the copy then reports the short
+        read); one truncated by another process during the few milliseconds a chunk is hashed
+        would end the run with SIGBUS - its temporary files are truncated by the re-run."""
         window = self._map(src, so, k)
         if window is None:  # not mappable (some filesystems): hash what was copied, from the output
             if not self._kernel(src, dst, k, so, do):
@@ -171,14 +172,11 @@ class Copier:
     def _map(self, src: int, so: int, k: int) -> tuple[mmap.mmap, memoryview] | None:
         """``k`` bytes of ``src`` from ``so`` as a read-only view of a fresh mapping (populated
         up front: one fault-in instead of one page fault per few pages), or None."""
-        size = os.fstat(src).st_size
-        if size < so + k:
-            raise SourceShortReadError(f"source ended early: {so + k - size} bytes missing at offset {max(so, size)}")
         start = so - so % mmap.ALLOCATIONGRANULARITY
         try:
             mm = mmap.mmap(src, so + k - start, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ,
                            offset=start)
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # ValueError: the file is shorter (the copy's short read says so)
             return None
         return mm, memoryview(mm)[so - start:]
 
