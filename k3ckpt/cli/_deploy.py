@@ -95,7 +95,7 @@ def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, l
 @_engine_topology(ranks="--format rank: only these ranks, e.g. 0-3,8.",
                   node="Only this node (needs --gpus-per-node with --format rank).")
 @max_shard_size_option("Files of at most this size (--format node: header included; --format rank: tensor bytes).")
-@jobs_option("Output files written in parallel [default: 2 per CPU, at most 16].")
+@jobs_option("Output files written in parallel [default: 1 per CPU, at most 16].")
 @click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False, path_type=str),
               help="A tensor-hash manifest of SOURCE: whole tensors of files `k3ckpt verify --manifest` (or fetch) "
                    "found unchanged and equal to it take their sha256 from it instead of being hashed again.")
