@@ -97,6 +97,9 @@ def check_node(src: Path, ndir: Path, *, tp: int, dp: int, placement: str, node:
     digests = tensor_digests(src)
     assert {n: t["sha256"] for n, t in marker["tensors"].items()} == {n: digests[n] for n in want}
     assert set(marker["files"]) == set(files)
+    for f in files:  # every recorded file digest is the sha256 of the bytes on disk
+        raw = (ndir / f).read_bytes()
+        assert (marker["files"][f]["size"], marker["files"][f]["sha256"]) == (len(raw), hashlib.sha256(raw).hexdigest())
     assert (ndir / "READY").is_file() and not list(ndir.glob(".*"))
     rep = verify_checkpoint(ndir, use_cache=False)
     assert rep.ok, [str(i) for i in rep.issues]

@@ -115,13 +115,16 @@ def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, l
 @_engine_topology(ranks="--format rank: only these ranks, e.g. 0-3,8.",
                   node="Only this node (needs --gpus-per-node with --format rank).")
 @max_shard_size_option("Files of at most this size (--format node: header included; --format rank: tensor bytes).")
-@jobs_option("Output files written in parallel [default: 2 per CPU, at most 16].")
+@jobs_option("Output files written in parallel [default: 1 per CPU, at most 16].")
+@click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False, path_type=str),
+              help="A tensor-hash manifest of SOURCE: whole tensors of files `k3ckpt verify --manifest` (or fetch) "
+                   "found unchanged and equal to it take their sha256 from it instead of being hashed again.")
 @click.option("--force", is_flag=True, help="Rewrite completed ranks too, and replace another topology this command "
               "wrote in OUT (never files k3ckpt did not write).")
 @json_option("Machine-readable summary.")
 @handle_errors
 def reshard(source: str, out: str, selection: RankSelection, max_shard_size: int, jobs: int | None, layout: str,
-            force: bool, as_json: bool) -> None:
+            manifest_path: str | None, force: bool, as_json: bool) -> None:
     """Write a checkpoint as the directories each node (or rank) of a TP/DP/EP topology loads.
 
     --format node (the default): OUT/node-NNNNN/ is a checkpoint directory that stock vLLM
@@ -142,7 +145,10 @@ def reshard(source: str, out: str, selection: RankSelection, max_shard_size: int
     Streaming, bounded memory; contiguous byte runs are copied kernel-side. A node or rank whose
     READY exists, whose marker or manifest matches and whose files have the stat recorded when
     they were written is skipped on a re-run (--force redoes it); any other is rewritten from
-    scratch. OUT must be new, empty or an earlier reshard's output (a directory holding files
+    scratch. Every output file's sha256 is computed while it is written; a whole tensor's sha256
+    is computed once per run, in the same read - or, with --manifest, taken from the manifest
+    for source files that verify or fetch last found unchanged and equal to it (any other file's
+    tensors are hashed). OUT must be new, empty or an earlier reshard's output (a directory holding files
     k3ckpt did not write is refused, --force included); the run holds OUT/.k3ckpt-output.lock
     and checks free space before writing.
 
@@ -152,12 +158,18 @@ def reshard(source: str, out: str, selection: RankSelection, max_shard_size: int
       k3ckpt reshard ./Kimi-K3 -o /nvme/k3-tp8-dp2 --tp 8 --dp 2 --gpus-per-node 8 --node 1
       k3ckpt reshard ./Kimi-K3 -o /nvme/k3-ep16 --ep 16 --tp 4 --gpus-per-node 4 --placement round_robin
       k3ckpt reshard ./Kimi-K3 -o ./k3-ranks --format rank --ep 8 --tp 2 --ranks 0-3 --max-shard-size 2GiB --json
+      k3ckpt verify ./Kimi-K3 --manifest k3.json && k3ckpt reshard ./Kimi-K3 -o /nvme/k3 --tp 8 --manifest k3.json
     """
     from ..deploy.reshard import plan_reshard, render_reshard, run_reshard
 
+    manifest = None
+    if manifest_path is not None:
+        from ..integrity.manifest import Manifest
+
+        manifest = Manifest.load(manifest_path)
     plan = plan_reshard(source, selection, max_file_size=max_shard_size, layout=layout)
     with ByteProgress(not as_json, "resharding") as bar:
-        res = run_reshard(plan, out, jobs=jobs, force=force, progress=bar, on_plan=bar.plan)
+        res = run_reshard(plan, out, jobs=jobs, force=force, progress=bar, on_plan=bar.plan, manifest=manifest)
     if as_json:
         emit_json(res.to_json())
     else:

