@@ -18,6 +18,7 @@ from k3ckpt.deploy import MEASURED_COSTS, CostPerGB, Limits, plan_topology
 from k3ckpt.deploy.estimate import (
     NAIVE,
     ONE_STEP,
+    STEP_THREADS,
     TWO_STEP,
     engine_read_bytes,
     format_duration,
@@ -58,6 +59,18 @@ def test_hashing_on_few_cores_is_bound_by_the_cpu() -> None:
     more_cores = step_estimate("verify", dataclasses.replace(LIMITS, cores=64), reads=4 * GB, hashes=4 * GB,
                                cpu_seconds=4 * 1.22 * 10)
     assert more_cores.bound == "disk" and more_cores.seconds == 2.0
+
+
+def test_a_step_uses_only_the_cores_its_threads_can() -> None:
+    """A tool hashing in fewer threads than the node has cores is bound by those threads:
+    huggingface_hub's cache verify hashes in one, fetch in its 8 requests."""
+    big = dataclasses.replace(LIMITS, cores=64)
+    one = step_estimate("hf cache verify", big, reads=4 * GB, hashes=4 * GB, cpu_seconds=40.0, threads=1)
+    assert one.cpu_wall_seconds == 40.0 and one.bound == "cpu"
+    eight = step_estimate("fetch", big, downloads=4 * GB, cpu_seconds=40.0, threads=8)
+    assert eight.cpu_wall_seconds == 5.0
+    assert step_estimate("x", LIMITS, cpu_seconds=40.0, threads=8).cpu_wall_seconds == 40.0 / LIMITS.cores
+    assert (STEP_THREADS["hf cache verify"], STEP_THREADS["fetch"], STEP_THREADS["verify"]) == (1, 8, None)
 
 
 def test_a_tie_names_the_first_limit() -> None:
@@ -196,6 +209,7 @@ def test_routes_on_k3_tiny(k3_tiny: Path) -> None:
         download, cache_verify, load_orig = node.route(NAIVE).steps
         assert (download.download_bytes, download.write_bytes, download.cpu_seconds) == (whole, whole, 0)
         assert cache_verify.hash_bytes == whole and cache_verify.cpu_seconds == pytest.approx(whole / GB / 2.0)
+        assert cache_verify.cpu_wall_seconds == pytest.approx(cache_verify.cpu_seconds)  # one thread
         assert load_orig.read_bytes > load.read_bytes
         for route in node.routes:
             assert route.seconds == pytest.approx(sum(s.seconds for s in route.steps))

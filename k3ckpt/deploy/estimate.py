@@ -6,11 +6,13 @@ own network link, disk and cores; nothing is shared between nodes (the hub is as
 up). A route is a sequence of steps run one after another; within a step the three resources
 overlap perfectly (bytes stream), so a step takes the longest of
 
-    download / link,   (read + write) / disk,   CPU-seconds / cores
+    download / link,   (read + write) / disk,   CPU-seconds / cores used
 
-where CPU-seconds = GB processed x the step's measured CPU-s per GB (:class:`CostPerGB`, spread
-evenly over the cores). One disk rate covers reads and writes together: a step that reads and
-writes the same bytes (reshard) moves them twice through the disk. The routes:
+where CPU-seconds = GB processed x the step's measured CPU-s per GB (:class:`CostPerGB`), spread
+evenly over the cores the tool hashes on by default (:data:`STEP_THREADS`: 8 requests for
+``fetch``, at most 16 writers for ``reshard``, one thread for ``hf cache verify``). One disk
+rate covers reads and writes together: a step that reads and writes the same bytes (reshard)
+moves them twice through the disk. The routes:
 
 - **two steps**: ``fetch`` (the whole checkpoint on one node, else ``fetch --ranks`` of the
   node's ranks: dense tensors plus the node's experts), ``verify``, ``reshard --node`` into the
@@ -18,8 +20,8 @@ writes the same bytes (reshard) moves them twice through the disk. The routes:
 - **one step**: ``fetch --node`` (the node directory straight from the hub, every tensor
   checked against a tensor-hash manifest), then the load;
 - **naive**: every node downloads the whole checkpoint (``hf download``, no CPU counted),
-  ``hf cache verify`` hashes all of it (at :attr:`CostPerGB.sha256_rate` per core), then the
-  load from the original layout.
+  ``hf cache verify`` hashes all of it (at :attr:`CostPerGB.sha256_rate`, file after file in
+  one thread, as huggingface_hub does), then the load from the original layout.
 
 The load is vLLM's with ``--enable-expert-parallel --enable-ep-weight-filter``: every rank of the
 node reads every dense tensor, every expert tensor its directory holds except the heavy weights
@@ -53,22 +55,22 @@ class CostPerGB:
     of one core: the measured figures the estimate scales by the node's cores. Each default
     names the BENCHMARKS.md section (and row) it comes from; a re-measurement changes one line."""
 
-    #: per GB hashed by ``verify --manifest M --no-cache``. BENCHMARKS.md "Where the time goes
-    #: (2026-12-01, before #16 changes)", `verify ... --jobs 1` on k3-8shard: 1.31 CPU-s / 1.070 GB.
-    verify: float = 1.22
+    #: per GB hashed by ``verify --manifest M --no-cache``. BENCHMARKS.md "Cost per GB (2026-12-01,
+    #: after #16)": marginal CPU-s per GB beyond the fixed start-up, the larger of the two shapes.
+    verify: float = 0.88
     #: per GB received by a whole ``fetch`` (sha256 of every byte, write, fsync). BENCHMARKS.md
-    #: "CPU-seconds per GB of fetch and fetch --node (2026-12-01, shared machine)": 3.76 CPU-s / 1.070 GB.
-    fetch: float = 3.51
-    #: per GB written by ``reshard`` into node directories. BENCHMARKS.md "Where the time goes
-    #: (2026-12-01, before #16 changes)", `reshard ... (node) --jobs 1` on k3-8shard: 3.07 CPU-s / 1.406 GB.
-    reshard: float = 2.18
-    #: per GB received by ``fetch --node --manifest M``. BENCHMARKS.md "CPU-seconds per GB of fetch
-    #: and fetch --node (2026-12-01, shared machine)": 3.38 CPU-s / 0.704 GB.
-    node_fetch: float = 4.80
+    #: "Cost per GB (2026-12-01, after #16)", the same way.
+    fetch: float = 1.39
+    #: per GB written by ``reshard`` into node directories. BENCHMARKS.md "Cost per GB
+    #: (2026-12-01, after #16)", the same way.
+    reshard: float = 1.87
+    #: per GB received by ``fetch --node --manifest M``. BENCHMARKS.md "Cost per GB
+    #: (2026-12-01, after #16)", the same way.
+    node_fetch: float = 2.69
     #: GB/s of sha256 on one core (``openssl speed -evp sha256 -bytes 16384``): the floor of any
-    #: hashing, and ``hf cache verify``'s cost. BENCHMARKS.md "Where the time goes (2026-12-01,
-    #: before #16 changes)", machine line: 1.71-1.72 GB/s.
-    sha256_rate: float = 1.71
+    #: hashing, and ``hf cache verify``'s cost. BENCHMARKS.md "Cost per GB (2026-12-01, after
+    #: #16)", machine line: 1.75 GB/s.
+    sha256_rate: float = 1.75
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -124,12 +126,14 @@ class StepEstimate:
 
 
 def step_estimate(name: str, limits: Limits, *, downloads: int = 0, reads: int = 0, writes: int = 0,
-                  hashes: int = 0, cpu_seconds: float = 0.0) -> StepEstimate:
-    """A step's time under ``limits``: max(downloads / link, (reads + writes) / disk, CPU-s / cores)."""
+                  hashes: int = 0, cpu_seconds: float = 0.0, threads: int | None = None) -> StepEstimate:
+    """A step's time under ``limits``: max(downloads / link, (reads + writes) / disk, CPU-s / the
+    cores it can use), where a tool that hashes in ``threads`` threads uses at most that many."""
+    cores = limits.cores if threads is None else min(limits.cores, threads)
     return StepEstimate(name, download_bytes=downloads, read_bytes=reads, write_bytes=writes, hash_bytes=hashes,
                         cpu_seconds=cpu_seconds,
                         link_seconds=downloads / limits.link, disk_seconds=(reads + writes) / limits.disk,
-                        cpu_wall_seconds=cpu_seconds / limits.cores)
+                        cpu_wall_seconds=cpu_seconds / cores)
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,15 @@ class ReadyEstimate:
                 "nodes": [n.to_json() for n in self.nodes]}
 
 
+#: How many threads each step hashes in by default, which caps the cores it can use: ``fetch``
+#: and ``fetch --node`` hash each request's bytes in its thread (``--jobs`` 8), ``reshard``
+#: writes with at most 16 writers, ``verify`` hashes one file per core (``None``: every core),
+#: and ``hf cache verify`` (huggingface_hub's ``verify_maps``) hashes file after file in one
+#: thread (BENCHMARKS.md: CPU/wall 1.00 on 2 cores).
+STEP_THREADS: dict[str, int | None] = {"fetch": 8, "fetch --node": 8, "reshard": 16, "verify": None,
+                                       "hf cache verify": 1}
+
+
 def _cpu(gb_cost: float, nbytes: int) -> float:
     return gb_cost * nbytes / GB
 
@@ -216,21 +229,22 @@ def estimate_ready(idx: InventoryIndex, topo: Topology, nodes: Sequence[NodeByte
         load_name = f"load (vLLM, {len(nb.ranks)} rank{'s' if len(nb.ranks) != 1 else ''})"
         two = RouteEstimate(TWO_STEP, (
             step_estimate("fetch" if whole else "fetch --ranks", limits, downloads=share, writes=share,
-                          hashes=share, cpu_seconds=_cpu(costs.fetch, share)),
-            step_estimate("verify", limits, reads=share, hashes=share, cpu_seconds=_cpu(costs.verify, share)),
+                          hashes=share, cpu_seconds=_cpu(costs.fetch, share), threads=STEP_THREADS["fetch"]),
+            step_estimate("verify", limits, reads=share, hashes=share, cpu_seconds=_cpu(costs.verify, share),
+                          threads=STEP_THREADS["verify"]),
             step_estimate("reshard --node", limits, reads=share, writes=share, hashes=share,
-                          cpu_seconds=_cpu(costs.reshard, share)),
+                          cpu_seconds=_cpu(costs.reshard, share), threads=STEP_THREADS["reshard"]),
             step_estimate(load_name, limits, reads=load_node),
         ))
         one = RouteEstimate(ONE_STEP, (
             step_estimate("fetch --node", limits, downloads=share, writes=share, hashes=share,
-                          cpu_seconds=_cpu(costs.node_fetch, share)),
+                          cpu_seconds=_cpu(costs.node_fetch, share), threads=STEP_THREADS["fetch --node"]),
             step_estimate(load_name, limits, reads=load_node),
         ))
         naive = RouteEstimate(NAIVE, (
             step_estimate("hf download", limits, downloads=checkpoint_bytes, writes=checkpoint_bytes),
             step_estimate("hf cache verify", limits, reads=checkpoint_bytes, hashes=checkpoint_bytes,
-                          cpu_seconds=checkpoint_bytes / GB / costs.sha256_rate),
+                          cpu_seconds=checkpoint_bytes / GB / costs.sha256_rate, threads=STEP_THREADS["hf cache verify"]),
             step_estimate(load_name, limits, reads=load_orig),
         ))
         out.nodes.append(NodeEstimate(nb.node, tuple(nb.ranks), (two, one, naive)))
@@ -259,7 +273,8 @@ def render_ready(est: ReadyEstimate) -> list[str]:
     lim, c = est.limits, est.costs
     lines = [
         "time to ready  all nodes at once, each step after the last; a step takes the longest of",
-        "               download / link, (read + write) / disk and CPU-s / cores",
+        "               download / link, (read + write) / disk and CPU-s / the cores it hashes on",
+        "               (fetch and fetch --node 8 requests, reshard 16 writers, hf cache verify 1)",
         f"limits         per node: link {human_bytes(lim.link)}/s ({lim.link * 8 / GB:g} Gbit/s), "
         f"disk {human_bytes(lim.disk)}/s (reads + writes), {lim.cores} cores",
         f"CPU-s per GB   fetch {c.fetch:.2f}, verify {c.verify:.2f}, reshard {c.reshard:.2f}, "
