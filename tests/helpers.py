@@ -12,9 +12,10 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import click
 from click.testing import CliRunner, Result
 
 from k3ckpt.cli import main
@@ -91,3 +92,16 @@ def kill_at_pause(code: str, args: list[str], point: str, tmp_path: Path) -> Non
         time.sleep(0.01)
     proc.kill()
     proc.wait()
+
+
+def walk_commands(group: click.Group = main, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], click.Command]]:
+    """Every command and group under ``group`` with its path, groups before their commands,
+    asked the way click asks (``list_commands``/``get_command``: the root loads its commands
+    lazily, so its ``commands`` mapping holds only those looked up so far)."""
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
+        assert cmd is not None, (prefix, name)
+        yield (*prefix, name), cmd
+        if isinstance(cmd, click.Group):
+            yield from walk_commands(cmd, (*prefix, name))

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 import pytest
 
-from helpers import assert_one_line_error, run
+from helpers import assert_one_line_error, run, walk_commands
 from k3ckpt import __version__
 from k3ckpt.cli import main
 
@@ -36,18 +36,7 @@ def test_commands_load_by_name() -> None:
     assert res.exit_code == 2 and "No such command 'verifyy'. Did you mean 'verify'?" in res.output
 
 
-def _command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
-    out = []
-    ctx = click.Context(group)
-    for name in group.list_commands(ctx):
-        cmd = group.get_command(ctx, name)
-        out.append((*prefix, name))
-        if isinstance(cmd, click.Group):
-            out += _command_paths(cmd, (*prefix, name))
-    return out
-
-
-@pytest.mark.parametrize("path", _command_paths(main), ids=" ".join)
+@pytest.mark.parametrize("path", [path for path, _ in walk_commands()], ids=" ".join)
 def test_every_command_has_help_with_an_example(path: tuple[str, ...]) -> None:
     res = run(*path, "--help")
     assert res.exit_code == 0
@@ -55,13 +44,8 @@ def test_every_command_has_help_with_an_example(path: tuple[str, ...]) -> None:
 
 
 def _options_named(flag: str) -> list[tuple[str, click.Option]]:
-    out = []
-    for path in _command_paths(main):
-        cmd: click.Command = main
-        for name in path:
-            cmd = cmd.commands[name]  # type: ignore[attr-defined]
-        out += [(" ".join(path), p) for p in cmd.params if isinstance(p, click.Option) and flag in p.opts]
-    return out
+    return [(" ".join(path), p) for path, cmd in walk_commands() for p in cmd.params
+            if isinstance(p, click.Option) and flag in p.opts]
 
 
 def test_every_json_option_comes_from_the_shared_decorator() -> None:

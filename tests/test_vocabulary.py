@@ -17,7 +17,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from helpers import REPO, assert_one_line_error, run
+from helpers import REPO, assert_one_line_error, run, walk_commands
 from k3ckpt.cli import main
 from k3ckpt.hub.fetch import select_paths
 
@@ -183,12 +183,10 @@ def test_refused_byte_reads_name_the_token_too(gated_hub: Any, tmp_path: Path) -
 # -- one name per concept ------------------------------------------------------------------------
 
 
-def _commands(group: click.Group = main, path: str = "k3ckpt") -> Iterator[tuple[str, click.Command]]:
-    for name, cmd in sorted(group.commands.items()):
-        if isinstance(cmd, click.Group):
-            yield from _commands(cmd, f"{path} {name}")
-        else:
-            yield f"{path} {name}", cmd
+def _commands() -> Iterator[tuple[str, click.Command]]:
+    for path, cmd in walk_commands():
+        if not isinstance(cmd, click.Group):
+            yield " ".join(("k3ckpt", *path)), cmd
 
 
 #: concept (parameter name) -> the one name --help shows, and the names also accepted

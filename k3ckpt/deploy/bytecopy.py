@@ -128,9 +128,7 @@ class Copier:
             ahead = so + READ_AHEAD
             if ahead < end:
                 os.posix_fadvise(src, ahead, min(CHUNK, end - ahead), os.POSIX_FADV_WILLNEED)
-            if sinks is None and self.mode != "buffered" and self._kernel(src, dst, k, so, do):
-                pass
-            elif self.mode == "buffered" or sinks is None or not self._hash_and_copy(src, dst, k, so, do, sinks):
+            if not self._copied_in_kernel(src, dst, k, so, do, sinks):
                 data = self._pread(src, k, so)
                 pwrite_all(dst, data, do)
                 if sinks is not None:
@@ -139,6 +137,16 @@ class Copier:
             n -= k
             so += k
             do += k
+
+    def _copied_in_kernel(self, src: int, dst: int, k: int, so: int, do: int,
+                          sinks: Callable[[memoryview], None] | None) -> bool:
+        """Copy ``k`` bytes kernel-side, feeding ``sinks`` from the source's pages first; False,
+        with nothing written or fed, when the mode or the kernel says to copy through a buffer."""
+        if self.mode == "buffered":
+            return False
+        if sinks is None:
+            return self._kernel(src, dst, k, so, do)
+        return self._hash_and_copy(src, dst, k, so, do, sinks)
 
     def _hash_and_copy(self, src: int, dst: int, k: int, so: int, do: int,
                        sinks: Callable[[memoryview], None]) -> bool:

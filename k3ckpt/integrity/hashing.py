@@ -144,7 +144,7 @@ def _chunks(fd: int, path: str, size: int, step: int, buffer: bytearray | None) 
             yield from _mapped_chunks(fd, path, size, step)
             return
         except _Unmappable:
-            pass
+            pass  # nothing was hashed yet: read the file into a buffer below instead
     yield from _read_chunks(fd, path, step, buffer)
 
 
