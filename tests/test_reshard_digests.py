@@ -259,6 +259,8 @@ def test_source_truncated_after_planning_is_an_error_not_a_crash(
     for shard in open_checkpoint(src).shards.values():
         with open(shard.path, "r+b") as fh:
             fh.truncate(shard.data_start + 1)
-    with pytest.raises(SourceShortReadError, match="source ended early"):
+    with pytest.raises(SourceShortReadError, match="source ended early") as info:
         rs.run_reshard(plan, tmp_path / "out", jobs=2)
+    assert info.value.path is not None and Path(info.value.path).parent == src  # names the source file
+    assert str(info.value).startswith(f"{info.value.path}: ")
     assert not [p for p in (tmp_path / "out").rglob("*.safetensors")]  # no file under a final name

@@ -71,8 +71,9 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 class Copier:
     """Moves byte runs from source fds to a destination fd, hashing what it writes."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, sources: FdCache | None = None) -> None:
         self.mode = mode  # "kernel" (copy_file_range, sendfile fallback) or "buffered"
+        self.sources = sources  # the source fds' owner: names a source that ends early
         self.buf = bytearray(CHUNK)
         self.view = memoryview(self.buf)
         self.gbuf: bytearray | None = None  # gather buffer for strided runs
@@ -100,11 +101,18 @@ class Copier:
             else:
                 return False
             if k == 0:
-                raise SourceShortReadError(f"source ended early: {n} bytes missing at offset {so}")
+                raise self._short(src, n, so)
             n -= k
             so += k
             do += k
         return True
+
+    def _short(self, fd: int, missing: int, offset: int) -> SourceShortReadError:
+        """The error for a source (truncated under us) that ended ``missing`` bytes early."""
+        path = self.sources.path_of_fd(fd) if self.sources is not None else None
+        where = f"{path}: " if path is not None else ""
+        return SourceShortReadError(f"{where}source ended early: {missing} bytes missing at offset {offset}",
+                                    path=path)
 
     def _pread(self, fd: int, n: int, off: int) -> memoryview:
         v = self.view[:n]
@@ -112,7 +120,7 @@ class Copier:
         while got < n:
             k = os.preadv(fd, [v[got:]], off + got)
             if k == 0:
-                raise SourceShortReadError(f"source ended early: {n - got} bytes missing at offset {off + got}")
+                raise self._short(fd, n - got, off + got)
             got += k
         return v
 
@@ -287,6 +295,11 @@ class FdCache:
                 if fd is None:
                     fd = self._fds[file] = os.open(self._path_of(file), os.O_RDONLY)
         return fd
+
+    def path_of_fd(self, fd: int) -> Path | None:
+        """The path of the source this cache opened as ``fd`` (None: not one of ours)."""
+        file = next((f for f, mine in self._fds.items() if mine == fd), None)
+        return None if file is None else self._path_of(file)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -600,7 +600,7 @@ def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _Di
 def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
                      progress: Callable[[int], None] | None, fds: FdCache,
                      fail_before: Callable[[str], None] | None, twin: dict[str, Any] | None) -> dict[str, Any]:
-    copier = Copier(mode)
+    copier = Copier(mode, fds)
     tmp = tmp_name(dest)
     fh = hashlib.sha256(f.prefix if twin is None else b"")  # a twin is not hashed at all
     digests: dict[str, str] = {}

@@ -514,8 +514,8 @@ def _write_shard(plan: UnshardPlan, topo: Topology, shard: _OutShard, dest: Path
     Raises:
         _OutOfSpace: the filesystem is full (naming the shard).
     """
-    copier = Copier(mode)
     fds = FdCache(lambda rel: plan.root / rel)
+    copier = Copier(mode, fds)
     try:
         dst = os.open(tmp_name(dest), os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
         try:
