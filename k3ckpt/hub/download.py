@@ -388,7 +388,8 @@ def _stream_chunk(listing: HubListing, job: _Job, index: int, headers: dict[str,
 
     def sink(data: memoryview) -> None:
         nonlocal owner, seen
-        if not owner and digest.claim(index):
+        # once the file went sequential, its whole-file GET alone feeds the digest (from byte 0)
+        if not owner and not job.sequential and digest.claim(index):
             owner = True
             if seen:
                 digest.hash_written(job, start, seen)
