@@ -151,7 +151,7 @@ class CacheControl:
             for f in files:
                 with open(f, "rb", buffering=0) as fh:
                     while fh.readinto(buf):
-                        pass
+                        pass  # reading is the point: it puts the file in the page cache
         elif self.method == "proc":
             try:
                 DROP_CACHES.write_text("3\n")
@@ -442,7 +442,7 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
-        pass
+        pass  # no /proc (not Linux): the platform module's answer below
     return platform.processor() or platform.machine()
 
 
