@@ -10,6 +10,7 @@ import json
 import re
 from pathlib import Path
 
+import click
 import pytest
 
 from engines import load_vllm, missing_reason, rank_read_bytes
@@ -71,6 +72,19 @@ def test_a_step_uses_only_the_cores_its_threads_can() -> None:
     assert eight.cpu_wall_seconds == 5.0
     assert step_estimate("x", LIMITS, cpu_seconds=40.0, threads=8).cpu_wall_seconds == 40.0 / LIMITS.cores
     assert (STEP_THREADS["hf cache verify"], STEP_THREADS["fetch"], STEP_THREADS["verify"]) == (1, 8, None)
+
+
+def test_step_threads_are_the_commands_defaults() -> None:
+    """The threads the model gives each step are what the commands use without ``--jobs``."""
+    from k3ckpt.cli import main
+    from k3ckpt.hub.download import fetch_files
+    from k3ckpt.hub.nodefetch import run_node_fetch
+
+    fetch = main.get_command(click.Context(main), "fetch")
+    assert fetch is not None
+    jobs = next(p for p in fetch.params if p.name == "jobs")
+    assert STEP_THREADS["fetch"] == jobs.default == inspect.signature(fetch_files).parameters["workers"].default
+    assert STEP_THREADS["fetch --node"] == inspect.signature(run_node_fetch).parameters["workers"].default
 
 
 def test_a_tie_names_the_first_limit() -> None:

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..format.topology import InventoryIndex, Topology
+from .reshard import MAX_DEFAULT_WRITERS
 
 if TYPE_CHECKING:
     from .plan import NodeBytes
@@ -189,8 +190,9 @@ class ReadyEstimate:
 #: writes with at most 16 writers, ``verify`` hashes one file per core (``None``: every core),
 #: and ``hf cache verify`` (huggingface_hub's ``verify_maps``) hashes file after file in one
 #: thread (BENCHMARKS.md: CPU/wall 1.00 on 2 cores).
-STEP_THREADS: dict[str, int | None] = {"fetch": 8, "fetch --node": 8, "reshard": 16, "verify": None,
-                                       "hf cache verify": 1}
+#: (tests/test_estimate.py pins the fetch figures to the commands' own defaults.)
+STEP_THREADS: dict[str, int | None] = {"fetch": 8, "fetch --node": 8, "reshard": MAX_DEFAULT_WRITERS,
+                                       "verify": None, "hf cache verify": 1}
 
 
 def _cpu(gb_cost: float, nbytes: int) -> float:

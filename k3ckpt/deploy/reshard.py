@@ -149,6 +149,9 @@ DEFAULT_MAX_FILE_SIZE = NODE_MAX_FILE_SIZE
 # Planning: what goes where
 
 
+#: Writers ``reshard`` runs without ``--jobs``: one per core, at most this many.
+MAX_DEFAULT_WRITERS = 16
+
 @dataclass
 class OutTensor:
     name: str
@@ -1047,7 +1050,7 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
     # formats, medians of 3): warm cache, 2 writers vs 4 took 2-23 % less wall and 1-9 % fewer
     # CPU-seconds (fewer GIL hand-offs); cold cache, the same wall within noise and 3-5 % fewer
     # CPU-seconds. (Two per core paid off while each chunk was read back from the output.)
-    workers = jobs or min(16, os.cpu_count() or 1)
+    workers = jobs or min(MAX_DEFAULT_WRITERS, os.cpu_count() or 1)
     written = 0
     files_done = 0
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard")
