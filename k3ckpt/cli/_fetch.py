@@ -66,7 +66,8 @@ from ._output import ByteProgress, emit_json
                        "both write the same files).")
 @click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False, path_type=str),
               help="Rank-aware: verify every fetched tensor against this tensor-hash manifest.")
-@click.option("--dry-run", is_flag=True, help="List what would be downloaded and how many bytes; download nothing.")
+@click.option("--dry-run", is_flag=True, help="List what would be downloaded and how many bytes; download nothing "
+              "(a destination the run would refuse is refused the same way).")
 @json_option("Machine-readable summary.")
 @click.option("-v", "--verbose", is_flag=True, help="Name every file as it completes.")
 @handle_errors
@@ -125,7 +126,7 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
       k3ckpt fetch moonshotai/Kimi-K3 --local-dir /nvme/k3-node1 --tp 8 --dp 2 --node 1 --gpus-per-node 8
       k3ckpt fetch moonshotai/Kimi-K3 --local-dir ./k3-r0 --ep 8 --ranks 0 --manifest kimi-k3.json
     """
-    from ..hub.fetch import fetch_json, plan_fetch, render_fetch, render_fetch_plan, run_fetch
+    from ..hub.fetch import check_destination, fetch_json, plan_fetch, render_fetch, render_fetch_plan, run_fetch
 
     repo = _repo_id(repo_id, repo_option)
     if files and (include or exclude):
@@ -177,6 +178,8 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
     plan = plan_fetch(hub, repo, dest, cache_dir=cache_dir, revision=revision, include=include, exclude=exclude,
                       endpoint=endpoint, token=token, files=files)
     if dry_run:
+        if plan.cache is None:  # a cache is shared with the hub clients: no claim on it
+            check_destination(plan.dest)
         if as_json:
             emit_json(plan.to_json())
         else:
@@ -331,6 +334,9 @@ def _run_planned(r: _Run, plan: Any, render_plan: Callable[[Any], str], run: Cal
     """The rank-aware and node fetches once planned: the dry run's plan, or the run with a
     progress bar, then its summary (text or JSON); exit 1 when a file failed."""
     if r.dry_run:
+        from ..hub.fetch import check_destination
+
+        check_destination(plan.dest)
         if r.as_json:
             emit_json(plan.to_json())
         else:
