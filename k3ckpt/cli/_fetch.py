@@ -18,6 +18,7 @@ from ._options import (
     jobs_option,
     json_option,
     max_shard_size_option,
+    repo_id_of,
     revision_option,
     size_option,
     token_option,
@@ -128,7 +129,7 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
     """
     from ..hub.fetch import check_destination, fetch_json, plan_fetch, render_fetch, render_fetch_plan, run_fetch
 
-    repo = _repo_id(repo_id, repo_option)
+    repo = repo_id_of(repo_id, repo_option)
     if files and (include or exclude):
         # hf download warns and ignores the patterns; a selection half-applied is not ours to guess
         raise click.UsageError("FILES and --include/--exclude both select files: give one of them")
@@ -227,16 +228,6 @@ def _check_offline(hub: str, repo: str, revision: str | None, dest: str | None, 
         click.echo(res.render())
     if not res.ok:
         sys.exit(EXIT_PROBLEMS)
-
-
-def _repo_id(positional: str | None, option: str | None) -> str:
-    """The repo id: the REPO_ID argument, or the --repo of k3ckpt 0.1 (both: they must agree)."""
-    if positional and option and positional != option:
-        raise click.UsageError(f"REPO_ID {positional!r} and --repo {option!r} disagree: give one")
-    repo = positional or option
-    if not repo:
-        raise click.UsageError("Missing argument 'REPO_ID'.")
-    return repo
 
 
 @dataclass(frozen=True)
