@@ -51,6 +51,9 @@ def main() -> None:
     from k3ckpt.mx.select import MxSource, find_mx_tensors
     from k3ckpt.testing.synth import spec_from_preset, synthesize
 
+    routed = spec_from_preset("k3-full").experts_per_token  # a layer must hold at least the experts a token routes to
+    if min(args.experts) < routed:
+        ap.error(f"--experts: {min(args.experts)} is fewer than the {routed} experts K3 routes each token to")
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-mx-"))
     work.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -177,3 +177,14 @@ def test_the_hub_process_serves_the_shapes_and_reports_its_cpu(k3_tiny: Path, tm
             assert resp.read() == (k3_tiny / "config.json").read_bytes()
         assert hub.cpu_s() > 0 and hub.env()["HF_ENDPOINT"] == hub.url
     assert hub.cpu_s() == 0.0  # stopped
+
+
+def test_bench_mx_memory_refuses_a_layer_smaller_than_a_tokens_route(tmp_path: Path) -> None:
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_mx_memory.py"
+    p = subprocess.run([sys.executable, str(script), "--experts", "8", "--work", str(tmp_path / "w")],
+                       capture_output=True, text=True, check=False)
+    assert p.returncode == 2
+    assert "--experts: 8 is fewer than the 16 experts" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "w").exists()  # refused before anything was built

@@ -39,8 +39,8 @@ def test_pull_cli_writes_a_manifest_verify_accepts(hub, tmp_path: Path, monkeypa
     h, served = hub
     monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "pulled.json"
-    res = CliRunner().invoke(main, ["manifest", "pull", "--source", "hf", "--repo", REPO, "--endpoint", h.url,
-                                    "-o", str(out), "--json"])
+    # REPO_ID as `hf download` takes it (hf the default source), as fetch takes it
+    res = CliRunner().invoke(main, ["manifest", "pull", REPO, "--endpoint", h.url, "-o", str(out), "--json"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output)
     assert summary["files"] == len(list(served.iterdir())) and summary["tensors"] > 500
@@ -56,3 +56,15 @@ def test_pull_unknown_repo_is_a_one_line_error(hub, tmp_path: Path) -> None:
     assert res.exit_code == 2
     assert res.output.startswith("k3ckpt: error: ") and "nobody/nothing" in res.output
     assert not (tmp_path / "x.json").exists()
+
+
+def test_pull_takes_the_repo_by_argument_or_the_old_option_never_two_different(hub, tmp_path: Path) -> None:
+    h, _ = hub
+    out = tmp_path / "m.json"
+    res = CliRunner().invoke(main, ["manifest", "pull", "--source", "modelscope", "--repo", REPO, "--endpoint", h.url,
+                                    "-o", str(out), "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["source"]["hub"] == "modelscope", res.output
+    res = CliRunner().invoke(main, ["manifest", "pull", REPO, "--repo", "other/repo", "-o", str(tmp_path / "x.json")])
+    assert res.exit_code == 2 and "disagree" in res.output and not (tmp_path / "x.json").exists()
+    res = CliRunner().invoke(main, ["manifest", "pull", "-o", str(tmp_path / "x.json")])
+    assert res.exit_code == 2 and "Missing argument 'REPO_ID'" in res.output

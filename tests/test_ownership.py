@@ -22,7 +22,7 @@ from k3ckpt.deploy import reshard as rs
 from k3ckpt.errors import OutputNotOwnedError
 from k3ckpt.format.topology import RankSelection
 from k3ckpt.utils.lock import OUTPUT_LOCK_NAME
-from k3ckpt.utils.ownership import OWNER_RECORD, claim_output_dir
+from k3ckpt.utils.ownership import OWNER_RECORD, check_output_dir, claim_output_dir
 
 #: Small files: several per rank, so that a run can be held after its first.
 RANK_ARGS = ["--format", "rank", "--ep", "2", "--max-file-size", "256KiB"]
@@ -139,6 +139,31 @@ def test_claim_accepts_only_empty_or_own(tmp_path: Path) -> None:
     (tmp_path / "h" / ".cache" / "huggingface").mkdir(parents=True)
     with pytest.raises(OutputNotOwnedError, match=r"\.cache\)"):
         claim_output_dir(tmp_path / "h", "reshard", [])
+
+
+def test_check_refuses_what_claim_refuses_and_writes_nothing(tmp_path: Path) -> None:
+    """The dry run's check: the same verdicts as a claim, no directory made, no record written."""
+    check_output_dir(tmp_path / "new", "fetch")
+    assert not (tmp_path / "new").exists()
+    d = tmp_path / "d"
+    d.mkdir()
+    check_output_dir(d, "fetch")
+    assert os.listdir(d) == []
+    (d / "config.json").write_text("{}")
+    with pytest.raises(OutputNotOwnedError, match=r"holds files k3ckpt did not write .*config\.json"):
+        check_output_dir(d, "fetch")
+    check_output_dir(d, "fetch", adopt=lambda p: True)  # an earlier version's own output
+    (d / "config.json").unlink()
+    claim_output_dir(d, "reshard", ["topology.json"])
+    record = (d / OWNER_RECORD).read_bytes()
+    with pytest.raises(OutputNotOwnedError, match="holds the output of k3ckpt reshard"):
+        check_output_dir(d, "fetch")
+    check_output_dir(d, "reshard")
+    assert (d / OWNER_RECORD).read_bytes() == record
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(OutputNotOwnedError, match="is not a directory"):
+        check_output_dir(f, "fetch")
 
 
 # -- the lock ----------------------------------------------------------------------------------
@@ -259,11 +284,14 @@ def test_fetch_refuses_a_directory_holding_files_it_did_not_write(served_hub: An
     mine.mkdir()
     (mine / "config.json").write_text('{"mine": true}\n')
     args = ["fetch", "--source", "hf", "--repo", REPO, "--endpoint", h.url, "--workers", "2", *how]
-    res = run(*args, "--dest", str(mine))
-    assert_one_line_error(res, 2, f"{mine}: holds files k3ckpt did not write ({mine / 'config.json'})")
-    assert sorted(os.listdir(mine)) == ["config.json"] and (mine / "config.json").read_text() == '{"mine": true}\n'
+    for dry in ([], ["--dry-run"]):  # the dry run says what the run would: refused, nothing written
+        res = run(*args, "--dest", str(mine), *dry)
+        assert_one_line_error(res, 2, f"{mine}: holds files k3ckpt did not write ({mine / 'config.json'})")
+        assert sorted(os.listdir(mine)) == ["config.json"] and (mine / "config.json").read_text() == '{"mine": true}\n'
     dest = tmp_path / "dest"
+    assert run(*args, "--dest", str(dest), "--dry-run").exit_code == 0 and not dest.exists()
     assert run(*args, "--dest", str(dest)).exit_code == 0
+    assert run(*args, "--dest", str(dest), "--dry-run").exit_code == 0  # its own destination: planned, not refused
     res = run(*args, "--dest", str(dest))  # its own: re-run verifies and skips
     assert res.exit_code == 0 and "0 failed" in res.output, res.output
     assert json.loads((dest / OWNER_RECORD).read_text())["command"] == "fetch"

@@ -621,3 +621,27 @@ def test_rank_fetch_refuses_a_whole_checkpoint_and_a_whole_fetch_clears_the_mark
     assert not (dest / PARTIAL_NAME).exists()
     assert run("verify", str(dest)).exit_code == 0
     assert tree_digests(dest) == tree_digests(served)
+
+
+@pytest.mark.parametrize("layout", ["partial", "node"])
+def test_files_left_out_by_exclude_are_not_missing_to_verify(served_hub: Any, tensor_manifest: Path, tmp_path: Path,
+                                                             layout: str) -> None:
+    """A share fetched with --exclude records what it left out; verify against the whole
+    checkpoint's manifest says so instead of reporting the files missing - and still reports a
+    file that went missing afterwards."""
+    h, _ = served_hub
+    dest = tmp_path / "d"
+    res = run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(dest), "--endpoint", h.url, *NODE0,
+              "--format", layout, "--exclude", "LICENSE")
+    assert res.exit_code == 0, res.output
+    assert not (dest / "LICENSE").exists()
+    marker = json.loads((dest / ("k3ckpt-partial.json" if layout == "partial" else "k3ckpt-node.json")).read_text())
+    assert marker["excluded"] == ["LICENSE"]
+    ok = run("verify", str(dest), "--manifest", str(tensor_manifest), "--json")
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["share"]["files_excluded"] == ["LICENSE"]
+    (dest / "generation_config.json").unlink()
+    bad = run("verify", str(dest), "--manifest", str(tensor_manifest), "--json")
+    assert bad.exit_code == 1
+    issues = json.loads(bad.output)["issues"]
+    assert list(issues) == ["missing-file"] and [i["file"] for i in issues["missing-file"]] == ["generation_config.json"]

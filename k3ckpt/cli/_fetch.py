@@ -18,6 +18,7 @@ from ._options import (
     jobs_option,
     json_option,
     max_shard_size_option,
+    repo_id_of,
     revision_option,
     size_option,
     token_option,
@@ -66,7 +67,8 @@ from ._output import ByteProgress, emit_json
                        "both write the same files).")
 @click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False, path_type=str),
               help="Rank-aware: verify every fetched tensor against this tensor-hash manifest.")
-@click.option("--dry-run", is_flag=True, help="List what would be downloaded and how many bytes; download nothing.")
+@click.option("--dry-run", is_flag=True, help="List what would be downloaded and how many bytes; download nothing "
+              "(a destination the run would refuse is refused the same way).")
 @json_option("Machine-readable summary.")
 @click.option("-v", "--verbose", is_flag=True, help="Name every file as it completes.")
 @handle_errors
@@ -125,9 +127,9 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
       k3ckpt fetch moonshotai/Kimi-K3 --local-dir /nvme/k3-node1 --tp 8 --dp 2 --node 1 --gpus-per-node 8
       k3ckpt fetch moonshotai/Kimi-K3 --local-dir ./k3-r0 --ep 8 --ranks 0 --manifest kimi-k3.json
     """
-    from ..hub.fetch import fetch_json, plan_fetch, render_fetch, render_fetch_plan, run_fetch
+    from ..hub.fetch import check_destination, fetch_json, plan_fetch, render_fetch, render_fetch_plan, run_fetch
 
-    repo = _repo_id(repo_id, repo_option)
+    repo = repo_id_of(repo_id, repo_option)
     if files and (include or exclude):
         # hf download warns and ignores the patterns; a selection half-applied is not ours to guess
         raise click.UsageError("FILES and --include/--exclude both select files: give one of them")
@@ -177,6 +179,8 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
     plan = plan_fetch(hub, repo, dest, cache_dir=cache_dir, revision=revision, include=include, exclude=exclude,
                       endpoint=endpoint, token=token, files=files)
     if dry_run:
+        if plan.cache is None:  # a cache is shared with the hub clients: no claim on it
+            check_destination(plan.dest)
         if as_json:
             emit_json(plan.to_json())
         else:
@@ -224,16 +228,6 @@ def _check_offline(hub: str, repo: str, revision: str | None, dest: str | None, 
         click.echo(res.render())
     if not res.ok:
         sys.exit(EXIT_PROBLEMS)
-
-
-def _repo_id(positional: str | None, option: str | None) -> str:
-    """The repo id: the REPO_ID argument, or the --repo of k3ckpt 0.1 (both: they must agree)."""
-    if positional and option and positional != option:
-        raise click.UsageError(f"REPO_ID {positional!r} and --repo {option!r} disagree: give one")
-    repo = positional or option
-    if not repo:
-        raise click.UsageError("Missing argument 'REPO_ID'.")
-    return repo
 
 
 @dataclass(frozen=True)
@@ -331,6 +325,9 @@ def _run_planned(r: _Run, plan: Any, render_plan: Callable[[Any], str], run: Cal
     """The rank-aware and node fetches once planned: the dry run's plan, or the run with a
     progress bar, then its summary (text or JSON); exit 1 when a file failed."""
     if r.dry_run:
+        from ..hub.fetch import check_destination
+
+        check_destination(plan.dest)
         if r.as_json:
             emit_json(plan.to_json())
         else:

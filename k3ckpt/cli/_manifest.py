@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..errors import EXIT_PROBLEMS, K3ckptError
-from ._options import CONTEXT, handle_errors, jobs_option, json_option, revision_option, token_option
+from ._options import CONTEXT, handle_errors, jobs_option, json_option, repo_id_of, revision_option, token_option
 from ._output import ByteProgress, emit_json
 
 
@@ -20,7 +20,7 @@ def manifest() -> None:
     \b
     Examples:
       k3ckpt manifest build ./Kimi-K3 -o manifests/kimi-k3.json --tensor-hashes
-      k3ckpt manifest pull --source hf --repo moonshotai/Kimi-K3 -o kimi-k3.json
+      k3ckpt manifest pull moonshotai/Kimi-K3 -o kimi-k3.json
       k3ckpt manifest diff old.json new.json
       k3ckpt manifest keygen release.key && k3ckpt manifest sign kimi-k3.json --key release.key
     """
@@ -83,8 +83,10 @@ def _sign_output(output: str, key: str | None) -> dict[str, str]:
 
 
 @manifest.command("pull", context_settings=CONTEXT)
-@click.option("--source", "hub", required=True, type=click.Choice(["hf", "modelscope"]), help="Which hub.")
-@click.option("--repo", required=True, help="Repository id, e.g. moonshotai/Kimi-K3.")
+@click.argument("repo_id", required=False, metavar="REPO_ID")
+@click.option("--source", "hub", type=click.Choice(["hf", "modelscope"]), default="hf", show_default=True,
+              help="Which hub.")
+@click.option("--repo", "repo_option", hidden=True, help="REPO_ID (the name in 0.1, kept for a release).")
 @revision_option("the manifest records the resolved commit")
 @click.option("--endpoint", help="Hub endpoint [default: HF_ENDPOINT / MODELSCOPE_ENDPOINT, else the public hub].")
 @token_option()
@@ -98,9 +100,11 @@ def _sign_output(output: str, key: str | None) -> dict[str, str]:
               help="Also sign the manifest with this ed25519 private key (writes OUTPUT.sig).")
 @json_option("Print a summary as JSON.")
 @handle_errors
-def manifest_pull(hub: str, repo: str, revision: str | None, endpoint: str | None, token: str | None, output: str,
-                  tensor_hashes: bool, jobs: int, sign_key: str | None, as_json: bool) -> None:
-    """Build a manifest from hub metadata alone, before downloading anything.
+def manifest_pull(repo_id: str | None, hub: str, repo_option: str | None, revision: str | None, endpoint: str | None,
+                  token: str | None, output: str, tensor_hashes: bool, jobs: int, sign_key: str | None,
+                  as_json: bool) -> None:
+    """Build a manifest of the hub repository REPO_ID (e.g. moonshotai/Kimi-K3) from hub metadata
+    alone, before downloading anything.
 
     Sizes and sha256 come from the hub API; each shard's safetensors header is fetched with
     HTTP Range requests (length first, then the header), so a 1.56 TB checkpoint costs about
@@ -114,12 +118,13 @@ def manifest_pull(hub: str, repo: str, revision: str | None, endpoint: str | Non
 
     \b
     Examples:
-      k3ckpt manifest pull --source hf --repo moonshotai/Kimi-K3 -o kimi-k3.json
-      k3ckpt manifest pull --source modelscope --repo moonshotai/Kimi-K3 --revision master -o ms.json
-      k3ckpt manifest pull --source hf --repo moonshotai/Kimi-K3 -o kimi-k3.tensors.json --tensor-hashes
+      k3ckpt manifest pull moonshotai/Kimi-K3 -o kimi-k3.json
+      k3ckpt manifest pull moonshotai/Kimi-K3 --source modelscope --revision master -o ms.json
+      k3ckpt manifest pull moonshotai/Kimi-K3 -o kimi-k3.tensors.json --tensor-hashes
     """
     from ..hub.pull import pull_manifest
 
+    repo = repo_id_of(repo_id, repo_option)
     if sign_key:
         _check_signing_key(sign_key)
     with ByteProgress(not as_json and tensor_hashes, "hashing") as bar:

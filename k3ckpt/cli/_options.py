@@ -296,3 +296,14 @@ def topology_options(*, show_defaults: bool = False, **helps: str) -> Decorator:
         return decorated
 
     return decorate
+
+
+def repo_id_of(positional: str | None, option: str | None) -> str:
+    """The repo id: the REPO_ID argument, or the ``--repo`` option of k3ckpt 0.1 (both: they must
+    agree); shared by ``fetch`` and ``manifest pull``."""
+    if positional and option and positional != option:
+        raise click.UsageError(f"REPO_ID {positional!r} and --repo {option!r} disagree: give one")
+    repo = positional or option
+    if not repo:
+        raise click.UsageError("Missing argument 'REPO_ID'.")
+    return repo

@@ -34,7 +34,7 @@ Decisions:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,12 +120,17 @@ class NodeDir:
         return (json.dumps(self.index_json(), indent=2) + "\n").encode()
 
     def marker_bytes(self, source_index_sha256: str, tensor_sha256: Mapping[str, str],
-                     file_sha256: Mapping[str, str]) -> bytes:
+                     file_sha256: Mapping[str, str], excluded: Sequence[str] = ()) -> bytes:
         """``k3ckpt-node.json``'s bytes, as every producer writes them: :meth:`marker_json` plus
         the sha256 of the source's index and of every tensor and file (which the writer computes
-        while copying). One line, no indent: the C encoder (a full K3 node lists ~500k tensors)."""
+        while copying), and the source's non-weight files ``excluded`` by a fetch's
+        ``--include``/``--exclude`` (the key only when there are some: a whole node's marker is
+        the same from every producer). One line, no indent: the C encoder (a full K3 node lists
+        ~500k tensors)."""
         marker = self.marker_json()
         marker["source_index_sha256"] = source_index_sha256
+        if excluded:
+            marker["excluded"] = sorted(excluded)
         for name, entry in marker["files"].items():
             entry["sha256"] = file_sha256[name]
         for name, entry in marker["tensors"].items():

@@ -24,14 +24,14 @@ from ..env import K3CKPT_LOCK_STALE_SECONDS
 from ..errors import FetchLockedError
 from ..utils import is_within, pwrite_all
 from ..utils.lock import LOCK_UNREADABLE_GRACE, DirLock
-from ..utils.ownership import OwnedDir, claim_output_dir
+from ..utils.ownership import OwnedDir, check_output_dir, claim_output_dir
 
 #: Name of the lock file in the destination directory.
 LOCK_NAME = ".k3ckpt-fetch.lock"
 #: Another host's lock older than this (seconds) is considered abandoned (env overrides).
 LOCK_STALE_SECONDS = K3CKPT_LOCK_STALE_SECONDS.default
-__all__ = ["LOCK_NAME", "LOCK_STALE_SECONDS", "LOCK_UNREADABLE_GRACE", "DestLock", "claim_dest", "create_part", "open_part",
-           "resumable", "target", "unlink", "unsafe_reason"]
+__all__ = ["LOCK_NAME", "LOCK_STALE_SECONDS", "LOCK_UNREADABLE_GRACE", "DestLock", "check_dest", "claim_dest",
+           "create_part", "open_part", "resumable", "target", "unlink", "unsafe_reason"]
 #: Endings of the working files next to a file being fetched: a hub path may not take them.
 WORK_SUFFIXES = (".part", ".part.journal", ".part.journal.tmp")
 #: ``open`` flag: never through a symlink planted at the name.
@@ -198,3 +198,8 @@ def claim_dest(dest_real: str, paths: list[str]) -> OwnedDir:
     ``*.part`` files and journals are never foreign: fetch trusts no byte of them unchecked."""
     safe = [p for p in paths if unsafe_reason(p) is None]  # a hostile name is refused later, per file
     return claim_output_dir(dest_real, "fetch", safe, working=_is_work_file, adopt=_fetched_before)
+
+
+def check_dest(dest: str | os.PathLike[str]) -> None:
+    """Refuse a fetch destination as :func:`claim_dest` would, writing nothing (``--dry-run``)."""
+    check_output_dir(dest, "fetch", working=_is_work_file, adopt=_fetched_before)

@@ -208,6 +208,20 @@ def run_fetch(
     return result
 
 
+def check_destination(dest: str | os.PathLike[str]) -> None:
+    """Refuse a local destination the way a fetch into it would (``fetch``, ``fetch --ranks``,
+    ``fetch --node`` all claim it before writing), creating and writing nothing: a dry run
+    says up front what the run would say.
+
+    Raises:
+        OutputNotOwnedError: ``dest`` holds files k3ckpt did not write, or another command's
+            output (exit 2).
+    """
+    from . import _dest
+
+    _dest.check_dest(dest)
+
+
 def render_fetch_plan(plan: FetchPlan) -> str:
     """What a dry run prints: each file's size (and whether it is present), then the total."""
     from ..utils import human_bytes

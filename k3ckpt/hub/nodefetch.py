@@ -499,7 +499,7 @@ def _finish_node(plan: NodeFetchPlan, dest_real: str, digests: dict[str, dict[st
     file_sha = {name: rec["sha256"] for name, rec in digests.items()}
     write_atomic(os.path.join(dest_real, INDEX_NAME), plan.nd.index_bytes())
     write_atomic(os.path.join(dest_real, NODE_MARKER),
-                 plan.nd.marker_bytes(plan.source_index_sha256, tensor_sha, file_sha))
+                 plan.nd.marker_bytes(plan.source_index_sha256, tensor_sha, file_sha, plan.excluded))
     write_atomic(os.path.join(dest_real, READY_NAME), b"")
     try:
         record_source(dest_real, plan.listing)

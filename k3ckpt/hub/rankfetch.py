@@ -1050,6 +1050,8 @@ def _marker_json(plan: RankFetchPlan) -> bytes:
         "tensors": plan.tensors, "verification": plan.verification,
         "manifest_sha256": plan.manifest.fingerprint() if plan.manifest is not None else None,
     }
+    if plan.excluded:  # what --include/--exclude left out: verify does not call it missing
+        doc["excluded"] = sorted(plan.excluded)
     # one key a line, each value on its line: readable and diffable, and short for the full K3
     return ("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in doc.items()) + "\n}\n").encode()
 

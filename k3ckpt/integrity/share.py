@@ -77,6 +77,7 @@ class ShareFacts:
     tensors_not_local: int | None = None  # the reference's tensors of other nodes' experts (None: it lists only the node's)
     tensors_missing: int = 0  # needed by the ranks, absent
     whole_files: list[str] = field(default_factory=list)  # weight files identical to a source file
+    files_excluded: list[str] = field(default_factory=list)  # left out by the fetch's --include/--exclude
 
     def summary(self) -> str:
         who = f"node {self.node}, " if self.node is not None else ""
@@ -86,6 +87,9 @@ class ShareFacts:
             text += f", {self.tensors_not_local:,} not local (other nodes' experts)"
         if self.tensors_missing:
             text += f", {self.tensors_missing:,} needed but absent"
+        if self.files_excluded:
+            n = len(self.files_excluded)
+            text += f"; {n} file{'s' if n != 1 else ''} left out by the fetch's --include/--exclude"
         return text
 
 
@@ -141,6 +145,9 @@ def verify_share(
     facts = ShareFacts(SHARE_KINDS[marker_name], marker_name, marker.get("node"),
                        [int(r) for r in marker.get("ranks") or []], list(marker["experts"]))
     report.share = facts
+    # files the fetch was told to leave out: absent by request, not missing (a weight file never is:
+    # its tensors are checked one by one below)
+    excluded = {f for f in marker.get("excluded") or [] if isinstance(f, str) and not f.endswith(".safetensors")}
 
     present, stats = stat_present(root, report)
     ckpt = open_checkpoint(root, jobs=jobs, strict=False)
@@ -169,7 +176,9 @@ def verify_share(
         elif stats[f].st_size != exp.size:
             issues.append(Issue("size", f, "size differs", expected=str(exp.size), actual=str(stats[f].st_size)))
     for f in sorted(expected.keys() - stats.keys()):
-        if not f.endswith(".safetensors") and f not in OWN_FILES:
+        if f in excluded:
+            facts.files_excluded.append(f)
+        elif not f.endswith(".safetensors") and f not in OWN_FILES:
             issues.append(Issue("missing-file", f, "listed in the reference but not present"))
     for f in sorted(weight & stats.keys()):
         want = node_files.get(f, {}).get("size") if isinstance(node_files.get(f), dict) else None

@@ -38,7 +38,7 @@ from ..errors import OutputNotOwnedError
 from ._fs import fsync_dir, temp_name, write_atomic
 from .lock import is_lock_file
 
-__all__ = ["OWNER_RECORD", "RECORD_FORMAT", "OwnedDir", "claim_output_dir", "refuse_foreign_file"]
+__all__ = ["OWNER_RECORD", "RECORD_FORMAT", "OwnedDir", "check_output_dir", "claim_output_dir", "refuse_foreign_file"]
 
 #: Where the record lives, relative to the directory it describes.
 OWNER_RECORD = ".cache/k3ckpt/owner.json"
@@ -158,9 +158,39 @@ def claim_output_dir(path: str | os.PathLike[str], command: str, entries: Iterab
             another command's record, or a record that is not one. Nothing was written.
     """
     out = Path(path)
+    _refuse_not_a_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc, old = _owned_entries(out, command, working, adopt)
+    present = {e for e in old or () if os.path.lexists(out / e)}
+    want = present | {_top(e) for e in entries} | {_CACHE}
+    _write_record(out, command, want, first=doc is None)
+    return OwnedDir(out, command, want)
+
+
+def check_output_dir(path: str | os.PathLike[str], command: str, *,
+                     working: Callable[[str], bool] | None = None,
+                     adopt: Callable[[Path], bool] | None = None) -> None:
+    """Refuse ``path`` as :func:`claim_output_dir` would, creating and writing nothing: what a
+    dry run says of the directory its real run would claim. A missing directory is accepted.
+
+    Raises:
+        OutputNotOwnedError: as :func:`claim_output_dir`.
+    """
+    out = Path(path)
+    _refuse_not_a_dir(out)
+    if out.is_dir():
+        _owned_entries(out, command, working, adopt)
+
+
+def _refuse_not_a_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise OutputNotOwnedError(f"{out}: exists and is not a directory; {_ADVICE}", path=out)
-    out.mkdir(parents=True, exist_ok=True)
+
+
+def _owned_entries(out: Path, command: str, working: Callable[[str], bool] | None,
+                   adopt: Callable[[Path], bool] | None) -> tuple[dict[str, Any] | None, set[str] | None]:
+    """The directory's record (None: none yet) and the entries it makes ``command``'s (None:
+    none); refuses another command's record and any file k3ckpt did not write."""
     doc = _read_record(out)
     if doc is not None and doc["command"] != command:
         raise OutputNotOwnedError(f"{out}: holds the output of k3ckpt {doc['command']} ({out / OWNER_RECORD}), "
@@ -172,10 +202,7 @@ def claim_output_dir(path: str | os.PathLike[str], command: str, entries: Iterab
     if foreign:
         raise OutputNotOwnedError(f"{out}: holds files k3ckpt did not write ({out / foreign[0]}); {_ADVICE}",
                                   path=out / foreign[0])
-    present = {e for e in old or () if os.path.lexists(out / e)}
-    want = present | {_top(e) for e in entries} | {_CACHE}
-    _write_record(out, command, want, first=doc is None)
-    return OwnedDir(out, command, want)
+    return doc, old
 
 
 def refuse_foreign_file(path: str | os.PathLike[str], is_own: bool, kind: str) -> None:
