@@ -18,6 +18,7 @@ import gc
 import json
 import operator
 import os
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -326,6 +327,7 @@ def bulk_allocation() -> Iterator[None]:
 def open_checkpoint(
     path: str | os.PathLike[str], *, jobs: int | None = None, require_config: bool = False, strict: bool = True,
     progress: Callable[[int], None] | None = None, on_plan: Callable[[int], None] | None = None,
+    headers: SharedHeaders | None = None,
 ) -> Checkpoint:
     """Open the checkpoint at ``path`` from its config, index and shard headers.
 
@@ -338,16 +340,20 @@ def open_checkpoint(
             with kind ``missing-file`` / ``header`` and opens the rest.
         progress, on_plan: called with the number of shard headers to read, then with 1 as
             each is read (``inspect``'s progress bar: 96 headers, 497k tensors for K3).
+        headers: headers another thread may have parsed already (``verify``'s hashing threads
+            read each shard's header for its scale spans): each is parsed once, by whichever
+            asks first.
 
     Raises:
         CheckpointNotFoundError, IndexFileError, SafetensorsHeaderError, ConfigError.
     """
     with bulk_allocation():
-        return _open(path, jobs, require_config, strict, progress, on_plan)
+        return _open(path, jobs, require_config, strict, progress, on_plan, headers)
 
 
 def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool, strict: bool = True,
-          progress: Callable[[int], None] | None = None, on_plan: Callable[[int], None] | None = None) -> Checkpoint:
+          progress: Callable[[int], None] | None = None, on_plan: Callable[[int], None] | None = None,
+          shared: SharedHeaders | None = None) -> Checkpoint:
     root, source = resolve_root(path)
     config: ModelConfig | None = None
     config_problem: Problem | None = None
@@ -361,7 +367,7 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool, 
     elif require_config:
         raise ConfigError(f"{root / CONFIG_NAME}: not found")
 
-    reader = HeaderReader(root, jobs, tolerant=not strict)
+    reader = HeaderReader(root, jobs, tolerant=not strict, shared=shared)
     unsafe: list[str] | None = None if strict else []
     try:
         index_digests = reader.index_digests(unsafe)
@@ -438,8 +444,10 @@ class HeaderReader:
     for K3) index; :meth:`collect` then returns exactly the files the index names.
     """
 
-    def __init__(self, root: Path, jobs: int | None = None, tolerant: bool = False) -> None:
+    def __init__(self, root: Path, jobs: int | None = None, tolerant: bool = False,
+                 shared: SharedHeaders | None = None) -> None:
         self.root = root
+        self._shared = shared
         self._futures: dict[str, Future] = {}
         self._pool: ProcessPoolExecutor | None = None
         try:
@@ -490,7 +498,7 @@ class HeaderReader:
                 fut = self._futures.get(f)
                 try:
                     if fut is None:
-                        h = read_header(self.root / f, file=f)
+                        h = self._shared.get(f) if self._shared is not None else read_header(self.root / f, file=f)
                         out.append(h)
                         digests[f] = names_digest(h.tensors)
                         stats = None
@@ -515,6 +523,48 @@ class HeaderReader:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+class SharedHeaders:
+    """Shard headers of one directory, each parsed once for every thread that asks: the first to
+    ask parses it (a thread never waits on another to start), the others wait for that parse.
+
+    ``verify`` hashes from the moment the directory is listed; each hashing thread needs its
+    file's header for the scale spans it scans, and the structure check needs all of them. The
+    same :class:`ShardHeader` object serves both, so the two also agree on what they saw.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+        self._parsed: dict[str, Future[ShardHeader]] = {}
+
+    def get(self, file: str) -> ShardHeader:
+        """The header of ``file`` (relative to the root).
+
+        Raises:
+            SafetensorsHeaderError: as :func:`read_header` (to every caller that asks for it).
+        """
+        from concurrent.futures import Future
+
+        with self._lock:
+            fut = self._parsed.get(file)
+            mine = fut is None
+            if fut is None:
+                fut = self._parsed[file] = Future()
+        if mine:
+            try:
+                fut.set_result(read_header(self.root / file, file=file))
+            except BaseException as e:  # the waiters get it too; this thread raises it below
+                fut.set_exception(e)
+        return fut.result()
+
+    def parsed(self, file: str) -> ShardHeader | None:
+        """The header of ``file`` if a thread parsed it without error, else ``None``."""
+        fut = self._parsed.get(file)
+        if fut is None or not fut.done() or fut.exception() is not None:
+            return None
+        return fut.result()
 
 
 def header_columns_job(args: tuple[str, str]) -> tuple[HeaderColumns, InventoryStats, tuple[int, int]]:

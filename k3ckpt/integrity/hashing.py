@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -66,10 +67,16 @@ def hash_file(
     buffer: bytearray | None = None,
     chunk_bytes: int | None = None,
     cancel: threading.Event | None = None,
+    late_spans: Callable[[], Sequence[Span] | None] | None = None,
 ) -> FileDigest:
     """sha256 of the file at ``path`` and of each of ``spans`` (which must not overlap), in one
     read; spans of ``scan`` are searched for ``needle`` (an E8M0 NaN scale is byte 0xFF) in the
     same pass.
+
+    ``late_spans``: the ``spans``, when they are not known yet as hashing starts (``verify``
+    hashes while it parses the manifest that has them): asked before each chunk until it returns
+    them; their bytes already hashed are then read again, only those (see
+    :meth:`StreamHasher.add_spans`).
 
     The bytes are hashed where they lie in the page cache, through a window of the file mapped
     read-only (``$K3CKPT_HASH_BUFFER`` bytes, one window at a time), not copied into a buffer
@@ -91,6 +98,9 @@ def hash_file(
         for chunk in _chunks(fd, p, size, step, buffer):
             if cancel is not None and cancel.is_set():
                 raise HashError(0, "cancelled", p)
+            if late_spans is not None and (known := late_spans()) is not None:
+                hasher.add_spans(known, partial(_pread_range, fd, p, step))
+                late_spans = None
             pos, n = chunk.pos, len(chunk.view)
             hasher.feed(chunk.view)
             for k, lo, hi in scan_cursor.overlapping(pos, pos + n):
@@ -224,6 +234,18 @@ class StreamHasher:
             self._hashers[k].update(chunk[lo - pos: hi - pos])
         self.pos = pos + n
 
+    def add_spans(self, spans: Sequence[Span], prefix: Callable[[int, int], Iterable[bytes]]) -> None:
+        """Hash ``spans`` too from now on (the stream was started without them): their parts
+        already fed, before :attr:`pos`, are the pieces ``prefix(lo, hi)`` gives."""
+        if self._ordered:
+            raise ValueError("spans were given already")
+        self._ordered = sorted(spans, key=lambda s: s.start)
+        self._hashers = [hashlib.sha256() for _ in self._ordered]
+        for k, lo, hi in _Cursor(self._ordered).overlapping(self.start, self.pos):
+            for piece in prefix(lo, hi):
+                self._hashers[k].update(piece)
+        self._cursor = _Cursor(self._ordered)
+
     def span_digests(self) -> dict[str, str]:
         """Span name -> sha256 (of what was fed of it)."""
         return {s.name: h.hexdigest() for s, h in zip(self._ordered, self._hashers)}
@@ -288,6 +310,20 @@ def scan_file(path: str | os.PathLike[str], spans: Sequence[Span], needle: bytes
                 if found and found[-1] == s.name:
                     break
     return found
+
+
+def _pread_range(fd: int, path: str, step: int, lo: int, hi: int) -> Iterator[bytes]:
+    """Bytes ``[lo, hi)`` of the open file ``fd``, ``step`` at a time.
+
+    Raises:
+        HashError: the file is shorter than ``hi`` now.
+    """
+    while lo < hi:
+        piece = os.pread(fd, min(step, hi - lo), lo)
+        if not piece:
+            raise HashError(0, f"short read at {lo} (truncated while hashing?)", path)
+        yield piece
+        lo += len(piece)
 
 
 @contextmanager

@@ -25,26 +25,32 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..env import K3CKPT_CACHE_DIR
-from ..errors import CheckpointNotFoundError
+from ..env import K3CKPT_CACHE_DIR, K3CKPT_HASH_BUFFER
+from ..errors import CheckpointNotFoundError, K3ckptError
 from ..format.checkpoint import (
     INDEX_NAME,
     SINGLE_NAME,
     Checkpoint,
+    SharedHeaders,
     is_working_file,
     iter_checkpoint_files,
     open_checkpoint,
     resolve_root,
 )
 from ..utils import write_atomic
+from . import hashing as _hashing  # (hash_file looked up at call time: tests and profiles replace it)
 from .hashing import FileDigest, HashError, Progress, Span, hash_files, scan_file
 from .manifest import Manifest, tensors_from_headers
+
+if TYPE_CHECKING:
+    from ..format.header import ShardHeader
 
 if TYPE_CHECKING:
     from .share import ShareFacts
@@ -205,6 +211,7 @@ def verify_checkpoint(
     path: str | os.PathLike[str],
     *,
     manifest: Manifest | None = None,
+    manifest_path: str | os.PathLike[str] | None = None,
     manifest_label: str | None = None,
     expected_files: dict[str, Expected] | None = None,
     reference: str | None = None,
@@ -220,6 +227,8 @@ def verify_checkpoint(
 
     Args:
         manifest: expected files and tensors (with tensor hashes when it has them).
+        manifest_path: the manifest as a file, loaded here (instead of ``manifest``): a full run
+            starts hashing before it is parsed, and the report is the same as with ``manifest``.
         expected_files: expected files from elsewhere (a hub listing); ignored with ``manifest``.
         reference: how to name the reference in the report.
         quick: sizes and structure only; content comes from the stat cache where it can.
@@ -231,33 +240,58 @@ def verify_checkpoint(
 
     Raises:
         CheckpointNotFoundError, IndexFileError: there is no checkpoint to verify (exit 2).
+        ManifestError: ``manifest_path`` is not a readable manifest (exit 2; said before a
+            missing checkpoint is, as when the caller loads it first).
         ShareReferenceError: a share's rewritten shards, and a reference without tensor hashes (exit 2).
     """
     from .share import share_marker, verify_share
 
     t0 = time.perf_counter()
-    root, _ = resolve_root(path)
-    _refuse_unfinished_fetch(root)
-    if manifest is not None:
-        expected = {f: Expected(e.size, e.sha256) for f, e in manifest.files.items()}
+    if manifest is not None and manifest_path is not None:
+        raise ValueError("give manifest or manifest_path, not both")
+    try:
+        root, _ = resolve_root(path)
+        _refuse_unfinished_fetch(root)
+    except K3ckptError:
+        if manifest_path is not None:
+            Manifest.load(manifest_path)  # a bad manifest is named first, as when the caller loads it
+        raise
+    if manifest_path is not None:
+        manifest_label = manifest_label or os.fspath(manifest_path)
+    if manifest is not None or manifest_path is not None:
         ref = reference or f"manifest {manifest_label or ''}".strip()
     elif expected_files is not None:
-        expected = dict(expected_files)
         ref = reference or "hub listing"
     else:
-        expected = {}
         ref = "none (structure only)"
     report = VerifyReport(str(root), "quick" if quick else "full", ref)
     cache = StatCache(root, cache_directory) if use_cache else None
     issues = report.issues
 
     share = share_marker(root)
+    if manifest_path is not None and (quick or share is not None):  # nothing to start before it
+        manifest, manifest_path = Manifest.load(manifest_path), None
     if share is not None:
-        verify_share(root, *share, report, manifest=manifest, expected=expected, quick=quick, scan=scan, jobs=jobs,
-                     cache=cache, progress=progress, on_plan=on_plan)
+        verify_share(root, *share, report, manifest=manifest, expected=_expected(manifest, expected_files),
+                     quick=quick, scan=scan, jobs=jobs, cache=cache, progress=progress, on_plan=on_plan)
         return _finish(report, cache, t0)
 
     present, stats = stat_present(root, report)
+    headers = SharedHeaders(root)
+    cancel = threading.Event()
+    hashing: _Hashing | None = None
+    if manifest_path is not None:
+        # Hash from the moment the files are listed: the manifest (and the headers) are parsed
+        # while the hashing threads read; the files the manifest does not ask for are skipped
+        # from then on, and any hashed before it said so are left out of the report.
+        hashing = _Hashing(root, stats, jobs=jobs, headers=headers if scan else None, progress=progress,
+                           cancel=cancel)
+        try:
+            manifest = Manifest.load(manifest_path)
+        except BaseException:
+            hashing.stop()
+            raise
+    expected = _expected(manifest, expected_files)
     hits = {f: cache.lookup(f, st) for f, st in stats.items()} if cache is not None else {}
 
     # In quick mode an unchanged directory (same stat for every file) keeps its previous
@@ -285,34 +319,29 @@ def verify_checkpoint(
 
     # -- full mode: hash in the background while the structure is checked -------------------------
     ckpt: Checkpoint | None = None
-    hashing: Future | None = None
-    cancel = threading.Event()
-    scan_spans: dict[str, list[Span]] = {}
-    spans_from_manifest = same_layout = False
     if not quick:
         if scan and manifest is not None:
-            # The manifest says where the scales are, so hashing need not wait for the headers;
-            # where the headers disagree with it, the scan is redone from the headers below.
-            scan_spans, spans_from_manifest = _manifest_scale_spans(manifest), True
+            scan_files = _manifest_scale_files(manifest)  # which files the manifest says hold scales
         elif scan:
-            ckpt = open_checkpoint(root, jobs=jobs, strict=False)
-            scan_spans = scale_spans(ckpt)
-        to_hash = [f for f in sorted(stats) if checkable(f) or f in scan_spans]
-        if to_hash:
-            if on_plan is not None:
-                on_plan(sum(stats[f].st_size for f in to_hash))
-            pool = ThreadPoolExecutor(max_workers=1)
-            hashing = pool.submit(
-                hash_files, root, to_hash, jobs=jobs,
-                spans={f: tensor_spans[f] for f in to_hash if f in tensor_spans},
-                scan={f: scan_spans[f] for f in to_hash if f in scan_spans},
-                git_sha1=lambda f: bool(expected.get(f) and not expected[f].sha256 and expected[f].git_sha1),
-                progress=progress, cancel=cancel,
-            )
-            pool.shutdown(wait=False)
+            ckpt = open_checkpoint(root, jobs=jobs, strict=False, headers=headers)
+            scan_files = {f for f, h in ckpt.shards.items() if shard_scale_spans(h)}
+        else:
+            scan_files = set()
+        to_hash = [f for f in sorted(stats) if checkable(f) or f in scan_files]
+        if on_plan is not None and to_hash:
+            on_plan(sum(stats[f].st_size for f in to_hash))
+        plan = _Plan(set(to_hash),
+                     spans={f: tensor_spans[f] for f in to_hash if f in tensor_spans},
+                     git_sha1={f for f in to_hash if (e := expected.get(f)) and not e.sha256 and e.git_sha1})
+        if hashing is None and to_hash:
+            hashing = _Hashing(root, stats, jobs=jobs, headers=headers if scan else None, progress=progress,
+                               cancel=cancel, plan=plan)
+        elif hashing is not None:
+            hashing.decide(plan)
 
     try:
         # -- structure: reuse the previous verdict when nothing it depends on changed ---------------
+        same_layout = False
         if reuse:
             assert cache is not None
             structure = [Issue(**i) for i in cache.structure.get("issues", [])]
@@ -320,24 +349,34 @@ def verify_checkpoint(
                 structure += _nan_issues(f, (h or {}).get("flagged") or [])
             report.structure_cached = True
         else:
-            ckpt = ckpt or open_checkpoint(root, jobs=jobs, strict=False)
+            ckpt = ckpt or open_checkpoint(root, jobs=jobs, strict=False, headers=headers)
             same_layout = manifest is not None and _same_layout(ckpt, manifest)
             structure = structure_issues(ckpt, manifest, same_layout=same_layout)
             if cache is not None:
                 cache.structure = {"key": structure_key, "issues": [asdict(i) for i in structure]}
         named = {i.file for i in structure if i.kind == "missing-file"}  # the index check named them once
         issues[:] = [i for i in issues if not (i.kind == "missing-file" and i.file in named)] + structure
-        if spans_from_manifest and same_layout:  # the headers hold the manifest's tensors: its scale spans
-            header_scan_spans = scan_spans
-        else:
-            header_scan_spans = scale_spans(ckpt) if scan and ckpt is not None else {}
+        digests, errors = hashing.result() if hashing is not None else ({}, {})
+        header_scan_spans = _header_scale_spans(ckpt, hashing) if scan and ckpt is not None else {}
         rescan: list[str] = []
         unscanned: set[str] = set()
-        if spans_from_manifest:  # the scan followed the manifest: keep it only where the headers agree
-            disagree = {f for f in set(scan_spans) | set(header_scan_spans)
-                        if scan_spans.get(f, []) != header_scan_spans.get(f, []) and f in stats}
+        if hashing is not None:
+            # The hashing read scanned each file by the spans of the header it read itself: keep
+            # that verdict where they are the structure check's spans, else scan by the latter.
+            disagree = {f for f in header_scan_spans.keys() - digests.keys() if f not in errors}
+            disagree |= {f for f, d in digests.items() if hashing.scanned[f] != header_scan_spans.get(f, [])}
             rescan = sorted(disagree & header_scan_spans.keys())  # unreadable headers: nothing to scan by
             unscanned = disagree - header_scan_spans.keys()
+            # (a manifest's tensor digests are checked even where the file digest matches: reshard
+            # trusts them only for files whose tensors verify found equal to them)
+            redo = {f: tensor_spans[f] for f, d in digests.items() if f in tensor_spans and d.spans is None}
+            if redo:  # hashed to the end before the manifest said it has tensor hashes: read again
+                again, failed = hash_files(root, sorted(redo), jobs=jobs, spans=redo, cancel=cancel)
+                for f, d in again.items():
+                    digests[f].spans = d.spans
+                errors.update(failed)
+        elif scan and ckpt is not None and not quick:
+            rescan = sorted(header_scan_spans)  # (nothing was hashed: no reference, no scale spans expected)
 
         # -- quick mode: trust the stat cache ---------------------------------------------------------
         to_scan: list[str] = list(rescan)
@@ -363,34 +402,32 @@ def verify_checkpoint(
                     elif f not in header_scan_spans and cache is not None:
                         cache.record(f, stats[f], scan_ok=True, flagged=[])  # nothing to scan in it
 
-        if hashing is not None:
-            digests, errors = hashing.result()
-            for f, err in sorted(errors.items()):
-                issues.append(Issue("unreadable", f, str(err.strerror)))
-            for f, d in sorted(digests.items()):
-                report.files_hashed += 1
-                report.bytes_hashed += d.size
-                exp = expected.get(f)
-                tensor_issues = _tensor_hash_issues(f, d, manifest) if d.spans and manifest is not None else []
-                # Tensors wholly beyond the end of a short file: its size issue says it. (tensor_issues
-                # come from the manifest and name their tensor; the checks only narrow the types.)
-                if f in size_bad and manifest is not None:
-                    tensor_issues = [i for i in tensor_issues
-                                     if i.tensor is not None and manifest.tensors[i.tensor].offsets[0] < d.size]
-                if exp is not None and not _digest_matches(d, exp) and f not in size_bad:
-                    issue = _content_issue(f, exp, {"sha256": d.sha256, "git_sha1": d.git_sha1})
-                    if d.spans and not tensor_issues:  # every tensor matched: the header or padding changed
-                        issue = Issue(issue.kind, f, "content differs outside the tensor data (header or padding)",
-                                      expected=issue.expected, actual=issue.actual)
-                    issues.append(issue)
-                issues += tensor_issues
-                scanned = scan and f not in rescan and f not in unscanned  # else the rescan decides
-                if scanned:
-                    issues += _nan_issues(f, d.flagged or [])
-                if cache is not None:
-                    cache.record(f, stats[f], sha256=d.sha256, git_sha1=d.git_sha1,
-                                 bad_tensors={i.tensor: i.actual for i in tensor_issues},
-                                 **({"scan_ok": not d.flagged, "flagged": d.flagged or []} if scanned else {}))
+        for f, err in sorted(errors.items()):
+            issues.append(Issue("unreadable", f, str(err.strerror)))
+        for f, d in sorted(digests.items()):
+            report.files_hashed += 1
+            report.bytes_hashed += d.size
+            exp = expected.get(f)
+            tensor_issues = _tensor_hash_issues(f, d, manifest) if d.spans and manifest is not None else []
+            # Tensors wholly beyond the end of a short file: its size issue says it. (tensor_issues
+            # come from the manifest and name their tensor; the checks only narrow the types.)
+            if f in size_bad and manifest is not None:
+                tensor_issues = [i for i in tensor_issues
+                                 if i.tensor is not None and manifest.tensors[i.tensor].offsets[0] < d.size]
+            if exp is not None and not _digest_matches(d, exp) and f not in size_bad:
+                issue = _content_issue(f, exp, {"sha256": d.sha256, "git_sha1": d.git_sha1})
+                if d.spans and not tensor_issues:  # every tensor matched: the header or padding changed
+                    issue = Issue(issue.kind, f, "content differs outside the tensor data (header or padding)",
+                                  expected=issue.expected, actual=issue.actual)
+                issues.append(issue)
+            issues += tensor_issues
+            scanned = scan and f not in rescan and f not in unscanned  # else the rescan decides
+            if scanned:
+                issues += _nan_issues(f, d.flagged or [])
+            if cache is not None:
+                cache.record(f, stats[f], sha256=d.sha256, git_sha1=d.git_sha1,
+                             bad_tensors={i.tensor: i.actual for i in tensor_issues},
+                             **({"scan_ok": not d.flagged, "flagged": d.flagged or []} if scanned else {}))
     except BaseException:
         cancel.set()  # stop the background hashing too: an error or Ctrl-C ends the run now
         raise
@@ -567,23 +604,147 @@ def scale_spans(ckpt: Checkpoint) -> dict[str, list[Span]]:
     """E8M0 scale tensors (one byte per scale: 0xFF is NaN) by file."""
     out: dict[str, list[Span]] = {}
     for file, h in ckpt.shards.items():
-        ds, tensors = h.data_start, h.tensors
-        spans = [Span(n, ds + t.begin, ds + t.end) for n in filter(_is_scale_name, tensors)
-                 if (t := tensors[n]).dtype in _E8M0_DTYPES]
+        spans = shard_scale_spans(h)
         if spans:
-            out[file] = sorted(spans, key=_span_start)
+            out[file] = spans
     return out
 
 
-def _manifest_scale_spans(manifest: Manifest) -> dict[str, list[Span]]:
-    """:func:`scale_spans` as the manifest describes them, in the same order."""
+def shard_scale_spans(h: ShardHeader) -> list[Span]:
+    """:func:`scale_spans` of one shard, in file order."""
+    ds, tensors = h.data_start, h.tensors
+    spans = [Span(n, ds + t.begin, ds + t.end) for n in filter(_is_scale_name, tensors)
+             if (t := tensors[n]).dtype in _E8M0_DTYPES]
+    return sorted(spans, key=_span_start)
+
+
+def _header_scale_spans(ckpt: Checkpoint, hashing: _Hashing | None) -> dict[str, list[Span]]:
+    """:func:`scale_spans` of ``ckpt``, taking the spans a hashing thread derived from the very
+    same header object instead of deriving them again."""
     out: dict[str, list[Span]] = {}
+    for file, h in ckpt.shards.items():
+        spans = hashing.spans_of(file, h) if hashing is not None else None
+        if spans is None:
+            spans = shard_scale_spans(h)
+        if spans:
+            out[file] = spans
+    return out
+
+
+def _manifest_scale_files(manifest: Manifest) -> set[str]:
+    """The files that hold E8M0 scale tensors, as the manifest describes them."""
     tensors = manifest.tensors
-    for n in filter(_is_scale_name, tensors):
-        t = tensors[n]
-        if t.dtype in _E8M0_DTYPES:
-            out.setdefault(t.file, []).append(Span(n, *t.offsets))
-    return {f: sorted(v, key=_span_start) for f, v in out.items()}
+    return {t.file for n in filter(_is_scale_name, tensors) if (t := tensors[n]).dtype in _E8M0_DTYPES}
+
+
+def _expected(manifest: Manifest | None, expected_files: dict[str, Expected] | None) -> dict[str, Expected]:
+    """What each file should be: the manifest's files, else the hub listing's, else nothing."""
+    if manifest is not None:
+        return {f: Expected(e.size, e.sha256) for f, e in manifest.files.items()}
+    return dict(expected_files) if expected_files is not None else {}
+
+
+@dataclass
+class _Plan:
+    """Which files a verify run hashes (``files``), which tensors' digests it takes in the same
+    read (``spans``), and which files also get a git blob id (``git_sha1``)."""
+
+    files: set[str]
+    spans: dict[str, list[Span]] = field(default_factory=dict)
+    git_sha1: set[str] = field(default_factory=set)
+
+
+class _Hashing:
+    """Files hashed in background threads, largest first, each scanned for NaN scale bytes by
+    the spans of its own header in the same read.
+
+    Started with a :class:`_Plan`, or without one to start at once - before the manifest is
+    parsed - over every file listed; :meth:`decide` then says which files the run wants: files
+    not yet begun that it does not want are skipped, any finished before it said so are left out
+    of :meth:`result`.
+    """
+
+    def __init__(self, root: Path, stats: dict[str, os.stat_result], *, jobs: int | None,
+                 headers: SharedHeaders | None, progress: Progress | None, cancel: threading.Event,
+                 plan: _Plan | None = None) -> None:
+        self._root, self._headers, self._progress, self._cancel = root, headers, progress, cancel
+        self._plan = plan
+        files = sorted(plan.files if plan is not None else stats, key=lambda f: -stats[f].st_size)
+        self._todo = iter(files)  # big files first: the last thread to finish idles least
+        self._lock = threading.Lock()
+        self._chunk = K3CKPT_HASH_BUFFER.get()  # here, not in the threads: a bad value stops the run once
+        self.digests: dict[str, FileDigest] = {}
+        self.errors: dict[str, HashError] = {}
+        self.scanned: dict[str, list[Span]] = {}  # the spans each file was scanned by
+        self._header_of: dict[str, ShardHeader] = {}  # the header those spans came from
+        workers = max(1, min(jobs or os.cpu_count() or 1, len(files)))
+        self._pool = ThreadPoolExecutor(max_workers=workers)
+        self._futures = [self._pool.submit(self._work) for _ in range(workers)]
+        self._pool.shutdown(wait=False)
+
+    def decide(self, plan: _Plan) -> None:
+        self._plan = plan
+
+    def stop(self) -> None:
+        """Cancel every thread at its next chunk, and wait for them."""
+        self._cancel.set()
+        for fut in self._futures:
+            fut.exception()
+
+    def result(self) -> tuple[dict[str, FileDigest], dict[str, HashError]]:
+        """Digests and errors of the planned files, once every thread is done."""
+        for fut in self._futures:
+            fut.result()
+        files = self._plan.files if self._plan is not None else set()
+        return ({f: d for f, d in self.digests.items() if f in files},
+                {f: e for f, e in self.errors.items() if f in files})
+
+    def spans_of(self, file: str, header: ShardHeader) -> list[Span] | None:
+        """The scale spans a thread derived from ``header`` (this very object), else ``None``."""
+        return self.scanned.get(file) if self._header_of.get(file) is header else None
+
+    def _spans_decided(self, f: str) -> Sequence[Span] | None:
+        """The tensor spans of ``f`` once the plan is decided (``None`` until then)."""
+        plan = self._plan
+        return plan.spans.get(f, ()) if plan is not None else None
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                f = next(self._todo, None)
+            if f is None:
+                return
+            plan = self._plan  # (read once: the main thread may decide meanwhile)
+            if plan is None or f in plan.files:
+                self._one(f, plan)
+
+    def _one(self, f: str, plan: _Plan | None) -> None:
+        path = self._root / f
+        if self._cancel.is_set():
+            with self._lock:
+                self.errors[f] = HashError(0, "cancelled", str(path))
+            return
+        scan: list[Span] = []
+        if self._headers is not None and f.endswith(".safetensors"):
+            try:
+                header = self._headers.get(f)
+            except K3ckptError:
+                pass  # the structure check reports it; without spans the file is not scanned here
+            else:
+                scan = shard_scale_spans(header)
+                with self._lock:
+                    self._header_of[f] = header
+        try:
+            d = _hashing.hash_file(path, rel=f, spans=plan.spans.get(f, ()) if plan is not None else (), scan=scan,
+                                   git_sha1=plan is not None and f in plan.git_sha1, progress=self._progress,
+                                   chunk_bytes=self._chunk, cancel=self._cancel,
+                                   late_spans=partial(self._spans_decided, f) if plan is None else None)
+        except HashError as e:
+            with self._lock:
+                self.errors[f] = e
+            return
+        with self._lock:
+            self.digests[f], self.scanned[f] = d, scan
 
 
 _E8M0_DTYPES = ("U8", "F8_E8M0")
