@@ -738,8 +738,8 @@ def test_nan_written_into_a_hole_of_a_sparse_headers_only_checkpoint(tmp_path: P
 
 
 def test_nan_scan_follows_the_headers_when_the_manifest_layout_disagrees(ckpt: Path, tmp_path: Path, manifests) -> None:
-    """Full verify scans scales at the manifest's offsets while hashing; where the headers say
-    otherwise, the scan is redone from the headers, so a NaN is named where it really is."""
+    """Full verify scans scales at the offsets of each file's own header while hashing; a
+    manifest that says otherwise is a layout issue, and a NaN is named where it really is."""
     m = manifests["tensors"]
     twin = L3_SCALE.replace("experts.5.", "experts.6.")
     # The manifest swaps where two same-shaped scales are: a layout disagreement.

@@ -13,7 +13,10 @@ Three layers, each reported by kind with file, tensor, expected and actual:
   digest) so re-verifying an unchanged directory takes seconds. A full run refreshes the cache.
 
 Hashing runs in threads across files (see :mod:`k3ckpt.hashing`); the scale scan and the tensor
-hashes ride along in the same read.
+hashes ride along in the same read. Given the manifest as a file (``manifest_path``, what the CLI
+does), hashing starts as soon as the files are listed and the manifest and the headers are
+parsed meanwhile: each thread scans by its own file's header, and the manifest then decides
+which files and tensors the run wants.
 """
 
 from __future__ import annotations
