@@ -274,3 +274,60 @@ def test_hash_file_takes_spans_that_become_known_between_chunks(tmp_path: Path) 
     assert late == hash_file(p, spans=spans, chunk_bytes=1000)
     never = hash_file(p, late_spans=lambda: None, chunk_bytes=1000)
     assert never.spans is None and never.sha256 == late.sha256
+
+
+@pytest.mark.parametrize("known_after", [0, 1, 3, 9, None])  # chunks read before the spans are known; None: at the end
+def test_hash_file_searches_scan_spans_that_become_known_late(tmp_path: Path, known_after: int | None) -> None:
+    p = tmp_path / "f"
+    data = bytearray(10_000)
+    for at in (150, 2999, 3000, 7777):  # NaNs in the first chunk, across a boundary's two sides, late
+        data[at] = 0xFF
+    p.write_bytes(bytes(data))
+    scan = [Span("a", 100, 200), Span("b", 2500, 3000), Span("c", 3000, 3500), Span("d", 5000, 7000),
+            Span("e", 7000, 8000)]
+    asked: list[bool] = []
+
+    def late(now: bool) -> list[Span] | None:
+        asked.append(now)
+        return scan if now or (known_after is not None and len(asked) > known_after) else None
+
+    got = hash_file(p, late_scan=late, chunk_bytes=1000)
+    assert got == hash_file(p, scan=scan, chunk_bytes=1000)
+    assert got.flagged == ["a", "b", "c", "e"]
+    assert asked[-1] is (known_after is None)  # asked to answer now only when the read ended first
+    assert hash_file(p, late_scan=lambda now: [] if now else None, chunk_bytes=1000).flagged is None
+
+
+def test_hashing_threads_start_before_any_header_is_parsed(ckpt_copy: Path, manifest_files, monkeypatch) -> None:
+    """A thread does not parse its file's header before hashing it (a parse holds the GIL, and
+    waited on the main thread's parse of the manifest): each shard is being hashed before its
+    header is parsed, and each header is still parsed once."""
+    import k3ckpt.format.checkpoint as checkpoint_mod
+    import k3ckpt.integrity.hashing as hashing_mod
+
+    parsed: list[str] = []
+    real_read = checkpoint_mod.read_header
+    monkeypatch.setattr(checkpoint_mod, "read_header", lambda path, file=None: (parsed.append(str(file)),
+                                                                               real_read(path, file=file))[1])
+    shards = sorted(p.name for p in ckpt_copy.glob("*.safetensors"))
+    parsed_before: dict[str, bool] = {}
+    all_started = threading.Event()
+    real_hash = hashing_mod.hash_file
+
+    def hash_file(path: Any, **kw: Any) -> Any:
+        parsed_before[kw["rel"]] = kw["rel"] in parsed
+        if parsed_before.keys() >= set(shards):
+            all_started.set()
+        return real_hash(path, **kw)
+
+    real_load = Manifest.load.__func__  # type: ignore[attr-defined]
+
+    def load(cls: type[Manifest], path: Any) -> Manifest:
+        all_started.wait(30)  # so the main thread's structure check cannot parse a header first
+        return real_load(cls, path)
+
+    monkeypatch.setattr(hashing_mod, "hash_file", hash_file)
+    monkeypatch.setattr(Manifest, "load", classmethod(load))
+    rep = verify_checkpoint(ckpt_copy, manifest_path=manifest_files["files"], use_cache=False)
+    assert rep.ok and {f: parsed_before[f] for f in shards} == dict.fromkeys(shards, False)
+    assert sorted(parsed) == shards

@@ -512,6 +512,8 @@ class HeaderReader:
                     tick(1)
                     continue
                 out.append(cols.to_header())
+                if self._shared is not None:
+                    self._shared.offer(f, out[-1])
                 if stats is not None:
                     stats.merge(shard_stats)
                 tick(1)
@@ -548,16 +550,26 @@ class SharedHeaders:
         from concurrent.futures import Future
 
         with self._lock:
-            fut = self._parsed.get(file)
-            mine = fut is None
-            if fut is None:
-                fut = self._parsed[file] = Future()
+            mine = file not in self._parsed
+            fut: Future[ShardHeader] = self._parsed.setdefault(file, Future())
         if mine:
             try:
                 fut.set_result(read_header(self.root / file, file=file))
             except BaseException as e:  # the waiters get it too; this thread raises it below
                 fut.set_exception(e)
         return fut.result()
+
+    def offer(self, file: str, header: ShardHeader) -> None:
+        """``header`` of ``file``, parsed elsewhere (a worker process): kept unless a thread
+        claimed ``file`` already."""
+        from concurrent.futures import Future
+
+        with self._lock:
+            if file in self._parsed:
+                return
+            fut: Future[ShardHeader] = Future()
+            fut.set_result(header)
+            self._parsed[file] = fut
 
     def parsed(self, file: str) -> ShardHeader | None:
         """The header of ``file`` if a thread parsed it without error, else ``None``."""

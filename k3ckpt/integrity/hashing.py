@@ -68,6 +68,7 @@ def hash_file(
     chunk_bytes: int | None = None,
     cancel: threading.Event | None = None,
     late_spans: Callable[[], Sequence[Span] | None] | None = None,
+    late_scan: Callable[[bool], Sequence[Span] | None] | None = None,
 ) -> FileDigest:
     """sha256 of the file at ``path`` and of each of ``spans`` (which must not overlap), in one
     read; spans of ``scan`` are searched for ``needle`` (an E8M0 NaN scale is byte 0xFF) in the
@@ -77,6 +78,11 @@ def hash_file(
     hashes while it parses the manifest that has them): asked before each chunk until it returns
     them; their bytes already hashed are then read again, only those (see
     :meth:`StreamHasher.add_spans`).
+
+    ``late_scan``: likewise the ``scan`` spans (``verify`` starts hashing a shard before its
+    header is parsed): asked with ``False`` before each chunk until it returns them, and with
+    ``True`` (answer now) if the read ends first; the parts of them already read are then read
+    again and searched, only those.
 
     The bytes are hashed where they lie in the page cache, through a window of the file mapped
     read-only (``$K3CKPT_HASH_BUFFER`` bytes, one window at a time), not copied into a buffer
@@ -90,7 +96,7 @@ def hash_file(
     # Bytes per window or read (``chunk_bytes``, else the buffer's size, else
     # $K3CKPT_HASH_BUFFER): large enough that syscall and GIL hand-offs vanish next to hashing.
     step = chunk_bytes or (len(buffer) if buffer is not None else K3CKPT_HASH_BUFFER.get())
-    scan_cursor = _Cursor(sorted(scan, key=lambda s: s.start))
+    scan_cursor = _Cursor(sorted(scan, key=_span_start))
     flagged: set[str] = set()
     with _reading(p) as fd:
         size = os.fstat(fd).st_size
@@ -101,6 +107,11 @@ def hash_file(
             if late_spans is not None and (known := late_spans()) is not None:
                 hasher.add_spans(known, partial(_pread_range, fd, p, step))
                 late_spans = None
+            if late_scan is not None and (known := late_scan(False)) is not None:
+                scan = known
+                scan_cursor = _Cursor(sorted(scan, key=_span_start))
+                flagged |= _search_before(fd, p, step, scan_cursor.spans, chunk.pos, needle)
+                late_scan = None
             pos, n = chunk.pos, len(chunk.view)
             hasher.feed(chunk.view)
             for k, lo, hi in scan_cursor.overlapping(pos, pos + n):
@@ -108,6 +119,9 @@ def hash_file(
                     flagged.add(scan_cursor.spans[k].name)
             if progress is not None:
                 progress(n)
+        if late_scan is not None:  # the read ended before the spans were known: search them now
+            scan = late_scan(True) or ()
+            flagged |= _search_before(fd, p, step, sorted(scan, key=_span_start), hasher.pos, needle)
         now = os.fstat(fd).st_size
         if hasher.pos != size or now != size:
             raise HashError(0, f"read {hasher.pos} bytes but the file is {now} (changed while hashing?)", p)
@@ -310,6 +324,22 @@ def scan_file(path: str | os.PathLike[str], spans: Sequence[Span], needle: bytes
                 if found and found[-1] == s.name:
                     break
     return found
+
+
+def _search_before(fd: int, path: str, step: int, spans: Sequence[Span], end: int, needle: bytes) -> set[str]:
+    """Names of ``spans`` whose bytes before offset ``end`` contain ``needle`` (one byte: a
+    piece boundary cannot split it), read again from the open file ``fd``."""
+    found = set()
+    for s in spans:
+        if s.start >= end:
+            break
+        if any(needle in piece for piece in _pread_range(fd, path, step, s.start, min(s.stop, end))):
+            found.add(s.name)
+    return found
+
+
+def _span_start(s: Span) -> int:
+    return s.start
 
 
 def _pread_range(fd: int, path: str, step: int, lo: int, hi: int) -> Iterator[bytes]:

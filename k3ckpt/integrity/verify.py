@@ -728,20 +728,30 @@ class _Hashing:
                 self.errors[f] = HashError(0, "cancelled", str(path))
             return
         scan: list[Span] = []
-        if self._headers is not None and f.endswith(".safetensors"):
+
+        def scale_spans_once_parsed(now: bool) -> list[Span] | None:
+            # Not parsed here before hashing: a parse holds the GIL (JSON), and so would keep
+            # this thread from starting while the main thread parses the manifest. The main
+            # thread's structure check parses the headers; the spans follow once it did.
+            assert self._headers is not None
             try:
-                header = self._headers.get(f)
+                header = self._headers.get(f) if now else self._headers.parsed(f)
             except K3ckptError:
-                pass  # the structure check reports it; without spans the file is not scanned here
-            else:
-                scan = shard_scale_spans(header)
-                with self._lock:
-                    self._header_of[f] = header
+                return []  # the structure check reports it; without spans the file is not scanned here
+            if header is None:
+                return None
+            scan[:] = shard_scale_spans(header)
+            with self._lock:
+                self._header_of[f] = header
+            return scan
+
+        scanning = self._headers is not None and f.endswith(".safetensors")
         try:
-            d = _hashing.hash_file(path, rel=f, spans=plan.spans.get(f, ()) if plan is not None else (), scan=scan,
+            d = _hashing.hash_file(path, rel=f, spans=plan.spans.get(f, ()) if plan is not None else (),
                                    git_sha1=plan is not None and f in plan.git_sha1, progress=self._progress,
                                    chunk_bytes=self._chunk, cancel=self._cancel,
-                                   late_spans=partial(self._spans_decided, f) if plan is None else None)
+                                   late_spans=partial(self._spans_decided, f) if plan is None else None,
+                                   late_scan=scale_spans_once_parsed if scanning else None)
         except HashError as e:
             with self._lock:
                 self.errors[f] = e
