@@ -324,7 +324,10 @@ def verify_checkpoint(
     ckpt: Checkpoint | None = None
     if not quick:
         if scan and manifest is not None:
-            scan_files = _manifest_scale_files(manifest)  # which files the manifest says hold scales
+            # Which files the manifest says hold scales: hashed for the scan even when there is
+            # no digest to check (none when every file has one: nothing to look up then).
+            unchecked = any(not checkable(f) for f in stats)
+            scan_files = _manifest_scale_files(manifest) if unchecked else set()
         elif scan:
             ckpt = open_checkpoint(root, jobs=jobs, strict=False, headers=headers)
             scan_files = {f for f, h in ckpt.shards.items() if shard_scale_spans(h)}
