@@ -331,3 +331,24 @@ def test_hashing_threads_start_before_any_header_is_parsed(ckpt_copy: Path, mani
     rep = verify_checkpoint(ckpt_copy, manifest_path=manifest_files["files"], use_cache=False)
     assert rep.ok and {f: parsed_before[f] for f in shards} == dict.fromkeys(shards, False)
     assert sorted(parsed) == shards
+
+
+def test_progress_after_the_plan_counts_only_the_planned_files(k3_tiny: Path, clone_checkpoint, manifest_files,
+                                                               monkeypatch) -> None:
+    """A file begun before the manifest said it is not wanted (a stray, hashed first as the
+    largest) adds nothing to the progress once the planned total is announced."""
+    root = clone_checkpoint(k3_tiny)
+    _stray_copy_of_the_largest_shard(root)
+    timing = _Timing(monkeypatch, root, "mid-file")
+    planned: list[int] = []
+    after_plan: list[int] = []
+
+    def progress(n: int) -> None:
+        timing.progress(n)
+        if planned:
+            after_plan.append(n)
+
+    rep = verify_checkpoint(root, manifest_path=manifest_files["files"], use_cache=False, progress=progress,
+                            on_plan=planned.append, jobs=1)
+    assert rep.ok and planned == [rep.bytes_hashed]
+    assert 0 < sum(after_plan) <= planned[0]

@@ -294,58 +294,58 @@ def verify_checkpoint(
         except BaseException:
             hashing.stop()
             raise
-    expected = _expected(manifest, expected_files)
-    hits = {f: cache.lookup(f, st) for f, st in stats.items()} if cache is not None else {}
+    try:  # (an error or Ctrl-C from here on also stops the hashing that may have started)
+        expected = _expected(manifest, expected_files)
+        hits = {f: cache.lookup(f, st) for f, st in stats.items()} if cache is not None else {}
 
-    # In quick mode an unchanged directory (same stat for every file) keeps its previous
-    # structure verdict and scan results, so the headers need not even be parsed.
-    structure_key = _structure_key(stats, manifest, scan)
-    reuse = (quick and cache is not None and cache.structure.get("key") == structure_key
-             and (not scan or all(h is not None and h.get("scan_ok") is not None for h in hits.values())))
+        # In quick mode an unchanged directory (same stat for every file) keeps its previous
+        # structure verdict and scan results, so the headers need not even be parsed.
+        structure_key = _structure_key(stats, manifest, scan)
+        reuse = (quick and cache is not None and cache.structure.get("key") == structure_key
+                 and (not scan or all(h is not None and h.get("scan_ok") is not None for h in hits.values())))
 
-    # -- file set and sizes -----------------------------------------------------------------------
-    if expected:
-        for f in sorted(expected.keys() - set(present)):
-            issues.append(Issue("missing-file", f, "listed in the reference but not present"))
-        for f in sorted(set(present) - expected.keys()):
-            issues.append(Issue("extra-file", f, "present but not in the reference"))
-    size_bad = set()
-    for f in sorted(expected.keys() & stats.keys()):
-        if stats[f].st_size != expected[f].size:
-            size_bad.add(f)
-            issues.append(Issue("size", f, "size differs", expected=str(expected[f].size), actual=str(stats[f].st_size)))
-    tensor_spans = manifest.spans_by_file() if manifest is not None and manifest.tensor_hashes else {}
+        # -- file set and sizes -----------------------------------------------------------------------
+        if expected:
+            for f in sorted(expected.keys() - set(present)):
+                issues.append(Issue("missing-file", f, "listed in the reference but not present"))
+            for f in sorted(set(present) - expected.keys()):
+                issues.append(Issue("extra-file", f, "present but not in the reference"))
+        size_bad = set()
+        for f in sorted(expected.keys() & stats.keys()):
+            if stats[f].st_size != expected[f].size:
+                size_bad.add(f)
+                issues.append(Issue("size", f, "size differs", expected=str(expected[f].size), actual=str(stats[f].st_size)))
+        tensor_spans = manifest.spans_by_file() if manifest is not None and manifest.tensor_hashes else {}
 
-    def checkable(f: str) -> bool:
-        exp = expected.get(f)
-        return bool(exp is not None and (exp.sha256 or exp.git_sha1) and (f not in size_bad or f in tensor_spans))
+        def checkable(f: str) -> bool:
+            exp = expected.get(f)
+            return bool(exp is not None and (exp.sha256 or exp.git_sha1) and (f not in size_bad or f in tensor_spans))
 
-    # -- full mode: hash in the background while the structure is checked -------------------------
-    ckpt: Checkpoint | None = None
-    if not quick:
-        if scan and manifest is not None:
-            # Which files the manifest says hold scales: hashed for the scan even when there is
-            # no digest to check (none when every file has one: nothing to look up then).
-            unchecked = any(not checkable(f) for f in stats)
-            scan_files = _manifest_scale_files(manifest) if unchecked else set()
-        elif scan:
-            ckpt = open_checkpoint(root, jobs=jobs, strict=False, headers=headers)
-            scan_files = {f for f, h in ckpt.shards.items() if shard_scale_spans(h)}
-        else:
-            scan_files = set()
-        to_hash = [f for f in sorted(stats) if checkable(f) or f in scan_files]
-        if on_plan is not None and to_hash:
-            on_plan(sum(stats[f].st_size for f in to_hash))
-        plan = _Plan(set(to_hash),
-                     spans={f: tensor_spans[f] for f in to_hash if f in tensor_spans},
-                     git_sha1={f for f in to_hash if (e := expected.get(f)) and not e.sha256 and e.git_sha1})
-        if hashing is None and to_hash:
-            hashing = _Hashing(root, stats, jobs=jobs, headers=headers if scan else None, progress=progress,
-                               cancel=cancel, plan=plan)
-        elif hashing is not None:
-            hashing.decide(plan)
+        # -- full mode: hash in the background while the structure is checked -------------------------
+        ckpt: Checkpoint | None = None
+        if not quick:
+            if scan and manifest is not None:
+                # Which files the manifest says hold scales: hashed for the scan even when there is
+                # no digest to check (none when every file has one: nothing to look up then).
+                unchecked = any(not checkable(f) for f in stats)
+                scan_files = _manifest_scale_files(manifest) if unchecked else set()
+            elif scan:
+                ckpt = open_checkpoint(root, jobs=jobs, strict=False, headers=headers)
+                scan_files = {f for f, h in ckpt.shards.items() if shard_scale_spans(h)}
+            else:
+                scan_files = set()
+            to_hash = [f for f in sorted(stats) if checkable(f) or f in scan_files]
+            if on_plan is not None and to_hash:
+                on_plan(sum(stats[f].st_size for f in to_hash))
+            plan = _Plan(set(to_hash),
+                         spans={f: tensor_spans[f] for f in to_hash if f in tensor_spans},
+                         git_sha1={f for f in to_hash if (e := expected.get(f)) and not e.sha256 and e.git_sha1})
+            if hashing is None and to_hash:
+                hashing = _Hashing(root, stats, jobs=jobs, headers=headers if scan else None, progress=progress,
+                                   cancel=cancel, plan=plan)
+            elif hashing is not None:
+                hashing.decide(plan)
 
-    try:
         # -- structure: reuse the previous verdict when nothing it depends on changed ---------------
         same_layout = False
         if reuse:
@@ -720,6 +720,13 @@ class _Hashing:
         plan = self._plan
         return plan.spans.get(f, ()) if plan is not None else None
 
+    def _progress_if_wanted(self, f: str, progress: Progress, n: int) -> None:
+        """``progress(n)`` unless the plan, decided since ``f`` was begun, does not want ``f``
+        (its bytes are not in the total the plan announced)."""
+        plan = self._plan
+        if plan is None or f in plan.files:
+            progress(n)
+
     def _work(self) -> None:
         while True:
             with self._lock:
@@ -754,10 +761,13 @@ class _Hashing:
                 self._header_of[f] = header
             return scan
 
+        progress = self._progress
+        if plan is None and progress is not None:
+            progress = partial(self._progress_if_wanted, f, progress)
         scanning = self._headers is not None and f.endswith(".safetensors")
         try:
             d = _hashing.hash_file(path, rel=f, spans=plan.spans.get(f, ()) if plan is not None else (),
-                                   git_sha1=plan is not None and f in plan.git_sha1, progress=self._progress,
+                                   git_sha1=plan is not None and f in plan.git_sha1, progress=progress,
                                    chunk_bytes=self._chunk, cancel=self._cancel,
                                    late_spans=partial(self._spans_decided, f) if plan is None else None,
                                    late_scan=scale_spans_once_parsed if scanning else None)
