@@ -352,3 +352,31 @@ def test_progress_after_the_plan_counts_only_the_planned_files(k3_tiny: Path, cl
                             on_plan=planned.append, jobs=1)
     assert rep.ok and planned == [rep.bytes_hashed]
     assert 0 < sum(after_plan) <= planned[0]
+
+
+def test_a_file_the_manifest_does_not_want_stops_being_hashed_when_it_says_so(
+        k3_tiny: Path, clone_checkpoint, manifest_files, monkeypatch) -> None:
+    import k3ckpt.integrity.hashing as hashing_mod
+    from k3ckpt.errors import HashError
+
+    root = clone_checkpoint(k3_tiny)
+    _stray_copy_of_the_largest_shard(root)  # the largest: begun first, before the manifest is parsed
+    outcome: dict[str, str] = {}
+    real_hash = hashing_mod.hash_file
+
+    def hash_file(path: Any, **kw: Any) -> Any:
+        try:
+            d = real_hash(path, **kw)
+        except HashError as e:
+            outcome[kw["rel"]] = str(e.strerror)
+            raise
+        outcome[kw["rel"]] = "hashed"
+        return d
+
+    monkeypatch.setattr(hashing_mod, "hash_file", hash_file)
+    timing = _Timing(monkeypatch, root, "mid-file")
+    rep = verify_checkpoint(root, manifest_path=manifest_files["files"], use_cache=False, progress=timing.progress,
+                            jobs=1)
+    assert outcome["zz-stray.bin"] == "cancelled"
+    assert rep.ok and [i.file for i in rep.issues] == ["zz-stray.bin"]  # an extra-file warning, not unreadable
+    assert {f for f, o in outcome.items() if o == "hashed"} == {f for f in os.listdir(root) if f != "zz-stray.bin"}

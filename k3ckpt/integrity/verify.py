@@ -54,8 +54,6 @@ from .manifest import Manifest, tensors_from_headers
 
 if TYPE_CHECKING:
     from ..format.header import ShardHeader
-
-if TYPE_CHECKING:
     from .share import ShareFacts
 
 #: Order in which kinds are reported (most fundamental first).
@@ -436,6 +434,8 @@ def verify_checkpoint(
                              **({"scan_ok": not d.flagged, "flagged": d.flagged or []} if scanned else {}))
     except BaseException:
         cancel.set()  # stop the background hashing too: an error or Ctrl-C ends the run now
+        if hashing is not None:
+            hashing.stop(wait=False)
         raise
     issues += rescan_scales(root, to_scan, header_scan_spans, jobs, stats, cache)
 
@@ -689,19 +689,30 @@ class _Hashing:
         self.errors: dict[str, HashError] = {}
         self.scanned: dict[str, list[Span]] = {}  # the spans each file was scanned by
         self._header_of: dict[str, ShardHeader] = {}  # the header those spans came from
+        self._unplanned: dict[str, threading.Event] = {}  # files begun before the plan: their own cancel
         workers = max(1, min(jobs or os.cpu_count() or 1, len(files)))
         self._pool = ThreadPoolExecutor(max_workers=workers)
         self._futures = [self._pool.submit(self._work) for _ in range(workers)]
         self._pool.shutdown(wait=False)
 
     def decide(self, plan: _Plan) -> None:
-        self._plan = plan
+        """From now on hash what ``plan`` says; a file being hashed that it does not want stops
+        at its next chunk (a large stray file would otherwise be read to its end for nothing)."""
+        with self._lock:
+            self._plan = plan
+            for f, stop in self._unplanned.items():
+                if f not in plan.files:
+                    stop.set()
 
-    def stop(self) -> None:
-        """Cancel every thread at its next chunk, and wait for them."""
-        self._cancel.set()
-        for fut in self._futures:
-            fut.exception()
+    def stop(self, wait: bool = True) -> None:
+        """Cancel every thread at its next chunk, and wait for them (``wait``)."""
+        with self._lock:
+            self._cancel.set()
+            for stop in self._unplanned.values():
+                stop.set()
+        if wait:
+            for fut in self._futures:
+                fut.exception()
 
     def result(self) -> tuple[dict[str, FileDigest], dict[str, HashError]]:
         """Digests and errors of the planned files, once every thread is done."""
@@ -761,14 +772,19 @@ class _Hashing:
                 self._header_of[f] = header
             return scan
 
-        progress = self._progress
-        if plan is None and progress is not None:
-            progress = partial(self._progress_if_wanted, f, progress)
+        progress, cancel = self._progress, self._cancel
+        if plan is None:
+            if progress is not None:
+                progress = partial(self._progress_if_wanted, f, progress)
+            with self._lock:
+                cancel = self._unplanned[f] = threading.Event()
+                if self._cancel.is_set() or (self._plan is not None and f not in self._plan.files):
+                    cancel.set()  # (stopped, or decided, since this thread looked)
         scanning = self._headers is not None and f.endswith(".safetensors")
         try:
             d = _hashing.hash_file(path, rel=f, spans=plan.spans.get(f, ()) if plan is not None else (),
                                    git_sha1=plan is not None and f in plan.git_sha1, progress=progress,
-                                   chunk_bytes=self._chunk, cancel=self._cancel,
+                                   chunk_bytes=self._chunk, cancel=cancel,
                                    late_spans=partial(self._spans_decided, f) if plan is None else None,
                                    late_scan=scale_spans_once_parsed if scanning else None)
         except HashError as e:
