@@ -380,3 +380,23 @@ def test_a_file_the_manifest_does_not_want_stops_being_hashed_when_it_says_so(
     assert outcome["zz-stray.bin"] == "cancelled"
     assert rep.ok and [i.file for i in rep.issues] == ["zz-stray.bin"]  # an extra-file warning, not unreadable
     assert {f for f, o in outcome.items() if o == "hashed"} == {f for f in os.listdir(root) if f != "zz-stray.bin"}
+
+
+def test_the_gil_changes_hands_more_often_while_hashing_and_as_before_after(
+        ckpt_copy: Path, tmp_path: Path, manifest_files, monkeypatch) -> None:
+    import sys
+
+    import k3ckpt.integrity.hashing as hashing_mod
+
+    seen: list[float] = []
+    real_hash = hashing_mod.hash_file
+    monkeypatch.setattr(hashing_mod, "hash_file", lambda path, **kw: (seen.append(sys.getswitchinterval()),
+                                                                      real_hash(path, **kw))[1])
+    before = sys.getswitchinterval()
+    assert verify_checkpoint(ckpt_copy, manifest_path=manifest_files["files"], use_cache=False).ok
+    assert seen and set(seen) == {min(before, 0.0005)} and sys.getswitchinterval() == before
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ManifestError):
+        verify_checkpoint(ckpt_copy, manifest_path=bad, use_cache=False)
+    assert sys.getswitchinterval() == before
