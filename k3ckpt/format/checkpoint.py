@@ -340,9 +340,8 @@ def open_checkpoint(
             with kind ``missing-file`` / ``header`` and opens the rest.
         progress, on_plan: called with the number of shard headers to read, then with 1 as
             each is read (``inspect``'s progress bar: 96 headers, 497k tensors for K3).
-        headers: headers another thread may have parsed already (``verify``'s hashing threads
-            read each shard's header for its scale spans): each is parsed once, by whichever
-            asks first.
+        headers: headers shared with other threads (``verify``'s hashing threads take each
+            shard's scale spans from it): each is parsed once, by whichever asks first.
 
     Raises:
         CheckpointNotFoundError, IndexFileError, SafetensorsHeaderError, ConfigError.
@@ -532,8 +531,10 @@ class SharedHeaders:
     ask parses it (a thread never waits on another to start), the others wait for that parse.
 
     ``verify`` hashes from the moment the directory is listed; each hashing thread needs its
-    file's header for the scale spans it scans, and the structure check needs all of them. The
-    same :class:`ShardHeader` object serves both, so the two also agree on what they saw.
+    file's header for the scale spans it scans (it looks between chunks whether the structure
+    check parsed it already, :meth:`parsed`, and parses it itself only if the file ends first),
+    and the structure check needs all of them. The same :class:`ShardHeader` object serves both,
+    so the two also agree on what they saw.
     """
 
     def __init__(self, root: Path) -> None:
