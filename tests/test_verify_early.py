@@ -415,3 +415,27 @@ def test_importing_the_role_rules_compiles_no_rule_pattern() -> None:
             "classify('language_model.model.layers.3.self_attn.o_proj.weight'); print(len(rules & set(seen)) > 0)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["0", "True"]
+
+
+@pytest.mark.parametrize("source", ["manifest", "manifest_path"])
+def test_verify_runs_with_the_cyclic_gc_paused_and_resumes_it(ckpt_copy: Path, manifest_files, monkeypatch,
+                                                             source: str) -> None:
+    """The collections that walked the freshly parsed manifest and headers again and again took
+    25-50 ms of a 1 GB verify's CPU; the GC is back on (or still off, if it was) afterwards."""
+    import gc
+
+    import k3ckpt.integrity.verify as verify_mod
+
+    seen: list[bool] = []
+    real = verify_mod.structure_issues
+    monkeypatch.setattr(verify_mod, "structure_issues", lambda *a, **kw: (seen.append(gc.isenabled()), real(*a, **kw))[1])
+    arg = {"manifest": Manifest.load(manifest_files["files"])} if source == "manifest" else {
+        "manifest_path": manifest_files["files"]}
+    assert gc.isenabled()
+    assert verify_checkpoint(ckpt_copy, use_cache=False, **arg).ok
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        assert verify_checkpoint(ckpt_copy, use_cache=False, **arg).ok and not gc.isenabled()
+    finally:
+        gc.enable()

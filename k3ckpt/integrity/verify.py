@@ -21,6 +21,7 @@ which files and tensors the run wants.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import operator
@@ -34,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from ..env import K3CKPT_CACHE_DIR, K3CKPT_HASH_BUFFER
 from ..errors import CheckpointNotFoundError, K3ckptError
@@ -43,6 +44,7 @@ from ..format.checkpoint import (
     SINGLE_NAME,
     Checkpoint,
     SharedHeaders,
+    bulk_allocation,
     is_working_file,
     iter_checkpoint_files,
     open_checkpoint,
@@ -209,6 +211,24 @@ def record_verified(path: str | os.PathLike[str], digests: dict[str, tuple[str |
 # -- verification -----------------------------------------------------------------------------
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _cyclic_gc_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` with the cyclic GC paused while it runs (:func:`bulk_allocation`) and resumed
+    after its frame - and the headers, manifest and checkpoint model it held - is gone: a verify
+    run builds ~10^5 acyclic objects per GB of checkpoint (1 GB of K3-like shards), and the
+    collections that walked them again and again took 25-50 ms of its CPU."""
+    @functools.wraps(fn)
+    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with bulk_allocation():
+            return fn(*args, **kwargs)
+
+    return paused
+
+
+@_cyclic_gc_paused
 def verify_checkpoint(
     path: str | os.PathLike[str],
     *,
