@@ -778,7 +778,7 @@ def test_an_error_during_the_structure_check_stops_the_background_hashing(ckpt: 
     with pytest.raises(KeyboardInterrupt):
         verify(ckpt, tmp_path, manifest=manifests["tensors"], jobs=1)
     deadline = _time.perf_counter() + 5
-    while any(t.name.startswith("ThreadPoolExecutor") and t.is_alive() for t in threading.enumerate()):
+    while any(t.name.startswith(("ThreadPoolExecutor", "k3ckpt-hash")) and t.is_alive() for t in threading.enumerate()):
         assert _time.perf_counter() < deadline, "hashing threads kept running after the error"
         _time.sleep(0.05)
     # cancelled at the next chunk: far less than hashing all 15 files at 0.3 s each

@@ -189,7 +189,7 @@ def test_a_bad_manifest_stops_the_hashing_that_started_before_it(ckpt_copy: Path
     bad.write_text('{"format": "k3ckpt-manifest", "version": 1, "files": {}, "tensors": {"t": {}}}')
     with pytest.raises(ManifestError, match="malformed"):
         verify_checkpoint(ckpt_copy, manifest_path=bad, use_cache=False)
-    assert not [t for t in threading.enumerate() if t.name.startswith("ThreadPoolExecutor") and t.is_alive()]
+    assert not [t for t in threading.enumerate() if t.name.startswith(("ThreadPoolExecutor", "k3ckpt-hash")) and t.is_alive()]
     res = run("verify", str(ckpt_copy), "--manifest", str(bad), "--no-cache")
     assert res.exit_code == 2 and "malformed" in res.output and "Traceback" not in res.output
 
@@ -439,3 +439,19 @@ def test_verify_runs_with_the_cyclic_gc_paused_and_resumes_it(ckpt_copy: Path, m
         assert verify_checkpoint(ckpt_copy, use_cache=False, **arg).ok and not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_verify_with_a_manifest_does_not_import_concurrent_futures(k3_tiny: Path, manifest_files) -> None:
+    """Plain threads hash: concurrent.futures (and the logging it imports) is ~6 ms of start-up
+    before the first hashed byte, for nothing."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            f"sys.argv = ['k3ckpt', 'verify', {str(k3_tiny)!r}, '--manifest', {str(manifest_files['files'])!r}, "
+            "'--no-cache']\n"
+            "from k3ckpt.cli import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(sorted(m for m in ('concurrent.futures', 'logging') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "[]"

@@ -540,7 +540,7 @@ class SharedHeaders:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._lock = threading.Lock()
-        self._parsed: dict[str, Future[ShardHeader]] = {}
+        self._parsed: dict[str, _HeaderSlot] = {}
 
     def get(self, file: str) -> ShardHeader:
         """The header of ``file`` (relative to the root).
@@ -548,36 +548,49 @@ class SharedHeaders:
         Raises:
             SafetensorsHeaderError: as :func:`read_header` (to every caller that asks for it).
         """
-        from concurrent.futures import Future
-
         with self._lock:
-            mine = file not in self._parsed
-            fut: Future[ShardHeader] = self._parsed.setdefault(file, Future())
+            slot = self._parsed.get(file)
+            mine = slot is None
+            if slot is None:
+                slot = self._parsed[file] = _HeaderSlot()
         if mine:
             try:
-                fut.set_result(read_header(self.root / file, file=file))
+                slot.header = read_header(self.root / file, file=file)
             except BaseException as e:  # the waiters get it too; this thread raises it below
-                fut.set_exception(e)
-        return fut.result()
+                slot.error = e
+            finally:
+                slot.done.set()
+        else:
+            slot.done.wait()
+        if slot.error is not None:
+            raise slot.error
+        assert slot.header is not None
+        return slot.header
 
     def offer(self, file: str, header: ShardHeader) -> None:
         """``header`` of ``file``, parsed elsewhere (a worker process): kept unless a thread
         claimed ``file`` already."""
-        from concurrent.futures import Future
-
         with self._lock:
-            if file in self._parsed:
-                return
-            fut: Future[ShardHeader] = Future()
-            fut.set_result(header)
-            self._parsed[file] = fut
+            if file not in self._parsed:
+                slot = self._parsed[file] = _HeaderSlot()
+                slot.header = header
+                slot.done.set()
 
     def parsed(self, file: str) -> ShardHeader | None:
         """The header of ``file`` if a thread parsed it without error, else ``None``."""
-        fut = self._parsed.get(file)
-        if fut is None or not fut.done() or fut.exception() is not None:
-            return None
-        return fut.result()
+        slot = self._parsed.get(file)
+        return slot.header if slot is not None and slot.done.is_set() else None
+
+
+class _HeaderSlot:
+    """One header of :class:`SharedHeaders`: set once (``header`` or ``error``), then ``done``."""
+
+    __slots__ = ("done", "error", "header")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.header: ShardHeader | None = None
+        self.error: BaseException | None = None
 
 
 def header_columns_job(args: tuple[str, str]) -> tuple[HeaderColumns, InventoryStats, tuple[int, int]]:

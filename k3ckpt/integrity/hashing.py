@@ -20,7 +20,6 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -449,6 +448,8 @@ def hash_files(
         for f in todo:
             one(f)
     else:
+        from concurrent.futures import ThreadPoolExecutor  # (here: 6 ms of imports verify's start need not pay)
+
         with ThreadPoolExecutor(max_workers=workers) as ex:
             list(ex.map(one, todo))
     return digests, errors
