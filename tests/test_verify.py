@@ -738,8 +738,8 @@ def test_nan_written_into_a_hole_of_a_sparse_headers_only_checkpoint(tmp_path: P
 
 
 def test_nan_scan_follows_the_headers_when_the_manifest_layout_disagrees(ckpt: Path, tmp_path: Path, manifests) -> None:
-    """Full verify scans scales at the manifest's offsets while hashing; where the headers say
-    otherwise, the scan is redone from the headers, so a NaN is named where it really is."""
+    """Full verify scans scales at the offsets of each file's own header while hashing; a
+    manifest that says otherwise is a layout issue, and a NaN is named where it really is."""
     m = manifests["tensors"]
     twin = L3_SCALE.replace("experts.5.", "experts.6.")
     # The manifest swaps where two same-shaped scales are: a layout disagreement.
@@ -778,7 +778,7 @@ def test_an_error_during_the_structure_check_stops_the_background_hashing(ckpt: 
     with pytest.raises(KeyboardInterrupt):
         verify(ckpt, tmp_path, manifest=manifests["tensors"], jobs=1)
     deadline = _time.perf_counter() + 5
-    while any(t.name.startswith("ThreadPoolExecutor") and t.is_alive() for t in threading.enumerate()):
+    while any(t.name.startswith(("ThreadPoolExecutor", "k3ckpt-hash")) and t.is_alive() for t in threading.enumerate()):
         assert _time.perf_counter() < deadline, "hashing threads kept running after the error"
         _time.sleep(0.05)
     # cancelled at the next chunk: far less than hashing all 15 files at 0.3 s each

@@ -289,10 +289,8 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
 
         signed, kid = load_signed_manifest(manifest_path, signature_path, pubkey_path)
         kwargs.update(manifest=signed, reference=f"manifest {manifest_path}, signed by {kid}")
-    elif manifest_path:
-        from ..integrity.manifest import Manifest
-
-        kwargs.update(manifest=Manifest.load(manifest_path), manifest_label=manifest_path)
+    elif manifest_path:  # loaded by verify itself, while it already hashes
+        kwargs.update(manifest_path=manifest_path)
     elif against and repo and _is_share(path):  # (--against without --repo was refused above)
         from ..hub.pull import pull_share_manifest
 

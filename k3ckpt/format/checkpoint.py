@@ -18,6 +18,7 @@ import gc
 import json
 import operator
 import os
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -326,6 +327,7 @@ def bulk_allocation() -> Iterator[None]:
 def open_checkpoint(
     path: str | os.PathLike[str], *, jobs: int | None = None, require_config: bool = False, strict: bool = True,
     progress: Callable[[int], None] | None = None, on_plan: Callable[[int], None] | None = None,
+    headers: SharedHeaders | None = None,
 ) -> Checkpoint:
     """Open the checkpoint at ``path`` from its config, index and shard headers.
 
@@ -338,16 +340,19 @@ def open_checkpoint(
             with kind ``missing-file`` / ``header`` and opens the rest.
         progress, on_plan: called with the number of shard headers to read, then with 1 as
             each is read (``inspect``'s progress bar: 96 headers, 497k tensors for K3).
+        headers: headers shared with other threads (``verify``'s hashing threads take each
+            shard's scale spans from it): each is parsed once, by whichever asks first.
 
     Raises:
         CheckpointNotFoundError, IndexFileError, SafetensorsHeaderError, ConfigError.
     """
     with bulk_allocation():
-        return _open(path, jobs, require_config, strict, progress, on_plan)
+        return _open(path, jobs, require_config, strict, progress, on_plan, headers)
 
 
 def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool, strict: bool = True,
-          progress: Callable[[int], None] | None = None, on_plan: Callable[[int], None] | None = None) -> Checkpoint:
+          progress: Callable[[int], None] | None = None, on_plan: Callable[[int], None] | None = None,
+          shared: SharedHeaders | None = None) -> Checkpoint:
     root, source = resolve_root(path)
     config: ModelConfig | None = None
     config_problem: Problem | None = None
@@ -361,7 +366,7 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool, 
     elif require_config:
         raise ConfigError(f"{root / CONFIG_NAME}: not found")
 
-    reader = HeaderReader(root, jobs, tolerant=not strict)
+    reader = HeaderReader(root, jobs, tolerant=not strict, shared=shared)
     unsafe: list[str] | None = None if strict else []
     try:
         index_digests = reader.index_digests(unsafe)
@@ -438,8 +443,10 @@ class HeaderReader:
     for K3) index; :meth:`collect` then returns exactly the files the index names.
     """
 
-    def __init__(self, root: Path, jobs: int | None = None, tolerant: bool = False) -> None:
+    def __init__(self, root: Path, jobs: int | None = None, tolerant: bool = False,
+                 shared: SharedHeaders | None = None) -> None:
         self.root = root
+        self._shared = shared
         self._futures: dict[str, Future] = {}
         self._pool: ProcessPoolExecutor | None = None
         try:
@@ -490,7 +497,7 @@ class HeaderReader:
                 fut = self._futures.get(f)
                 try:
                     if fut is None:
-                        h = read_header(self.root / f, file=f)
+                        h = self._shared.get(f) if self._shared is not None else read_header(self.root / f, file=f)
                         out.append(h)
                         digests[f] = names_digest(h.tensors)
                         stats = None
@@ -504,6 +511,8 @@ class HeaderReader:
                     tick(1)
                     continue
                 out.append(cols.to_header())
+                if self._shared is not None:
+                    self._shared.offer(f, out[-1])
                 if stats is not None:
                     stats.merge(shard_stats)
                 tick(1)
@@ -515,6 +524,73 @@ class HeaderReader:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+class SharedHeaders:
+    """Shard headers of one directory, each parsed once for every thread that asks: the first to
+    ask parses it (a thread never waits on another to start), the others wait for that parse.
+
+    ``verify`` hashes from the moment the directory is listed; each hashing thread needs its
+    file's header for the scale spans it scans (it looks between chunks whether the structure
+    check parsed it already, :meth:`parsed`, and parses it itself only if the file ends first),
+    and the structure check needs all of them. The same :class:`ShardHeader` object serves both,
+    so the two also agree on what they saw.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+        self._parsed: dict[str, _HeaderSlot] = {}
+
+    def get(self, file: str) -> ShardHeader:
+        """The header of ``file`` (relative to the root).
+
+        Raises:
+            SafetensorsHeaderError: as :func:`read_header` (to every caller that asks for it).
+        """
+        with self._lock:
+            slot = self._parsed.get(file)
+            mine = slot is None
+            if slot is None:
+                slot = self._parsed[file] = _HeaderSlot()
+        if mine:
+            try:
+                slot.header = read_header(self.root / file, file=file)
+            except BaseException as e:  # the waiters get it too; this thread raises it below
+                slot.error = e
+            finally:
+                slot.done.set()
+        else:
+            slot.done.wait()
+        if slot.error is not None:
+            raise slot.error
+        assert slot.header is not None
+        return slot.header
+
+    def offer(self, file: str, header: ShardHeader) -> None:
+        """``header`` of ``file``, parsed elsewhere (a worker process): kept unless a thread
+        claimed ``file`` already."""
+        with self._lock:
+            if file not in self._parsed:
+                slot = self._parsed[file] = _HeaderSlot()
+                slot.header = header
+                slot.done.set()
+
+    def parsed(self, file: str) -> ShardHeader | None:
+        """The header of ``file`` if a thread parsed it without error, else ``None``."""
+        slot = self._parsed.get(file)
+        return slot.header if slot is not None and slot.done.is_set() else None
+
+
+class _HeaderSlot:
+    """One header of :class:`SharedHeaders`: set once (``header`` or ``error``), then ``done``."""
+
+    __slots__ = ("done", "error", "header")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.header: ShardHeader | None = None
+        self.error: BaseException | None = None
 
 
 def header_columns_job(args: tuple[str, str]) -> tuple[HeaderColumns, InventoryStats, tuple[int, int]]:

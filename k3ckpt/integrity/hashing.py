@@ -20,9 +20,9 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -66,10 +66,22 @@ def hash_file(
     buffer: bytearray | None = None,
     chunk_bytes: int | None = None,
     cancel: threading.Event | None = None,
+    late_spans: Callable[[], Sequence[Span] | None] | None = None,
+    late_scan: Callable[[bool], Sequence[Span] | None] | None = None,
 ) -> FileDigest:
     """sha256 of the file at ``path`` and of each of ``spans`` (which must not overlap), in one
     read; spans of ``scan`` are searched for ``needle`` (an E8M0 NaN scale is byte 0xFF) in the
     same pass.
+
+    ``late_spans``: the ``spans``, when they are not known yet as hashing starts (``verify``
+    hashes while it parses the manifest that has them): asked before each chunk until it returns
+    them; their bytes already hashed are then read again, only those (see
+    :meth:`StreamHasher.add_spans`).
+
+    ``late_scan``: likewise the ``scan`` spans (``verify`` starts hashing a shard before its
+    header is parsed): asked with ``False`` before each chunk until it returns them, and with
+    ``True`` (answer now) if the read ends first; the parts of them already read are then read
+    again and searched, only those.
 
     The bytes are hashed where they lie in the page cache, through a window of the file mapped
     read-only (``$K3CKPT_HASH_BUFFER`` bytes, one window at a time), not copied into a buffer
@@ -83,7 +95,7 @@ def hash_file(
     # Bytes per window or read (``chunk_bytes``, else the buffer's size, else
     # $K3CKPT_HASH_BUFFER): large enough that syscall and GIL hand-offs vanish next to hashing.
     step = chunk_bytes or (len(buffer) if buffer is not None else K3CKPT_HASH_BUFFER.get())
-    scan_cursor = _Cursor(sorted(scan, key=lambda s: s.start))
+    scan_cursor = _Cursor(sorted(scan, key=_span_start))
     flagged: set[str] = set()
     with _reading(p) as fd:
         size = os.fstat(fd).st_size
@@ -91,6 +103,14 @@ def hash_file(
         for chunk in _chunks(fd, p, size, step, buffer):
             if cancel is not None and cancel.is_set():
                 raise HashError(0, "cancelled", p)
+            if late_spans is not None and (known := late_spans()) is not None:
+                hasher.add_spans(known, partial(_pread_range, fd, p, step))
+                late_spans = None
+            if late_scan is not None and (known := late_scan(False)) is not None:
+                scan = known
+                scan_cursor = _Cursor(sorted(scan, key=_span_start))
+                flagged |= _search_before(fd, p, step, scan_cursor.spans, chunk.pos, needle)
+                late_scan = None
             pos, n = chunk.pos, len(chunk.view)
             hasher.feed(chunk.view)
             for k, lo, hi in scan_cursor.overlapping(pos, pos + n):
@@ -98,6 +118,9 @@ def hash_file(
                     flagged.add(scan_cursor.spans[k].name)
             if progress is not None:
                 progress(n)
+        if late_scan is not None:  # the read ended before the spans were known: search them now
+            scan = late_scan(True) or ()
+            flagged |= _search_before(fd, p, step, sorted(scan, key=_span_start), hasher.pos, needle)
         now = os.fstat(fd).st_size
         if hasher.pos != size or now != size:
             raise HashError(0, f"read {hasher.pos} bytes but the file is {now} (changed while hashing?)", p)
@@ -224,6 +247,18 @@ class StreamHasher:
             self._hashers[k].update(chunk[lo - pos: hi - pos])
         self.pos = pos + n
 
+    def add_spans(self, spans: Sequence[Span], prefix: Callable[[int, int], Iterable[bytes]]) -> None:
+        """Hash ``spans`` too from now on (the stream was started without them): their parts
+        already fed, before :attr:`pos`, are the pieces ``prefix(lo, hi)`` gives."""
+        if self._ordered:
+            raise ValueError("spans were given already")
+        self._ordered = sorted(spans, key=lambda s: s.start)
+        self._hashers = [hashlib.sha256() for _ in self._ordered]
+        for k, lo, hi in _Cursor(self._ordered).overlapping(self.start, self.pos):
+            for piece in prefix(lo, hi):
+                self._hashers[k].update(piece)
+        self._cursor = _Cursor(self._ordered)
+
     def span_digests(self) -> dict[str, str]:
         """Span name -> sha256 (of what was fed of it)."""
         return {s.name: h.hexdigest() for s, h in zip(self._ordered, self._hashers)}
@@ -288,6 +323,36 @@ def scan_file(path: str | os.PathLike[str], spans: Sequence[Span], needle: bytes
                 if found and found[-1] == s.name:
                     break
     return found
+
+
+def _search_before(fd: int, path: str, step: int, spans: Sequence[Span], end: int, needle: bytes) -> set[str]:
+    """Names of ``spans`` whose bytes before offset ``end`` contain ``needle`` (one byte: a
+    piece boundary cannot split it), read again from the open file ``fd``."""
+    found = set()
+    for s in spans:
+        if s.start >= end:
+            break
+        if any(needle in piece for piece in _pread_range(fd, path, step, s.start, min(s.stop, end))):
+            found.add(s.name)
+    return found
+
+
+def _span_start(s: Span) -> int:
+    return s.start
+
+
+def _pread_range(fd: int, path: str, step: int, lo: int, hi: int) -> Iterator[bytes]:
+    """Bytes ``[lo, hi)`` of the open file ``fd``, ``step`` at a time.
+
+    Raises:
+        HashError: the file is shorter than ``hi`` now.
+    """
+    while lo < hi:
+        piece = os.pread(fd, min(step, hi - lo), lo)
+        if not piece:
+            raise HashError(0, f"short read at {lo} (truncated while hashing?)", path)
+        yield piece
+        lo += len(piece)
 
 
 @contextmanager
@@ -383,6 +448,8 @@ def hash_files(
         for f in todo:
             one(f)
     else:
+        from concurrent.futures import ThreadPoolExecutor  # (here: 6 ms of imports verify's start need not pay)
+
         with ThreadPoolExecutor(max_workers=workers) as ex:
             list(ex.map(one, todo))
     return digests, errors

@@ -13,40 +13,49 @@ Three layers, each reported by kind with file, tensor, expected and actual:
   digest) so re-verifying an unchanged directory takes seconds. A full run refreshes the cache.
 
 Hashing runs in threads across files (see :mod:`k3ckpt.hashing`); the scale scan and the tensor
-hashes ride along in the same read.
+hashes ride along in the same read. Given the manifest as a file (``manifest_path``, what the CLI
+does), hashing starts as soon as the files are listed and the manifest and the headers are
+parsed meanwhile: each thread scans by its own file's header, and the manifest then decides
+which files and tensors the run wants.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import operator
 import os
+import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from ..env import K3CKPT_CACHE_DIR
-from ..errors import CheckpointNotFoundError
+from ..env import K3CKPT_CACHE_DIR, K3CKPT_HASH_BUFFER
+from ..errors import CheckpointNotFoundError, K3ckptError
 from ..format.checkpoint import (
     INDEX_NAME,
     SINGLE_NAME,
     Checkpoint,
+    SharedHeaders,
+    bulk_allocation,
     is_working_file,
     iter_checkpoint_files,
     open_checkpoint,
     resolve_root,
 )
 from ..utils import write_atomic
+from . import hashing as _hashing  # (hash_file looked up at call time: tests and profiles replace it)
 from .hashing import FileDigest, HashError, Progress, Span, hash_files, scan_file
 from .manifest import Manifest, tensors_from_headers
 
 if TYPE_CHECKING:
+    from ..format.header import ShardHeader
     from .share import ShareFacts
 
 #: Order in which kinds are reported (most fundamental first).
@@ -201,10 +210,29 @@ def record_verified(path: str | os.PathLike[str], digests: dict[str, tuple[str |
 # -- verification -----------------------------------------------------------------------------
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _cyclic_gc_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` with the cyclic GC paused while it runs (:func:`bulk_allocation`) and resumed
+    after its frame - and the headers, manifest and checkpoint model it held - is gone: a verify
+    run builds ~10^5 acyclic objects per GB of checkpoint (1 GB of K3-like shards), and the
+    collections that walked them again and again took 25-50 ms of its CPU."""
+    @functools.wraps(fn)
+    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with bulk_allocation():
+            return fn(*args, **kwargs)
+
+    return paused
+
+
+@_cyclic_gc_paused
 def verify_checkpoint(
     path: str | os.PathLike[str],
     *,
     manifest: Manifest | None = None,
+    manifest_path: str | os.PathLike[str] | None = None,
     manifest_label: str | None = None,
     expected_files: dict[str, Expected] | None = None,
     reference: str | None = None,
@@ -220,6 +248,8 @@ def verify_checkpoint(
 
     Args:
         manifest: expected files and tensors (with tensor hashes when it has them).
+        manifest_path: the manifest as a file, loaded here (instead of ``manifest``): a full run
+            starts hashing before it is parsed, and the report is the same as with ``manifest``.
         expected_files: expected files from elsewhere (a hub listing); ignored with ``manifest``.
         reference: how to name the reference in the report.
         quick: sizes and structure only; content comes from the stat cache where it can.
@@ -231,88 +261,111 @@ def verify_checkpoint(
 
     Raises:
         CheckpointNotFoundError, IndexFileError: there is no checkpoint to verify (exit 2).
+        ManifestError: ``manifest_path`` is not a readable manifest (exit 2; said before a
+            missing checkpoint is, as when the caller loads it first).
         ShareReferenceError: a share's rewritten shards, and a reference without tensor hashes (exit 2).
     """
     from .share import share_marker, verify_share
 
     t0 = time.perf_counter()
-    root, _ = resolve_root(path)
-    _refuse_unfinished_fetch(root)
-    if manifest is not None:
-        expected = {f: Expected(e.size, e.sha256) for f, e in manifest.files.items()}
+    if manifest is not None and manifest_path is not None:
+        raise ValueError("give manifest or manifest_path, not both")
+    try:
+        root, _ = resolve_root(path)
+        _refuse_unfinished_fetch(root)
+    except K3ckptError:
+        if manifest_path is not None:
+            Manifest.load(manifest_path)  # a bad manifest is named first, as when the caller loads it
+        raise
+    if manifest_path is not None:
+        manifest_label = manifest_label or os.fspath(manifest_path)
+    if manifest is not None or manifest_path is not None:
         ref = reference or f"manifest {manifest_label or ''}".strip()
     elif expected_files is not None:
-        expected = dict(expected_files)
         ref = reference or "hub listing"
     else:
-        expected = {}
         ref = "none (structure only)"
     report = VerifyReport(str(root), "quick" if quick else "full", ref)
     cache = StatCache(root, cache_directory) if use_cache else None
     issues = report.issues
 
     share = share_marker(root)
+    if manifest_path is not None and (quick or share is not None):  # nothing to start before it
+        manifest, manifest_path = Manifest.load(manifest_path), None
     if share is not None:
-        verify_share(root, *share, report, manifest=manifest, expected=expected, quick=quick, scan=scan, jobs=jobs,
-                     cache=cache, progress=progress, on_plan=on_plan)
+        verify_share(root, *share, report, manifest=manifest, expected=_expected(manifest, expected_files),
+                     quick=quick, scan=scan, jobs=jobs, cache=cache, progress=progress, on_plan=on_plan)
         return _finish(report, cache, t0)
 
     present, stats = stat_present(root, report)
-    hits = {f: cache.lookup(f, st) for f, st in stats.items()} if cache is not None else {}
-
-    # In quick mode an unchanged directory (same stat for every file) keeps its previous
-    # structure verdict and scan results, so the headers need not even be parsed.
-    structure_key = _structure_key(stats, manifest, scan)
-    reuse = (quick and cache is not None and cache.structure.get("key") == structure_key
-             and (not scan or all(h is not None and h.get("scan_ok") is not None for h in hits.values())))
-
-    # -- file set and sizes -----------------------------------------------------------------------
-    if expected:
-        for f in sorted(expected.keys() - set(present)):
-            issues.append(Issue("missing-file", f, "listed in the reference but not present"))
-        for f in sorted(set(present) - expected.keys()):
-            issues.append(Issue("extra-file", f, "present but not in the reference"))
-    size_bad = set()
-    for f in sorted(expected.keys() & stats.keys()):
-        if stats[f].st_size != expected[f].size:
-            size_bad.add(f)
-            issues.append(Issue("size", f, "size differs", expected=str(expected[f].size), actual=str(stats[f].st_size)))
-    tensor_spans = manifest.spans_by_file() if manifest is not None and manifest.tensor_hashes else {}
-
-    def checkable(f: str) -> bool:
-        exp = expected.get(f)
-        return bool(exp is not None and (exp.sha256 or exp.git_sha1) and (f not in size_bad or f in tensor_spans))
-
-    # -- full mode: hash in the background while the structure is checked -------------------------
-    ckpt: Checkpoint | None = None
-    hashing: Future | None = None
+    headers = SharedHeaders(root)
     cancel = threading.Event()
-    scan_spans: dict[str, list[Span]] = {}
-    spans_from_manifest = same_layout = False
-    if not quick:
-        if scan and manifest is not None:
-            # The manifest says where the scales are, so hashing need not wait for the headers;
-            # where the headers disagree with it, the scan is redone from the headers below.
-            scan_spans, spans_from_manifest = _manifest_scale_spans(manifest), True
-        elif scan:
-            ckpt = open_checkpoint(root, jobs=jobs, strict=False)
-            scan_spans = scale_spans(ckpt)
-        to_hash = [f for f in sorted(stats) if checkable(f) or f in scan_spans]
-        if to_hash:
-            if on_plan is not None:
-                on_plan(sum(stats[f].st_size for f in to_hash))
-            pool = ThreadPoolExecutor(max_workers=1)
-            hashing = pool.submit(
-                hash_files, root, to_hash, jobs=jobs,
-                spans={f: tensor_spans[f] for f in to_hash if f in tensor_spans},
-                scan={f: scan_spans[f] for f in to_hash if f in scan_spans},
-                git_sha1=lambda f: bool(expected.get(f) and not expected[f].sha256 and expected[f].git_sha1),
-                progress=progress, cancel=cancel,
-            )
-            pool.shutdown(wait=False)
+    hashing: _Hashing | None = None
+    if manifest_path is not None:
+        # Hash from the moment the files are listed: the manifest (and the headers) are parsed
+        # while the hashing threads read; the files the manifest does not ask for are skipped
+        # from then on, and any hashed before it said so are left out of the report.
+        hashing = _Hashing(root, stats, jobs=jobs, headers=headers if scan else None, progress=progress,
+                           cancel=cancel)
+        try:
+            manifest = Manifest.load(manifest_path)
+        except BaseException:
+            hashing.stop()
+            raise
+    try:  # (an error or Ctrl-C from here on also stops the hashing that may have started)
+        expected = _expected(manifest, expected_files)
+        hits = {f: cache.lookup(f, st) for f, st in stats.items()} if cache is not None else {}
 
-    try:
+        # In quick mode an unchanged directory (same stat for every file) keeps its previous
+        # structure verdict and scan results, so the headers need not even be parsed.
+        structure_key = _structure_key(stats, manifest, scan)
+        reuse = (quick and cache is not None and cache.structure.get("key") == structure_key
+                 and (not scan or all(h is not None and h.get("scan_ok") is not None for h in hits.values())))
+
+        # -- file set and sizes -----------------------------------------------------------------------
+        if expected:
+            for f in sorted(expected.keys() - set(present)):
+                issues.append(Issue("missing-file", f, "listed in the reference but not present"))
+            for f in sorted(set(present) - expected.keys()):
+                issues.append(Issue("extra-file", f, "present but not in the reference"))
+        size_bad = set()
+        for f in sorted(expected.keys() & stats.keys()):
+            if stats[f].st_size != expected[f].size:
+                size_bad.add(f)
+                issues.append(Issue("size", f, "size differs", expected=str(expected[f].size), actual=str(stats[f].st_size)))
+        tensor_spans = manifest.spans_by_file() if manifest is not None and manifest.tensor_hashes else {}
+
+        def checkable(f: str) -> bool:
+            exp = expected.get(f)
+            return bool(exp is not None and (exp.sha256 or exp.git_sha1) and (f not in size_bad or f in tensor_spans))
+
+        # -- full mode: hash in the background while the structure is checked -------------------------
+        ckpt: Checkpoint | None = None
+        if not quick:
+            if scan and manifest is not None:
+                # Which files the manifest says hold scales: hashed for the scan even when there is
+                # no digest to check (none when every file has one: nothing to look up then).
+                unchecked = any(not checkable(f) for f in stats)
+                scan_files = _manifest_scale_files(manifest) if unchecked else set()
+            elif scan:
+                ckpt = open_checkpoint(root, jobs=jobs, strict=False, headers=headers)
+                scan_files = {f for f, h in ckpt.shards.items() if shard_scale_spans(h)}
+            else:
+                scan_files = set()
+            to_hash = [f for f in sorted(stats) if checkable(f) or f in scan_files]
+            if on_plan is not None and to_hash:
+                on_plan(sum(stats[f].st_size for f in to_hash))
+            plan = _Plan(set(to_hash),
+                         spans={f: tensor_spans[f] for f in to_hash if f in tensor_spans},
+                         git_sha1={f for f in to_hash if (e := expected.get(f)) and not e.sha256 and e.git_sha1})
+            if hashing is None and to_hash:
+                hashing = _Hashing(root, stats, jobs=jobs, headers=headers if scan else None, progress=progress,
+                                   cancel=cancel, plan=plan)
+            elif hashing is not None:
+                hashing.decide(plan)
+
         # -- structure: reuse the previous verdict when nothing it depends on changed ---------------
+        same_layout = False
         if reuse:
             assert cache is not None
             structure = [Issue(**i) for i in cache.structure.get("issues", [])]
@@ -320,24 +373,34 @@ def verify_checkpoint(
                 structure += _nan_issues(f, (h or {}).get("flagged") or [])
             report.structure_cached = True
         else:
-            ckpt = ckpt or open_checkpoint(root, jobs=jobs, strict=False)
+            ckpt = ckpt or open_checkpoint(root, jobs=jobs, strict=False, headers=headers)
             same_layout = manifest is not None and _same_layout(ckpt, manifest)
             structure = structure_issues(ckpt, manifest, same_layout=same_layout)
             if cache is not None:
                 cache.structure = {"key": structure_key, "issues": [asdict(i) for i in structure]}
         named = {i.file for i in structure if i.kind == "missing-file"}  # the index check named them once
         issues[:] = [i for i in issues if not (i.kind == "missing-file" and i.file in named)] + structure
-        if spans_from_manifest and same_layout:  # the headers hold the manifest's tensors: its scale spans
-            header_scan_spans = scan_spans
-        else:
-            header_scan_spans = scale_spans(ckpt) if scan and ckpt is not None else {}
+        digests, errors = hashing.result() if hashing is not None else ({}, {})
+        header_scan_spans = _header_scale_spans(ckpt, hashing) if scan and ckpt is not None else {}
         rescan: list[str] = []
         unscanned: set[str] = set()
-        if spans_from_manifest:  # the scan followed the manifest: keep it only where the headers agree
-            disagree = {f for f in set(scan_spans) | set(header_scan_spans)
-                        if scan_spans.get(f, []) != header_scan_spans.get(f, []) and f in stats}
+        if hashing is not None:
+            # The hashing read scanned each file by the spans of the header it read itself: keep
+            # that verdict where they are the structure check's spans, else scan by the latter.
+            disagree = {f for f in header_scan_spans.keys() - digests.keys() if f not in errors}
+            disagree |= {f for f, d in digests.items() if hashing.scanned[f] != header_scan_spans.get(f, [])}
             rescan = sorted(disagree & header_scan_spans.keys())  # unreadable headers: nothing to scan by
             unscanned = disagree - header_scan_spans.keys()
+            # (a manifest's tensor digests are checked even where the file digest matches: reshard
+            # trusts them only for files whose tensors verify found equal to them)
+            redo = {f: tensor_spans[f] for f, d in digests.items() if f in tensor_spans and d.spans is None}
+            if redo:  # hashed to the end before the manifest said it has tensor hashes: read again
+                again, failed = hash_files(root, sorted(redo), jobs=jobs, spans=redo, cancel=cancel)
+                for f, d in again.items():
+                    digests[f].spans = d.spans
+                errors.update(failed)
+        elif scan and ckpt is not None and not quick:
+            rescan = sorted(header_scan_spans)  # (nothing was hashed: no reference, no scale spans expected)
 
         # -- quick mode: trust the stat cache ---------------------------------------------------------
         to_scan: list[str] = list(rescan)
@@ -363,36 +426,36 @@ def verify_checkpoint(
                     elif f not in header_scan_spans and cache is not None:
                         cache.record(f, stats[f], scan_ok=True, flagged=[])  # nothing to scan in it
 
-        if hashing is not None:
-            digests, errors = hashing.result()
-            for f, err in sorted(errors.items()):
-                issues.append(Issue("unreadable", f, str(err.strerror)))
-            for f, d in sorted(digests.items()):
-                report.files_hashed += 1
-                report.bytes_hashed += d.size
-                exp = expected.get(f)
-                tensor_issues = _tensor_hash_issues(f, d, manifest) if d.spans and manifest is not None else []
-                # Tensors wholly beyond the end of a short file: its size issue says it. (tensor_issues
-                # come from the manifest and name their tensor; the checks only narrow the types.)
-                if f in size_bad and manifest is not None:
-                    tensor_issues = [i for i in tensor_issues
-                                     if i.tensor is not None and manifest.tensors[i.tensor].offsets[0] < d.size]
-                if exp is not None and not _digest_matches(d, exp) and f not in size_bad:
-                    issue = _content_issue(f, exp, {"sha256": d.sha256, "git_sha1": d.git_sha1})
-                    if d.spans and not tensor_issues:  # every tensor matched: the header or padding changed
-                        issue = Issue(issue.kind, f, "content differs outside the tensor data (header or padding)",
-                                      expected=issue.expected, actual=issue.actual)
-                    issues.append(issue)
-                issues += tensor_issues
-                scanned = scan and f not in rescan and f not in unscanned  # else the rescan decides
-                if scanned:
-                    issues += _nan_issues(f, d.flagged or [])
-                if cache is not None:
-                    cache.record(f, stats[f], sha256=d.sha256, git_sha1=d.git_sha1,
-                                 bad_tensors={i.tensor: i.actual for i in tensor_issues},
-                                 **({"scan_ok": not d.flagged, "flagged": d.flagged or []} if scanned else {}))
+        for f, err in sorted(errors.items()):
+            issues.append(Issue("unreadable", f, str(err.strerror)))
+        for f, d in sorted(digests.items()):
+            report.files_hashed += 1
+            report.bytes_hashed += d.size
+            exp = expected.get(f)
+            tensor_issues = _tensor_hash_issues(f, d, manifest) if d.spans and manifest is not None else []
+            # Tensors wholly beyond the end of a short file: its size issue says it. (tensor_issues
+            # come from the manifest and name their tensor; the checks only narrow the types.)
+            if f in size_bad and manifest is not None:
+                tensor_issues = [i for i in tensor_issues
+                                 if i.tensor is not None and manifest.tensors[i.tensor].offsets[0] < d.size]
+            if exp is not None and not _digest_matches(d, exp) and f not in size_bad:
+                issue = _content_issue(f, exp, {"sha256": d.sha256, "git_sha1": d.git_sha1})
+                if d.spans and not tensor_issues:  # every tensor matched: the header or padding changed
+                    issue = Issue(issue.kind, f, "content differs outside the tensor data (header or padding)",
+                                  expected=issue.expected, actual=issue.actual)
+                issues.append(issue)
+            issues += tensor_issues
+            scanned = scan and f not in rescan and f not in unscanned  # else the rescan decides
+            if scanned:
+                issues += _nan_issues(f, d.flagged or [])
+            if cache is not None:
+                cache.record(f, stats[f], sha256=d.sha256, git_sha1=d.git_sha1,
+                             bad_tensors={i.tensor: i.actual for i in tensor_issues},
+                             **({"scan_ok": not d.flagged, "flagged": d.flagged or []} if scanned else {}))
     except BaseException:
         cancel.set()  # stop the background hashing too: an error or Ctrl-C ends the run now
+        if hashing is not None:
+            hashing.stop(wait=False)
         raise
     issues += rescan_scales(root, to_scan, header_scan_spans, jobs, stats, cache)
 
@@ -567,23 +630,233 @@ def scale_spans(ckpt: Checkpoint) -> dict[str, list[Span]]:
     """E8M0 scale tensors (one byte per scale: 0xFF is NaN) by file."""
     out: dict[str, list[Span]] = {}
     for file, h in ckpt.shards.items():
-        ds, tensors = h.data_start, h.tensors
-        spans = [Span(n, ds + t.begin, ds + t.end) for n in filter(_is_scale_name, tensors)
-                 if (t := tensors[n]).dtype in _E8M0_DTYPES]
+        spans = shard_scale_spans(h)
         if spans:
-            out[file] = sorted(spans, key=_span_start)
+            out[file] = spans
     return out
 
 
-def _manifest_scale_spans(manifest: Manifest) -> dict[str, list[Span]]:
-    """:func:`scale_spans` as the manifest describes them, in the same order."""
+def shard_scale_spans(h: ShardHeader) -> list[Span]:
+    """:func:`scale_spans` of one shard, in file order (built in C-level loops: half of a K3
+    shard's tensors are scales)."""
+    ds, tensors = h.data_start, h.tensors
+    infos = [t for t in map(tensors.__getitem__, filter(_is_scale_name, tensors)) if t.dtype in _E8M0_DTYPES]
+    starts = list(map(ds.__add__, map(_BEGIN, infos)))
+    spans = list(map(_new_span, zip(map(_NAME, infos), starts, map(ds.__add__, map(_END, infos)))))
+    return spans if starts == sorted(starts) else sorted(spans, key=_span_start)
+
+
+_new_span = partial(tuple.__new__, Span)
+_NAME = operator.itemgetter(0)  # of a TensorInfo
+
+
+def _header_scale_spans(ckpt: Checkpoint, hashing: _Hashing | None) -> dict[str, list[Span]]:
+    """:func:`scale_spans` of ``ckpt``, taking the spans a hashing thread derived from the very
+    same header object instead of deriving them again."""
     out: dict[str, list[Span]] = {}
+    for file, h in ckpt.shards.items():
+        spans = hashing.spans_of(file, h) if hashing is not None else None
+        if spans is None:
+            spans = shard_scale_spans(h)
+        if spans:
+            out[file] = spans
+    return out
+
+
+def _manifest_scale_files(manifest: Manifest) -> set[str]:
+    """The files that hold E8M0 scale tensors, as the manifest describes them."""
     tensors = manifest.tensors
-    for n in filter(_is_scale_name, tensors):
-        t = tensors[n]
-        if t.dtype in _E8M0_DTYPES:
-            out.setdefault(t.file, []).append(Span(n, *t.offsets))
-    return {f: sorted(v, key=_span_start) for f, v in out.items()}
+    return {t.file for n in filter(_is_scale_name, tensors) if (t := tensors[n]).dtype in _E8M0_DTYPES}
+
+
+def _expected(manifest: Manifest | None, expected_files: dict[str, Expected] | None) -> dict[str, Expected]:
+    """What each file should be: the manifest's files, else the hub listing's, else nothing."""
+    if manifest is not None:
+        return {f: Expected(e.size, e.sha256) for f, e in manifest.files.items()}
+    return dict(expected_files) if expected_files is not None else {}
+
+
+@dataclass
+class _Plan:
+    """Which files a verify run hashes (``files``), which tensors' digests it takes in the same
+    read (``spans``), and which files also get a git blob id (``git_sha1``)."""
+
+    files: set[str]
+    spans: dict[str, list[Span]] = field(default_factory=dict)
+    git_sha1: set[str] = field(default_factory=set)
+
+
+class _ShortTurns:
+    """While hashing threads run, the GIL changes hands every 0.5 ms instead of Python's 5: a
+    thread that has hashed its chunk needs the GIL for a moment to begin the next, and while the
+    main thread runs Python (the structure check) it waited up to 5 ms for it - at times both
+    threads at once, leaving a core idle (2 files hashed next to 0.12 s of Python: 0.31 -> 0.25 s).
+    Counted, so that overlapping runs restore the interval once, when the last one ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved = sys.getswitchinterval()
+
+    def enter(self) -> None:
+        with self._lock:
+            if not self._users:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, 0.0005))
+            self._users += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if not self._users:
+                sys.setswitchinterval(self._saved)
+
+
+_SHORT_TURNS = _ShortTurns()
+
+
+class _Hashing:
+    """Files hashed in background threads, largest first, each scanned for NaN scale bytes by
+    the spans of its own header in the same read.
+
+    Started with a :class:`_Plan`, or without one to start at once - before the manifest is
+    parsed - over every file listed; :meth:`decide` then says which files the run wants: files
+    not yet begun that it does not want are skipped, any finished before it said so are left out
+    of :meth:`result`.
+    """
+
+    def __init__(self, root: Path, stats: dict[str, os.stat_result], *, jobs: int | None,
+                 headers: SharedHeaders | None, progress: Progress | None, cancel: threading.Event,
+                 plan: _Plan | None = None) -> None:
+        self._root, self._headers, self._progress, self._cancel = root, headers, progress, cancel
+        self._plan = plan
+        files = sorted(plan.files if plan is not None else stats, key=lambda f: -stats[f].st_size)
+        self._todo = iter(files)  # big files first: the last thread to finish idles least
+        self._lock = threading.Lock()
+        self._chunk = K3CKPT_HASH_BUFFER.get()  # here, not in the threads: a bad value stops the run once
+        self.digests: dict[str, FileDigest] = {}
+        self.errors: dict[str, HashError] = {}
+        self.scanned: dict[str, list[Span]] = {}  # the spans each file was scanned by
+        self._header_of: dict[str, ShardHeader] = {}  # the header those spans came from
+        self._unplanned: dict[str, threading.Event] = {}  # files begun before the plan: their own cancel
+        self._failed: list[BaseException] = []  # what a thread raised other than a file's HashError (a bug)
+        workers = self._running = max(1, min(jobs or os.cpu_count() or 1, len(files)))
+        _SHORT_TURNS.enter()  # until the last thread is done (see _work)
+        # Plain threads, not a ThreadPoolExecutor: concurrent.futures (with logging) is 6 ms of
+        # imports before the first hashed byte.
+        self._threads = [threading.Thread(target=self._work, name=f"k3ckpt-hash-{i}") for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def decide(self, plan: _Plan) -> None:
+        """From now on hash what ``plan`` says; a file being hashed that it does not want stops
+        at its next chunk (a large stray file would otherwise be read to its end for nothing)."""
+        with self._lock:
+            self._plan = plan
+            for f, stop in self._unplanned.items():
+                if f not in plan.files:
+                    stop.set()
+
+    def stop(self, wait: bool = True) -> None:
+        """Cancel every thread at its next chunk, and wait for them (``wait``)."""
+        with self._lock:
+            self._cancel.set()
+            for stop in self._unplanned.values():
+                stop.set()
+        if wait:
+            for t in self._threads:
+                t.join()
+
+    def result(self) -> tuple[dict[str, FileDigest], dict[str, HashError]]:
+        """Digests and errors of the planned files, once every thread is done."""
+        for t in self._threads:
+            t.join()
+        if self._failed:
+            raise self._failed[0]
+        files = self._plan.files if self._plan is not None else set()
+        return ({f: d for f, d in self.digests.items() if f in files},
+                {f: e for f, e in self.errors.items() if f in files})
+
+    def spans_of(self, file: str, header: ShardHeader) -> list[Span] | None:
+        """The scale spans a thread derived from ``header`` (this very object), else ``None``."""
+        return self.scanned.get(file) if self._header_of.get(file) is header else None
+
+    def _spans_decided(self, f: str) -> Sequence[Span] | None:
+        """The tensor spans of ``f`` once the plan is decided (``None`` until then)."""
+        plan = self._plan
+        return plan.spans.get(f, ()) if plan is not None else None
+
+    def _progress_if_wanted(self, f: str, progress: Progress, n: int) -> None:
+        """``progress(n)`` unless the plan, decided since ``f`` was begun, does not want ``f``
+        (its bytes are not in the total the plan announced)."""
+        plan = self._plan
+        if plan is None or f in plan.files:
+            progress(n)
+
+    def _work(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    f = next(self._todo, None)
+                if f is None:
+                    return
+                plan = self._plan  # (read once: the main thread may decide meanwhile)
+                if plan is None or f in plan.files:
+                    self._one(f, plan)
+        except BaseException as e:  # raised in the main thread by result()
+            self._failed.append(e)
+        finally:
+            with self._lock:
+                self._running -= 1
+                last = not self._running
+            if last:
+                _SHORT_TURNS.leave()
+
+    def _one(self, f: str, plan: _Plan | None) -> None:
+        path = self._root / f
+        if self._cancel.is_set():
+            with self._lock:
+                self.errors[f] = HashError(0, "cancelled", str(path))
+            return
+        scan: list[Span] = []
+
+        def scale_spans_once_parsed(now: bool) -> list[Span] | None:
+            # Not parsed here before hashing: a parse holds the GIL (JSON), and so would keep
+            # this thread from starting while the main thread parses the manifest. The main
+            # thread's structure check parses the headers; the spans follow once it did.
+            assert self._headers is not None
+            try:
+                header = self._headers.get(f) if now else self._headers.parsed(f)
+            except K3ckptError:
+                return []  # the structure check reports it; without spans the file is not scanned here
+            if header is None:
+                return None
+            scan[:] = shard_scale_spans(header)
+            with self._lock:
+                self._header_of[f] = header
+            return scan
+
+        progress, cancel = self._progress, self._cancel
+        if plan is None:
+            if progress is not None:
+                progress = partial(self._progress_if_wanted, f, progress)
+            with self._lock:
+                cancel = self._unplanned[f] = threading.Event()
+                if self._cancel.is_set() or (self._plan is not None and f not in self._plan.files):
+                    cancel.set()  # (stopped, or decided, since this thread looked)
+        scanning = self._headers is not None and f.endswith(".safetensors")
+        try:
+            d = _hashing.hash_file(path, rel=f, spans=plan.spans.get(f, ()) if plan is not None else (),
+                                   git_sha1=plan is not None and f in plan.git_sha1, progress=progress,
+                                   chunk_bytes=self._chunk, cancel=cancel,
+                                   late_spans=partial(self._spans_decided, f) if plan is None else None,
+                                   late_scan=scale_spans_once_parsed if scanning else None)
+        except HashError as e:
+            with self._lock:
+                self.errors[f] = e
+            return
+        with self._lock:
+            self.digests[f], self.scanned[f] = d, scan
 
 
 _E8M0_DTYPES = ("U8", "F8_E8M0")
@@ -591,8 +864,7 @@ _SCALE_SUFFIXES = (".weight_scale", "_scales")
 _is_scale_name = operator.methodcaller("endswith", _SCALE_SUFFIXES)  # filters names in C
 
 
-def _span_start(s: Span) -> int:
-    return s.start
+_span_start = operator.itemgetter(1)  # of a Span
 
 
 def scan_files(root: Path, files: list[str], spans: dict[str, list[Span]], jobs: int | None,
@@ -607,6 +879,8 @@ def scan_files(root: Path, files: list[str], spans: dict[str, list[Span]], jobs:
         finally:
             if progress is not None:
                 progress(sum(s.stop - s.start for s in spans[f]))
+
+    from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=max(1, min(jobs or os.cpu_count() or 1, len(files)))) as ex:
         return dict(ex.map(one, files))
