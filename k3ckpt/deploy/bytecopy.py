@@ -68,6 +68,20 @@ _FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
+def _gather_rows(data: memoryview, out: memoryview, rows: int, length: int, stride: int) -> None:
+    """``out[:rows * length]`` = the first ``length`` bytes of each of ``rows`` rows ``stride``
+    apart in ``data``. A slice assignment per row, not numpy: a TP slice of a later dim has
+    rows of a few KB (~0.4 us each here: 0.08 CPU-s for the 197k rows of k3-8shard's
+    ``--ep 8 --tp 2``), while importing numpy cost ~0.14 CPU-s plus an OpenBLAS thread
+    spinning beside the writers (~0.1 CPU-s per run on 2 cores)."""
+    o = 0
+    s = 0
+    for _ in range(rows):
+        out[o:o + length] = data[s:s + length]
+        o += length
+        s += stride
+
+
 class Copier:
     """Moves byte runs from source fds to a destination fd, hashing what it writes."""
 
@@ -198,8 +212,6 @@ class Copier:
 
     def strided(self, src: int, dst: int, run: Run, do: int, sinks: Callable[[memoryview], None] | None) -> None:
         """Gather ``run.count`` rows of ``run.length`` bytes through bounded buffers."""
-        import numpy as np
-
         if run.length >= ROW_COPY_MIN or run.stride > CHUNK:
             for i in range(run.count):
                 self.contiguous(src, dst, run.offset + i * run.stride, do + i * run.length, run.length, sinks)
@@ -207,22 +219,20 @@ class Copier:
         if self.gbuf is None:
             self.gbuf = bytearray(CHUNK)
         rows = max(1, CHUNK // run.stride)
-        gview = np.frombuffer(self.gbuf, dtype=np.uint8)
+        gview = memoryview(self.gbuf)
+        n = run.length
         for first in range(0, run.count, rows):
             k = min(rows, run.count - first)
             # whole rows except the tail of the last one
-            span = (k - 1) * run.stride + run.length
+            span = (k - 1) * run.stride + n
             data = self._pread(src, span, run.offset + first * run.stride)
-            arr = np.frombuffer(data, dtype=np.uint8)
-            full = np.lib.stride_tricks.as_strided(arr, shape=(k, run.length), strides=(run.stride, 1))
-            out = gview[: k * run.length].reshape(k, run.length)
-            np.copyto(out, full)
-            mv = memoryview(self.gbuf)[: k * run.length]
+            _gather_rows(data, gview, k, n, run.stride)
+            mv = gview[: k * n]
             pwrite_all(dst, mv, do)
             if sinks is not None:
                 sinks(mv)
-            start_writeback(dst, do, k * run.length)
-            do += k * run.length
+            start_writeback(dst, do, k * n)
+            do += k * n
 
     def interleave(self, srcs: list[tuple[int, int]], dst: int, do: int, rows: int, length: int,
                    sinks: list[Callable[[memoryview], None]]) -> None:

@@ -16,7 +16,7 @@ How bytes move (streaming; memory is a few bounded buffers per worker, whatever 
 - adjacent contiguous runs (a rank's experts: their six tensors are adjacent in the shard) are
   coalesced and copied kernel-side with ``os.copy_file_range`` (falling back to ``os.sendfile``,
   then to a bounded ``pread``/``pwrite``), in chunks of :data:`CHUNK` bytes;
-- strided runs are gathered through bounded buffers (whole rows read, columns cut with numpy);
+- strided runs are gathered through bounded buffers (whole rows read, columns cut row by row);
 - output files are written in parallel by a thread pool (``--jobs``).
 
 Hashing. Per-tensor and per-file sha256 are computed while writing, in the same pass: each
