@@ -427,3 +427,25 @@ def test_copy_files_streams(tmp_path: Path) -> None:
     assert peak < 16 * 2**20, peak
     assert (tmp_path / "dst" / "big.bin").read_bytes() == (tmp_path / "src" / "big.bin").read_bytes()
     assert [p.name for p in (tmp_path / "dst").iterdir()] == ["big.bin"]
+
+
+def test_reshard_loads_only_what_it_uses() -> None:
+    """``k3ckpt.deploy`` loads its names on first use: the reshard command's path imports
+    neither the other deploy modules (planner, preflight, cost model, unshard: ~70 ms of every
+    run's start-up) nor numpy, and each exported name is still its module's object."""
+    import importlib
+
+    code = ("import json, sys, click; from k3ckpt.cli import main; "
+            "main.get_command(click.Context(main), 'reshard'); import k3ckpt.deploy.reshard; "
+            "print(json.dumps(sorted(sys.modules)))")
+    loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                           check=True).stdout))
+    assert {"k3ckpt.deploy.reshard", "k3ckpt.deploy.bytecopy"} <= loaded
+    others = {"k3ckpt.deploy.plan", "k3ckpt.deploy.preflight", "k3ckpt.deploy.estimate", "k3ckpt.deploy.unshard",
+              "k3ckpt.deploy.serve", "numpy"}
+    assert not others & loaded, sorted(others & loaded)
+    deploy = importlib.import_module("k3ckpt.deploy")
+    assert set(deploy.__all__) <= set(dir(deploy))
+    for name in deploy.__all__:
+        value = getattr(deploy, name)
+        assert getattr(importlib.import_module(value.__module__), name) is value, name
