@@ -9,6 +9,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors
@@ -290,4 +291,37 @@ def test_strided_slices_gathered_without_numpy(k3_tiny: Path, tmp_path: Path) ->
                           capture_output=True, text=True, check=True)
     gathered, numpy_imported = proc.stdout.split()
     assert int(gathered) > 0 and numpy_imported == "False", proc.stdout
+    check_digests(k3_tiny, tmp_path / "out")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_runs_hashed_through_windows_of_several_chunks(k3_tiny: Path, tmp_path: Path, cache: Path,
+                                                       monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """A long run's chunks are hashed from one mapping of several chunks (fewer mappings than
+    chunks hashed), windows ending mid-chunk and off the page grid included: every byte and
+    digest is still the independently recomputed one."""
+    import mmap
+
+    from k3ckpt.deploy import bytecopy
+
+    monkeypatch.setattr(bytecopy, "CHUNK", 64 * 1024)
+    monkeypatch.setattr(bytecopy, "MAP_WINDOW", 3 * 64 * 1024 + 4096 + 123, raising=False)
+    maps: list[int] = []
+    real_mmap = mmap.mmap
+
+    def counting_mmap(fd: int, length: int, *args: object, **kwargs: object) -> mmap.mmap:
+        maps.append(length)
+        return real_mmap(fd, length, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bytecopy.mmap, "mmap", counting_mmap)
+    hashed: list[int] = []
+    real_hash_and_copy = bytecopy.Copier._hash_and_copy
+
+    def counting_hash_and_copy(self: bytecopy.Copier, *args: Any) -> bool:
+        hashed.append(args[2])  # the chunk's length
+        return real_hash_and_copy(self, *args)
+
+    monkeypatch.setattr(bytecopy.Copier, "_hash_and_copy", counting_hash_and_copy)
+    _reshard(k3_tiny, tmp_path / "out", fmt, "--jobs", "2")
+    assert maps and max(maps) > 64 * 1024 and len(maps) < len(hashed), (len(maps), len(hashed))
     check_digests(k3_tiny, tmp_path / "out")
