@@ -305,7 +305,8 @@ def test_runs_hashed_through_windows_of_several_chunks(k3_tiny: Path, tmp_path: 
     from k3ckpt.deploy import bytecopy
 
     monkeypatch.setattr(bytecopy, "CHUNK", 64 * 1024)
-    monkeypatch.setattr(bytecopy, "MAP_WINDOW", 3 * 64 * 1024 + 4096 + 123, raising=False)
+    # two writers: a window of 3 chunks + a page + 123 bytes each
+    monkeypatch.setattr(bytecopy, "MAP_BUDGET", 2 * (3 * 64 * 1024 + 4096 + 123), raising=False)
     maps: list[int] = []
     real_mmap = mmap.mmap
 
@@ -325,3 +326,17 @@ def test_runs_hashed_through_windows_of_several_chunks(k3_tiny: Path, tmp_path: 
     _reshard(k3_tiny, tmp_path / "out", fmt, "--jobs", "2")
     assert maps and max(maps) > 64 * 1024 and len(maps) < len(hashed), (len(maps), len(hashed))
     check_digests(k3_tiny, tmp_path / "out")
+
+
+def test_mapped_windows_stay_within_the_budget() -> None:
+    """Windows grow to 4 chunks only while every writer's fits in MAP_BUDGET: many writers (a
+    64-core node runs 16) map one chunk each, as before windows, so peak RSS does not grow
+    with the window."""
+    from k3ckpt.deploy.bytecopy import CHUNK, MAP_BUDGET, map_window
+    from k3ckpt.deploy.reshard import MAX_DEFAULT_WRITERS
+
+    assert map_window(1) == map_window(2) == 4 * CHUNK
+    for writers in range(1, MAX_DEFAULT_WRITERS + 1):
+        assert CHUNK <= map_window(writers) <= 4 * CHUNK
+        assert writers * map_window(writers) <= max(MAP_BUDGET, writers * CHUNK)
+    assert map_window(MAX_DEFAULT_WRITERS) == CHUNK

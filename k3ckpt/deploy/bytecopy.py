@@ -30,13 +30,22 @@ from ..utils.lock import OUTPUT_LOCK_NAME, DirLock
 
 #: Bytes per copy / hash step (and the size of each worker's buffers).
 CHUNK = 8 * 1024 * 1024
-#: Bytes of a source mapped at once to hash a long run's chunks from (resident pages count in
-#: RSS: a few times this per writer at most). Mapping and unmapping cost per call as well as
-#: per page (VMA setup, and with several writers a TLB shootdown on every unmap): one 32 MiB
-#: window instead of four 8 MiB ones measured 0.12 -> 0.09 CPU-s per GB mapped on one thread,
-#: and `reshard --format rank --ep 8 --tp 2` of k3-8shard (2.2 GB mapped) 1.87 -> 1.65 sys
-#: CPU-s (medians of 4, 2 writers); 64 MiB was no better than 32.
-MAP_WINDOW = 4 * CHUNK
+#: Bytes of the sources all writers of a run may hold mapped at once to hash from (resident
+#: pages count in RSS), shared out by :func:`map_window`.
+MAP_BUDGET = 8 * CHUNK
+
+
+def map_window(writers: int) -> int:
+    """How much of a source each of ``writers`` writers maps at once to hash a long run's
+    chunks from: up to 4 chunks while :data:`MAP_BUDGET` allows, never less than one chunk (so
+    many writers map no more than one chunk each, as before windows). Mapping and unmapping
+    cost per call as well as per page (VMA setup, and with several writers a TLB shootdown on
+    every unmap): one 32 MiB window instead of four 8 MiB ones measured 0.12 -> 0.09 CPU-s per
+    GB mapped on one thread, and ``reshard --format rank --ep 8 --tp 2`` of k3-8shard (2.2 GB
+    mapped, 2 writers) 1.87 -> 1.65 sys CPU-s (medians of 4); 64 MiB was no better."""
+    return max(CHUNK, min(4 * CHUNK, MAP_BUDGET // max(1, writers)))
+
+
 #: How far ahead of the copy the source is asked to be read (page cache, not RSS).
 READ_AHEAD = 4 * CHUNK
 #: A strided row at least this long is copied as its own contiguous run instead of gathered.
@@ -92,10 +101,11 @@ def _gather_rows(data: memoryview, out: memoryview, rows: int, length: int, stri
 class _Window:
     """A read-only mapping of part of one source file, populated up front (one fault-in
     instead of one page fault per few pages), which consecutive chunks of a run are hashed
-    from; :meth:`close` unmaps it (at the end of each run, so at most :data:`MAP_WINDOW` bytes
-    per writer stay mapped)."""
+    from; :meth:`close` unmaps it (at the end of each run, so at most ``size`` bytes per writer
+    stay mapped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
+        self.size = size
         self._mm: mmap.mmap | None = None
         self._whole: memoryview | None = None
         self._src = -1
@@ -103,12 +113,12 @@ class _Window:
 
     def view(self, src: int, so: int, k: int, end: int) -> memoryview | None:
         """``[so, so + k)`` of ``src`` (the caller releases the view), mapping ``[so, end)`` up
-        to :data:`MAP_WINDOW` bytes when the current window does not hold it; None when the
+        to :attr:`size` bytes when the current window does not hold it; None when the
         file cannot be mapped there."""
         if not (src == self._src and self._start <= so and so + k <= self._stop):
             self.close()
             start = so - so % mmap.ALLOCATIONGRANULARITY
-            stop = max(so + k, min(end, so + MAP_WINDOW))
+            stop = max(so + k, min(end, so + self.size))
             try:
                 mm = mmap.mmap(src, stop - start, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ,
                                offset=start)
@@ -130,13 +140,14 @@ class _Window:
 class Copier:
     """Moves byte runs from source fds to a destination fd, hashing what it writes."""
 
-    def __init__(self, mode: str, sources: FdCache | None = None) -> None:
+    def __init__(self, mode: str, sources: FdCache | None = None, window: int = CHUNK) -> None:
+        """``window``: bytes of a source mapped at once to hash from (:func:`map_window`)."""
         self.mode = mode  # "kernel" (copy_file_range, sendfile fallback) or "buffered"
         self.sources = sources  # the source fds' owner: names a source that ends early
         self.buf = bytearray(CHUNK)
         self.view = memoryview(self.buf)
         self.gbuf: bytearray | None = None  # gather buffer for strided runs
-        self._window = _Window()  # the source pages a run's chunks are hashed from
+        self._window = _Window(window)  # the source pages a run's chunks are hashed from
 
     def _kernel(self, src: int, dst: int, n: int, so: int, do: int) -> bool:
         """Copy ``n`` bytes kernel-side; False when the kernel cannot (fall back to buffered)."""

@@ -135,7 +135,7 @@ from ..format.topology import (
 from ..utils import copy_files, fsync_dir, human_bytes, is_within, write_atomic
 from ..utils.ownership import claim_output_dir
 from ..utils.space import free_bytes, require_free_space, space_margin
-from .bytecopy import NO_SPACE, Copier, FdCache, Run, output_lock, tmp_name
+from .bytecopy import CHUNK, NO_SPACE, Copier, FdCache, Run, map_window, output_lock, tmp_name
 
 if TYPE_CHECKING:
     from ..integrity.manifest import Manifest
@@ -574,7 +574,7 @@ class _DigestCache:
 
 def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
                 progress: Callable[[int], None] | None, fail_before: Callable[[str], None] | None = None,
-                twin: dict[str, Any] | None = None) -> dict[str, Any]:
+                twin: dict[str, Any] | None = None, *, window: int = CHUNK) -> dict[str, Any]:
     """Write one output file under its temporary name; return its digests (the unit's finisher,
     :func:`_finish_rank`, fsyncs it before the rename, so the writer goes on to its next file
     while the disk catches up instead of waiting for it: 0.06-0.14 s per run here). ``twin``:
@@ -587,7 +587,7 @@ def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _Di
     """
     fds = FdCache(plan.ckpt.path_of)
     try:
-        return _write_file_with(plan, f, dest, mode, cache, progress, fds, fail_before, twin)
+        return _write_file_with(plan, f, dest, mode, cache, progress, fds, fail_before, twin, window)
     except OSError as e:
         # copy_file_range/pwrite errors carry no file name; without it "File too large" is a riddle.
         if e.errno in NO_SPACE:
@@ -604,8 +604,9 @@ def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _Di
 
 def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
                      progress: Callable[[int], None] | None, fds: FdCache,
-                     fail_before: Callable[[str], None] | None, twin: dict[str, Any] | None) -> dict[str, Any]:
-    copier = Copier(mode, fds)
+                     fail_before: Callable[[str], None] | None, twin: dict[str, Any] | None,
+                     window: int) -> dict[str, Any]:
+    copier = Copier(mode, fds, window)
     tmp = tmp_name(dest)
     fh = hashlib.sha256(f.prefix if twin is None else b"")  # a twin is not hashed at all
     digests: dict[str, str] = {}
@@ -1052,6 +1053,7 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
     # CPU-seconds (fewer GIL hand-offs); cold cache, the same wall within noise and 3-5 % fewer
     # CPU-seconds. (Two per core paid off while each chunk was read back from the output.)
     workers = jobs or min(MAX_DEFAULT_WRITERS, os.cpu_count() or 1)
+    window = map_window(workers)  # the run's mapped source bytes stay within MAP_BUDGET (or a chunk per writer)
     written = 0
     files_done = 0
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard")
@@ -1067,10 +1069,11 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
             first = firsts.get(key := _twin_key(f))
             if first is None:
                 slots[(r, k)] = firsts[key] = pool.submit(_write_file, plan, f, dest, mode, cache, progress,
-                                                          fail_before)
+                                                          fail_before, window=window)
             else:
                 def submit(twin: dict[str, Any] | None, f: OutFile = f, dest: Path = dest) -> Future:
-                    return pool.submit(_write_file, plan, f, dest, mode, cache, progress, fail_before, twin)
+                    return pool.submit(_write_file, plan, f, dest, mode, cache, progress, fail_before, twin,
+                                       window=window)
 
                 slots[(r, k)] = _after(first, submit)
         # A unit is finished (manifest, READY) as soon as its last file is written, whatever
