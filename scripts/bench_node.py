@@ -9,7 +9,9 @@ Per shape (default: issue #16's ``k3-8shard`` and ``k3-small``), served by the l
 scripts/benchlib.py; page cache dropped before each run by default): ``cp -r`` of the
 checkpoint, ``fetch --node 0`` and ``reshard --node 0`` for vLLM TP2 x DP4 on two 4-GPU nodes
 (node 0 holds half the experts), each into a fresh directory, each followed by ``sync`` inside
-its wall. The hub's own CPU-s per run is reported beside the fetch.
+its wall; and ``reshard --node 0 --manifest M`` (``--skip-manifest``), given a tensor-hash
+manifest the source was verified against outside the timed runs (bench_reshard's
+``tensor_manifest``). The hub's own CPU-s per run is reported beside the fetch.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from __future__ import annotations
 import argparse
 
 import benchlib as bl
+from bench_reshard import tensor_manifest
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bl.add_common_args(ap, "bench_node", cache="cold")
+    ap.add_argument("--skip-manifest", action="store_true",
+                    help="skip the `reshard --node 0 --manifest M` runs (and building the tensor-hash manifests)")
     args = ap.parse_args()
     setup = bl.start("bench_node", args)
     shapes = {name: setup.shape(name) for name in setup.shapes}
@@ -40,6 +45,11 @@ def main() -> None:
                 bl.Contender("k3ckpt reshard --node 0", [*bl.K3, "reshard", src, "-o", str(out), *bl.NODE_LAYOUT,
                                                          "--node", "0"], out=out, sync=True, inputs=[shape.path]),
             ]
+            if not args.skip_manifest:
+                m, menv = tensor_manifest(setup, shape)
+                cs.append(bl.Contender("k3ckpt reshard --node 0 --manifest M",
+                                       [*bl.K3, "reshard", src, "-o", str(out), *bl.NODE_LAYOUT, "--node", "0",
+                                        "--manifest", str(m)], out=out, sync=True, inputs=[shape.path], env=menv))
             res = bl.summarize_all(bl.interleave(cs, args.runs, setup.cache, server=hub))
             cp = res[cs[0].label]
             columns = [*bl.COLUMNS, ("hub CPU-s", "server_cpu_s", "{:.2f}")]

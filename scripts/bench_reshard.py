@@ -13,6 +13,12 @@ disk too), output bytes per second and the process tree's peak RSS:
   volume as ``cp``);
 - ``--formats node``: the engine node format, ``reshard SRC -o OUT --tp 2 --dp 4
   --gpus-per-node 4`` (both nodes) and ``--node 0``;
+- ``--manifest M`` (both formats, every unit; ``--skip-manifest``): the same reshard given a
+  tensor-hash manifest of a source ``verify`` found intact, so whole tensors take their digests
+  from it (the route of a checkpoint fetched or verified first). Prepared outside the timed
+  runs, once per shape: ``k3ckpt manifest build SRC -o WORK/NAME.tensor-manifest.json
+  --tensor-hashes`` and ``k3ckpt verify SRC --manifest M``, with ``K3CKPT_CACHE_DIR=WORK/cache``
+  (verify's stat cache lives there, never in the read-only data; reshard reads it there);
 - ``naive`` (rank layout, once per shape, when torch imports; ``--skip-naive``): what a user
   would write with the ``safetensors`` library: for each rank, load each tensor it holds
   (``safe_open(framework="pt")`` - torch, because the numpy framework cannot hold BF16), slice
@@ -24,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import subprocess
 import sys
+from pathlib import Path
 
 import benchlib as bl
 
@@ -71,23 +79,47 @@ def rank_part(shape: bl.Shape) -> tuple[int, int]:
     return len(sizes), max(k, 1)
 
 
-def contenders(setup: bl.Setup, shape: bl.Shape, formats: list[str], jobs: list[str]) -> list[bl.Contender]:
+def tensor_manifest(setup: bl.Setup, shape: bl.Shape) -> tuple[Path, dict[str, str]]:
+    """A tensor-hash manifest of ``shape`` that ``verify`` found the source equal to, and the
+    environment under which reshard finds that verdict (the stat cache in ``--work``), built
+    once (outside every timed run; the manifest is reused, the verify is re-run, cheap when
+    the stat cache already holds the files)."""
+    env = bl.child_env(K3CKPT_CACHE_DIR=str(setup.work / "cache"))
+    m = setup.work / f"{shape.name}.tensor-manifest.json"
+    if not m.is_file():
+        print(f"building {m.name} (tensor hashes)", flush=True)
+        subprocess.run([*bl.K3, "manifest", "build", str(shape.path), "-o", str(m), "--tensor-hashes"], check=True,
+                       cwd=bl.ROOT, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run([*bl.K3, "verify", str(shape.path), "--manifest", str(m)], check=True, cwd=bl.ROOT, env=env,
+                   stdout=subprocess.DEVNULL)
+    return m, env
+
+
+def contenders(setup: bl.Setup, shape: bl.Shape, formats: list[str], jobs: list[str],
+               manifest: tuple[Path, dict[str, str]] | None = None) -> list[bl.Contender]:
     out = setup.work / "out"
     src = str(shape.path)
 
-    def writer(label: str, cmd: list[str]) -> bl.Contender:
-        return bl.Contender(label, cmd, out=out, sync=True, inputs=[shape.path], meta={"shape": shape.name})
+    def writer(label: str, cmd: list[str], env: dict[str, str] | None = None) -> bl.Contender:
+        return bl.Contender(label, cmd, out=out, sync=True, inputs=[shape.path], env=env, meta={"shape": shape.name})
+
+    def with_manifest(label: str, cmd: list[str]) -> list[bl.Contender]:
+        if manifest is None:
+            return []
+        return [writer(f"{label} --manifest M", [*cmd, "--manifest", str(manifest[0])], manifest[1])]
 
     cs = [writer("cp -r + sync", ["cp", "-r", src, str(out)])]
     if "rank" in formats:
         ranks, k = rank_part(shape)
-        cs.append(writer(f"reshard --format rank --ep 8 --tp 2 (all {ranks} ranks)",
-                         [*bl.K3, "reshard", src, "-o", str(out), *bl.RANK_LAYOUT, *jobs]))
+        cmd = [*bl.K3, "reshard", src, "-o", str(out), *bl.RANK_LAYOUT, *jobs]
+        cs.append(writer(f"reshard --format rank --ep 8 --tp 2 (all {ranks} ranks)", cmd))
+        cs += with_manifest(f"reshard --format rank --ep 8 --tp 2 (all {ranks} ranks)", cmd)
         cs.append(writer(f"reshard --format rank --ep 8 --tp 2 --ranks 0-{k - 1}",
                          [*bl.K3, "reshard", src, "-o", str(out), *bl.RANK_LAYOUT, "--ranks", f"0-{k - 1}", *jobs]))
     if "node" in formats:
-        cs.append(writer("reshard --tp 2 --dp 4 --gpus-per-node 4 (node format, 2 nodes)",
-                         [*bl.K3, "reshard", src, "-o", str(out), *bl.NODE_LAYOUT, *jobs]))
+        cmd = [*bl.K3, "reshard", src, "-o", str(out), *bl.NODE_LAYOUT, *jobs]
+        cs.append(writer("reshard --tp 2 --dp 4 --gpus-per-node 4 (node format, 2 nodes)", cmd))
+        cs += with_manifest("reshard --tp 2 --dp 4 --gpus-per-node 4 (node format, 2 nodes)", cmd)
         cs.append(writer("reshard --tp 2 --dp 4 --gpus-per-node 4 --node 0",
                          [*bl.K3, "reshard", src, "-o", str(out), *bl.NODE_LAYOUT, "--node", "0", *jobs]))
     return cs
@@ -99,6 +131,8 @@ def main() -> None:
     ap.add_argument("--formats", default="rank,node", help="comma-separated: rank, node [default: both]")
     ap.add_argument("--jobs", type=int, default=None, help="reshard --jobs [default: reshard's]")
     ap.add_argument("--skip-naive", action="store_true", help="skip the plain safetensors script (needs torch)")
+    ap.add_argument("--skip-manifest", action="store_true",
+                    help="skip the `--manifest M` runs (and building the tensor-hash manifests)")
     args = ap.parse_args()
     formats = [f for f in args.formats.split(",") if f]
     if not set(formats) <= {"rank", "node"}:
@@ -110,7 +144,7 @@ def main() -> None:
     for name in setup.shapes:
         shape = setup.shape(name)
         print(f"\n{shape.name}", flush=True)
-        cs = contenders(setup, shape, formats, jobs)
+        cs = contenders(setup, shape, formats, jobs, None if args.skip_manifest else tensor_manifest(setup, shape))
         runs = bl.interleave(cs, args.runs, setup.cache)
         if naive:
             script = setup.work / "naive_reshard.py"

@@ -427,3 +427,101 @@ def test_copy_files_streams(tmp_path: Path) -> None:
     assert peak < 16 * 2**20, peak
     assert (tmp_path / "dst" / "big.bin").read_bytes() == (tmp_path / "src" / "big.bin").read_bytes()
     assert [p.name for p in (tmp_path / "dst").iterdir()] == ["big.bin"]
+
+
+def test_reshard_loads_only_what_it_uses() -> None:
+    """``k3ckpt.deploy`` loads its names on first use: the reshard command's path imports
+    neither the other deploy modules (planner, preflight, cost model, unshard: ~70 ms of every
+    run's start-up) nor numpy, and each exported name is still its module's object."""
+    import importlib
+
+    code = ("import json, sys, click; from k3ckpt.cli import main; "
+            "main.get_command(click.Context(main), 'reshard'); import k3ckpt.deploy.reshard; "
+            "print(json.dumps(sorted(sys.modules)))")
+    loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                           check=True).stdout))
+    assert {"k3ckpt.deploy.reshard", "k3ckpt.deploy.bytecopy"} <= loaded
+    others = {"k3ckpt.deploy.plan", "k3ckpt.deploy.preflight", "k3ckpt.deploy.estimate", "k3ckpt.deploy.unshard",
+              "k3ckpt.deploy.serve", "numpy"}
+    assert not others & loaded, sorted(others & loaded)
+    deploy = importlib.import_module("k3ckpt.deploy")
+    assert set(deploy.__all__) <= set(dir(deploy))
+    for name in deploy.__all__:
+        value = getattr(deploy, name)
+        assert getattr(importlib.import_module(value.__module__), name) is value, name
+
+
+def _fd_path(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+@pytest.mark.parametrize("layout", ["rank", "node"])
+def test_weight_files_are_synced_by_the_finisher_before_their_rename(k3_tiny: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     layout: str) -> None:
+    """Writers do not wait for the disk (no fsync on a writer thread: they go on to the next
+    file); every weight file is still fsync'd, under its temporary name, before its rename."""
+    import threading
+
+    events: list[tuple[str, str, str]] = []  # (what, path, thread)
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", _fd_path(fd), threading.current_thread().name))
+        real_fsync(fd)
+
+    def replace(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> None:
+        events.append(("replace", str(a), threading.current_thread().name))
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    sel = RankSelection(tp=2, dp=2, gpus_per_node=2) if layout == "node" else RankSelection(ep=4, tp=2)
+    res = rs.reshard(k3_tiny, tmp_path / "out", sel, layout=layout, jobs=2)
+    assert len(res.written) >= 2
+    assert not [e for e in events if e[0] == "fsync" and e[2].startswith("reshard")], events
+    weights = sorted((tmp_path / "out").glob("*/*.safetensors"))
+    assert weights
+    for p in weights:
+        tmp = str(p.with_name(f".{p.name}.tmp"))
+        synced = events.index(("fsync", tmp, "MainThread"))
+        renamed = next(i for i, e in enumerate(events) if e[:2] == ("replace", tmp))
+        assert synced < renamed, p
+
+
+@pytest.mark.parametrize("err", ["EIO", "ENOSPC"])
+def test_a_weight_file_that_cannot_be_synced_is_named_and_a_rerun_completes(
+        k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: str) -> None:
+    """The data of a weight file fails to reach the disk (the fsync before its rename): the
+    error names that file, its unit gets no READY and no file under a final name, the other
+    units complete, and a plain re-run completes byte-identical to a clean run."""
+    import errno as errno_
+
+    out = tmp_path / "out"
+    real_fsync = os.fsync
+    failed: list[str] = []
+
+    def fsync(fd: int) -> None:
+        path = _fd_path(fd)
+        if not failed and path.endswith(".safetensors.tmp"):
+            failed.append(path)
+            code = getattr(errno_, err)
+            raise OSError(code, os.strerror(code))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    sel = RankSelection(ep=4, tp=2)
+    with pytest.raises(rs.ReshardError) as ei:
+        rs.reshard(k3_tiny, out, sel, layout="rank", jobs=2, check_space=False)
+    msg = str(ei.value)
+    assert failed and failed[0] in msg and os.strerror(getattr(errno_, err)) in msg, msg
+    assert "\n" not in msg
+    bad = Path(failed[0]).parent
+    assert not (bad / "READY").exists() and not list(bad.glob("*.safetensors"))
+    assert [d for d in out.glob("rank-*") if (d / "READY").exists()]  # the other ranks completed
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    res = rs.reshard(k3_tiny, out, sel, layout="rank")
+    assert res.written and res.skipped
+    rs.reshard(k3_tiny, tmp_path / "ref", sel, layout="rank")
+    for ref in sorted((tmp_path / "ref").glob("rank-*/*")):
+        assert (out / ref.relative_to(tmp_path / "ref")).read_bytes() == ref.read_bytes(), ref

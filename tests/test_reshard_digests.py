@@ -9,6 +9,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors
@@ -264,3 +265,78 @@ def test_source_truncated_after_planning_is_an_error_not_a_crash(
     assert info.value.path is not None and Path(info.value.path).parent == src  # names the source file
     assert str(info.value).startswith(f"{info.value.path}: ")
     assert not [p for p in (tmp_path / "out").rglob("*.safetensors")]  # no file under a final name
+
+
+_GATHER_WITHOUT_NUMPY = r'''
+import sys
+from k3ckpt.deploy.bytecopy import ROW_COPY_MIN
+from k3ckpt.deploy.reshard import plan_reshard, run_reshard
+from k3ckpt.format.topology import RankSelection
+plan = plan_reshard(sys.argv[1], RankSelection(ep=4, tp=2), layout="rank")
+gathered = [r for u in plan.units for f in u.files for t in f.tensors for r in t.runs
+            if r.count > 1 and r.length < ROW_COPY_MIN]
+run_reshard(plan, sys.argv[2], jobs=2)
+print(len(gathered), "numpy" in sys.modules)
+'''
+
+
+def test_strided_slices_gathered_without_numpy(k3_tiny: Path, tmp_path: Path) -> None:
+    """TP slices of a later dim (rows gathered through a buffer) are cut row by row: the run
+    imports no numpy (its import and the OpenBLAS thread it starts cost more than the gather),
+    and every byte and digest is the independently recomputed one."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _GATHER_WITHOUT_NUMPY, str(k3_tiny), str(tmp_path / "out")],
+                          capture_output=True, text=True, check=True)
+    gathered, numpy_imported = proc.stdout.split()
+    assert int(gathered) > 0 and numpy_imported == "False", proc.stdout
+    check_digests(k3_tiny, tmp_path / "out")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_runs_hashed_through_windows_of_several_chunks(k3_tiny: Path, tmp_path: Path, cache: Path,
+                                                       monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """A long run's chunks are hashed from one mapping of several chunks (fewer mappings than
+    chunks hashed), windows ending mid-chunk and off the page grid included: every byte and
+    digest is still the independently recomputed one."""
+    import mmap
+
+    from k3ckpt.deploy import bytecopy
+
+    monkeypatch.setattr(bytecopy, "CHUNK", 64 * 1024)
+    # two writers: a window of 3 chunks + a page + 123 bytes each
+    monkeypatch.setattr(bytecopy, "MAP_BUDGET", 2 * (3 * 64 * 1024 + 4096 + 123), raising=False)
+    maps: list[int] = []
+    real_mmap = mmap.mmap
+
+    def counting_mmap(fd: int, length: int, *args: object, **kwargs: object) -> mmap.mmap:
+        maps.append(length)
+        return real_mmap(fd, length, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bytecopy.mmap, "mmap", counting_mmap)
+    hashed: list[int] = []
+    real_hash_and_copy = bytecopy.Copier._hash_and_copy
+
+    def counting_hash_and_copy(self: bytecopy.Copier, *args: Any) -> bool:
+        hashed.append(args[2])  # the chunk's length
+        return real_hash_and_copy(self, *args)
+
+    monkeypatch.setattr(bytecopy.Copier, "_hash_and_copy", counting_hash_and_copy)
+    _reshard(k3_tiny, tmp_path / "out", fmt, "--jobs", "2")
+    assert maps and max(maps) > 64 * 1024 and len(maps) < len(hashed), (len(maps), len(hashed))
+    check_digests(k3_tiny, tmp_path / "out")
+
+
+def test_mapped_windows_stay_within_the_budget() -> None:
+    """Windows grow to 4 chunks only while every writer's fits in MAP_BUDGET: many writers (a
+    64-core node runs 16) map one chunk each, as before windows, so peak RSS does not grow
+    with the window."""
+    from k3ckpt.deploy.bytecopy import CHUNK, MAP_BUDGET, map_window
+    from k3ckpt.deploy.reshard import MAX_DEFAULT_WRITERS
+
+    assert map_window(1) == map_window(2) == 4 * CHUNK
+    for writers in range(1, MAX_DEFAULT_WRITERS + 1):
+        assert CHUNK <= map_window(writers) <= 4 * CHUNK
+        assert writers * map_window(writers) <= max(MAP_BUDGET, writers * CHUNK)
+    assert map_window(MAX_DEFAULT_WRITERS) == CHUNK
