@@ -47,6 +47,8 @@ SHAPES: dict[str, list[str]] = {
     # ~1.15 MB per tensor, nearer real K3's 3.1 MB (bench_verify's and bench_fetch's earlier data)
     "k3-density": ["--preset", "k3-small", "--layers", "10", "--experts", "48", "--moe-intermediate", "2048",
                    "--expert-hidden", "2048"],
+    # 4x the experts of k3-8shard (3.29 GB, 16 shards, 42,591 tensors): a third of the fixed cost per GB
+    "k3-3gb": ["--preset", "k3-small", "--experts", "640", "--layers", "12", "--shards", "16"],
     "dense": ["--preset", "k3-small", "--layers", "24"],  # 83 KB per tensor: the fixed-cost worst case
     "k3-tiny": ["--preset", "k3-tiny"],  # 6 MB: smoke runs, and bench_cost's fixed costs
     "k3-tiny-wide": ["--preset", "k3-tiny", "--experts", "64", "--layers", "8"],  # 14 MB: smoke runs
