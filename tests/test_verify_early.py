@@ -455,3 +455,29 @@ def test_verify_with_a_manifest_does_not_import_concurrent_futures(k3_tiny: Path
             "print(sorted(m for m in ('concurrent.futures', 'logging') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_no_header_worker_is_forked_while_threads_hash(k3_tiny: Path, manifest_files, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch, quick: bool) -> None:
+    """A full run hashes in threads while the headers are parsed: they are parsed in this
+    process (a fork beside running threads can hand the child a lock one of them held, and the
+    cores are busy hashing). A quick run hashes nothing: its headers still go to workers."""
+    import concurrent.futures
+
+    import k3ckpt.format.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "PARALLEL_HEADER_MIN_FILES", 2)  # k3-tiny's 8 shards would fork
+    pools = []
+    real = concurrent.futures.ProcessPoolExecutor
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        pools.append(kwargs.get("max_workers"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", spy)
+    for manifest in ("files", "tensors"):
+        rep = verify_checkpoint(k3_tiny, manifest_path=manifest_files[manifest], quick=quick, jobs=2,
+                                cache_directory=tmp_path / "cache")
+        assert rep.ok, rep.issues
+    assert (len(pools) > 0) == quick
