@@ -76,6 +76,20 @@ def k3_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def k3_tiny_manifests(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Manifests of the clean ``k3-tiny``, built once: ``"tensors"`` (with tensor hashes) and
+    ``"files"`` (without) -> its path (read-only)."""
+    from k3ckpt.integrity.manifest import build_manifest
+
+    d = tmp_path_factory.mktemp("k3-tiny-manifests")
+    out = {}
+    for name, tensor_hashes in (("tensors", True), ("files", False)):
+        build_manifest(k3_tiny, tensor_hashes=tensor_hashes).save(d / f"{name}.json")
+        out[name] = d / f"{name}.json"
+    return out
+
+
+@pytest.fixture(scope="session")
 def k3_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The full K3 inventory with empty tensor data (the ``k3-full`` preset, headers only: ~10 s,
     130 MB on disk), once per session, for ``slow`` tests at K3 scale (read-only)."""

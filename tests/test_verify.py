@@ -74,14 +74,12 @@ def sha(data: bytes) -> str:
 
 
 @pytest.fixture(scope="module")
-def manifests(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Manifest]:
-    """Manifests of the clean k3-tiny (with and without tensor hashes), built once."""
-    d = tmp_path_factory.mktemp("manifests")
+def manifests(k3_tiny_manifests: dict[str, Path]) -> dict[str, Manifest]:
+    """Manifests of the clean k3-tiny (with and without tensor hashes), loaded once."""
     out = {}
-    for name, th in (("tensors", True), ("files", False)):
-        build_manifest(k3_tiny, tensor_hashes=th).save(d / f"{name}.json")
-        out[name] = Manifest.load(d / f"{name}.json")
-        out[name + "_path"] = d / f"{name}.json"  # type: ignore[assignment]
+    for name, path in k3_tiny_manifests.items():
+        out[name] = Manifest.load(path)
+        out[name + "_path"] = path  # type: ignore[assignment]
     return out
 
 

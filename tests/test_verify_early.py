@@ -22,23 +22,13 @@ from k3ckpt.errors import CheckpointNotFoundError, ManifestError
 from k3ckpt.format.checkpoint import SharedHeaders, open_checkpoint
 from k3ckpt.format.header import read_header
 from k3ckpt.integrity.hashing import Span, StreamHasher, hash_file
-from k3ckpt.integrity.manifest import Manifest, build_manifest
+from k3ckpt.integrity.manifest import Manifest
 from k3ckpt.integrity.verify import VerifyReport, verify_checkpoint
 
 L1E3 = "language_model.model.layers.1.block_sparse_moe.experts.3."
 PACKED = L1E3 + "w1.weight_packed"
 SCALE = L1E3 + "w2.weight_scale"
 L3_SCALE = "language_model.model.layers.3.block_sparse_moe.experts.5.w3.weight_scale"
-
-
-@pytest.fixture(scope="module")
-def manifest_files(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("early-manifests")
-    out = {}
-    for name, th in (("tensors", True), ("files", False)):
-        build_manifest(k3_tiny, tensor_hashes=th).save(d / f"{name}.json")
-        out[name] = d / f"{name}.json"
-    return out
 
 
 def _range(root: Path, tensor: str) -> tuple[str, int, int]:
@@ -112,11 +102,11 @@ def _comparable(rep: VerifyReport) -> dict[str, Any]:
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 @pytest.mark.parametrize("kind", ["tensors", "files"])
 def test_manifest_path_reports_exactly_what_a_loaded_manifest_does(
-        k3_tiny: Path, clone_checkpoint, tmp_path: Path, manifest_files, monkeypatch, when: str, damage: str,
+        k3_tiny: Path, clone_checkpoint, tmp_path: Path, k3_tiny_manifests, monkeypatch, when: str, damage: str,
         kind: str) -> None:
     root = clone_checkpoint(k3_tiny)
     DAMAGE[damage](root)
-    path = manifest_files[kind]
+    path = k3_tiny_manifests[kind]
     loaded = verify_checkpoint(root, manifest=Manifest.load(path), manifest_label=str(path), use_cache=False)
     assert loaded.ok == (damage in ("clean", "stray"))
     timing = _Timing(monkeypatch, root, when)
@@ -125,7 +115,7 @@ def test_manifest_path_reports_exactly_what_a_loaded_manifest_does(
 
 
 def test_tensor_spans_that_arrive_mid_file_and_after_it_give_the_tensor_digests(
-        k3_tiny: Path, clone_checkpoint, tmp_path: Path, manifest_files, monkeypatch) -> None:
+        k3_tiny: Path, clone_checkpoint, tmp_path: Path, k3_tiny_manifests, monkeypatch) -> None:
     """Both late paths are taken: spans added inside a file (its hashed bytes re-read, only
     those), and a second read of a file hashed to its end before the manifest was parsed."""
     import k3ckpt.integrity.verify as verify_mod
@@ -148,7 +138,7 @@ def test_tensor_spans_that_arrive_mid_file_and_after_it_give_the_tensor_digests(
         added.clear()
         second.clear()
         timing = _Timing(monkeypatch, root, when)
-        rep = verify_checkpoint(root, manifest_path=manifest_files["tensors"], use_cache=False,
+        rep = verify_checkpoint(root, manifest_path=k3_tiny_manifests["tensors"], use_cache=False,
                                 progress=timing.progress)
         assert [(i.kind, i.tensor) for i in rep.issues] == [("sha256", None), ("tensor-sha256", PACKED)]
         if when == "mid-file":
@@ -158,12 +148,12 @@ def test_tensor_spans_that_arrive_mid_file_and_after_it_give_the_tensor_digests(
 
 
 def test_a_header_that_disagrees_with_the_manifest_is_scanned_by_the_header(
-        ckpt_copy: Path, tmp_path: Path, manifest_files) -> None:
+        ckpt_copy: Path, tmp_path: Path, k3_tiny_manifests) -> None:
     """The hashing threads scan by each file's own header from the start; a manifest that puts
     a scale elsewhere is a layout issue, and the NaN is named where the header says it is."""
-    m = Manifest.load(manifest_files["tensors"])
+    m = Manifest.load(k3_tiny_manifests["tensors"])
     twin = L3_SCALE.replace("experts.5.", "experts.6.")
-    doc = json.loads(manifest_files["tensors"].read_text())
+    doc = json.loads(k3_tiny_manifests["tensors"].read_text())
     doc["tensors"][L3_SCALE]["offsets"], doc["tensors"][twin]["offsets"] = (
         list(m.tensors[twin].offsets), list(m.tensors[L3_SCALE].offsets))
     swapped = tmp_path / "swapped.json"
@@ -298,7 +288,7 @@ def test_hash_file_searches_scan_spans_that_become_known_late(tmp_path: Path, kn
     assert hash_file(p, late_scan=lambda now: [] if now else None, chunk_bytes=1000).flagged is None
 
 
-def test_hashing_threads_start_before_any_header_is_parsed(ckpt_copy: Path, manifest_files, monkeypatch) -> None:
+def test_hashing_threads_start_before_any_header_is_parsed(ckpt_copy: Path, k3_tiny_manifests, monkeypatch) -> None:
     """A thread does not parse its file's header before hashing it (a parse holds the GIL, and
     waited on the main thread's parse of the manifest): each shard is being hashed before its
     header is parsed, and each header is still parsed once."""
@@ -328,12 +318,12 @@ def test_hashing_threads_start_before_any_header_is_parsed(ckpt_copy: Path, mani
 
     monkeypatch.setattr(hashing_mod, "hash_file", hash_file)
     monkeypatch.setattr(Manifest, "load", classmethod(load))
-    rep = verify_checkpoint(ckpt_copy, manifest_path=manifest_files["files"], use_cache=False)
+    rep = verify_checkpoint(ckpt_copy, manifest_path=k3_tiny_manifests["files"], use_cache=False)
     assert rep.ok and {f: parsed_before[f] for f in shards} == dict.fromkeys(shards, False)
     assert sorted(parsed) == shards
 
 
-def test_progress_after_the_plan_counts_only_the_planned_files(k3_tiny: Path, clone_checkpoint, manifest_files,
+def test_progress_after_the_plan_counts_only_the_planned_files(k3_tiny: Path, clone_checkpoint, k3_tiny_manifests,
                                                                monkeypatch) -> None:
     """A file begun before the manifest said it is not wanted (a stray, hashed first as the
     largest) adds nothing to the progress once the planned total is announced."""
@@ -348,14 +338,14 @@ def test_progress_after_the_plan_counts_only_the_planned_files(k3_tiny: Path, cl
         if planned:
             after_plan.append(n)
 
-    rep = verify_checkpoint(root, manifest_path=manifest_files["files"], use_cache=False, progress=progress,
+    rep = verify_checkpoint(root, manifest_path=k3_tiny_manifests["files"], use_cache=False, progress=progress,
                             on_plan=planned.append, jobs=1)
     assert rep.ok and planned == [rep.bytes_hashed]
     assert 0 < sum(after_plan) <= planned[0]
 
 
 def test_a_file_the_manifest_does_not_want_stops_being_hashed_when_it_says_so(
-        k3_tiny: Path, clone_checkpoint, manifest_files, monkeypatch) -> None:
+        k3_tiny: Path, clone_checkpoint, k3_tiny_manifests, monkeypatch) -> None:
     import k3ckpt.integrity.hashing as hashing_mod
     from k3ckpt.errors import HashError
 
@@ -375,7 +365,7 @@ def test_a_file_the_manifest_does_not_want_stops_being_hashed_when_it_says_so(
 
     monkeypatch.setattr(hashing_mod, "hash_file", hash_file)
     timing = _Timing(monkeypatch, root, "mid-file")
-    rep = verify_checkpoint(root, manifest_path=manifest_files["files"], use_cache=False, progress=timing.progress,
+    rep = verify_checkpoint(root, manifest_path=k3_tiny_manifests["files"], use_cache=False, progress=timing.progress,
                             jobs=1)
     assert outcome["zz-stray.bin"] == "cancelled"
     assert rep.ok and [i.file for i in rep.issues] == ["zz-stray.bin"]  # an extra-file warning, not unreadable
@@ -383,7 +373,7 @@ def test_a_file_the_manifest_does_not_want_stops_being_hashed_when_it_says_so(
 
 
 def test_the_gil_changes_hands_more_often_while_hashing_and_as_before_after(
-        ckpt_copy: Path, tmp_path: Path, manifest_files, monkeypatch) -> None:
+        ckpt_copy: Path, tmp_path: Path, k3_tiny_manifests, monkeypatch) -> None:
     import sys
 
     import k3ckpt.integrity.hashing as hashing_mod
@@ -393,7 +383,7 @@ def test_the_gil_changes_hands_more_often_while_hashing_and_as_before_after(
     monkeypatch.setattr(hashing_mod, "hash_file", lambda path, **kw: (seen.append(sys.getswitchinterval()),
                                                                       real_hash(path, **kw))[1])
     before = sys.getswitchinterval()
-    assert verify_checkpoint(ckpt_copy, manifest_path=manifest_files["files"], use_cache=False).ok
+    assert verify_checkpoint(ckpt_copy, manifest_path=k3_tiny_manifests["files"], use_cache=False).ok
     assert seen and set(seen) == {min(before, 0.0005)} and sys.getswitchinterval() == before
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
@@ -418,7 +408,7 @@ def test_importing_the_role_rules_compiles_no_rule_pattern() -> None:
 
 
 @pytest.mark.parametrize("source", ["manifest", "manifest_path"])
-def test_verify_runs_with_the_cyclic_gc_paused_and_resumes_it(ckpt_copy: Path, manifest_files, monkeypatch,
+def test_verify_runs_with_the_cyclic_gc_paused_and_resumes_it(ckpt_copy: Path, k3_tiny_manifests, monkeypatch,
                                                              source: str) -> None:
     """The collections that walked the freshly parsed manifest and headers again and again took
     25-50 ms of a 1 GB verify's CPU; the GC is back on (or still off, if it was) afterwards."""
@@ -429,8 +419,8 @@ def test_verify_runs_with_the_cyclic_gc_paused_and_resumes_it(ckpt_copy: Path, m
     seen: list[bool] = []
     real = verify_mod.structure_issues
     monkeypatch.setattr(verify_mod, "structure_issues", lambda *a, **kw: (seen.append(gc.isenabled()), real(*a, **kw))[1])
-    arg = {"manifest": Manifest.load(manifest_files["files"])} if source == "manifest" else {
-        "manifest_path": manifest_files["files"]}
+    arg = {"manifest": Manifest.load(k3_tiny_manifests["files"])} if source == "manifest" else {
+        "manifest_path": k3_tiny_manifests["files"]}
     assert gc.isenabled()
     assert verify_checkpoint(ckpt_copy, use_cache=False, **arg).ok
     assert seen == [False] and gc.isenabled()
@@ -441,14 +431,14 @@ def test_verify_runs_with_the_cyclic_gc_paused_and_resumes_it(ckpt_copy: Path, m
         gc.enable()
 
 
-def test_verify_with_a_manifest_does_not_import_concurrent_futures(k3_tiny: Path, manifest_files) -> None:
+def test_verify_with_a_manifest_does_not_import_concurrent_futures(k3_tiny: Path, k3_tiny_manifests) -> None:
     """Plain threads hash: concurrent.futures (and the logging it imports) is ~6 ms of start-up
     before the first hashed byte, for nothing."""
     import subprocess
     import sys
 
     code = ("import sys\n"
-            f"sys.argv = ['k3ckpt', 'verify', {str(k3_tiny)!r}, '--manifest', {str(manifest_files['files'])!r}, "
+            f"sys.argv = ['k3ckpt', 'verify', {str(k3_tiny)!r}, '--manifest', {str(k3_tiny_manifests['files'])!r}, "
             "'--no-cache']\n"
             "from k3ckpt.cli import main\n"
             "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
@@ -458,7 +448,7 @@ def test_verify_with_a_manifest_does_not_import_concurrent_futures(k3_tiny: Path
 
 
 @pytest.mark.parametrize("quick", [False, True])
-def test_no_header_worker_is_forked_while_threads_hash(k3_tiny: Path, manifest_files, tmp_path: Path,
+def test_no_header_worker_is_forked_while_threads_hash(k3_tiny: Path, k3_tiny_manifests, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch, quick: bool) -> None:
     """A full run hashes in threads while the headers are parsed: they are parsed in this
     process (a fork beside running threads can hand the child a lock one of them held, and the
@@ -477,7 +467,7 @@ def test_no_header_worker_is_forked_while_threads_hash(k3_tiny: Path, manifest_f
 
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", spy)
     for manifest in ("files", "tensors"):
-        rep = verify_checkpoint(k3_tiny, manifest_path=manifest_files[manifest], quick=quick, jobs=2,
+        rep = verify_checkpoint(k3_tiny, manifest_path=k3_tiny_manifests[manifest], quick=quick, jobs=2,
                                 cache_directory=tmp_path / "cache")
         assert rep.ok, rep.issues
     assert (len(pools) > 0) == quick
