@@ -60,7 +60,7 @@ SHARE_KINDS = {NODE_MARKER: "node", PARTIAL_MARKER: "partial"}
 OWN_FILES = frozenset({NODE_MARKER, PARTIAL_MARKER, READY_NAME, INDEX_NAME})
 #: What to use when the reference cannot check a share.
 TENSOR_MANIFEST_HINT = ("use a tensor-hash manifest: k3ckpt manifest build SRC -o M --tensor-hashes, "
-                        "or k3ckpt manifest pull --source HUB --repo R -o M --tensor-hashes")
+                        "or k3ckpt manifest pull REPO_ID --source HUB -o M --tensor-hashes")
 
 
 @dataclass
