@@ -17,6 +17,7 @@ import contextlib
 import errno
 import hashlib
 import mmap
+import operator
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -337,8 +338,8 @@ def _search_before(fd: int, path: str, step: int, spans: Sequence[Span], end: in
     return found
 
 
-def _span_start(s: Span) -> int:
-    return s.start
+#: A :class:`Span`'s start, as a sort key (in C).
+_span_start = operator.itemgetter(1)
 
 
 def _pread_range(fd: int, path: str, step: int, lo: int, hi: int) -> Iterator[bytes]:

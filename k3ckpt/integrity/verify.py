@@ -51,7 +51,7 @@ from ..format.checkpoint import (
 )
 from ..utils import write_atomic
 from . import hashing as _hashing  # (hash_file looked up at call time: tests and profiles replace it)
-from .hashing import FileDigest, HashError, Progress, Span, hash_files, scan_file
+from .hashing import FileDigest, HashError, Progress, Span, _span_start, hash_files, scan_file
 from .manifest import Manifest, tensors_from_headers
 
 if TYPE_CHECKING:
@@ -867,9 +867,6 @@ class _Hashing:
 _E8M0_DTYPES = ("U8", "F8_E8M0")
 _SCALE_SUFFIXES = (".weight_scale", "_scales")
 _is_scale_name = operator.methodcaller("endswith", _SCALE_SUFFIXES)  # filters names in C
-
-
-_span_start = operator.itemgetter(1)  # of a Span
 
 
 def scan_files(root: Path, files: list[str], spans: dict[str, list[Span]], jobs: int | None,
