@@ -464,9 +464,10 @@ def test_plain_checkpoint_needs_topology_for_a_rank(source: Path) -> None:
 
 def test_io_test_reads_the_node_files(layout: Path) -> None:
     rep = pf.preflight(layout, RankSelection(node=1, gpus_per_node=2), io_test=60, environ=NO_GPU)
-    node_bytes = sum(p.stat().st_size for r in (2, 3) for p in (layout / f"rank-{r:05d}").glob("*.safetensors"))
+    node_files = [p for r in (2, 3) for p in (layout / f"rank-{r:05d}").glob("*.safetensors")]
+    node_bytes = sum(p.stat().st_size for p in node_files)
     rs = rep.read_speed
-    assert rs is not None and rs.files == 2 and rs.readers == 2
+    assert rs is not None and rs.files == len(node_files) == 4 and rs.readers == 2  # dense + experts part each
     assert rs.bytes_read == node_bytes == rep.node_bytes  # tiny files: read to the end
     r = rows(rep)["read speed"]
     assert r.details["predicted_load_seconds"] is not None and r.details["bytes_per_second"] > 0

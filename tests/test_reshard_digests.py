@@ -220,6 +220,39 @@ def test_each_byte_hashed_once_per_digest(k3_tiny: Path, tmp_path: Path, cache: 
     check_digests(k3_tiny, tmp_path / "out")
 
 
+def test_rank_dense_parts_are_twins_hashed_once(k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--format rank: a rank's dense tensors (whole or its tp_rank's cut) are in parts of their
+    own, byte-identical on every rank of that tp_rank, so a run hashes each distinct part once
+    (and each distinct tensor slice once): the bytes hashed are exactly those sums."""
+    import types
+
+    from k3ckpt.deploy import reshard as rs
+    from k3ckpt.format.topology import RankSelection
+
+    monkeypatch.setattr(rs, "hashlib", types.SimpleNamespace(sha256=_CountingSha256))
+    _CountingSha256.total = 0
+    # one writer: two writers may hash a whole tensor both tp_ranks' parts hold at the same time
+    rs.reshard(k3_tiny, tmp_path / "out", RankSelection(ep=4, tp=2), layout="rank", jobs=1)
+    units = _units(tmp_path / "out")
+    dense_parts: dict[int, set[bytes]] = {0: set(), 1: set()}
+    slices: dict[tuple[str, str], int] = {}  # (tensor, its cut) -> bytes
+    for d, mk in units:
+        for fname in mk["files"]:
+            raw = (d / fname).read_bytes()
+            names = [name for name, _ in safetensors.deserialize(raw)]
+            experts = {".experts." in n for n in names}
+            assert len(experts) == 1, (d.name, fname)  # dense and expert tensors never share a part
+            if experts == {False}:
+                dense_parts[mk["tp_rank"]].add(raw)
+            for name, t in safetensors.deserialize(raw):
+                slices[(name, json.dumps(mk["tensors"][name]["split"]))] = len(bytes(t["data"]))
+    assert len(dense_parts[0]) == len(dense_parts[1]) == 1 and dense_parts[0] != dense_parts[1]
+    files = {(d / f).read_bytes() for d, mk in units for f in mk["files"]}
+    assert _CountingSha256.total == (sum(map(len, files)) + sum(slices.values())
+                                     + (k3_tiny / INDEX_NAME).stat().st_size)
+    check_digests(k3_tiny, tmp_path / "out")
+
+
 def test_twin_of_a_failed_file_is_hashed_itself(k3_tiny: Path, tmp_path: Path, cache: Path) -> None:
     """The first writer of the dense file fails: its twin on the other node is hashed as any
     file, that node completes, and a re-run completes the other."""

@@ -234,17 +234,21 @@ def _tensor_plan(name: str, info: Any, data_start: int, placement: Any) -> OutTe
 
 
 def _pack_files(unit: int, tensors: list[OutTensor], max_file_size: int, align: int,
-                name_of: Callable[[int, int], str]) -> list[OutFile]:
-    """Greedy packing in source order; a tensor larger than ``max_file_size`` gets a file of its
-    own. ``name_of(k, n)`` names file ``k`` of ``n``."""
-    groups: list[list[OutTensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.nbytes > max_file_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.nbytes
+                name_of: Callable[[int, int], str], *, apart: Callable[[OutTensor], bool] | None = None) -> list[OutFile]:
+    """Greedy packing in the given order; a tensor larger than ``max_file_size`` gets a file of
+    its own. ``name_of(k, n)`` names file ``k`` of ``n``. ``apart``: the tensors it is true of
+    are packed in files of their own, before the others."""
+    runs = [tensors] if apart is None else [[t for t in tensors if apart(t)], [t for t in tensors if not apart(t)]]
+    groups: list[list[OutTensor]] = []
+    for run in runs:
+        size = 0
+        for k, t in enumerate(run):
+            if not k or size + t.nbytes > max_file_size:
+                groups.append([])
+                size = 0
+            groups[-1].append(t)
+            size += t.nbytes
+    groups = groups or [[]]
     files = [OutFile(unit, name_of(k, len(groups)), g) for k, g in enumerate(groups)]
     for f in files:
         specs = [TensorSpec(t.name, t.dtype, t.shape) for t in f.tensors]
@@ -447,6 +451,14 @@ def plan_reshard(
     selected = selection.select(topo)
     per_rank = tensors_for_ranks(idx, topo, selected, gpus_per_node=gpus_per_node)
     _require_experts(ckpt.root, idx, [(f"rank {r}", rt.rank.experts) for r, rt in sorted(per_rank.items())])
+    # A rank's dense tensors (whole, or its tp_rank's cut) go in parts of their own, before its
+    # experts: those parts are then byte-identical on every rank of the same tp_rank, and a run
+    # hashes each distinct part once (_twin_key, as the dense files of a node layout's nodes).
+    dense = frozenset(idx.dense_names)
+
+    def shared(t: OutTensor) -> bool:
+        return t.name in dense and t.key[1] != "experts"  # (stacked experts: the rank's own slice)
+
     plans = []
     for r in selected:
         rt = per_rank[r]
@@ -462,7 +474,7 @@ def plan_reshard(
             return part_name(r, k)
 
         plans.append(RankPlan(r, rank_info.ep_rank, rank_info.tp_rank, rank_info.moe_tp_rank,
-                              _pack_files(r, outs, max_file_size, align, name_of)))
+                              _pack_files(r, outs, max_file_size, align, name_of, apart=shared)))
     return ReshardPlan(ckpt, topo, plans, _source_json(ckpt), gpus_per_node, extra)
 
 
