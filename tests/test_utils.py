@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import stat
 from pathlib import Path
 
@@ -63,7 +62,7 @@ def test_write_atomic_syncs_the_file_and_then_the_directory(tmp_path: Path, monk
 def test_symlink_planted_at_the_temporary_name_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
-    monkeypatch.setattr(secrets, "token_hex", lambda n: "0" * (2 * n))  # the next temp_name, predictably
+    monkeypatch.setattr(os, "urandom", lambda n: bytes(n))  # the next temp_name, predictably
     final = tmp_path / "out.json"
     temp_name(final).symlink_to(victim)
     with pytest.raises(FileExistsError):
