@@ -553,3 +553,24 @@ def test_the_plan_is_kept_out_of_gc_passes_while_writing(k3_tiny: Path, tmp_path
 
 def _fail(name: str) -> None:
     raise rs.ReshardError(f"{name}: injected")
+
+
+def test_rank_manifest_bytes_are_json_dumps_of_the_layout(k3_tiny: Path, gptoss_tiny: Path) -> None:
+    """A rank manifest's tensor entries are written from columns, not walked as one dict each:
+    the bytes are exactly json.dumps of the layout with every digest added (whole tensors, TP
+    cuts, stacked expert slices with their split, several parts per rank)."""
+    for src, sel in ((k3_tiny, RankSelection(ep=4, tp=2)), (gptoss_tiny, RankSelection(ep=2, world_size=4))):
+        plan = rs.plan_reshard(src, sel, layout="rank", max_file_size=300_000)
+        for rp in plan.units:
+            results = [{"sha256": hashlib.sha256(f.name.encode()).hexdigest(), "size": f.size,
+                        "tensors": {t.name: hashlib.sha256(t.name.encode()).hexdigest() for t in f.tensors}}
+                       for f in rp.files]
+            want = rp.layout()
+            want["source_index_sha256"] = plan.source_json["index_sha256"]
+            for f, res in zip(rp.files, results):
+                want["files"][f.name].update(size=res["size"], sha256=res["sha256"])
+                for name, digest in res["tensors"].items():
+                    want["tensors"][name]["sha256"] = digest
+            assert rp.final_files(results, plan.source_json) == {"rank-manifest.json": (json.dumps(want) + "\n").encode()}
+        assert any(len(rp.files) > 1 for rp in plan.units)
+        assert any(t.split is not None for rp in plan.units for f in rp.files for t in f.tensors)

@@ -37,7 +37,7 @@ import json
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any
 
 from ..errors import TopologyError
@@ -127,29 +127,92 @@ class NodeDir:
         the sha256 of the source's index and of every tensor and file (which the writer computes
         while copying), and the source's non-weight files ``excluded`` by a fetch's
         ``--include``/``--exclude`` (the key only when there are some: a whole node's marker is
-        the same from every producer). One line, no indent: the C encoder (a full K3 node lists
-        ~500k tensors)."""
-        marker = self.marker_json()
-        marker["source_index_sha256"] = source_index_sha256
+        the same from every producer). One line, no indent (a full K3 node lists ~500k tensors):
+        ``json.dumps``' text, its tensor entries written by :func:`json_records`."""
+        head = self._marker_head()
+        tail: dict[str, Any] = {"files": {f.name: {"size": f.size, "rank": f.rank, "sha256": file_sha256[f.name]}
+                                          for f in self.files},
+                                "source_index_sha256": source_index_sha256}
         if excluded:
-            marker["excluded"] = sorted(excluded)
-        for name, entry in marker["files"].items():
-            entry["sha256"] = file_sha256[name]
-        for name, entry in marker["tensors"].items():
-            entry["sha256"] = tensor_sha256[name]
-        return (json.dumps(marker) + "\n").encode()
+            tail["excluded"] = sorted(excluded)
+        # json.dumps({**head, "tensors": ..., **tail})'s text
+        names: list[str] = []
+        files: list[str] = []
+        dtypes: list[str] = []
+        shapes: list[tuple[int, ...]] = []
+        for f in self.files:
+            names += map(_NAME, f.tensors)
+            files += repeat(_json_str(f.name), len(f.tensors))
+            dtypes += map(_DTYPE, f.tensors)
+            shapes += map(_SHAPE, f.tensors)
+        fields = [("file", files), ("dtype", map(JsonStr().__getitem__, dtypes)),
+                  ("shape", map(ShapeJson().__getitem__, shapes)),
+                  ("sha256", json_strings(list(map(tensor_sha256.__getitem__, names))))]
+        text = (json.dumps(head)[:-1] + ', "tensors": ' + json_records(names, fields) + ", " + json.dumps(tail)[1:])
+        return (text + "\n").encode()
 
-    def marker_json(self) -> dict[str, Any]:
-        """``k3ckpt-node.json`` without digests and source: :meth:`marker_bytes` adds them."""
+    def _marker_head(self) -> dict[str, Any]:
+        """The keys of :meth:`marker_json` before ``tensors``."""
         return {
             "format": NODE_FORMAT, "version": VERSION, "node": self.node, "gpus_per_node": self.gpus_per_node,
             "ranks": list(self.ranks), "experts": self.experts,
             "experts_by_rank": {str(r): list(e) for r, e in self.experts_by_rank.items()},
             "topology": self.topology.to_json(),
+        }
+
+    def marker_json(self) -> dict[str, Any]:
+        """``k3ckpt-node.json`` without digests and source: :meth:`marker_bytes` adds them."""
+        return {
+            **self._marker_head(),
             "tensors": {t.name: {"file": f.name, "dtype": t.dtype, "shape": list(t.shape)}
                         for f in self.files for t in f.tensors},
             "files": {f.name: {"size": f.size, "rank": f.rank} for f in self.files},
         }
+
+
+def json_records(keys: Sequence[str], fields: Sequence[tuple[str, Iterable[str]]]) -> str:
+    """``json.dumps({k: {name: value, ...} for k in keys})``'s text (default separators,
+    ASCII), from columns: ``fields`` is ``(name, values)`` pairs, each value already its JSON
+    text, one per key. The ~10^5 entries of a K3 node's marker (or a rank manifest) are
+    written in C-level loops instead of walked as one dict each."""
+    if not keys:
+        return "{}"
+    # one flat run of pieces (", ", key, ': {"file": ', value, ', "dtype": ', ..., "}" per key)
+    # joined once: no formatting or concatenation per key
+    columns: list[Iterable[str]] = [repeat(", "), json_strings(list(keys))]
+    for k, (name, values) in enumerate(fields):
+        columns += [repeat((": {" if k == 0 else ", ") + json.dumps(name) + ": "), values]
+    columns.append(repeat("}"))
+    return "{" + "".join(chain.from_iterable(zip(*columns)))[2:] + "}"
+
+
+def json_strings(values: list[str]) -> list[str]:
+    """``[json.dumps(v) for v in values]``: when every value is printable ASCII without quotes
+    or backslashes (tensor names, hex digests), each is itself in quotes."""
+    joined = "".join(values)
+    if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
+        return list(map(operator.add, map(operator.add, repeat('"'), values), repeat('"')))
+    return list(map(_json_str, values))
+
+
+class JsonStr(dict[str, str]):
+    """str -> ``json.dumps(str)``, once per distinct string (dtypes, file names)."""
+
+    def __missing__(self, key: str) -> str:
+        v = self[key] = _json_str(key)
+        return v
+
+
+#: json's own string escaper (its C version when available): what ``json.dumps`` uses for str.
+_json_str = json.encoder.encode_basestring_ascii
+
+
+class ShapeJson(dict[tuple[int, ...], str]):
+    """shape -> ``json.dumps(list(shape))``, once per distinct shape (through ``map``, hits stay in C)."""
+
+    def __missing__(self, key: tuple[int, ...]) -> str:
+        v = self[key] = json.dumps(list(key))
+        return v
 
 
 def plan_node_dir(
