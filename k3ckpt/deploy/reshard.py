@@ -253,8 +253,6 @@ _new_out = partial(tuple.__new__, OutTensor)
 _I_NAME, _I_DTYPE, _I_SHAPE, _I_BEGIN, _I_END, _I_FILE = (operator.itemgetter(i) for i in range(6))
 _T_NAME, _T_DTYPE, _T_SHAPE, _T_SOURCE_SHAPE, _T_SRC, _T_RUNS, _T_NBYTES, _T_KEY = (
     operator.itemgetter(i) for i in (0, 1, 2, 3, 5, 6, 7, 8))
-#: json's own string escaper (its C version when available): what ``json.dumps`` uses for str.
-_json_str = json.encoder.encode_basestring_ascii
 _LAST = operator.itemgetter(-1)
 
 
@@ -364,7 +362,7 @@ class RankPlan:
         digests: dict[str, str] = {}
         for f, res in zip(self.files, results):
             names += map(_T_NAME, f.tensors)
-            files += repeat(_json_str(f.name), len(f.tensors))
+            files += repeat(json.dumps(f.name), len(f.tensors))
             cols += f.tensors
             digests.update(res["tensors"])
         shape_json = ShapeJson()

@@ -490,7 +490,7 @@ def header_prefix(
 
 #: One header entry, as ``json.dumps(..., separators=(",", ":"))`` writes it.
 _ENTRY = '{}:{{"dtype":{},"shape":{},"data_offsets":[{},{}]}}'
-# json's own string escaper (its C version when available): what json.dumps(ensure_ascii=True) uses
+#: json's own string escaper (its C version when available): what ``json.dumps`` (ASCII) uses for a str
 _json_str = json.encoder.encode_basestring_ascii
 
 

@@ -41,7 +41,7 @@ from itertools import chain, repeat
 from typing import Any
 
 from ..errors import TopologyError
-from .header import TensorInfo, header_prefix
+from .header import TensorInfo, _json_str, header_prefix
 from .layout import NODE_FORMAT, VERSION
 from .roles import Role, classify
 from .topology import InventoryIndex, Topology, index_of, ranks_of_node
@@ -202,9 +202,6 @@ class JsonStr(dict[str, str]):
         v = self[key] = _json_str(key)
         return v
 
-
-#: json's own string escaper (its C version when available): what ``json.dumps`` uses for str.
-_json_str = json.encoder.encode_basestring_ascii
 
 
 class ShapeJson(dict[tuple[int, ...], str]):
