@@ -383,3 +383,32 @@ def test_the_plan_fixes_every_byte_a_producer_writes(k3_tiny: Path, tmp_path: Pa
     assert (ndir / INDEX_NAME).read_bytes() == nd.index_bytes()
     source_sha = hashlib.sha256((k3_tiny / INDEX_NAME).read_bytes()).hexdigest()
     assert (ndir / "k3ckpt-node.json").read_bytes() == nd.marker_bytes(source_sha, tensor_sha, file_sha)
+
+
+@pytest.mark.parametrize("odd_names", [False, True])
+def test_marker_bytes_are_json_dumps_of_the_marker(k3_tiny: Path, odd_names: bool) -> None:
+    """The marker's tensor entries are written from columns (json_records), not walked as one
+    dict each: the bytes are exactly json.dumps of the marker with its digests, for plain names
+    and for names JSON must escape (quotes, backslashes, control and non-ASCII characters),
+    over several files of each kind."""
+    from k3ckpt.format.header import TensorInfo
+
+    tensors = dict(open_checkpoint(k3_tiny).tensors)
+    if odd_names:
+        for k, name in enumerate(['odd."q".weight', "odd\\b.weight", "odd.\x01.weight", "odd.é名.weight"]):
+            tensors[name] = TensorInfo(name, "BF16", (2, k + 1), 0, 4 * (k + 1), f"extra-{k}.safetensors")
+    topo = Topology.make(ep=8, tp=2, num_experts=16)
+    nd = plan_node_dir(tensors, topo, 1, 4, max_file_size=300_000)
+    assert len([f for f in nd.files if f.rank is None]) > 1 and len(nd.files) > 5
+    tensor_sha = {t.name: hashlib.sha256(t.name.encode()).hexdigest() for f in nd.files for t in f.tensors}
+    file_sha = {f.name: hashlib.sha256(f.name.encode()).hexdigest() for f in nd.files}
+    for excluded in ((), ("z.txt", 'a"é.md')):
+        want = nd.marker_json()
+        want["source_index_sha256"] = "abc"
+        if excluded:
+            want["excluded"] = sorted(excluded)
+        for name, entry in want["files"].items():
+            entry["sha256"] = file_sha[name]
+        for name, entry in want["tensors"].items():
+            entry["sha256"] = tensor_sha[name]
+        assert nd.marker_bytes("abc", tensor_sha, file_sha, excluded) == (json.dumps(want) + "\n").encode()

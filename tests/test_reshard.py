@@ -525,3 +525,52 @@ def test_a_weight_file_that_cannot_be_synced_is_named_and_a_rerun_completes(
     rs.reshard(k3_tiny, tmp_path / "ref", sel, layout="rank")
     for ref in sorted((tmp_path / "ref").glob("rank-*/*")):
         assert (out / ref.relative_to(tmp_path / "ref")).read_bytes() == ref.read_bytes(), ref
+
+
+@pytest.mark.parametrize("caller_froze", [False, True])
+def test_the_plan_is_kept_out_of_gc_passes_while_writing(k3_tiny: Path, tmp_path: Path, caller_froze: bool) -> None:
+    """While files are written, the objects that existed when the run began (the plan: ~10^5
+    tuples per 10^4 tensors) are frozen out of the cyclic GC's passes, and handed back after
+    the run, also when it fails. A caller that froze objects itself (say, before forking) keeps
+    its freeze untouched: the run neither adds to it nor unfreezes it."""
+    import gc
+
+    plan = rs.plan_reshard(k3_tiny, RankSelection(tp=2, dp=2, gpus_per_node=2))
+    during: list[int] = []
+    if caller_froze:
+        gc.freeze()
+    before = gc.get_freeze_count()
+    try:
+        rs.run_reshard(plan, tmp_path / "o", jobs=2, progress=lambda n: during.append(gc.get_freeze_count()))
+        assert during and (set(during) == {before} if caller_froze else min(during) > 0)
+        assert gc.get_freeze_count() == before
+        with pytest.raises(rs.ReshardError):  # a failed run hands the objects back too
+            rs.run_reshard(plan, tmp_path / "o", jobs=2, force=True, _fail_before=_fail)
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
+
+
+def _fail(name: str) -> None:
+    raise rs.ReshardError(f"{name}: injected")
+
+
+def test_rank_manifest_bytes_are_json_dumps_of_the_layout(k3_tiny: Path, gptoss_tiny: Path) -> None:
+    """A rank manifest's tensor entries are written from columns, not walked as one dict each:
+    the bytes are exactly json.dumps of the layout with every digest added (whole tensors, TP
+    cuts, stacked expert slices with their split, several parts per rank)."""
+    for src, sel in ((k3_tiny, RankSelection(ep=4, tp=2)), (gptoss_tiny, RankSelection(ep=2, world_size=4))):
+        plan = rs.plan_reshard(src, sel, layout="rank", max_file_size=300_000)
+        for rp in plan.units:
+            results = [{"sha256": hashlib.sha256(f.name.encode()).hexdigest(), "size": f.size,
+                        "tensors": {t.name: hashlib.sha256(t.name.encode()).hexdigest() for t in f.tensors}}
+                       for f in rp.files]
+            want = rp.layout()
+            want["source_index_sha256"] = plan.source_json["index_sha256"]
+            for f, res in zip(rp.files, results):
+                want["files"][f.name].update(size=res["size"], sha256=res["sha256"])
+                for name, digest in res["tensors"].items():
+                    want["tensors"][name]["sha256"] = digest
+            assert rp.final_files(results, plan.source_json) == {"rank-manifest.json": (json.dumps(want) + "\n").encode()}
+        assert any(len(rp.files) > 1 for rp in plan.units)
+        assert any(t.split is not None for rp in plan.units for f in rp.files for t in f.tensors)

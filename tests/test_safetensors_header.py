@@ -502,6 +502,45 @@ def test_property_build_header_parses_back(specs, extra, meta) -> None:
     ]
 
 
+def _header_by_dumps(specs: list[TensorSpec], metadata: dict[str, str] | None, align: int
+                     ) -> tuple[bytes, list[tuple[int, int]]]:
+    """The header as the format's definition reads: one dict per entry through ``json.dumps``."""
+    entries: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offsets, pos = [], 0
+    for s in specs:
+        if s.name in entries:
+            raise ValueError(f"duplicate tensor name {s.name!r}")
+        end = pos + s.nbytes
+        entries[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [pos, end]}
+        offsets.append((pos, end))
+        pos = end
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * ((-(8 + len(raw))) % align)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+@PROPERTY
+@given(specs=st.lists(st.tuples(st.text(max_size=6) | st.sampled_from(["__metadata__", 'a"b', "a\\b", "\x00\x7f", "名前"]),
+                                st.sampled_from(sorted(DTYPE_BITS) + ["XX"]), st.lists(st.integers(0, 9), max_size=3)),
+                      max_size=8),
+       meta=st.none() | st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2),
+       align=st.sampled_from([8, 64, 4096]))
+def test_property_build_header_bytes_are_json_dumps(specs, meta, align) -> None:
+    """build_header writes its JSON in C-level loops from columns (header_prefix): byte for byte
+    what one dict per entry through json.dumps gives - escaped and non-ASCII names, empty shapes,
+    metadata, padding - and the same error, in the same order, for a duplicate name or a dtype
+    that is unknown or does not fill whole bytes."""
+    all_specs = [TensorSpec(n, d, tuple(s)) for n, d, s in specs]
+
+    def outcome(build):  # the result, or the error it raises
+        try:
+            return build(all_specs, meta, align)
+        except (ValueError, KeyError) as e:
+            return type(e), str(e)
+
+    assert outcome(build_header) == outcome(_header_by_dumps)
+
+
 def _valid_small_file() -> bytes:
     specs = [TensorSpec("a.weight", "F32", (2, 2)), TensorSpec("b", "U8", (3,)), TensorSpec("c", "BF16", (0, 2)),
              TensorSpec("d", "I16", (1,))]

@@ -20,10 +20,10 @@ import math
 import operator
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import chain, repeat
+from itertools import accumulate, chain, repeat
 from typing import Any, BinaryIO, NamedTuple
 
 from ..env import K3CKPT_MAX_HEADER_BYTES
@@ -448,19 +448,63 @@ def build_header(
     Returns the full prefix (8-byte length + JSON padded with spaces so that the data buffer
     starts at a multiple of ``align``) and the ``(begin, end)`` of each tensor.
     """
-    entries: dict[str, Any] = {}
-    if metadata:
-        entries["__metadata__"] = dict(metadata)
-    offsets: list[tuple[int, int]] = []
-    pos = 0
-    for s in specs:
-        if s.name in entries:
-            raise ValueError(f"duplicate tensor name {s.name!r}")
-        end = pos + s.nbytes
-        entries[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [pos, end]}
-        offsets.append((pos, end))
-        pos = end
-    raw = json.dumps(entries, separators=(",", ":")).encode("utf-8")
-    pad = (-(8 + len(raw))) % align
-    raw += b" " * pad
-    return struct.pack("<Q", len(raw)) + raw, offsets
+    specs = list(specs)
+    return header_prefix([s.name for s in specs], [s.dtype for s in specs], [tuple(s.shape) for s in specs],
+                         metadata, align)
+
+
+def header_prefix(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[tuple[int, ...]],
+    metadata: dict[str, str] | None = None, align: int = 8,
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """:func:`build_header` over columns (a tensor's name, dtype and shape at the same index):
+    the same bytes, built in C-level loops. A node or rank file of the full K3 inventory lists
+    ~10^4-10^5 tensors, and building one dict per entry for ``json.dumps`` cost ~6 us each.
+
+    Each entry is written as ``json.dumps(entries, separators=(",", ":"))`` would: keys and
+    dtypes through the encoder's own string escaper, shapes and offsets as its integer lists.
+
+    Raises:
+        ValueError: a duplicate name (``__metadata__`` included, with metadata), or a dtype and
+            shape that do not fill whole bytes; KeyError: an unknown dtype - the first in order.
+    """
+    sizes = _SizeOf()
+    unique = set(names)
+    if len(unique) != len(names) or (metadata and "__metadata__" in unique):
+        seen = {"__metadata__"} if metadata else set()
+        for i, name in enumerate(names):
+            if name in seen:
+                list(map(sizes.__getitem__, zip(dtypes[:i], shapes[:i])))  # an earlier bad size is raised first
+                raise ValueError(f"duplicate tensor name {name!r}")
+            seen.add(name)
+    ends = list(accumulate(map(sizes.__getitem__, zip(dtypes, shapes))))
+    begins = [0, *ends[:-1]] if ends else []
+    entries = ",".join(map(_ENTRY.format, map(_json_str, names), map(_json_str, dtypes),
+                           map(_ShapeJson().__getitem__, shapes), begins, ends))
+    head = json.dumps({"__metadata__": dict(metadata)}, separators=(",", ":"))[:-1] if metadata else "{"
+    text = head + ("," if metadata and entries else "") + entries + "}"
+    raw = text.encode("utf-8")  # ASCII: the escaper leaves nothing else
+    raw += b" " * ((-(8 + len(raw))) % align)
+    return struct.pack("<Q", len(raw)) + raw, list(zip(begins, ends))
+
+
+#: One header entry, as ``json.dumps(..., separators=(",", ":"))`` writes it.
+_ENTRY = '{}:{{"dtype":{},"shape":{},"data_offsets":[{},{}]}}'
+#: json's own string escaper (its C version when available): what ``json.dumps`` (ASCII) uses for a str
+_json_str = json.encoder.encode_basestring_ascii
+
+
+class _SizeOf(dict[tuple[str, tuple[int, ...]], int]):
+    """(dtype, shape) -> bytes, computed once per distinct pair (hits stay in C via ``map``)."""
+
+    def __missing__(self, key: tuple[str, tuple[int, ...]]) -> int:
+        v = self[key] = tensor_nbytes(*key)
+        return v
+
+
+class _ShapeJson(dict[tuple[int, ...], str]):
+    """shape -> its compact JSON list, computed once per distinct shape."""
+
+    def __missing__(self, key: tuple[int, ...]) -> str:
+        v = self[key] = json.dumps(list(key), separators=(",", ":"))
+        return v

@@ -34,12 +34,14 @@ Decisions:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain, repeat
 from typing import Any
 
 from ..errors import TopologyError
-from .header import TensorInfo, TensorSpec, build_header
+from .header import TensorInfo, _json_str, header_prefix
 from .layout import NODE_FORMAT, VERSION
 from .roles import Role, classify
 from .topology import InventoryIndex, Topology, index_of, ranks_of_node
@@ -125,29 +127,89 @@ class NodeDir:
         the sha256 of the source's index and of every tensor and file (which the writer computes
         while copying), and the source's non-weight files ``excluded`` by a fetch's
         ``--include``/``--exclude`` (the key only when there are some: a whole node's marker is
-        the same from every producer). One line, no indent: the C encoder (a full K3 node lists
-        ~500k tensors)."""
-        marker = self.marker_json()
-        marker["source_index_sha256"] = source_index_sha256
+        the same from every producer). One line, no indent (a full K3 node lists ~500k tensors):
+        ``json.dumps``' text, its tensor entries written by :func:`json_records`."""
+        head = self._marker_head()
+        tail: dict[str, Any] = {"files": {f.name: {"size": f.size, "rank": f.rank, "sha256": file_sha256[f.name]}
+                                          for f in self.files},
+                                "source_index_sha256": source_index_sha256}
         if excluded:
-            marker["excluded"] = sorted(excluded)
-        for name, entry in marker["files"].items():
-            entry["sha256"] = file_sha256[name]
-        for name, entry in marker["tensors"].items():
-            entry["sha256"] = tensor_sha256[name]
-        return (json.dumps(marker) + "\n").encode()
+            tail["excluded"] = sorted(excluded)
+        # json.dumps({**head, "tensors": ..., **tail})'s text
+        names: list[str] = []
+        files: list[str] = []
+        dtypes: list[str] = []
+        shapes: list[tuple[int, ...]] = []
+        for f in self.files:
+            names += map(_NAME, f.tensors)
+            files += repeat(_json_str(f.name), len(f.tensors))
+            dtypes += map(_DTYPE, f.tensors)
+            shapes += map(_SHAPE, f.tensors)
+        fields = [("file", files), ("dtype", map(JsonStr().__getitem__, dtypes)),
+                  ("shape", map(ShapeJson().__getitem__, shapes)),
+                  ("sha256", json_strings(list(map(tensor_sha256.__getitem__, names))))]
+        text = (json.dumps(head)[:-1] + ', "tensors": ' + json_records(names, fields) + ", " + json.dumps(tail)[1:])
+        return (text + "\n").encode()
 
-    def marker_json(self) -> dict[str, Any]:
-        """``k3ckpt-node.json`` without digests and source: :meth:`marker_bytes` adds them."""
+    def _marker_head(self) -> dict[str, Any]:
+        """The keys of :meth:`marker_json` before ``tensors``."""
         return {
             "format": NODE_FORMAT, "version": VERSION, "node": self.node, "gpus_per_node": self.gpus_per_node,
             "ranks": list(self.ranks), "experts": self.experts,
             "experts_by_rank": {str(r): list(e) for r, e in self.experts_by_rank.items()},
             "topology": self.topology.to_json(),
+        }
+
+    def marker_json(self) -> dict[str, Any]:
+        """``k3ckpt-node.json`` without digests and source: :meth:`marker_bytes` adds them."""
+        return {
+            **self._marker_head(),
             "tensors": {t.name: {"file": f.name, "dtype": t.dtype, "shape": list(t.shape)}
                         for f in self.files for t in f.tensors},
             "files": {f.name: {"size": f.size, "rank": f.rank} for f in self.files},
         }
+
+
+def json_records(keys: Sequence[str], fields: Sequence[tuple[str, Iterable[str]]]) -> str:
+    """``json.dumps({k: {name: value, ...} for k in keys})``'s text (default separators,
+    ASCII), from columns: ``fields`` is ``(name, values)`` pairs, each value already its JSON
+    text, one per key. The ~10^5 entries of a K3 node's marker (or a rank manifest) are
+    written in C-level loops instead of walked as one dict each."""
+    if not keys:
+        return "{}"
+    # one flat run of pieces (", ", key, ': {"file": ', value, ', "dtype": ', ..., "}" per key)
+    # joined once: no formatting or concatenation per key
+    columns: list[Iterable[str]] = [repeat(", "), json_strings(list(keys))]
+    for k, (name, values) in enumerate(fields):
+        columns += [repeat((": {" if k == 0 else ", ") + json.dumps(name) + ": "), values]
+    columns.append(repeat("}"))
+    return "{" + "".join(chain.from_iterable(zip(*columns)))[2:] + "}"
+
+
+def json_strings(values: list[str]) -> list[str]:
+    """``[json.dumps(v) for v in values]``: when every value is printable ASCII without quotes
+    or backslashes (tensor names, hex digests), each is itself in quotes."""
+    joined = "".join(values)
+    if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
+        return list(map(operator.add, map(operator.add, repeat('"'), values), repeat('"')))
+    return list(map(_json_str, values))
+
+
+class JsonStr(dict[str, str]):
+    """str -> ``json.dumps(str)``, once per distinct string (dtypes, file names)."""
+
+    def __missing__(self, key: str) -> str:
+        v = self[key] = _json_str(key)
+        return v
+
+
+
+class ShapeJson(dict[tuple[int, ...], str]):
+    """shape -> ``json.dumps(list(shape))``, once per distinct shape (through ``map``, hits stay in C)."""
+
+    def __missing__(self, key: tuple[int, ...]) -> str:
+        v = self[key] = json.dumps(list(key))
+        return v
 
 
 def plan_node_dir(
@@ -179,11 +241,11 @@ def plan_node_dir(
     ranks = ranks_of_node(node, gpus_per_node, topo.world_size)
     idx = index if index is not None else index_of((tensors, roles or {n: classify(n) for n in tensors}))
     by_rank = {r: topo.rank_info(r).experts for r in ranks}
-    dense = sorted((tensors[n] for n in idx.dense_names), key=_source_order)
+    dense = _source_sorted([tensors[n] for n in idx.dense_names])
     files = _files(dense, None, max_file_size, align, dense_file_name)
     for r, experts in by_rank.items():
         own = [tensors[n] for e in experts for n in idx.expert_names.get(e, ())]
-        own.sort(key=lambda t: _expert_order(t, roles))
+        own = _expert_sorted(own, roles)
 
         def name_of(k: int, n: int, r: int = r) -> str:  # a def: mypy cannot type a defaulted lambda
             return rank_file_name(r, k, n)
@@ -192,48 +254,102 @@ def plan_node_dir(
     return NodeDir(node, gpus_per_node, tuple(ranks), by_rank, topo, tuple(files))
 
 
-def _source_order(t: TensorInfo) -> tuple[str, int, str]:
-    return t.file, t.begin, t.name
+def _source_sorted(tensors: list[TensorInfo]) -> list[TensorInfo]:
+    """``tensors`` by (source file, offset, name)."""
+    return list(map(_LAST, sorted(zip(map(_FILE, tensors), map(_BEGIN, tensors), map(_NAME, tensors), tensors))))
 
 
-def _expert_order(t: TensorInfo, roles: Mapping[str, Role] | None) -> tuple[int, int, str, int, str]:
-    role = roles[t.name] if roles is not None else classify(t.name)
-    return (-1 if role.layer is None else role.layer), (role.expert or 0), t.file, t.begin, t.name
+def _expert_sorted(tensors: list[TensorInfo], roles: Mapping[str, Role] | None) -> list[TensorInfo]:
+    """``tensors`` (routed experts) by (layer, expert, source file, offset, name), the keys
+    built in C-level loops (a K3 node holds ~10^5 expert tensors)."""
+    names = list(map(_NAME, tensors))
+    role_list = list(map(roles.__getitem__, names)) if roles is not None else list(map(classify, names))
+    layers = list(map(_LAYER, role_list))
+    experts = list(map(_EXPERT, role_list))
+    if None in layers or None in experts:  # never for a routed expert's role; kept exact all the same
+        layers = [-1 if v is None else v for v in layers]
+        experts = [v or 0 for v in experts]
+    keyed = sorted(zip(layers, experts, map(_FILE, tensors), map(_BEGIN, tensors), names, tensors))
+    return list(map(_LAST, keyed))
 
 
-def _entry_bound(t: TensorInfo) -> int:
-    """Header bytes ``t``'s entry needs at most. Cheap (no JSON encoding: the full K3 inventory
+_NAME, _DTYPE, _SHAPE, _BEGIN, _END, _FILE = (operator.itemgetter(i) for i in range(6))  # TensorInfo fields
+_LAYER, _EXPERT = operator.itemgetter(2), operator.itemgetter(3)  # Role fields
+_LAST = operator.itemgetter(-1)
+
+
+def _entry_bounds(names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]]) -> list[int]:
+    """Header bytes each entry needs at most. Cheap (no JSON encoding: the full K3 inventory
     has ~497k entries): ``str`` of the shape tuple is never shorter than its compact JSON list,
     and a name needing escapes is counted at the worst case of six bytes a character."""
-    name = t.name
+    joined = "".join(names)
+    if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
+        name_bytes: Iterable[int] = map(len, names)  # every name plain: its JSON is itself in quotes
+    else:
+        name_bytes = map(_name_bound, names)
+    shape_len = _ShapeLen()
+    return list(map(sum, zip(name_bytes, map(len, dtypes), map(shape_len.__getitem__, shapes),
+                             repeat(2 + _ENTRY_OVERHEAD))))
+
+
+def _name_bound(name: str) -> int:
     plain = name.isascii() and name.isprintable() and '"' not in name and "\\" not in name
-    return (len(name) if plain else 6 * len(name)) + 2 + len(t.dtype) + len(str(t.shape)) + _ENTRY_OVERHEAD
+    return len(name) if plain else 6 * len(name)
+
+
+class _ShapeLen(dict[tuple[int, ...], int]):
+    """shape -> ``len(str(shape))``, once per distinct shape."""
+
+    def __missing__(self, key: tuple[int, ...]) -> int:
+        v = self[key] = len(str(key))
+        return v
 
 
 def _files(tensors: list[TensorInfo], rank: int | None, max_file_size: int, align: int,
            name_of: Any) -> list[NodeFile]:
     """Pack ``tensors`` (in order) greedily into files of at most ``max_file_size`` bytes, header
     included; ``name_of(k, n)`` names file ``k`` of ``n``."""
-    groups: list[list[TensorInfo]] = []
-    data = header = 0
-    for t in tensors:
-        entry = _entry_bound(t)
-        if not groups or data + t.nbytes + _aligned(header + entry, align) > max_file_size:
-            groups.append([])
-            data, header = 0, _HEADER_OVERHEAD
-        groups[-1].append(t)
-        data += t.nbytes
-        header += entry
+    names = list(map(_NAME, tensors))
+    dtypes = list(map(_DTYPE, tensors))
+    shapes = list(map(_SHAPE, tensors))
+    sizes = list(map(operator.sub, map(_END, tensors), map(_BEGIN, tensors)))
+    bounds = _entry_bounds(names, dtypes, shapes)
+    cuts = _pack(sizes, bounds, max_file_size, align)
     out = []
-    for k, group in enumerate(groups):
-        prefix, offsets = build_header([TensorSpec(t.name, t.dtype, t.shape) for t in group], NODE_METADATA,
-                                       align=align)
-        for t, (b, e) in zip(group, offsets):
-            if e - b != t.nbytes:  # a header's size disagrees with its dtype and shape: never ours to fix
-                raise TopologyError(f"tensor {t.name!r} in {t.file}: {t.nbytes} bytes, but {t.dtype} "
-                                    f"{list(t.shape)} needs {e - b}")
-        out.append(NodeFile(name_of(k, len(groups)), rank, tuple(group), prefix, tuple(offsets)))
+    for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        prefix, offsets = header_prefix(names[a:b], dtypes[a:b], shapes[a:b], NODE_METADATA, align=align)
+        if list(map(operator.sub, map(_SECOND, offsets), map(_FIRST, offsets))) != sizes[a:b]:
+            for t, (lo, hi) in zip(tensors[a:b], offsets):
+                if hi - lo != t.nbytes:  # a header's size disagrees with its dtype and shape: never ours to fix
+                    raise TopologyError(f"tensor {t.name!r} in {t.file}: {t.nbytes} bytes, but {t.dtype} "
+                                        f"{list(t.shape)} needs {hi - lo}")
+        out.append(NodeFile(name_of(k, len(cuts) - 1), rank, tuple(tensors[a:b]), prefix, tuple(offsets)))
     return out
+
+
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _pack(sizes: list[int], bounds: list[int], max_file_size: int, align: int) -> list[int]:
+    """Where greedy packing cuts: ``[0, ..., len(sizes)]``, file ``k`` holding ``[cuts[k],
+    cuts[k+1])``. A new file starts when the next tensor's data and header entry would take the
+    file past ``max_file_size``. Totals only grow, so when everything fits there is one file."""
+    n = len(sizes)
+    if not n:
+        return [0]
+    if sum(sizes) + _aligned(_HEADER_OVERHEAD + sum(bounds), align) <= max_file_size:
+        return [0, n]
+    cuts = [0]
+    data, header = sizes[0], _HEADER_OVERHEAD + bounds[0]
+    for i in range(1, n):
+        size, entry = sizes[i], bounds[i]
+        if data + size + _aligned(header + entry, align) > max_file_size:
+            cuts.append(i)
+            data, header = 0, _HEADER_OVERHEAD
+        data += size
+        header += entry
+    cuts.append(n)
+    return cuts
 
 
 def _aligned(n: int, align: int) -> int:
