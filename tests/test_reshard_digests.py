@@ -253,6 +253,21 @@ def test_rank_dense_parts_are_twins_hashed_once(k3_tiny: Path, tmp_path: Path, m
     check_digests(k3_tiny, tmp_path / "out")
 
 
+def test_a_twin_is_written_as_soon_as_its_first_is(k3_tiny: Path, tmp_path: Path) -> None:
+    """One writer: the second node's dense file (a twin: copied, not hashed) is taken right
+    after the first node's, ahead of the expert files queued before it was released - not
+    last, where it was copied with the other cores idle."""
+    from k3ckpt.deploy import reshard as rs
+    from k3ckpt.format.topology import RankSelection
+
+    plan = rs.plan_reshard(k3_tiny, RankSelection(tp=2, dp=2, gpus_per_node=2), layout="node")
+    written: list[str] = []
+    rs.run_reshard(plan, tmp_path / "out", jobs=1, _fail_before=written.append)
+    dense = [k for k, name in enumerate(written) if name.startswith("model-dense-")]
+    assert len(dense) == 2 and dense[1] == dense[0] + 1 and dense[1] < len(written) - 1, written
+    check_digests(k3_tiny, tmp_path / "out")
+
+
 def test_twin_of_a_failed_file_is_hashed_itself(k3_tiny: Path, tmp_path: Path, cache: Path) -> None:
     """The first writer of the dense file fails: its twin on the other node is hashed as any
     file, that node completes, and a re-run completes the other."""

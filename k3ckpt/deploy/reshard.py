@@ -96,6 +96,7 @@ import re
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -833,6 +834,38 @@ def _twin_key(f: OutFile) -> tuple:
     return f.prefix, tuple(zip(map(_T_SRC, f.tensors), map(_T_RUNS, f.tensors)))
 
 
+class _WriteQueue:
+    """The files of a run, each taken by a pool worker at the moment it starts one, in the
+    queue's order then - not in the order they were submitted. A twin (its digests known: a
+    copy only, bound by the disk) is released when its first is written and goes to the front,
+    so it is copied while the cores still hash the files queued behind it; queued at the back
+    it ran last, one writer copying (a node's 270 MiB dense twin) while the other core idled."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._jobs: deque[tuple[Future, Callable[[], dict[str, Any]]]] = deque()
+
+    def put(self, job: Callable[[], dict[str, Any]], *, front: bool = False) -> Future:
+        """A future for ``job()``, run by the next free worker (``front``: before the others
+        waiting). Raises RuntimeError once the pool is shut down (an error or Ctrl-C)."""
+        fut: Future = Future()
+        with self._lock:
+            (self._jobs.appendleft if front else self._jobs.append)((fut, job))
+        self._pool.submit(self._run_next)  # one worker turn per job: every job is taken once
+        return fut
+
+    def _run_next(self) -> None:
+        with self._lock:
+            fut, job = self._jobs.popleft()
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(job())
+        except BaseException as e:  # the caller sees it through the future, as with pool.submit
+            fut.set_exception(e)
+
+
 def _after(first: Future, submit: Callable[[dict[str, Any] | None], Future]) -> Future:
     """A future for ``submit(twin)``, called once ``first`` (a byte-identical file's writer) is
     done, with its digests (``None`` if it failed: the file is then hashed as any other).
@@ -1169,6 +1202,7 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
     written = 0
     files_done = 0
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard")
+    queue = _WriteQueue(pool)
     try:
         # largest files first within the whole job keeps the pool busy to the end
         order = sorted(((f.size, rp.unit, k) for rp in todo for k, f in enumerate(rp.files)), reverse=True)
@@ -1180,12 +1214,12 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
             dest = outp / by_unit[r].dir_name / f.name
             first = firsts.get(key := _twin_key(f))
             if first is None:
-                slots[(r, k)] = firsts[key] = pool.submit(_write_file, plan, f, dest, mode, cache, progress,
-                                                          fail_before, window=window)
+                slots[(r, k)] = firsts[key] = queue.put(partial(_write_file, plan, f, dest, mode, cache, progress,
+                                                                fail_before, window=window))
             else:
                 def submit(twin: dict[str, Any] | None, f: OutFile = f, dest: Path = dest) -> Future:
-                    return pool.submit(_write_file, plan, f, dest, mode, cache, progress, fail_before, twin,
-                                       window=window)
+                    return queue.put(partial(_write_file, plan, f, dest, mode, cache, progress, fail_before, twin,
+                                             window=window), front=twin is not None)
 
                 slots[(r, k)] = _after(first, submit)
         # A unit is finished (manifest, READY) as soon as its last file is written, whatever
