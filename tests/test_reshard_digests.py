@@ -268,6 +268,34 @@ def test_a_twin_is_written_as_soon_as_its_first_is(k3_tiny: Path, tmp_path: Path
     check_digests(k3_tiny, tmp_path / "out")
 
 
+def test_extra_files_are_copied_while_the_weights_are_written(k3_tiny: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config, tokenizer and licence of each node are copied once the writers copy weights
+    (their fsyncs are not on the way to the first weight byte), and still land before READY."""
+    import threading
+
+    from k3ckpt.deploy import reshard as rs
+    from k3ckpt.format.topology import RankSelection
+
+    copying = threading.Event()
+    real_copy = rs.copy_files
+    waited: list[bool] = []
+
+    def copy_files(*args: Any, **kwargs: Any) -> Any:
+        waited.append(copying.wait(30))  # False (after 30 s) if no weight byte was copied first
+        return real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(rs, "copy_files", copy_files)
+    rs.reshard(k3_tiny, tmp_path / "out", RankSelection(tp=2, dp=2, gpus_per_node=2), layout="node",
+               progress=lambda n: copying.set())
+    assert waited == [True, True]  # one copy per node
+    for d, _ in _units(tmp_path / "out"):
+        assert (d / "READY").exists()
+        for f in ("config.json", "tokenizer_config.json", "LICENSE"):
+            assert (d / f).read_bytes() == (k3_tiny / f).read_bytes()
+    check_digests(k3_tiny, tmp_path / "out")
+
+
 def test_twin_of_a_failed_file_is_hashed_itself(k3_tiny: Path, tmp_path: Path, cache: Path) -> None:
     """The first writer of the dense file fails: its twin on the other node is hashed as any
     file, that node completes, and a re-run completes the other."""
