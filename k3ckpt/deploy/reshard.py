@@ -9,7 +9,9 @@ rank-manifest.json, READY}``. What each rank holds comes from
 How bytes move (streaming; memory is a few bounded buffers per worker, whatever the size):
 
 - each rank's tensors are grouped per source file and sorted by source offset, then packed
-  into parts of at most ``--max-shard-size``;
+  into parts of at most ``--max-shard-size``: its dense tensors (whole, or its tp_rank's cut)
+  first, in parts of their own, then its experts - so a dense part is byte-identical on every
+  rank of the same tp_rank, and is hashed once per run;
 - every tensor becomes a list of *byte runs* ``(offset, length, count, stride)`` in the source:
   a whole tensor, a dim-0 split and a run of consecutive whole experts are one contiguous run;
   a split of a later dim is ``count`` rows of ``length`` bytes ``stride`` apart;
@@ -25,7 +27,9 @@ pages: the copy that follows reads the same ones; nothing is read back from the 
 byte is read from disk twice), and buffered chunks are hashed from the buffer they are written
 from. The file digest must cover every output byte, so it is always computed. A tensor slice's
 digest is computed once per run, fed from that same read, and reused wherever several ranks or
-nodes hold the same slice (replicated tensors, TP slices across dp ranks). With ``--manifest``
+nodes hold the same slice (replicated tensors, TP slices across dp ranks); a file byte-identical
+to another of the run (a twin: a node's dense files, a rank's dense parts) takes its digests
+from that one and is only copied, as soon as that one is written. With ``--manifest``
 (:func:`manifest_digests`) whole tensors of source files that ``verify`` or ``fetch`` last found
 unchanged and equal to the manifest take their digest from it and are not hashed at all; every
 other tensor is hashed as above, so a source that does not match the manifest never gets its
