@@ -1107,6 +1107,8 @@ def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, f
 
     try:
         write_atomic(tpath, (json.dumps(topo_json, indent=2) + "\n").encode())
+        if plan.layout == "rank":  # (in OUT itself, which a re-run does not clear: before any writer)
+            copy_files(plan.ckpt.root, plan.extra_files, outp)
         for rp in todo:
             rdir = outp / rp.dir_name
             if rdir.exists():
@@ -1114,11 +1116,11 @@ def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, f
             rdir.mkdir(parents=True)
 
         def copy_extra_files() -> None:
-            # The config, tokenizer and licence (each copy fsync'd with its directory: ~20 ms for
-            # two nodes' 8 files) are copied while the writers start on the weights, not before.
-            if plan.layout == "rank":
-                copy_files(plan.ckpt.root, plan.extra_files, outp)
-            else:  # each node directory is a checkpoint of its own
+            # Each node directory is a checkpoint of its own: its config, tokenizer and licence
+            # (each copy fsync'd with its directory, ~20 ms for two nodes) are copied while the
+            # writers start on the weights, not before. Before any node is finished, so a node
+            # with READY has them; a node without is cleared by the re-run, temporaries and all.
+            if plan.layout == "node":
                 for rp in todo:
                     copy_files(plan.ckpt.root, plan.extra_files, outp / rp.dir_name)
 
