@@ -203,7 +203,6 @@ class JsonStr(dict[str, str]):
         return v
 
 
-
 class ShapeJson(dict[tuple[int, ...], str]):
     """shape -> ``json.dumps(list(shape))``, once per distinct shape (through ``map``, hits stay in C)."""
 
