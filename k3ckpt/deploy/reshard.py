@@ -113,6 +113,7 @@ from ..env import pause_point
 from ..errors import ReshardError
 from ..format.checkpoint import INDEX_NAME, Checkpoint, bulk_allocation, is_working_file, open_checkpoint
 from ..format.header import DTYPE_BITS, TensorInfo, header_prefix
+from ..format.jsontext import JsonStr, ShapeJson, json_records, json_strings
 from ..format.layout import (
     FORMAT,
     LAYOUT_ALIASES,
@@ -129,15 +130,7 @@ from ..format.layout import (
     rank_dir_name,
 )
 from ..format.loadable import require_loadable
-from ..format.nodedir import (
-    NODE_MAX_FILE_SIZE,
-    JsonStr,
-    NodeDir,
-    ShapeJson,
-    json_records,
-    json_strings,
-    plan_node_dir,
-)
+from ..format.nodedir import NODE_MAX_FILE_SIZE, NodeDir, plan_node_dir
 from ..format.topology import (
     ExpertSlice,
     InventoryIndex,

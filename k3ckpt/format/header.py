@@ -28,6 +28,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 from ..env import K3CKPT_MAX_HEADER_BYTES
 from ..errors import SafetensorsHeaderError
+from .jsontext import ShapeJson, json_str
 
 #: dtype name -> size in bits, as defined by the safetensors ``Dtype`` enum.
 DTYPE_BITS: dict[str, int] = {
@@ -479,8 +480,8 @@ def header_prefix(
             seen.add(name)
     ends = list(accumulate(map(sizes.__getitem__, zip(dtypes, shapes))))
     begins = [0, *ends[:-1]] if ends else []
-    entries = ",".join(map(_ENTRY.format, map(_json_str, names), map(_json_str, dtypes),
-                           map(_ShapeJson().__getitem__, shapes), begins, ends))
+    entries = ",".join(map(_ENTRY.format, map(json_str, names), map(json_str, dtypes),
+                           map(ShapeJson(compact=True).__getitem__, shapes), begins, ends))
     head = json.dumps({"__metadata__": dict(metadata)}, separators=(",", ":"))[:-1] if metadata else "{"
     text = head + ("," if metadata and entries else "") + entries + "}"
     raw = text.encode("utf-8")  # ASCII: the escaper leaves nothing else
@@ -490,8 +491,6 @@ def header_prefix(
 
 #: One header entry, as ``json.dumps(..., separators=(",", ":"))`` writes it.
 _ENTRY = '{}:{{"dtype":{},"shape":{},"data_offsets":[{},{}]}}'
-#: json's own string escaper (its C version when available): what ``json.dumps`` (ASCII) uses for a str
-_json_str = json.encoder.encode_basestring_ascii
 
 
 class _SizeOf(dict[tuple[str, tuple[int, ...]], int]):
@@ -499,12 +498,4 @@ class _SizeOf(dict[tuple[str, tuple[int, ...]], int]):
 
     def __missing__(self, key: tuple[str, tuple[int, ...]]) -> int:
         v = self[key] = tensor_nbytes(*key)
-        return v
-
-
-class _ShapeJson(dict[tuple[int, ...], str]):
-    """shape -> its compact JSON list, computed once per distinct shape."""
-
-    def __missing__(self, key: tuple[int, ...]) -> str:
-        v = self[key] = json.dumps(list(key), separators=(",", ":"))
         return v

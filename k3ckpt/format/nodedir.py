@@ -37,11 +37,12 @@ import json
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import repeat
 from typing import Any
 
 from ..errors import TopologyError
-from .header import TensorInfo, _json_str, header_prefix
+from .header import TensorInfo, header_prefix
+from .jsontext import JsonStr, ShapeJson, json_records, json_str, json_strings
 from .layout import NODE_FORMAT, VERSION
 from .roles import Role, classify
 from .topology import InventoryIndex, Topology, index_of, ranks_of_node
@@ -142,7 +143,7 @@ class NodeDir:
         shapes: list[tuple[int, ...]] = []
         for f in self.files:
             names += map(_NAME, f.tensors)
-            files += repeat(_json_str(f.name), len(f.tensors))
+            files += repeat(json_str(f.name), len(f.tensors))
             dtypes += map(_DTYPE, f.tensors)
             shapes += map(_SHAPE, f.tensors)
         fields = [("file", files), ("dtype", map(JsonStr().__getitem__, dtypes)),
@@ -168,47 +169,6 @@ class NodeDir:
                         for f in self.files for t in f.tensors},
             "files": {f.name: {"size": f.size, "rank": f.rank} for f in self.files},
         }
-
-
-def json_records(keys: Sequence[str], fields: Sequence[tuple[str, Iterable[str]]]) -> str:
-    """``json.dumps({k: {name: value, ...} for k in keys})``'s text (default separators,
-    ASCII), from columns: ``fields`` is ``(name, values)`` pairs, each value already its JSON
-    text, one per key. The ~10^5 entries of a K3 node's marker (or a rank manifest) are
-    written in C-level loops instead of walked as one dict each."""
-    if not keys:
-        return "{}"
-    # one flat run of pieces (", ", key, ': {"file": ', value, ', "dtype": ', ..., "}" per key)
-    # joined once: no formatting or concatenation per key
-    columns: list[Iterable[str]] = [repeat(", "), json_strings(list(keys))]
-    for k, (name, values) in enumerate(fields):
-        columns += [repeat((": {" if k == 0 else ", ") + json.dumps(name) + ": "), values]
-    columns.append(repeat("}"))
-    return "{" + "".join(chain.from_iterable(zip(*columns)))[2:] + "}"
-
-
-def json_strings(values: list[str]) -> list[str]:
-    """``[json.dumps(v) for v in values]``: when every value is printable ASCII without quotes
-    or backslashes (tensor names, hex digests), each is itself in quotes."""
-    joined = "".join(values)
-    if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
-        return list(map(operator.add, map(operator.add, repeat('"'), values), repeat('"')))
-    return list(map(_json_str, values))
-
-
-class JsonStr(dict[str, str]):
-    """str -> ``json.dumps(str)``, once per distinct string (dtypes, file names)."""
-
-    def __missing__(self, key: str) -> str:
-        v = self[key] = _json_str(key)
-        return v
-
-
-class ShapeJson(dict[tuple[int, ...], str]):
-    """shape -> ``json.dumps(list(shape))``, once per distinct shape (through ``map``, hits stay in C)."""
-
-    def __missing__(self, key: tuple[int, ...]) -> str:
-        v = self[key] = json.dumps(list(key))
-        return v
 
 
 def plan_node_dir(
