@@ -547,7 +547,7 @@ def _plan(source: str | os.PathLike[str] | Checkpoint, selection: RankSelection,
                 info = ckpt.tensors[name]
                 t = cut[(name, p)] = _tensor_plan(name, info, starts[info.file], p)
             outs.append(t)
-        src_starts = [r[0].offset if r else 0 for r in map(_T_RUNS, outs)]  # OutTensor.src_start
+        src_starts = [t.src_start for t in outs]
         outs = list(map(_LAST, sorted(zip(map(_T_SRC, outs), src_starts, map(_T_NAME, outs), outs))))
         # (stacked experts, in dense_names, are the rank's own slice: not shared)
         shared = [n in dense and k[1] != "experts" for n, k in zip(map(_T_NAME, outs), map(_T_KEY, outs))]
