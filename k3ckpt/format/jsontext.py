@@ -35,11 +35,16 @@ class ShapeJson(dict[tuple[int, ...], str]):
         return v
 
 
+def plain(text: str) -> bool:
+    """Is ``json.dumps(text)`` just ``text`` in quotes? (printable ASCII, no quote or backslash;
+    of a join of strings: of each of them)"""
+    return text.isascii() and text.isprintable() and '"' not in text and "\\" not in text
+
+
 def json_strings(values: list[str]) -> list[str]:
-    """``[json.dumps(v) for v in values]``: when every value is printable ASCII without quotes
-    or backslashes (tensor names, hex digests), each is itself in quotes."""
-    joined = "".join(values)
-    if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
+    """``[json.dumps(v) for v in values]``: when every value is :func:`plain` (tensor names,
+    hex digests), each is itself in quotes."""
+    if plain("".join(values)):
         return list(map(operator.add, map(operator.add, repeat('"'), values), repeat('"')))
     return list(map(json_str, values))
 

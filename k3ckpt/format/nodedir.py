@@ -42,7 +42,7 @@ from typing import Any
 
 from ..errors import TopologyError
 from .header import TensorInfo, header_prefix
-from .jsontext import JsonStr, ShapeJson, json_records, json_str, json_strings
+from .jsontext import JsonStr, ShapeJson, json_records, json_str, json_strings, plain
 from .layout import NODE_FORMAT, VERSION
 from .roles import Role, classify
 from .topology import InventoryIndex, Topology, index_of, ranks_of_node
@@ -241,8 +241,7 @@ def _entry_bounds(names: list[str], dtypes: list[str], shapes: list[tuple[int, .
     """Header bytes each entry needs at most. Cheap (no JSON encoding: the full K3 inventory
     has ~497k entries): ``str`` of the shape tuple is never shorter than its compact JSON list,
     and a name needing escapes is counted at the worst case of six bytes a character."""
-    joined = "".join(names)
-    if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
+    if plain("".join(names)):
         name_bytes: Iterable[int] = map(len, names)  # every name plain: its JSON is itself in quotes
     else:
         name_bytes = map(_name_bound, names)
@@ -252,8 +251,7 @@ def _entry_bounds(names: list[str], dtypes: list[str], shapes: list[tuple[int, .
 
 
 def _name_bound(name: str) -> int:
-    plain = name.isascii() and name.isprintable() and '"' not in name and "\\" not in name
-    return len(name) if plain else 6 * len(name)
+    return len(name) if plain(name) else 6 * len(name)
 
 
 class _ShapeLen(dict[tuple[int, ...], int]):
