@@ -681,17 +681,24 @@ def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _Di
     try:
         return _write_file_with(plan, f, dest, mode, cache, progress, fds, fail_before, twin, window)
     except OSError as e:
-        # copy_file_range/pwrite errors carry no file name; without it "File too large" is a riddle.
         if e.errno in NO_SPACE:
             raise _OutOfSpace(dest, e) from None
-        hint = ("; free space (or raise the limit) and re-run: completed ranks are kept"
-                if e.errno == errno.EFBIG else "")
-        if e.errno in (errno.EMFILE, errno.ENFILE):
-            hint = "; raise the open-files limit (ulimit -n) or use fewer --jobs"
-        what = f"{e.filename}: " if e.filename else ""
-        raise ReshardError(f"writing {dest}: {what}{e.strerror or e}{hint}") from None
+        raise _write_error(dest, e) from None
     finally:
         fds.close()
+
+
+def _write_error(dest: Path, e: OSError) -> ReshardError:
+    """``e`` (not ENOSPC: :class:`_OutOfSpace`) raised while writing ``dest`` - a weight file, or
+    a unit its finisher syncs and completes - as one line naming it, with what to do about a
+    limit. copy_file_range/pwrite errors carry no file name; without it "File too large" is a
+    riddle."""
+    hint = ("; free space (or raise the limit) and re-run: completed ranks are kept"
+            if e.errno == errno.EFBIG else "")
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        hint = "; raise the open-files limit (ulimit -n) or use fewer --jobs"
+    what = f"{e.filename}: " if e.filename else ""
+    return ReshardError(f"writing {dest}: {what}{e.strerror or e}{hint}")
 
 
 def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
@@ -1244,8 +1251,8 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
             except OSError as e:
                 if e.errno in NO_SPACE:
                     first_error = first_error or _OutOfSpace(Path(e.filename or outp / rp.dir_name), e)
-                else:
-                    first_error = first_error or ReshardError(f"finishing {e.filename or outp / rp.dir_name}: {e.strerror or e}")
+                else:  # (the same words as a writer's: which thread meets a limit first is chance)
+                    first_error = first_error or _write_error(outp / rp.dir_name, e)
                 return
             written += rp.nbytes
 
