@@ -542,13 +542,19 @@ def test_the_plan_is_kept_out_of_gc_passes_while_writing(k3_tiny: Path, tmp_path
     if caller_froze:
         gc.freeze()
     before = gc.get_freeze_count()
+    # (the count is of frozen objects still alive: a caller's frozen temporaries that die during
+    # the run lower it, so with a caller's freeze it is bounded, not equal)
+    def kept() -> bool:
+        count = gc.get_freeze_count()
+        return 0 < count <= before if caller_froze else count == before
+
     try:
         rs.run_reshard(plan, tmp_path / "o", jobs=2, progress=lambda n: during.append(gc.get_freeze_count()))
-        assert during and (set(during) == {before} if caller_froze else min(during) > 0)
-        assert gc.get_freeze_count() == before
+        assert during and (0 < min(during) and max(during) <= before if caller_froze else min(during) > 0)
+        assert kept()
         with pytest.raises(rs.ReshardError):  # a failed run hands the objects back too
             rs.run_reshard(plan, tmp_path / "o", jobs=2, force=True, _fail_before=_fail)
-        assert gc.get_freeze_count() == before
+        assert kept()
     finally:
         gc.unfreeze()
 
