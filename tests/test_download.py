@@ -132,6 +132,26 @@ def test_fetch_identical_then_everything_skipped(hub: LoopbackHub, listing: HubL
     assert r2.bytes_downloaded == 0 and plans[-1] == 0 and hub.total_bytes_sent() == 0
 
 
+def test_the_client_is_loaded_before_the_workers_start(hf_listing: HubListing, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hub client's URL builder is imported in the calling thread before the download
+    workers start: a worker importing it while the open-files limit is reached failed with an
+    ImportError naming no limit (test_exhaustion's descriptor case, now and then)."""
+    from k3ckpt.hub import client as hubclient
+
+    calls: list[tuple[str, list[str]]] = []
+    real_load = hubclient.load_client
+
+    def load_client(hub: str) -> None:
+        calls.append((threading.current_thread().name, [t.name for t in threading.enumerate()]))
+        real_load(hub)
+
+    monkeypatch.setattr(hubclient, "load_client", load_client)
+    fetch_files(hf_listing, tmp_path / "o", ["config.json"], chunk_size=CHUNK, token="")
+    assert len(calls) == 1 and calls[0][0] == threading.main_thread().name, calls
+    assert not [name for name in calls[0][1] if name.startswith("ThreadPoolExecutor")], calls  # no worker yet
+
+
 def test_subset_and_unknown_path(hub: LoopbackHub, hf_listing: HubListing, served: Path, tmp_path: Path) -> None:
     r = fetch_files(hf_listing, tmp_path / "o", [NESTED, "config.json", "nope.bin"], chunk_size=CHUNK, token="")
     assert not r.ok and r.failed == {"nope.bin": "not in the listing"}

@@ -307,6 +307,15 @@ def file_url(listing: HubListing, path: str) -> str:
     )
 
 
+def load_client(hub: str) -> None:
+    """Import, in the calling thread, what :func:`file_url` needs from the hub's client. Call it
+    before starting download workers: ``huggingface_hub`` imports ``file_download`` (and with it
+    ``subprocess``) on the first ``hf_hub_url``, and a worker doing that import while the
+    open-files limit is reached failed with an ImportError that named no limit."""
+    if _check_hub(hub) == "hf":
+        from huggingface_hub import hf_hub_url  # noqa: F401  (the import is the point)
+
+
 def auth_headers(listing_or_hub: HubListing | str, token: str | None = None) -> dict[str, str]:
     """The identification and credential headers the hub's own client would send.
 

@@ -899,6 +899,7 @@ def fetch_files(
         if on_plan is not None:
             on_plan(to_download)
 
+        hubclient.load_client(listing.hub)  # before the workers: see load_client
         run = _Run(listing, hubclient.auth_headers(listing, token), policy, workers, progress, result)
         for job in jobs:
             todo = [i for i in range(job.nchunks) if i not in job.done] if job.entry.size else []

@@ -477,6 +477,7 @@ def _fetch_node_files(plan: NodeFetchPlan, result: RankFetchResult, dest_real: s
         write_atomic(path, json.dumps(rec).encode())
         digests[op.path] = rec
 
+    hubclient.load_client(plan.listing.hub)  # before the workers: see load_client
     run = _Run(plan.listing, plan.manifest, plan.dest, result, hubclient.auth_headers(plan.listing, token), policy,
                progress, before_rename)
     for job in jobs:

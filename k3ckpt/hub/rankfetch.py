@@ -1154,6 +1154,7 @@ def run_rank_fetch(
         elif report is not None:
             report(0)
 
+        hubclient.load_client(plan.listing.hub)  # before the workers: see load_client
         run = _Run(plan.listing, plan.manifest, plan.dest, result, hubclient.auth_headers(plan.listing, token), policy,
                    progress)
         for job in jobs:
