@@ -5,8 +5,11 @@
   directory holding shapes built earlier (read only; e.g. /work/wt/perf-data).
 - **Rounds**: contenders are interleaved round by round, each round starting one contender
   further on, so a slow spell of a shared disk or CPU hits every contender alike; medians.
-- **Cache**: ``sync`` before every run; then, ``--cache warm``, the run's inputs are read once
-  (page cache warm); ``--cache cold``, the page cache is dropped - ``/proc/sys/vm/drop_caches``
+- **Cache**: ``sync`` before every run; then, ``--cache warm``, the run's inputs are evicted
+  and read once (page cache warm, and filled the same way every time: by the kernel's readahead,
+  as after reading the files from disk - how a file entered the cache decides the size of its
+  pages there, which moves the cost of reading it through a mapping by ~0.1 CPU-s per GB, see
+  BENCHMARKS.md); ``--cache cold``, the page cache is dropped - ``/proc/sys/vm/drop_caches``
   when writable (root), else ``POSIX_FADV_DONTNEED`` on each input file - and the report says
   which was used.
 - **Timing**: each run is a fresh process; wall from spawn to exit, plus a ``sync`` for writers
@@ -139,7 +142,7 @@ class CacheControl:
 
     def describe(self) -> str:
         if self.mode == "warm":
-            return "warm page cache (every input read once before each run)"
+            return "warm page cache (every input evicted, then read once, before each run)"
         how = ("`echo 3 > /proc/sys/vm/drop_caches` (root)" if self.method == "proc"
                else "`POSIX_FADV_DONTNEED` on every input file (not root, or asked: the rest of the cache stays)")
         return f"cold: page cache dropped before each run by {how}"
@@ -152,6 +155,10 @@ class CacheControl:
             buf = bytearray(1 << 20)
             for f in files:
                 with open(f, "rb", buffering=0) as fh:
+                    # Evicted first: a file left in the cache by its writer keeps the page sizes
+                    # of its writes (4 KiB for small ones), one read back from disk gets the
+                    # readahead's large folios - the same state on every run and machine.
+                    os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                     while fh.readinto(buf):
                         pass  # reading is the point: it puts the file in the page cache
         elif self.method == "proc":

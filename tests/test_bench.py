@@ -126,6 +126,27 @@ def test_the_cache_control_says_how_it_dropped(tmp_path: Path) -> None:
         bl.CacheControl("tepid")
 
 
+def test_a_warm_cache_is_filled_from_disk_each_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each input is evicted and then read: the cache then holds it as the readahead put it, not
+    # as its writer left it (page sizes, and with them the cost of a mapped read, differ).
+    files = [tmp_path / "a", tmp_path / "d" / "b"]
+    for f in files:
+        f.parent.mkdir(exist_ok=True)
+        f.write_bytes(b"x" * 10000)
+    evicted: list[int] = []
+    real = os.posix_fadvise
+
+    def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_DONTNEED:
+            assert os.lseek(fd, 0, os.SEEK_CUR) == 0  # before the read
+            evicted.append(os.fstat(fd).st_ino)
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    bl.CacheControl("warm").prepare([tmp_path])
+    assert sorted(evicted) == sorted(f.stat().st_ino for f in files)
+
+
 def test_shapes_are_reused_from_a_data_directory(tmp_path: Path) -> None:
     data = tmp_path / "data"
     (data / "k3-tiny").mkdir(parents=True)
