@@ -158,7 +158,8 @@ class CacheControl:
                     # Evicted first: a file left in the cache by its writer keeps the page sizes
                     # of its writes (4 KiB for small ones), one read back from disk gets the
                     # readahead's large folios - the same state on every run and machine.
-                    os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                    if hasattr(os, "posix_fadvise"):  # (Linux; elsewhere the cache stays as it is)
+                        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                     while fh.readinto(buf):
                         pass  # reading is the point: it puts the file in the page cache
         elif self.method == "proc":
