@@ -585,16 +585,27 @@ def row(s: Summary, peer: Summary | None = None, **extra: Any) -> dict[str, Any]
         r["peer"] = peer.label
         r["vs_wall"] = round(s.gb_per_s / peer.gb_per_s, 3) if peer.gb_per_s else None
         r["vs_cpu"] = round(peer.cpu_s_per_gb / s.cpu_s_per_gb, 3) if s.cpu_s_per_gb else None
+        r["vs_wall_rounds"] = round_ratios(s, peer)
     r.update(extra)
     return r
+
+
+def round_ratios(s: Summary, peer: Summary) -> list[float] | None:
+    """The lowest and highest wall ratio (rate ours over the peer's) of a round: the runs of
+    round ``i`` are each contender's ``i``-th, side by side in time, so their ratio shows how far
+    the median ratio moves with the machine's noise. ``None`` without paired runs."""
+    if len(s.walls) != len(peer.walls) or not s.walls or not s.nbytes or not peer.nbytes:
+        return None
+    ratios = [(s.nbytes / w) / (peer.nbytes / pw) for w, pw in zip(s.walls, peer.walls) if w and pw]
+    return [round(min(ratios), 3), round(max(ratios), 3)] if ratios else None
 
 
 # The usual columns of a timing table (a row from `row`).
 COLUMNS: list[tuple[str, str, str]] = [
     ("command", "label", "`{}`"), ("bytes", "bytes", "{:,}"), ("wall (s)", "wall_s", "{:.2f}"),
     ("CPU-s", "cpu_s", "{:.2f}"), ("CPU/wall", "cpu_per_wall", "{:.2f}"), ("GB/s", "gb_per_s", "{:.2f}"),
-    ("vs peer (wall)", "vs_wall", "{:.2f}x"), ("vs peer (CPU)", "vs_cpu", "{:.2f}x"),
-    ("peak RSS (MiB)", "peak_rss_mib", "{:.0f}"),
+    ("vs peer (wall)", "vs_wall", "{:.2f}x"), ("by round (wall)", "vs_wall_rounds", "{0[0]:.2f}-{0[1]:.2f}x"),
+    ("vs peer (CPU)", "vs_cpu", "{:.2f}x"), ("peak RSS (MiB)", "peak_rss_mib", "{:.0f}"),
 ]
 
 

@@ -89,6 +89,17 @@ def test_a_row_against_its_peer_reads_faster_and_cheaper_above_one() -> None:
     assert "vs_wall" not in bl.row(peer, peer)  # the peer's own row compares with nothing
 
 
+def test_a_row_says_how_far_its_ratio_moved_from_round_to_round() -> None:
+    ours = bl.summarize("ours", [bl.Run(1.0, 1.0, 0, 10**9), bl.Run(2.0, 1.0, 0, 10**9), bl.Run(1.0, 1.0, 0, 10**9)])
+    peer = bl.summarize("peer", [bl.Run(2.0, 1.0, 0, 10**9), bl.Run(1.0, 1.0, 0, 10**9), bl.Run(1.0, 1.0, 0, 10**9)])
+    r = bl.row(ours, peer)
+    assert r["vs_wall_rounds"] == [0.5, 2.0] and r["vs_wall"] == 1.0  # medians hide rounds 1 and 2
+    cells = bl.Table("T", bl.COLUMNS, [r]).markdown().splitlines()[-1].split(" | ")
+    assert "0.50-2.00x" in cells and "1.00x" in cells
+    unpaired = bl.summarize("peer", [bl.Run(2.0, 1.0, 0, 10**9)])
+    assert bl.row(ours, unpaired)["vs_wall_rounds"] is None  # no round to pair with
+
+
 def test_table_markdown_formats_cells_and_leaves_missing_ones_empty() -> None:
     t = bl.Table("T", [("command", "label", "`{}`"), ("bytes", "bytes", "{:,}"), ("vs", "vs_wall", "{:.2f}x")],
                  [{"label": "a", "bytes": 1234567, "vs_wall": 0.5}, {"label": "b", "bytes": 1, "vs_wall": None}])
