@@ -157,7 +157,7 @@ class CacheControl:
                 with open(f, "rb", buffering=0) as fh:
                     # Evicted first: a file left in the cache by its writer keeps the page sizes
                     # of its writes (4 KiB for small ones), one read back from disk gets the
-                    # readahead's large folios - the same state on every run and machine.
+                    # readahead's large folios - the same state before every run.
                     if hasattr(os, "posix_fadvise"):  # (Linux; elsewhere the cache stays as it is)
                         os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                     while fh.readinto(buf):
@@ -591,9 +591,9 @@ def row(s: Summary, peer: Summary | None = None, **extra: Any) -> dict[str, Any]
 
 
 def round_ratios(s: Summary, peer: Summary) -> list[float] | None:
-    """The lowest and highest wall ratio (rate ours over the peer's) of a round: the runs of
-    round ``i`` are each contender's ``i``-th, side by side in time, so their ratio shows how far
-    the median ratio moves with the machine's noise. ``None`` without paired runs."""
+    """The lowest and the highest wall ratio (rate, ours over the peer's) that any one round
+    gave: round ``i``'s runs are each contender's ``i``-th, side by side in time, so the spread
+    shows how far the machine's noise moves the median ratio. ``None`` without paired runs."""
     if len(s.walls) != len(peer.walls) or not s.walls or not s.nbytes or not peer.nbytes:
         return None
     ratios = [(s.nbytes / w) / (peer.nbytes / pw) for w, pw in zip(s.walls, peer.walls) if w and pw]
