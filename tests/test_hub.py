@@ -551,6 +551,27 @@ def test_counters_thread_safe(hub: LoopbackHub, checkpoint: Path) -> None:
     assert hub.requests(SHARD) == 0 and hub.bytes_sent(SHARD) == 0 and hub.request_log == []
 
 
+
+def test_a_request_answered_across_a_reset_counts_nowhere(hub: LoopbackHub, checkpoint: Path) -> None:
+    """A test's counters must not include the rest of an earlier test's stalled body, which
+    wakes up later and is written into its dead socket."""
+    data = (checkpoint / SHARD).read_bytes()
+    fault = hub.inject("stall", SHARD, after=4096, seconds=0.5)
+    earlier: list[bytes] = []
+    t = threading.Thread(target=lambda: earlier.append(_get(hub, _resolve_path(SHARD))[1]))
+    t.start()
+    assert settled(lambda: hub.bytes_sent(SHARD), 4096) == 4096 and fault.hits == 1
+    hub.reset_counters()  # the stalled request is still being answered
+    r, body = _get(hub, _resolve_path(SHARD), headers={"Range": "bytes=0-99"})
+    assert r.status == 206 and body == data[:100]
+    t.join()
+    assert earlier == [data]  # the stalled request was answered in full...
+    # ... and only the request that arrived after the reset is counted and logged (waiting long
+    # enough for the stalled handler's count of its last bytes, were it counted)
+    assert settled(hub.total_bytes_sent, 100 + len(data) - 4096, timeout=0.5) == 100 == hub.bytes_sent(SHARD)
+    assert hub.requests(SHARD) == 1
+    assert [(rec.range, rec.body_bytes) for rec in hub.request_log] == [("bytes=0-99", 100)]
+
 def test_auth(checkpoint: Path, hash_cache: Path, tmp_path: Path) -> None:
     from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError

@@ -193,7 +193,9 @@ paths (e.g. ``hub.inject("status", "/api/models/*/tree/*", scope="api", status=4
 
 Counters: ``hub.bytes_sent(path)``, ``hub.requests(path)`` (body bytes handed to the socket and
 requests, per (repo, path), summed over repos unless ``repo=`` is given), ``hub.reset_counters()``;
-``hub.request_log`` lists every request with its route name.
+``hub.request_log`` lists every request with its route name. Counters and log cover the requests
+that arrived since the last reset: a body still being sent from before it (say, an earlier test's
+stall waking up) is counted nowhere.
 """
 
 from __future__ import annotations
@@ -775,24 +777,33 @@ class RequestRecord:
 
 
 class _Counters:
+    """Per-(repo, path) requests and body bytes of the requests that arrived in the current
+    epoch. A reset starts a new epoch: a handler still running from before it (a body stalled for
+    seconds by an earlier test's fault, which then wakes and writes into its dead socket) counts
+    nowhere, instead of in whatever a later test is measuring."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._bytes: collections.Counter[tuple[str, str]] = collections.Counter()
         self._reqs: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.epoch = 0
 
-    def request(self, repo: str, path: str, method: str) -> None:
+    def request(self, epoch: int, repo: str, path: str, method: str) -> None:
         with self._lock:
-            self._reqs[(repo, path, method)] += 1
+            if epoch == self.epoch:
+                self._reqs[(repo, path, method)] += 1
 
-    def sent(self, repo: str, path: str, n: int) -> None:
+    def sent(self, epoch: int, repo: str, path: str, n: int) -> None:
         if n:
             with self._lock:
-                self._bytes[(repo, path)] += n
+                if epoch == self.epoch:
+                    self._bytes[(repo, path)] += n
 
     def reset(self) -> None:
         with self._lock:
             self._bytes.clear()
             self._reqs.clear()
+            self.epoch += 1
 
     def bytes_sent(self, path: str, repo: str | None) -> int:
         with self._lock:
@@ -934,6 +945,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         self._started = time.monotonic()
+        self._epoch = self.server.hub._counters.epoch  # what this request counts in (see _Counters)
         self._method = method
         self._route = "unknown"
         self._repo: str | None = None
@@ -978,6 +990,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
         finally:
             hub._record(
+                self._epoch,
                 RequestRecord(
                     method=method,
                     target=self.path,
@@ -990,7 +1003,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     credentials=self._carries_credentials(),
                     server=self.server.role,
                     started=self._started,
-                )
+                ),
             )
 
     def _carries_credentials(self) -> bool:
@@ -1529,7 +1542,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _serve_file(self, snap: RepoSnapshot, entry: FileEntry, headers: dict[str, str], ms: bool) -> None:
         hub = self.server.hub
         method = self._method
-        hub._counters.request(snap.repo_id, entry.path, method)
+        hub._counters.request(self._epoch, snap.repo_id, entry.path, method)
         size = entry.size
         range_header = self.headers.get("Range")
         parsed = _parse_range(range_header, size)
@@ -1652,7 +1665,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _count(self, repo: str, path: str, n: int) -> None:
         self._body_bytes += n
-        self.server.hub._counters.sent(repo, path, n)
+        self.server.hub._counters.sent(self._epoch, repo, path, n)
 
     def _sendfile(self, repo: str, entry: FileEntry, start: int, length: int) -> None:
         with open(entry.abspath, "rb") as f:
@@ -1996,9 +2009,10 @@ class LoopbackHub:
         return self._counters.total_bytes()
 
     def reset_counters(self) -> None:
-        """Zero the per-path counters and clear the request log."""
-        self._counters.reset()
+        """Zero the per-path counters and clear the request log. From here on they cover only
+        requests that arrive after this call: one still being answered counts nowhere."""
         with self._log_lock:
+            self._counters.reset()
             self._log.clear()
 
     @property
@@ -2016,9 +2030,10 @@ class LoopbackHub:
         """Route name -> number of requests, from the request log."""
         return collections.Counter(r.route for r in self.request_log)
 
-    def _record(self, rec: RequestRecord) -> None:
+    def _record(self, epoch: int, rec: RequestRecord) -> None:
         with self._log_lock:
-            self._log.append(rec)
+            if epoch == self._counters.epoch:
+                self._log.append(rec)
 
 
 # ----------------------------------------------------------------------------------------------
