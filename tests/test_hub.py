@@ -551,7 +551,6 @@ def test_counters_thread_safe(hub: LoopbackHub, checkpoint: Path) -> None:
     assert hub.requests(SHARD) == 0 and hub.bytes_sent(SHARD) == 0 and hub.request_log == []
 
 
-
 def test_a_request_answered_across_a_reset_counts_nowhere(hub: LoopbackHub, checkpoint: Path) -> None:
     """A test's counters must not include the rest of an earlier test's stalled body, which
     wakes up later and is written into its dead socket."""
@@ -571,6 +570,7 @@ def test_a_request_answered_across_a_reset_counts_nowhere(hub: LoopbackHub, chec
     assert settled(hub.total_bytes_sent, 100 + len(data) - 4096, timeout=0.5) == 100 == hub.bytes_sent(SHARD)
     assert hub.requests(SHARD) == 1
     assert [(rec.range, rec.body_bytes) for rec in hub.request_log] == [("bytes=0-99", 100)]
+
 
 def test_auth(checkpoint: Path, hash_cache: Path, tmp_path: Path) -> None:
     from huggingface_hub import HfApi, hf_hub_download
