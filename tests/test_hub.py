@@ -572,6 +572,22 @@ def test_a_request_answered_across_a_reset_counts_nowhere(hub: LoopbackHub, chec
     assert [(rec.range, rec.body_bytes) for rec in hub.request_log] == [("bytes=0-99", 100)]
 
 
+def test_a_request_is_logged_as_its_answer_starts(hub: LoopbackHub, checkpoint: Path) -> None:
+    """A client that has its answer finds the request in the log, even while the body is sent."""
+    data = (checkpoint / SHARD).read_bytes()
+    hub.inject("stall", SHARD, after=4096, seconds=0.5)
+    conn = http.client.HTTPConnection(hub.host, hub.port, timeout=10)
+    conn.request("GET", _resolve_path(SHARD))
+    resp = conn.getresponse()
+    assert resp.read(4096) == data[:4096]  # the rest is stalled: the handler has not returned
+    [rec] = hub.request_log
+    assert (rec.route, rec.status, rec.file, rec.method) == ("hf.resolve", 200, SHARD, "GET")
+    assert settled(lambda: rec.body_bytes, 4096) == 4096
+    assert resp.read() == data[4096:]
+    conn.close()
+    assert settled(lambda: rec.body_bytes, len(data)) == len(data) and len(hub.request_log) == 1
+
+
 def test_auth(checkpoint: Path, hash_cache: Path, tmp_path: Path) -> None:
     from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError

@@ -193,7 +193,8 @@ paths (e.g. ``hub.inject("status", "/api/models/*/tree/*", scope="api", status=4
 
 Counters: ``hub.bytes_sent(path)``, ``hub.requests(path)`` (body bytes handed to the socket and
 requests, per (repo, path), summed over repos unless ``repo=`` is given), ``hub.reset_counters()``;
-``hub.request_log`` lists every request with its route name. Counters and log cover the requests
+``hub.request_log`` lists every request with its route name as soon as its answer starts. Counters
+and log cover the requests
 that arrived since the last reset: a body still being sent from before it (say, an earlier test's
 stall waking up) is counted nowhere.
 """
@@ -742,9 +743,13 @@ class FaultSet:
         return taken
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class RequestRecord:
-    """One request as the hub saw it.
+    """One request as the hub saw it. It enters the log as its response's headers are sent,
+    before the client can see any of it, so a client that has its answer finds it there.
+    ``body_bytes`` then grows as the body is sent (like the byte counters, it can trail what the
+    client has read by a moment). A request answered with nothing (a dropped connection) enters
+    the log when it ends.
 
     Attributes:
         method: HTTP method.
@@ -760,7 +765,7 @@ class RequestRecord:
             Xet bridge, any ``Authorization`` or ``Cookie`` header at all.
         server: ``"hub"``, or ``"bridge"`` for the Xet bridge host (see "Xet mode").
         started: ``time.monotonic()`` when the request arrived: records are appended when a
-            request completes, so "did B come after A" compares ``started``, not log positions.
+            response starts, so "did B arrive after A" compares ``started``, not log positions.
     """
 
     method: str
@@ -773,7 +778,7 @@ class RequestRecord:
     body_bytes: int
     credentials: bool = False
     server: str = "hub"
-    started: float = 0.0  # time.monotonic() when the request arrived (the log is in completion order)
+    started: float = 0.0  # time.monotonic() when the request arrived (the log is in response order)
 
 
 class _Counters:
@@ -952,6 +957,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._file: str | None = None
         self._status = 0
         self._body_bytes = 0
+        self._logged: RequestRecord | None = None
         self._rx_body = b""
         hub = self.server.hub
         try:
@@ -989,22 +995,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError):
             self.close_connection = True
         finally:
-            hub._record(
-                self._epoch,
-                RequestRecord(
-                    method=method,
-                    target=self.path,
-                    route=self._route,
-                    status=self._status,
-                    repo=self._repo,
-                    file=self._file,
-                    range=self.headers.get("Range"),
-                    body_bytes=self._body_bytes,
-                    credentials=self._carries_credentials(),
-                    server=self.server.role,
-                    started=self._started,
-                ),
-            )
+            if self._logged is None:  # no response was started
+                self._log_request()
+
+    def _log_request(self) -> None:
+        """Put this request in the hub's log (see :class:`RequestRecord` for when)."""
+        self._logged = RequestRecord(
+            method=self._method,
+            target=self.path,
+            route=self._route,
+            status=self._status,
+            repo=self._repo,
+            file=self._file,
+            range=self.headers.get("Range"),
+            body_bytes=self._body_bytes,
+            credentials=self._carries_credentials(),
+            server=self.server.role,
+            started=self._started,
+        )
+        self.server.hub._record(self._epoch, self._logged)
 
     def _carries_credentials(self) -> bool:
         if self.server.role == "bridge":
@@ -1032,6 +1041,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _send_head(self, status: int, headers: Mapping[str, str]) -> None:
         self._status = status
+        if self._logged is None:
+            self._log_request()  # before the client can see the answer
         self.send_response(status)
         for k, v in headers.items():
             # http.server encodes headers as latin-1; keep non-ASCII paths from breaking a response.
@@ -1665,6 +1676,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _count(self, repo: str, path: str, n: int) -> None:
         self._body_bytes += n
+        if self._logged is not None:
+            self._logged.body_bytes = self._body_bytes
         self.server.hub._counters.sent(self._epoch, repo, path, n)
 
     def _sendfile(self, repo: str, entry: FileEntry, start: int, length: int) -> None:
@@ -2017,7 +2030,8 @@ class LoopbackHub:
 
     @property
     def request_log(self) -> list[RequestRecord]:
-        """Every request seen since the last :meth:`reset_counters` (oldest first)."""
+        """Every request seen since the last :meth:`reset_counters`, in the order their answers
+        started (see :class:`RequestRecord`)."""
         with self._log_lock:
             return list(self._log)
 
