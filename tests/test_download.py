@@ -205,7 +205,12 @@ def test_one_shot_faults_are_survived(kind: str, params: dict[str, Any], hub: Lo
     sleeps = Sleeps()
     r = fetch_files(listing, tmp_path / "o", [BIG], chunk_size=CHUNK, token="", retry=_fast(sleeps))
     assert r.ok, r.failed
-    assert fault.hits == 3
+    if kind == "ignore_range":
+        # Each ranged request sent before the first whole-file answer came back gets one too; how
+        # many that is depends on the threads' timing. Then one plain GET fetches the file.
+        assert 1 <= fault.hits <= 3 and len(r.notes) == 1 and "the server ignores Range" in r.notes[0], r.notes
+    else:
+        assert fault.hits == 3
     _assert_identical(served, tmp_path / "o", [BIG])
     if kind not in ("ignore_range", "ignore_range_with_content_range"):
         assert len(sleeps) == 3  # one backoff per faulty answer
