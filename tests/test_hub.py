@@ -582,10 +582,10 @@ def test_a_request_is_logged_as_its_answer_starts(hub: LoopbackHub, checkpoint: 
     assert resp.read(4096) == data[:4096]  # the rest is stalled: the handler has not returned
     [rec] = hub.request_log
     assert (rec.route, rec.status, rec.file, rec.method) == ("hf.resolve", 200, SHARD, "GET")
-    assert settled(lambda: rec.body_bytes, 4096) == 4096
+    assert settled(lambda: rec.body_bytes, 4096) == 4096 and not rec.finished
     assert resp.read() == data[4096:]
     conn.close()
-    assert settled(lambda: rec.body_bytes, len(data)) == len(data) and len(hub.request_log) == 1
+    assert settled(lambda: int(rec.finished), 1) and rec.body_bytes == len(data) and len(hub.request_log) == 1
 
 
 def test_auth(checkpoint: Path, hash_cache: Path, tmp_path: Path) -> None:

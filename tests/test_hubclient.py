@@ -107,14 +107,14 @@ def _local_files(root: Path) -> dict[str, Path]:
 
 
 def _settle(hub: LoopbackHub, path: str, requests: int, timeout: float = 5.0) -> None:
-    """Wait until the hub has logged ``requests`` requests for ``path``.
+    """Wait until the hub is done with ``requests`` requests for ``path``.
 
     The emulator adds to ``bytes_sent`` *after* handing bytes to the socket, so the client can
-    hold the bytes before the counter moves; a request is logged only after its body, so once
-    it is logged the counters are final.
+    hold the bytes before the counter moves; once a request's record is ``finished`` its counts
+    are in.
     """
     deadline = time.monotonic() + timeout
-    while sum(r.file == path for r in hub.request_log) < requests and time.monotonic() < deadline:
+    while sum(r.file == path and r.finished for r in hub.request_log) < requests and time.monotonic() < deadline:
         time.sleep(0.005)
 
 

@@ -747,9 +747,9 @@ class FaultSet:
 class RequestRecord:
     """One request as the hub saw it. It enters the log as its response's headers are sent,
     before the client can see any of it, so a client that has its answer finds it there.
-    ``body_bytes`` then grows as the body is sent (like the byte counters, it can trail what the
-    client has read by a moment). A request answered with nothing (a dropped connection) enters
-    the log when it ends.
+    ``body_bytes`` then grows as the body is sent; like the byte counters, it can trail what the
+    client has read by a moment, until ``finished``. A request answered with nothing (a dropped
+    connection) enters the log when it ends.
 
     Attributes:
         method: HTTP method.
@@ -766,6 +766,8 @@ class RequestRecord:
         server: ``"hub"``, or ``"bridge"`` for the Xet bridge host (see "Xet mode").
         started: ``time.monotonic()`` when the request arrived: records are appended when a
             response starts, so "did B arrive after A" compares ``started``, not log positions.
+        finished: Whether the hub is done with the request: from then on its ``body_bytes``
+            and its share of the counters are final.
     """
 
     method: str
@@ -779,6 +781,7 @@ class RequestRecord:
     credentials: bool = False
     server: str = "hub"
     started: float = 0.0  # time.monotonic() when the request arrived (the log is in response order)
+    finished: bool = False
 
 
 class _Counters:
@@ -995,10 +998,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError):
             self.close_connection = True
         finally:
-            if self._logged is None:  # no response was started
-                self._log_request()
+            # A request answered with nothing (no headers sent) is logged only now.
+            record = self._logged if self._logged is not None else self._log_request()
+            record.finished = True  # the last count is in
 
-    def _log_request(self) -> None:
+    def _log_request(self) -> RequestRecord:
         """Put this request in the hub's log (see :class:`RequestRecord` for when)."""
         self._logged = RequestRecord(
             method=self._method,
@@ -1014,6 +1018,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             started=self._started,
         )
         self.server.hub._record(self._epoch, self._logged)
+        return self._logged
 
     def _carries_credentials(self) -> bool:
         if self.server.role == "bridge":
