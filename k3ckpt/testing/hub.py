@@ -193,10 +193,9 @@ paths (e.g. ``hub.inject("status", "/api/models/*/tree/*", scope="api", status=4
 
 Counters: ``hub.bytes_sent(path)``, ``hub.requests(path)`` (body bytes handed to the socket and
 requests, per (repo, path), summed over repos unless ``repo=`` is given), ``hub.reset_counters()``;
-``hub.request_log`` lists every request with its route name as soon as its answer starts. Counters
-and log cover the requests
-that arrived since the last reset: a body still being sent from before it (say, an earlier test's
-stall waking up) is counted nowhere.
+``hub.request_log`` lists every request with its route name as soon as its answer starts.
+Counters and log cover the requests that arrived since the last reset: a body still being sent
+from before it (say, an earlier test's stall waking up) is counted nowhere.
 """
 
 from __future__ import annotations
