@@ -163,7 +163,7 @@ def test_the_client_is_loaded_before_the_workers_start(hf_listing: HubListing, t
     monkeypatch.setattr(hubclient, "load_client", load_client)
     fetch_files(hf_listing, tmp_path / "o", ["config.json"], chunk_size=CHUNK, token="")
     assert len(calls) == 1 and calls[0][0] == threading.main_thread().name, calls
-    assert not [name for name in calls[0][1] if name.startswith("ThreadPoolExecutor")], calls  # no worker yet
+    assert not [name for name in calls[0][1] if name.startswith("k3ckpt-fetch")], calls  # no worker yet
 
 
 def test_subset_and_unknown_path(hub: LoopbackHub, hf_listing: HubListing, served: Path, tmp_path: Path) -> None:
