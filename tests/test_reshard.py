@@ -489,6 +489,44 @@ def test_weight_files_are_synced_by_the_finisher_before_their_rename(k3_tiny: Pa
         assert synced < renamed, p
 
 
+@pytest.mark.parametrize("layout", ["rank", "node"])
+@pytest.mark.parametrize("step", ["manifest", "READY"])
+def test_a_unit_that_fails_after_its_renames_puts_its_weights_back(
+        k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, step: str) -> None:
+    """A limit met after a unit's weights have their final names (writing its manifest, or
+    READY's directory sync after its rename): the weights go back under temporary names and
+    READY is removed, so the unit looks like any unfinished one; a re-run completes it."""
+    import errno as errno_
+
+    out = tmp_path / "out"
+    real_write_atomic = rs.write_atomic
+    failed: list[Path] = []
+
+    def write_atomic(path: str | os.PathLike[str], data: bytes, **kw: object) -> None:
+        path = Path(path)
+        hit = not failed and path.parent.parent == out and (path.name == "READY") == (step == "READY")
+        if hit and step == "READY":
+            real_write_atomic(path, data, **kw)  # renamed into place, then its directory sync fails
+        if hit:
+            failed.append(path.parent)
+            raise OSError(errno_.EMFILE, os.strerror(errno_.EMFILE))
+        real_write_atomic(path, data, **kw)
+
+    monkeypatch.setattr(rs, "write_atomic", write_atomic)
+    sel = RankSelection(tp=2, dp=2, gpus_per_node=2) if layout == "node" else RankSelection(ep=4, tp=2)
+    with pytest.raises(rs.ReshardError) as ei:
+        rs.reshard(k3_tiny, out, sel, layout=layout, jobs=2, check_space=False)
+    assert "raise the open-files limit" in str(ei.value) and str(failed[0]) in str(ei.value)
+    bad = failed[0]
+    assert not (bad / "READY").exists() and not list(bad.glob("*.safetensors"))
+    assert sorted(p.name for p in bad.glob(".*.safetensors.tmp"))  # kept as temporary files
+    monkeypatch.setattr(rs, "write_atomic", real_write_atomic)
+    assert rs.reshard(k3_tiny, out, sel, layout=layout).written
+    rs.reshard(k3_tiny, tmp_path / "ref", sel, layout=layout)
+    for ref in sorted(p for p in (tmp_path / "ref").glob("*/*") if p.is_file()):
+        assert (out / ref.relative_to(tmp_path / "ref")).read_bytes() == ref.read_bytes(), ref
+
+
 @pytest.mark.parametrize("err", ["EIO", "ENOSPC", "EMFILE"])
 def test_a_weight_file_that_cannot_be_synced_is_named_and_a_rerun_completes(
         k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: str) -> None:

@@ -1322,21 +1322,38 @@ def _finish_rank(outp: Path, rp: RankPlan | NodePlan, results: list[dict[str, An
     """Rename the rank's (or node's) files into place, then its index (a node's), its manifest
     (a node's marker), then the stat record of all of them (what a re-run trusts instead of
     re-hashing), then READY - each durable first (the weight files' data is synced here, not by
-    their writers: see :func:`_write_file`)."""
+    their writers: see :func:`_write_file`).
+
+    A failure after the renames (a limit or a full disk met by a later step) puts the weights
+    back under their temporary names and removes READY if its rename got through: a unit this
+    run could not finish holds no weight file under a final name, as when a writer fails.
+    Renames and unlinks need no descriptor, so this works at the open-files limit too. (A kill
+    in between leaves complete weight files under final names and no READY: a re-run redoes
+    the unit.)"""
     rdir = outp / rp.dir_name
     for f in rp.files:
         _fsync_file(tmp_name(rdir / f.name))
-    for f in rp.files:
-        os.replace(tmp_name(rdir / f.name), rdir / f.name)
-    fsync_dir(rdir)
-    for name, data in rp.final_files(results, source).items():
-        write_atomic(rdir / name, data)
-    fsync_dir(rdir)
-    record = _stat_record(outp, rp)
-    record.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(record, json.dumps({n: _stat_key(rdir / n) for n in _unit_names(rp)}).encode())
-    write_atomic(rdir / READY_NAME, b"")
-    fsync_dir(rdir)
+    renamed: list[Path] = []
+    try:
+        for f in rp.files:
+            os.replace(tmp_name(rdir / f.name), rdir / f.name)
+            renamed.append(rdir / f.name)
+        fsync_dir(rdir)
+        for name, data in rp.final_files(results, source).items():
+            write_atomic(rdir / name, data)
+        fsync_dir(rdir)
+        record = _stat_record(outp, rp)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(record, json.dumps({n: _stat_key(rdir / n) for n in _unit_names(rp)}).encode())
+        write_atomic(rdir / READY_NAME, b"")
+        fsync_dir(rdir)
+    except BaseException:
+        with contextlib.suppress(OSError):  # (the error being raised is the one to report)
+            (rdir / READY_NAME).unlink(missing_ok=True)
+        for final in renamed:
+            with contextlib.suppress(OSError):
+                os.replace(final, tmp_name(final))
+        raise
 
 
 def reshard(
