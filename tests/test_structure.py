@@ -11,6 +11,12 @@
   the packages' import graph has no cycle.
 - No module inside the package imports the lazy top-level ``k3ckpt`` namespace (except
   ``__version__``): that is the facade for users, and importing it from inside invites cycles.
+- No circle between modules either: counting every import, those inside functions and under
+  ``TYPE_CHECKING`` too (a lazy import that dodges a circle at run time still ties the two
+  modules together: neither can be read, changed or tested without the other). A type both
+  sides need lives in the module that owns it.
+- Rooms sized by responsibility: no module of the package is over :data:`MAX_MODULE_LINES`
+  lines, and each opens with a docstring that says what it owns.
 
 "Package" means a direct subpackage of ``k3ckpt`` (``k3ckpt.hub``, ``k3ckpt.utils``, ...) or a
 top-level module (``k3ckpt.errors``, ``k3ckpt.env``): each is a unit of its own, so ``utils``
@@ -37,6 +43,8 @@ RANK: dict[str, int] = {"": 0, "errors": 0, "utils": 1, "env": 2, "format": 3, "
 # and ``python -m k3ckpt``.
 FACADES = {"k3ckpt", "k3ckpt.__main__"}
 OUTSIDE = "<outside>"  # tests and scripts
+#: The most lines a module of the package may have (issue #24: a room one can hold in one's head).
+MAX_MODULE_LINES = 800
 
 
 def is_private(name: str) -> bool:
@@ -84,6 +92,8 @@ class Imports:
 
     offences: list[Offence] = field(default_factory=list)
     targets: list[tuple[str, int]] = field(default_factory=list)  # k3ckpt modules imported, with line
+    # ... and those imported under ``TYPE_CHECKING`` too: a module-level circle counts them
+    all_targets: list[tuple[str, int]] = field(default_factory=list)
 
 
 class Checker(ast.NodeVisitor):
@@ -110,6 +120,7 @@ class Checker(ast.NodeVisitor):
 
     def check_module(self, node: ast.AST, target: str) -> None:
         """This file uses the k3ckpt module ``target``."""
+        self.found.all_targets.append((target, getattr(node, "lineno", 0)))
         if self.type_checking:
             return
         self.found.targets.append((target, getattr(node, "lineno", 0)))
@@ -320,6 +331,86 @@ def test_no_import_cycles_between_packages() -> None:
     assert not cycles, "package import cycles: " + "; ".join(cycles)
 
 
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the k3ckpt modules it imports, at any depth of the file (in functions, under
+    ``TYPE_CHECKING``). A module's own ancestor packages are left out: Python imports them
+    before the module anyway, so ``from . import sibling`` ties a module to its sibling only."""
+    graph: dict[str, set[str]] = {}
+    for p in sorted((root / "k3ckpt").rglob("*.py")):
+        module = module_name(p, root)
+        ancestors = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
+        graph[module] = {t for t, _ in check_file(p, inside=True, root=root).all_targets
+                         if t != module and t not in ancestors}
+    return graph
+
+
+def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative:
+    each is a set of modules that import each other, directly or around a circle), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            for nxt in successors:
+                if nxt not in graph:
+                    continue
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return sorted(found)
+
+
+def test_no_import_cycles_between_modules() -> None:
+    cycles = module_cycles(module_graph())
+    assert not cycles, "modules that import each other (move what both need to its owner):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def oversized_modules(root: Path = ROOT) -> list[str]:
+    sizes = {p: len(p.read_text(encoding="utf-8").splitlines()) for p in sorted((root / "k3ckpt").rglob("*.py"))}
+    return [f"{p.relative_to(root)}: {n} lines" for p, n in sizes.items() if n > MAX_MODULE_LINES]
+
+
+def test_no_module_is_over_the_size_limit() -> None:
+    over = oversized_modules()
+    assert not over, f"modules over {MAX_MODULE_LINES} lines (split by responsibility):\n" + "\n".join(over)
+
+
+def test_every_module_says_what_it_owns() -> None:
+    silent = [str(p.relative_to(ROOT)) for p in package_files()
+              if not ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")))]
+    assert not silent, "modules without a docstring saying what they own: " + ", ".join(silent)
+
+
 # ----------------------------------------------------------------------------------------------
 # the checker itself catches what it should
 # ----------------------------------------------------------------------------------------------
@@ -393,3 +484,16 @@ def test_the_checker_finds_upward_imports_and_cycles(tmp_path: Path) -> None:
     edges = package_edges(tmp_path)
     assert upward_imports(edges) == ["format -> hub: k3ckpt/format/header.py:1 (k3ckpt.hub.client)"]
     assert package_cycles(edges) == ["format -> hub -> format"]
+
+
+def test_the_checker_finds_module_cycles_and_oversized_modules(tmp_path: Path) -> None:
+    files = {**FAKE,
+             "k3ckpt/hub/fetch.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .plan import P\n",
+             "k3ckpt/hub/plan.py": "def f():\n    from .fetch import run\n",
+             "k3ckpt/hub/pull.py": "from . import plan\n",  # one way only, and the parent is no edge
+             "k3ckpt/hub/big.py": "x = 1\n" * (MAX_MODULE_LINES + 1)}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert module_cycles(module_graph(tmp_path)) == [["k3ckpt.hub.fetch", "k3ckpt.hub.plan"]]
+    assert oversized_modules(tmp_path) == [f"k3ckpt/hub/big.py: {MAX_MODULE_LINES + 1} lines"]
