@@ -120,11 +120,15 @@ def test_contradicting_config_exits_1(k3_tiny: Path, tmp_path: Path) -> None:
     assert "ERROR layer 1: 4 of 20 routed experts missing" in res.output
 
 
-def test_debug_shows_the_traceback(tmp_path: Path) -> None:
-    from k3ckpt.errors import CheckpointNotFoundError
-
-    with pytest.raises(CheckpointNotFoundError):
-        run("--debug", "inspect", str(tmp_path / "nope"))
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(tmp_path: Path, where: str) -> None:
+    """``--debug`` adds the traceback; the one line and the exit code stay what a script sees
+    without it (issue #25: it turned exit 2 into 1)."""
+    args = ["inspect", str(tmp_path / "nope")]
+    res = run("--debug", *args) if where == "before" else run(*args, "--debug")
+    assert res.exit_code == 2, res.output
+    assert "Traceback (most recent call last)" in res.stderr and "CheckpointNotFoundError" in res.stderr
+    assert res.stderr.rstrip().splitlines()[-1] == f"k3ckpt: error: {tmp_path / 'nope'}: no such directory"
 
 
 def test_synth_cli_json_and_refusals(tmp_path: Path) -> None:

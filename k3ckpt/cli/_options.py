@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -65,7 +66,8 @@ def fail(message: str, *, kind: str, path: str | None, exit_code: int, as_json: 
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn library errors into one line on stderr (and, with ``--json``, a JSON error object on
-    stdout) and the right exit code; ``--debug`` re-raises."""
+    stdout) and the right exit code; ``--debug`` prints the traceback first and changes nothing
+    else (the exit code is the one a script branches on, with or without it)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -77,7 +79,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except K3ckptError as e:
             if debug:
-                raise
+                show_traceback()
             fail(str(e), kind=e.kind, path=e.path, exit_code=e.exit_code, as_json=as_json)
         except KeyboardInterrupt:
             click.echo("k3ckpt: interrupted", err=True)
@@ -86,12 +88,17 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             if isinstance(e, BrokenPipeError) and e.filename is None:  # (a named file is the command's own)
                 exit_broken_pipe()
             if debug:
-                raise
+                show_traceback()
             where = f"{e.filename}: " if e.filename else ""
             fail(f"{where}{e.strerror or e}", kind=OS_KIND, path=None if e.filename is None else os.fsdecode(e.filename),
                  exit_code=EXIT_CANNOT_RUN, as_json=as_json)
 
     return wrapper
+
+
+def show_traceback() -> None:
+    """The traceback of the error being handled, on stderr (``--debug``)."""
+    click.echo(traceback.format_exc().rstrip(), err=True)
 
 
 def fail_usage(e: click.UsageError, ctx: click.Context) -> NoReturn:
