@@ -88,7 +88,7 @@ def test_dequant_equals_whole_tensor_dequantization(family: str, to: str, k3_tin
 
     h = read_header(out)
     assert list(h.tensors) == [m.weight_name for m in selected]  # file order = selection order
-    assert h.metadata == {"format": "pt"}
+    assert h.metadata == {"format": "pt", mx_convert.OWNER_KEY: "mx dequant"}  # the ownership record
     for m in selected:
         t = h.tensors[m.weight_name]
         assert t.dtype == st_dtype and t.shape == m.shape
@@ -223,7 +223,7 @@ def test_quantize_k3_layout_exact_and_copies_the_rest(tmp_path: Path) -> None:
     assert res.bytes_in == inp.stat().st_size and res.bytes_out == out.stat().st_size
 
     meta, got = read_all(out)
-    assert meta == {"format": "pt", "note": "kept"}
+    assert meta == {"format": "pt", "note": "kept", mx_convert.OWNER_KEY: "mx quantize"}  # + who wrote it
     h = read_header(out)
     for name in ROUTED:
         base, (rows, cols) = name[: -len(".weight")], src[name].shape
@@ -367,7 +367,8 @@ def test_failure_mid_write_leaves_no_partial_file(what: str, exc: BaseException,
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     out = out_dir / "x.safetensors"
-    previous = build_header([], {"previous": "run"})[0]  # an earlier output: a safetensors file
+    # an earlier output: a safetensors file whose header says a conversion wrote it
+    previous = build_header([], {"previous": "run", mx_convert.OWNER_KEY: "mx " + what})[0]
     out.write_bytes(previous)
     _fail_on_call(monkeypatch, 5, exc)
     with pytest.raises(type(exc)):
@@ -378,6 +379,35 @@ def test_failure_mid_write_leaves_no_partial_file(what: str, exc: BaseException,
     assert listing(out_dir) == {"x.safetensors"} and out.read_bytes() == previous
     if isinstance(exc, OSError):  # the file it was writing is named (no path: "where?")
         assert exc.filename == str(out)
+
+
+@pytest.mark.parametrize("what", ["dequant", "quantize"])
+@pytest.mark.parametrize("foreign", ["checkpoint shard", "another library's file"])
+def test_a_safetensors_file_no_conversion_wrote_is_never_replaced(what: str, foreign: str, k3_tiny: Path,
+                                                                  tmp_path: Path) -> None:
+    """Issue #25: ``-o`` naming a shard of a fetched checkpoint, or a file the safetensors library
+    wrote, replaced it silently (only non-safetensors files were refused). Now only a file whose
+    header says a conversion wrote it is replaced; the rest are refused before any byte."""
+    from safetensors.numpy import save_file
+
+    inp, _ = _float_input(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(k3_tiny, ckpt)
+    if foreign == "checkpoint shard":
+        out = ckpt / "model-00001-of-000008.safetensors"
+    else:
+        out = tmp_path / "theirs.safetensors"
+        save_file({"w": np.zeros((2, 32), np.float32)}, str(out))
+    before = out.read_bytes()
+    args = (["mx", "dequant", str(k3_tiny), "--layer", "1"] if what == "dequant" else ["mx", "quantize", str(inp)])
+    assert_one_line_error(run(*args, "-o", str(out)), 2, f"{out}: exists and is not a safetensors file k3ckpt wrote")
+    assert out.read_bytes() == before and not list(out.parent.glob(".*.tmp"))
+    if foreign == "checkpoint shard":
+        assert run("verify", str(ckpt)).exit_code == 0
+    # an earlier conversion's output is the command's own: a re-run replaces it
+    own = tmp_path / "own.safetensors"
+    assert run(*args, "-o", str(own)).exit_code == 0
+    assert run(*args, "-o", str(own)).exit_code == 0
 
 
 @pytest.mark.parametrize("what", ["dequant", "quantize"])
@@ -535,7 +565,7 @@ def test_quantize_checkpoint_writes_a_loadable_k3_checkpoint(k3_tiny: Path, tmp_
         want_meta, want = read_all(k3_tiny / shard)
         _, floats = read_all(src / shard)
         got_meta, got = read_all(out / shard)
-        assert got.keys() == want.keys() and got_meta == want_meta
+        assert got.keys() == want.keys() and got_meta == {**want_meta, mx_convert.OWNER_KEY: "mx quantize"}
         for name, array in got.items():
             if name.endswith(".weight_packed"):  # quantized from the float weight, as quantize_mxfp4 does
                 packed, scales = quantize_mxfp4(floats[name[: -len("_packed")]])

@@ -37,7 +37,7 @@ from ..utils import copy_files, is_within, load_json, write_atomic
 from ..utils.lock import OUTPUT_LOCK_NAME, DirLock
 from ..utils.ownership import claim_output_dir
 from .codec import ScaleMode, normalize_scale_mode
-from .convert import quantize_file
+from .convert import _quantize_into
 
 __all__ = ["CONFIG_NAME", "OWNER_COMMAND", "QuantizeCheckpointResult", "compressed_tensors_config",
            "quantize_checkpoint", "render_quantize_checkpoint"]
@@ -152,8 +152,9 @@ def quantize_checkpoint(
         copied = 0
         for s in shards:
             (outp / s).parent.mkdir(parents=True, exist_ok=True)
-            res = quantize_file(root / s, outp / s, scale_mode=scale_mode, include_all=include_all,
-                                chunk_bytes=chunk, progress=progress)
+            # the directory is claimed: its shards are this command's to replace, whatever wrote them
+            res = _quantize_into(root / s, outp / s, scale_mode=scale_mode, include_all=include_all,
+                                 chunk_bytes=chunk, progress=progress, on_plan=None)
             quantized.update(res.quantized)
             copied += res.copied
         if indexed:

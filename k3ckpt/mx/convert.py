@@ -13,6 +13,11 @@ Both compute the output header from shapes alone, then fill the data row chunk b
 MoE layer is 15.7 GB packed and 63 GB as fp32). The output is written to a temporary file next
 to the destination, fsynced and renamed over it, so the final name never holds a partial file;
 any failure (including Ctrl-C) removes the temporary file. Free disk space is checked first.
+
+Ownership (the rule of :mod:`k3ckpt.utils.ownership`, applied to one file): each output says in
+its header metadata which command wrote it (:data:`OWNER_KEY`, e.g. ``"k3ckpt.command": "mx
+dequant"``), and an existing ``-o`` file is replaced only when it says so. A checkpoint shard, a
+file another library wrote or a user's notes under that name are refused, before any byte.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from .select import CHUNK_BYTES, MxSource, find_mx_tensors
 
 __all__ = [
     "CHUNK_BYTES",
+    "OWNER_KEY",
     "DEQUANT_DTYPES",
     "DequantResult",
     "MxConvertError",
@@ -71,6 +77,13 @@ Progress = Callable[[int], None]
 
 # The output's permission bits: the umask decides, as for any file the user creates.
 _NEW_FILE_MODE = 0o666
+
+#: The header metadata key naming the k3ckpt command that wrote a file (its ownership record):
+#: only a file carrying one of :data:`_OWN_COMMANDS` is replaced by a conversion.
+OWNER_KEY = "k3ckpt.command"
+_DEQUANT_COMMAND = "mx dequant"
+_QUANTIZE_COMMAND = "mx quantize"
+_OWN_COMMANDS = frozenset({_DEQUANT_COMMAND, _QUANTIZE_COMMAND})
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -155,7 +168,8 @@ def dequantize_to_file(
 
     Args:
         path: a checkpoint directory or a single safetensors file.
-        out: the safetensors file to write (replaced atomically if it exists).
+        out: the safetensors file to write; an existing one is replaced (atomically) only when
+            an earlier conversion wrote it (:data:`OWNER_KEY`).
         to: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
         tensor, layer, expert: the selection, as in :func:`find_mx_tensors` (all when ``None``).
         chunk_bytes: packed bytes read per step; the float output of a step is
@@ -167,6 +181,7 @@ def dequantize_to_file(
     Raises:
         MxSelectionError: nothing matches the selection, or a pair is malformed.
         MxConvertError: not enough free disk space, or ``out`` is one of the inputs.
+        OutputNotOwnedError: ``out`` exists and no conversion wrote it.
         ValueError: unknown ``to``.
         OSError: reading or writing failed (the temporary file is removed).
     """
@@ -183,7 +198,7 @@ def dequantize_to_file(
     # The whole header is known from shapes alone, so it is written first and every chunk then
     # goes straight to its final offset: nothing larger than one chunk is ever held.
     prefix, offsets = build_header([TensorSpec(m.weight_name, st_dtype, m.shape) for m in selected],
-                                   {"format": "pt"})
+                                   {"format": "pt", OWNER_KEY: _DEQUANT_COMMAND})
     data_len = offsets[-1][1] if offsets else 0
     size = len(prefix) + data_len
     _check_free_space(out_path, size)
@@ -275,7 +290,8 @@ def quantize_file(
 
     Args:
         inp: the float safetensors file.
-        out: the file to write (replaced atomically if it exists).
+        out: the file to write; an existing one is replaced (atomically) only when an earlier
+            conversion wrote it (:data:`OWNER_KEY`).
         scale_mode: ``"compressed-tensors"`` (K3's producer), ``"ocp"`` (alias ``"floor"``),
             ``"ceil"`` or ``"even"``; see :func:`quantize_mxfp4`.
         include_all: quantize every linear weight, not only routed experts.
@@ -289,16 +305,26 @@ def quantize_file(
         MxConvertError: a weight to quantize holds NaN/Inf (named, with its first position), an
             output name would collide with an input tensor, not enough free disk space, or
             ``out`` is ``inp``. No output or temporary file is left behind.
+        OutputNotOwnedError: ``out`` exists and no conversion wrote it.
         ValueError: unknown ``scale_mode``.
         OSError: reading or writing failed.
     """
+    _refuse_overwriting_inputs(Path(out), {Path(inp)})
+    return _quantize_into(inp, out, scale_mode=scale_mode, include_all=include_all, chunk_bytes=chunk_bytes,
+                          progress=progress, on_plan=on_plan)
+
+
+def _quantize_into(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, scale_mode: ScaleMode,
+                   include_all: bool, chunk_bytes: int | None, progress: Progress | None,
+                   on_plan: Progress | None) -> QuantizeResult:
+    """:func:`quantize_file` without the check of an existing ``out``: for a caller that owns
+    ``out`` already (a shard of a claimed ``mx quantize`` output directory)."""
     scale_mode = normalize_scale_mode(scale_mode)  # type: ignore[assignment]
     if chunk_bytes is None:
         chunk_bytes = K3CKPT_MX_CHUNK_BYTES.get()
     t0 = time.perf_counter()
     in_path, out_path = Path(inp), Path(out)
     header = read_header(in_path)
-    _refuse_overwriting_inputs(out_path, {in_path})
 
     plan: list[_Planned] = []
     quantized: list[str] = []
@@ -316,7 +342,7 @@ def quantize_file(
     # Stable sort, widest element first: offsets stay multiples of every element size.
     plan.sort(key=lambda p: -max(1, DTYPE_BITS[p.spec.dtype] // 8))
 
-    prefix, offsets = build_header([p.spec for p in plan], header.metadata or None)
+    prefix, offsets = build_header([p.spec for p in plan], {**(header.metadata or {}), OWNER_KEY: _QUANTIZE_COMMAND})
     size = len(prefix) + (offsets[-1][1] if offsets else 0)
     _check_free_space(out_path, size)
     if on_plan is not None:
@@ -392,8 +418,7 @@ def _pread_exact(fd: int, n: int, offset: int, path: Path | None) -> bytes:
 
 def _refuse_overwriting_inputs(out: Path, inputs: Iterable[Path]) -> None:
     """Renaming over a file still being read would replace a checkpoint shard with a conversion;
-    renaming over a file that is not a safetensors file would replace something k3ckpt did not
-    write."""
+    renaming over any file no conversion wrote would replace something k3ckpt does not own."""
     if out.is_dir():
         raise MxConvertError(f"{out}: is a directory; pass the output file name")
     if not out.exists() and not out.is_symlink():
@@ -402,19 +427,20 @@ def _refuse_overwriting_inputs(out: Path, inputs: Iterable[Path]) -> None:
         with suppress(OSError):
             if os.path.samefile(out, p):
                 raise MxConvertError(f"{out}: is an input of this conversion; write to another file")
-    refuse_foreign_file(out, _is_safetensors_file(out), "safetensors file")
+    refuse_foreign_file(out, _is_own_output(out), "safetensors file")
 
 
-def _is_safetensors_file(path: Path) -> bool:
-    """A regular file with a readable safetensors header: the kind a conversion writes, so the
-    only kind it replaces (a user's notes or another format under that name are refused)."""
+def _is_own_output(path: Path) -> bool:
+    """A regular safetensors file whose header says a conversion wrote it (:data:`OWNER_KEY`):
+    the only kind a conversion replaces. A shard of a checkpoint, a file another library wrote
+    and a user's notes under that name are refused."""
     if path.is_symlink() or not path.is_file():
         return False
     try:
-        read_header(path)
+        metadata = read_header(path).metadata or {}
     except (OSError, K3ckptError):
         return False
-    return True
+    return metadata.get(OWNER_KEY) in _OWN_COMMANDS
 
 
 def _check_free_space(out: Path, needed: int) -> None:
