@@ -352,6 +352,26 @@ def test_index_names_missing_shard(k3_tiny: Path, clone_checkpoint, opener) -> N
     assert "listed in model.safetensors.index.json but missing" in msg
 
 
+@pytest.mark.parametrize("what, make", [
+    ("is a symlink loop (to model-00003-of-000008.safetensors)", lambda p: p.symlink_to(p.name)),
+    ("is a broken symlink (to /nonexistent/shard)", lambda p: p.symlink_to("/nonexistent/shard")),
+    ("is a directory, not a file", lambda p: p.mkdir()),
+    ("is not a regular file (a FIFO)", lambda p: os.mkfifo(p)),
+], ids=["symlink loop", "broken symlink", "directory", "fifo"])
+def test_a_shard_that_is_not_a_file_is_named_for_what_it_is(k3_tiny: Path, clone_checkpoint, opener, what: str,
+                                                            make) -> None:
+    """Issue #25: a shard name holding a symlink loop or a directory was "listed but missing"
+    (and a loop a traceback elsewhere): the message says what stands there instead."""
+    root = clone_checkpoint(k3_tiny)
+    shard = root / "model-00003-of-000008.safetensors"
+    shard.unlink()
+    make(shard)
+    with pytest.raises(IndexFileError) as ei:
+        opener(root)
+    msg = assert_names(ei.value, root.resolve() / shard.name)
+    assert f"listed in model.safetensors.index.json but {what}" in msg
+
+
 @pytest.mark.parametrize("bad", ["../model-00002-of-000008.safetensors", "sub/../../x.safetensors",
                                  "/etc/passwd", "C:\\x.safetensors", ""])
 def test_index_shard_path_outside_checkpoint(k3_tiny: Path, clone_checkpoint, opener, bad: str) -> None:

@@ -14,10 +14,12 @@ config contradicts the tensors) are collected in :attr:`Checkpoint.problems`; pr
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import operator
 import os
+import stat
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -324,6 +326,31 @@ def bulk_allocation() -> Iterator[None]:
             gc.enable()
 
 
+def not_a_file(path: Path) -> str:
+    """What stands at ``path`` instead of a regular file, in the words of an error message:
+    ``missing``, ``is a directory, not a file``, ``is a symlink loop (to X)``, ``is a broken
+    symlink (to X)``, or ``is not a regular file (a socket)``. A shard name that is a directory or a link to
+    nowhere is not "missing": saying what it is sends the user to the right fix."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return "missing"
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(path)
+        try:
+            os.stat(path)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return f"is a symlink loop (to {target})"
+            return f"is a broken symlink (to {target})"
+        return not_a_file(Path(os.path.realpath(path)))
+    if stat.S_ISDIR(st.st_mode):
+        return "is a directory, not a file"
+    kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device",
+             stat.S_ISBLK: "a block device"}
+    return "is not a regular file (" + next((k for test, k in kinds.items() if test(st.st_mode)), "unknown kind") + ")"
+
+
 def open_checkpoint(
     path: str | os.PathLike[str], *, jobs: int | None = None, require_config: bool = False, strict: bool = True,
     progress: Callable[[int], None] | None = None, on_plan: Callable[[int], None] | None = None,
@@ -383,9 +410,10 @@ def _open(path: str | os.PathLike[str], jobs: int | None, require_config: bool, 
         ] + ([config_problem] if config_problem else [])
         for f in list(files):
             if not (root / f).is_file():
+                what = not_a_file(root / f)
                 if strict:
-                    raise IndexFileError(f"{root / f}: listed in {index_file} but missing", path=root / f)
-                problems.append(Problem(f, f"listed in {index_file} but missing", "missing-file"))
+                    raise IndexFileError(f"{root / f}: listed in {index_file} but {what}", path=root / f)
+                problems.append(Problem(f, f"listed in {index_file} but {what}", "missing-file"))
                 files.remove(f)
     except BaseException:
         reader.close()
