@@ -47,7 +47,7 @@ BUCKETS = [
      r"lock' objects>|acquire|Condition\.wait|_thread\.|SimpleQueue|as_completed|result'|futures/|select|poll"),
     ("header parse (json, header)", r"json/|format/header\.py|format/checkpoint\.py|integrity/manifest\.py"),
     ("planning (plan, layout, topology)",
-     r"deploy/plan\.py|format/layout\.py|format/topology\.py|format/nodedir\.py|deploy/reshard\.py:.*plan"),
+     r"deploy/plan\.py|format/layout\.py|format/topology/|format/nodedir\.py|deploy/reshard\.py:.*plan"),
     ("structure checks",
      r"integrity/(verify|report|statcache|structure|scales|background)\.py|format/roles\.py|format/config\.py"),
     ("span hashing bookkeeping (Python)", r"integrity/hashing\.py"),
