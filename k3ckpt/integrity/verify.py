@@ -27,7 +27,8 @@ This module runs the checks (:func:`verify_checkpoint`); the pieces live beside 
 - :mod:`~k3ckpt.integrity.background`: the hashing threads;
 - :mod:`~k3ckpt.integrity.share`: a share, checked tensor by tensor.
 
-Every name those modules give the rest of the package is importable from here too.
+The names this module had before they moved there (the report types, the stat cache, the
+structure and scale checks) are still importable from here.
 """
 
 from __future__ import annotations
