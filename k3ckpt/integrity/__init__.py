@@ -30,12 +30,12 @@ __all__ = [
 # k3ckpt.integrity.<module>`` does not import the rest of the package.
 __getattr__, __dir__ = lazy_exports(__name__, {
     "Change": ".manifest",
-    "Expected": ".verify",
+    "Expected": ".report",
     "FileDigest": ".hashing",
-    "Issue": ".verify",
+    "Issue": ".report",
     "Manifest": ".manifest",
     "SignResult": ".signing",
-    "VerifyReport": ".verify",
+    "VerifyReport": ".report",
     "build_manifest": ".manifest",
     "diff_manifests": ".manifest",
     "generate_key": ".signing",
@@ -49,5 +49,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
     from .hashing import FileDigest, hash_file, hash_files
     from .manifest import Change, Manifest, build_manifest, diff_manifests
+    from .report import Expected, Issue, VerifyReport
     from .signing import SignResult, generate_key, load_signed_manifest, sign_file
-    from .verify import Expected, Issue, VerifyReport, verify_checkpoint
+    from .verify import verify_checkpoint

@@ -27,7 +27,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,23 +35,12 @@ from ..errors import LayoutError, ShareReferenceError
 from ..format.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from ..format.layout import NODE_MARKER, PARTIAL_MARKER, READY_NAME, read_node_marker
 from ..format.roles import Kind, classify
-from ..utils import format_ranges
 from .hashing import FileDigest, Span, hash_files
 from .manifest import Manifest, TensorEntry, tensors_from_headers
-from .verify import (
-    Expected,
-    Issue,
-    StatCache,
-    VerifyReport,
-    _cached_digest_known,
-    _cached_digest_matches,
-    _content_issue,
-    _nan_issues,
-    rescan_scales,
-    scale_spans,
-    stat_present,
-    structure_issues,
-)
+from .report import Expected, Issue, ShareFacts, VerifyReport, content_issue, nan_issues
+from .scales import rescan_scales, scale_spans
+from .statcache import StatCache, cached_digest_known, cached_digest_matches, stat_present
+from .structure import structure_issues
 
 #: Which marker makes a directory which kind of share.
 SHARE_KINDS = {NODE_MARKER: "node", PARTIAL_MARKER: "partial"}
@@ -61,40 +50,6 @@ OWN_FILES = frozenset({NODE_MARKER, PARTIAL_MARKER, READY_NAME, INDEX_NAME})
 #: What to use when the reference cannot check a share.
 TENSOR_MANIFEST_HINT = ("use a tensor-hash manifest: k3ckpt manifest build SRC -o M --tensor-hashes, "
                         "or k3ckpt manifest pull REPO_ID --source HUB -o M --tensor-hashes")
-
-
-@dataclass
-class ShareFacts:
-    """What ``verify`` found out about a share (``--json``: the report's ``share``)."""
-
-    kind: str  # "node" | "partial"
-    marker: str
-    node: int | None
-    ranks: list[int]
-    experts: list[int]
-    tensors_present: int = 0
-    tensors_checked: int = 0  # present tensors whose bytes were compared with a digest
-    tensors_not_local: int | None = None  # the reference's tensors of other nodes' experts (None: it lists only the node's)
-    tensors_missing: int = 0  # needed by the ranks, absent
-    whole_files: list[str] = field(default_factory=list)  # weight files identical to a source file
-    files_excluded: list[str] = field(default_factory=list)  # left out by the fetch's --include/--exclude
-
-    def summary(self) -> str:
-        who = f"node {self.node}, " if self.node is not None else ""
-        ranks = f"rank{'s' if len(self.ranks) != 1 else ''} {_ranges(self.ranks)}"
-        text = f"{self.kind} share ({self.marker}; {who}{ranks}): {self.tensors_checked:,} tensors checked"
-        if self.tensors_not_local is not None:
-            text += f", {self.tensors_not_local:,} not local (other nodes' experts)"
-        if self.tensors_missing:
-            text += f", {self.tensors_missing:,} needed but absent"
-        if self.files_excluded:
-            n = len(self.files_excluded)
-            text += f"; {n} file{'s' if n != 1 else ''} left out by the fetch's --include/--exclude"
-        return text
-
-
-def _ranges(values: list[int]) -> str:
-    return format_ranges(values)
 
 
 def share_marker(root: str | os.PathLike[str]) -> tuple[str, dict[str, Any]] | None:
@@ -132,7 +87,7 @@ def verify_share(
     progress: Callable[[int], None] | None,
     on_plan: Callable[[int], None] | None,
 ) -> None:
-    """Fill ``report`` (a :class:`~k3ckpt.integrity.verify.VerifyReport`) for the share at ``root``.
+    """Fill ``report`` (a :class:`~k3ckpt.integrity.report.VerifyReport`) for the share at ``root``.
 
     ``expected``: the reference's files (path -> ``Expected``), empty when there is none.
 
@@ -243,10 +198,10 @@ def verify_share(
         elif (exp := expected.get(f)) is not None and f not in OWN_FILES and exp.sha256:
             if not quick:
                 to_hash.append(f)
-            elif hit and _cached_digest_matches(hit, exp):
+            elif hit and cached_digest_matches(hit, exp):
                 report.files_trusted.append(f)
-            elif hit and _cached_digest_known(hit, exp):
-                issues.append(_content_issue(f, exp, hit))
+            elif hit and cached_digest_known(hit, exp):
+                issues.append(content_issue(f, exp, hit))
             else:
                 report.files_size_only.append(f)
     if to_hash:
@@ -264,7 +219,7 @@ def verify_share(
                                          expected, weight)
             issues += found
             if scan:
-                issues += _nan_issues(f, d.flagged or [])
+                issues += nan_issues(f, d.flagged or [])
             if cache is not None:
                 extra = {"share_ref": ref_key, "share_issues": [asdict(i) for i in found]} if f in weight else {}
                 scanned = {"scan_ok": not d.flagged, "flagged": d.flagged or []} if scan and f in weight else {}
@@ -349,7 +304,7 @@ def _file_content_issues(f: str, d: FileDigest, want_file: str | None, want_tens
                 out.append(Issue("sha256", f, f"content differs{whose}{where}", expected=want_sha, actual=d.sha256))
                 break
     elif want_file is not None and d.sha256 != want_file:
-        out.append(_content_issue(f, expected[f], {"sha256": d.sha256}))
+        out.append(content_issue(f, expected[f], {"sha256": d.sha256}))
     return out
 
 
