@@ -615,6 +615,20 @@ def test_engine_pass_on_each_node_and_its_serve_line(nodes_pristine: Path, sourc
     assert rep.serve == pf.serve_command(d, tp=2, dp=2, node=node, gpus_per_node=2, leader_address=LEADER)
 
 
+def test_an_hf_cache_repo_folder_is_served_from_its_snapshot(nodes_pristine: Path, tmp_path: Path) -> None:
+    """Issue #25: preflight of ``models--org--name`` said "ready" with a serve line naming that
+    folder, which holds no config.json; it now checks and serves the snapshot refs/main names."""
+    commit = "c" * 40
+    repo_dir = tmp_path / "models--org--name"
+    snap = repo_dir / "snapshots" / commit
+    shutil.copytree(nodes_pristine / "node-00000", snap)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    rep = pf.preflight(repo_dir, launch(0), engine="vllm", leader_address=LEADER, environ=NO_GPU)
+    assert rep.ok and rep.serve is not None
+    assert rep.serve[:3] == ["vllm", "serve", str(snap)] and (Path(rep.serve[2]) / "config.json").is_file()
+
+
 def test_engine_is_the_default_for_a_node_directory_and_the_marker_gives_the_launch(nodes_pristine: Path) -> None:
     rep = pf.preflight(nodes_pristine / "node-00001", environ=NO_GPU)
     assert rep.ok and rep.engine == "vllm" and rep.ranks == [2, 3] and "k3ckpt-node.json" in rep.selection

@@ -70,6 +70,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ..errors import PreflightError
+from ..format.checkpoint import resolve_root
 from ..format.layout import NODE_MARKER, TOPOLOGY_NAME
 from ..format.topology import RankEnv, RankSelection
 from ._preflight_engine import EngineNodeDir, leader_from_env
@@ -184,7 +185,9 @@ def preflight(
     root = Path(path).expanduser()
     if not root.is_dir():
         raise PreflightError(f"{root}: no such directory", path=root)
-    root = root.resolve()
+    # An HF cache repo folder (models--org--name) is the snapshot refs/main names: the serve line
+    # must name the folder holding config.json, not the cache's bookkeeping around it.
+    root, _ = resolve_root(root)
     env = os.environ if environ is None else environ
     rank = one_rank(selection.ranks)
     if rank is not None and selection.node is not None:
