@@ -12,9 +12,9 @@ What is written, in order:
 - every planned file (dense files, then each rank's expert files) as a ``.part``: the planned
   header first, then the tensors' bytes. Tensors adjacent in one source shard *and* in the
   output are coalesced into one request of at most ``chunk_size`` bytes, never across source
-  shards (:func:`k3ckpt.hub.rankfetch._pieces_and_tasks`). Journaling, resume and retries are
-  the rank-aware fetch's (:mod:`k3ckpt.hub.rankfetch`); with ``--manifest`` every tensor's
-  sha256 is checked while it streams;
+  shards (:func:`k3ckpt.hub._pieces.pieces_and_tasks`). Journaling, resume and retries are
+  the rank-aware fetch's (:mod:`k3ckpt.hub._pieces`, :mod:`k3ckpt.hub._workers`); with
+  ``--manifest`` every tensor's sha256 is checked while it streams;
 - when a ``.part`` is complete it is read back once to compute the file's and its tensors'
   sha256 (the marker records them, as ``reshard``'s does; pieces arrive out of order, so the
   file digest cannot be computed while streaming). With a manifest the tensor digests read back
@@ -33,9 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,31 +46,14 @@ from ..format.topology import RankSelection, Topology, build_index, fp8_block_of
 from ..integrity.hashing import HashError, Span, hash_file
 from ..integrity.manifest import Manifest
 from ..utils import format_ranges, human_bytes, write_atomic
-from ..utils.space import require_free_space
 from . import _dest, download
 from . import client as hubclient
+from ._pieces import OutputJob, Piece, PieceFailed, Task, looks_complete, pieces_and_tasks, tensor_spans
+from ._remote import check_manifest, check_manifest_files, load_manifest, other_files, read_source
+from ._result import VERIFIED_STRUCTURE, VERIFIED_TENSORS, RankFetchResult, dry_run_total, fetch_summary
+from ._workers import fetch_outputs, fetch_run, open_jobs
 from .client import HubFile, HubListing, RetryPolicy
-from .fetch import record_source
-from .rankfetch import (
-    VERIFIED_STRUCTURE,
-    VERIFIED_TENSORS,
-    Piece,
-    RankFetchResult,
-    Task,
-    _check_against_manifest,
-    _check_manifest,
-    _check_manifest_files,
-    _PieceFailed,
-    _pieces_and_tasks,
-    _Run,
-    _ShardJob,
-    dry_run_total,
-    fetch_summary,
-    load_manifest,
-    other_files,
-    read_source,
-    source_text,
-)
+from .fetch import record_source, source_text
 
 __all__ = [
     "DIGEST_DIR",
@@ -103,7 +84,7 @@ class NodeFilePlan:
         prefix: Its header bytes, as planned.
         size: Its size.
         tensor_bytes: Bytes of its tensors' data.
-        pieces, tasks: The ranged GETs and their hashing units (see :class:`~k3ckpt.hub.rankfetch.Task`).
+        pieces, tasks: The ranged GETs and their hashing units (see :class:`~k3ckpt.hub._pieces.Task`).
     """
 
     path: str
@@ -140,7 +121,7 @@ class NodeFilePlan:
 
     def spans(self) -> list[Span]:
         """Each tensor's absolute ``[start, stop)`` in the file."""
-        return [Span(name, start, stop) for task in self.tasks for name, start, stop in task.tensors]
+        return tensor_spans(self)
 
 
 def plan_file(f: NodeFile, sources: dict[str, HubFile], data_start: dict[str, int], chunk_size: int) -> NodeFilePlan:
@@ -148,7 +129,7 @@ def plan_file(f: NodeFile, sources: dict[str, HubFile], data_start: dict[str, in
     (``data_start`` of its shard + its begin) to ``len(prefix)`` + its planned offset."""
     base = len(f.prefix)
     spans = [(t.name, t.file, data_start[t.file] + t.begin, base + b, base + e) for t, (b, e) in zip(f.tensors, f.offsets)]
-    pieces, tasks = _pieces_and_tasks(spans, chunk_size)
+    pieces, tasks = pieces_and_tasks(spans, chunk_size)
     used = {t.file for t in f.tensors}
     return NodeFilePlan(f.name, f.rank, {p: sources[p] for p in sorted(used)}, [t.name for t in f.tensors], f.prefix,
                         f.size, sum(t.nbytes for t in f.tensors), pieces, tasks)
@@ -261,12 +242,12 @@ def plan_node_fetch(
         _require_experts(listing, idx.expert_names, nd)
         wanted = {t.name for f in nd.files for t in f.tensors}
         if manifest is not None:
-            _check_manifest(manifest, label or "(given)", src.headers, wanted, listing)
+            check_manifest(manifest, label or "(given)", src.headers, wanted, listing)
         starts = {h.file: h.data_start for h in src.headers}
         outputs = [plan_file(f, {p: listing.files[p] for p in starts}, starts, chunk_size) for f in nd.files]
     files, excluded = other_files(listing, include, exclude, skip=marked | frozenset(src.shard_paths))
     if manifest is not None:
-        _check_manifest_files(manifest, label or "(given)", listing, files)
+        check_manifest_files(manifest, label or "(given)", listing, files)
     index_sha = src.index_sha256 or _single_header_sha(listing, src.headers[0].data_start, token)
     return NodeFetchPlan(
         listing=listing, dest=Path(dest), nd=nd, outputs=outputs, files=files, excluded=excluded,
@@ -306,20 +287,20 @@ def _read_back(op: NodeFilePlan, path: str, manifest: Manifest | None) -> dict[s
     manifest every tensor digest must match it.
 
     Raises:
-        _PieceFailed: unreadable, or a tensor whose bytes are not the manifest's.
+        PieceFailed: unreadable, or a tensor whose bytes are not the manifest's.
     """
     try:
         d = hash_file(path, spans=op.spans())
     except (HashError, OSError) as e:
-        raise _PieceFailed(f"{path}: cannot hash it: {e}") from None
+        raise PieceFailed(f"{path}: cannot hash it: {e}") from None
     tensors = dict(d.spans or {})
     for name in op.names:  # zero-byte tensors: no span bytes, the empty digest
         tensors.setdefault(name, hashlib.sha256().hexdigest())
     if manifest is not None:
         bad = next((n for n in op.names if manifest.tensors[n].sha256 != tensors[n]), None)
         if bad is not None:
-            raise _PieceFailed(f"tensor {bad!r}: sha256 {tensors[bad]} on disk but the manifest says "
-                               f"{manifest.tensors[bad].sha256}")
+            raise PieceFailed(f"tensor {bad!r}: sha256 {tensors[bad]} on disk but the manifest says "
+                              f"{manifest.tensors[bad].sha256}")
     return {"key": op.content_key(), "sha256": d.sha256, "tensors": tensors}
 
 
@@ -327,18 +308,12 @@ def _complete(op: NodeFilePlan, final: str, manifest: Manifest | None, dest_real
     """The digests of ``final`` if it already is this file - size and header bytes, then with a
     manifest every tensor's sha256 (read locally), without one the digest record written for this
     very content - else None."""
-    try:
-        if os.path.islink(final) or not os.path.isfile(final) or os.path.getsize(final) != op.size:
-            return None
-        with open(final, "rb") as f:
-            if f.read(len(op.prefix)) != op.prefix:
-                return None
-    except OSError:
+    if not looks_complete(op, final):
         return None
     if manifest is not None:
         try:
             return _read_back(op, final, manifest)
-        except _PieceFailed:
+        except PieceFailed:
             return None
     try:
         rec = json.loads(_digest_path(dest_real, op.path).read_bytes())
@@ -392,27 +367,12 @@ def run_node_fetch(
         DiskSpaceError: Not enough free space.
         RankFetchError: The destination holds another kind of checkpoint.
     """
-    if workers < 1:
-        raise ValueError("workers must be >= 1")
-    t0 = time.monotonic()
-    policy = retry or download.FETCH_RETRY
-    result = RankFetchResult(dest=plan.dest, verification=plan.verification, bytes_total=plan.bytes_total)
-    os.makedirs(plan.dest, exist_ok=True)
-    dest_real = os.path.realpath(plan.dest)
-    lock = _dest.DestLock(dest_real)
-    lock.acquire()
-    try:
-        _dest.claim_dest(dest_real, [o.path for o in plan.outputs] + list(plan.files)
-                         + [NODE_MARKER, INDEX_NAME, READY_NAME])
+    names = [o.path for o in plan.outputs] + list(plan.files) + [NODE_MARKER, INDEX_NAME, READY_NAME]
+    with fetch_run(plan, workers, retry, names) as (result, dest_real, policy):
         _prepare_dest(dest_real, plan)
         digests = _fetch_node_files(plan, result, dest_real, workers, token, progress, on_plan, policy, check_space)
         if result.ok:
             _finish_node(plan, dest_real, digests)
-    finally:
-        lock.release()
-    result.written.sort()
-    result.skipped.sort()
-    result.seconds = time.monotonic() - t0
     return result
 
 
@@ -421,53 +381,16 @@ def _fetch_node_files(plan: NodeFetchPlan, result: RankFetchResult, dest_real: s
                       policy: RetryPolicy, check_space: bool) -> dict[str, dict[str, Any]]:
     """Fetch the planned files and the non-weight files into ``dest_real``, recording failures in
     ``result``; returns the digests of every planned file present and checked."""
-    targets: list[tuple[NodeFilePlan, str]] = []
-    for op in plan.outputs:
-        try:
-            targets.append((op, _dest.target(dest_real, op.path)))
-        except ValueError as e:
-            result.failed[op.path] = str(e)
-    # with a manifest this reads every present file: in parallel, as the downloader does
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        present = list(pool.map(lambda t: _complete(t[0], t[1], plan.manifest, dest_real), targets))
-    digests: dict[str, dict[str, Any]] = {}
-    jobs: list[_ShardJob] = []
-    for (op, final), done in zip(targets, present):
-        if done is not None:
-            digests[op.path] = done
-            result.skipped.append(op.path)
-            _dest.unlink(final + ".part.journal")
-            continue
-        job = _ShardJob(op, final, dest_real)
-        job.load_resume()
-        jobs.append(job)
-    todo = sum(job.todo_bytes() for job in jobs)
-    if check_space:
-        absent = [f for f in plan.files if not os.path.lexists(os.path.join(dest_real, f))]
-        # a resumed .part is allocated already
-        needed = sum(job.plan.size for job in jobs if not job.done) + sum(plan.listing.files[f].size for f in absent)
-        require_free_space(dest_real, needed, f"for {len(jobs)} node file(s) and {len(absent)} file(s)")
-    report = (lambda n: on_plan(n + todo)) if on_plan is not None else None
-    if plan.files:
-        fr = download.fetch_files(plan.listing, plan.dest, plan.files, workers=workers, chunk_size=plan.chunk_size,
-                                  token=token, progress=progress, on_plan=report, retry=policy,
-                                  check_space=check_space, take_lock=False)
-        result.fetched, result.files_skipped = list(fr.fetched), list(fr.skipped)
-        result.failed.update(fr.failed)
-        result.bytes_downloaded += fr.bytes_downloaded
-        if plan.manifest is not None:
-            result.failed.update(_check_against_manifest(plan.manifest, plan.listing, dest_real,
-                                                         fr.fetched + fr.skipped))
-    elif report is not None:
-        report(0)
+    jobs, digests = open_jobs(dest_real, plan.outputs, lambda op, final: _complete(op, final, plan.manifest, dest_real),
+                              result, workers)
 
-    def before_rename(job: _ShardJob) -> None:
+    def before_rename(job: OutputJob) -> None:
         # read back once: the marker's digests (and, with a manifest, a last check of the bytes on disk)
         op = job.plan
         assert isinstance(op, NodeFilePlan)
         try:
             rec = _read_back(op, job.part, plan.manifest)
-        except _PieceFailed:
+        except PieceFailed:
             # the bytes on disk are not what streamed in and was checked: a re-run must fetch
             # them again, not adopt the journal that says they are complete
             _dest.unlink(job.journal)
@@ -477,20 +400,9 @@ def _fetch_node_files(plan: NodeFetchPlan, result: RankFetchResult, dest_real: s
         write_atomic(path, json.dumps(rec).encode())
         digests[op.path] = rec
 
-    hubclient.load_client(plan.listing.hub)  # before the workers: see load_client
-    run = _Run(plan.listing, plan.manifest, plan.dest, result, hubclient.auth_headers(plan.listing, token), policy,
-               progress, before_rename)
-    for job in jobs:
-        run.submit(job)
-    try:
-        if jobs:
-            run.run(workers)
-    finally:
-        for job in jobs:
-            job.close()
-    for job in jobs:  # nothing may end neither written nor failed
-        if job.plan.path not in result.written and job.plan.path not in result.failed:
-            result.failed[job.plan.path] = "not completed"
+    fetch_outputs(plan, result, dest_real, jobs, plan.files, "node file(s)", workers=workers, token=token,
+                  progress=progress, on_plan=on_plan, policy=policy, check_space=check_space,
+                  before_rename=before_rename)
     return digests
 
 
@@ -518,10 +430,6 @@ def _selection_text(plan: NodeFetchPlan) -> str:
             f"tp {t.tp} x dp {t.dp}, {t.placement} placement)")
 
 
-def _source_text(plan: NodeFetchPlan) -> str:
-    return source_text(plan.listing)
-
-
 def render_node_fetch_plan(plan: NodeFetchPlan) -> str:
     """What a dry run prints: per node file its bytes, sources and requests; the other files; the total."""
     lines = []
@@ -537,7 +445,7 @@ def render_node_fetch_plan(plan: NodeFetchPlan) -> str:
 
 def render_node_fetch(plan: NodeFetchPlan, res: RankFetchResult, *, verbose: bool = False) -> str:
     """The summary of a node fetch; ``verbose`` names every file first."""
-    return fetch_summary(res, source=_source_text(plan), dest=plan.dest, selection=_selection_text(plan),
+    return fetch_summary(res, source=source_text(plan.listing), dest=plan.dest, selection=_selection_text(plan),
                          written="node files written", wrote_note="", whole="the node", bytes_total=plan.bytes_total,
                          source_bytes=plan.source_bytes, manifest=plan.manifest is not None, verbose=verbose)
 

@@ -1,0 +1,414 @@
+"""The workers that fill the output files of a rank-aware or node fetch, and the run around them.
+
+:class:`OutputRun` holds a queue of tasks (:class:`~k3ckpt.hub._pieces.Task`) and ``workers``
+threads; each task's pieces stream into their job's ``.part`` (the package's streaming code,
+shared with the downloader: its response checks and retry rules) and are journaled once
+``fdatasync``-ed. With a tensor-hash manifest each tensor is hashed while its bytes stream in (no
+second read, :class:`TensorHasher`) and compared with the manifest; a mismatch re-fetches that
+task once, then fails the file naming the tensor. A task whose every request is journaled was
+verified (its last request is journaled only after the tensor hashes matched); a large tensor's
+earlier requests are re-read from the ``.part`` on resume to rebuild its hash. A complete
+``.part`` is checked (size, header bytes) and renamed into place, then added to
+:data:`SHARD_RECORD`.
+
+:func:`fetch_run` is the frame of both fetches' runs (the downloader's destination lock, the
+result, its timing); :func:`open_jobs` and :func:`fetch_outputs` are what both do inside it:
+skip the output files already complete, resume or start the others, check the free space, fetch
+the non-weight files whole through the downloader, then run the workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from ..errors import K3ckptError
+from ..format.header import parse_header_bytes
+from ..integrity.manifest import Manifest
+from ..utils import fsync_dir, write_atomic
+from ..utils.space import require_free_space
+from . import _dest, _http, _transfer, download
+from . import client as hubclient
+from ._pieces import OutputJob, OutputPlan, Piece, PieceFailed, Task
+from ._remote import check_against_manifest
+from ._result import FetchPlanTotals, RankFetchResult
+from .client import HubListing, RetryPolicy
+
+_READ_BACK = 1 << 20  # bytes per pread when re-hashing a resumed large tensor
+
+
+class TensorHasher:
+    """sha256 of each tensor of a task, fed the task's bytes in output order."""
+
+    def __init__(self, tensors: tuple[tuple[str, int, int], ...]) -> None:
+        self.tensors = tensors
+        self.i = 0
+        self.pos = tensors[0][1] if tensors else 0
+        self.h = hashlib.sha256()
+        self.digests: dict[str, str] = {}
+        self._close_finished()
+
+    def _close_finished(self) -> None:
+        while self.i < len(self.tensors) and self.pos == self.tensors[self.i][2]:
+            self.digests[self.tensors[self.i][0]] = self.h.hexdigest()
+            self.h = hashlib.sha256()
+            self.i += 1
+
+    def feed(self, data: memoryview) -> None:
+        while data:
+            take = min(len(data), self.tensors[self.i][2] - self.pos)
+            self.h.update(data[:take])
+            self.pos += take
+            data = data[take:]
+            self._close_finished()
+
+    def snapshot(self) -> tuple[int, int, Any, dict[str, str]]:
+        return self.i, self.pos, self.h.copy(), dict(self.digests)
+
+    def restore(self, snap: tuple[int, int, Any, dict[str, str]]) -> None:
+        self.i, self.pos, h, digests = snap
+        self.h, self.digests = h.copy(), dict(digests)
+
+
+#: Which source content each rewritten shard of the destination was written from
+#: (:meth:`k3ckpt.hub.rankfetch.ShardPlan.content_key`), updated after each shard's rename. Size and header say
+#: nothing about the tensor bytes: without a manifest, this record is what tells a shard of the
+#: hub's current revision from one of an earlier revision with the same header.
+SHARD_RECORD = ".cache/k3ckpt/rank-shards.json"
+
+
+def load_shard_record(dest_real: str) -> dict[str, str]:
+    try:
+        doc = json.loads(Path(dest_real, SHARD_RECORD).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+class OutputRun:
+    """Shared state of the output files' download: a task queue and ``workers`` threads.
+
+    ``before_rename(job)``, when given, runs once a ``.part`` is complete and checked, before its
+    rename (a node directory's writer hashes the file there: raising :class:`PieceFailed` fails
+    the file, which then never gets its final name)."""
+
+    def __init__(self, listing: HubListing, manifest: Manifest | None, dest: Path, result: RankFetchResult,
+                 headers: dict[str, str], retry: RetryPolicy, progress: Callable[[int], None] | None,
+                 before_rename: Callable[[OutputJob], None] | None = None) -> None:
+        self.listing = listing
+        self.manifest = manifest
+        self.before_rename = before_rename
+        self.result = result
+        self.headers = headers
+        self.retry = retry
+        self.progress = progress
+        self.cancel = threading.Event()
+        self.cond = threading.Condition()
+        self.queue: collections.deque[tuple[OutputJob, Task]] = collections.deque()
+        self.pending = 0
+        self.count_lock = threading.Lock()
+        self.pieces_journaled = 0
+        self.record_lock = threading.Lock()
+        self.dest_real = os.path.realpath(dest)
+
+    def count(self, n: int) -> None:
+        with self.count_lock:
+            self.result.bytes_downloaded += n
+        if self.progress is not None:
+            self.progress(n)
+
+    def fail(self, job: OutputJob, reason: str) -> None:
+        with job.lock:
+            if job.failed is None:
+                job.failed = reason
+                with self.cond:
+                    self.result.failed[job.plan.path] = reason
+
+    # -- one task --------------------------------------------------------------------------------
+
+    def run_task(self, job: OutputJob, task: Task) -> None:
+        with job.lock:
+            if job.failed is not None:
+                return
+            if job.fd is None:
+                job.open()
+        manifest = self.manifest
+        for attempt in (1, 2):
+            hasher = TensorHasher(task.tensors) if manifest is not None else None
+            for k, i in enumerate(task.pieces):
+                last = k == len(task.pieces) - 1
+                if i in job.done:
+                    if hasher is not None:
+                        self._rehash(job, self.plan_piece(job, i), hasher)
+                    continue
+                self._fetch_piece(job, self.plan_piece(job, i), hasher)
+                os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]  # fd is open here
+                if not (last and hasher is not None):  # a task's last piece is journaled once verified
+                    self._journal(job, [i])
+            if hasher is None or manifest is None:  # (one is None exactly when the other is)
+                return
+            bad = [(n, d) for n, d in hasher.digests.items() if manifest.tensors[n].sha256 != d]
+            if not bad:
+                with self.count_lock:
+                    self.result.tensors_verified += len(hasher.digests)
+                if task.pieces and task.pieces[-1] not in job.done:
+                    self._journal(job, [task.pieces[-1]])
+                return
+            with job.lock:  # un-journal the task: its bytes are not what the manifest says
+                job.done.difference_update(task.pieces)
+                job.write_journal()
+            if attempt == 2:
+                name, got = bad[0]
+                more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+                raise PieceFailed(f"tensor {name!r}: sha256 {got} but the manifest says "
+                                  f"{manifest.tensors[name].sha256}{more}, also after re-fetching its bytes")
+
+    @staticmethod
+    def plan_piece(job: OutputJob, i: int) -> Piece:
+        return job.plan.pieces[i]
+
+    def _journal(self, job: OutputJob, pieces: list[int]) -> None:
+        with job.lock:
+            if self.cancel.is_set() or job.failed is not None:
+                return
+            job.done.update(pieces)
+            job.write_journal()
+        with self.count_lock:
+            self.pieces_journaled += 1
+            n = self.pieces_journaled
+        _transfer.pause_point("after_piece", n)  # test hook: the n-th piece of the run journaled
+
+    @staticmethod
+    def _rehash(job: OutputJob, piece: Piece, hasher: TensorHasher) -> None:
+        """Feed a resumed piece's bytes from the ``.part`` (a large tensor cut by a crash)."""
+        off, end = piece.dst, piece.dst + piece.length
+        while off < end:
+            data = os.pread(job.fd, min(_READ_BACK, end - off), off)  # type: ignore[arg-type]  # fd is open here
+            if not data:
+                raise PieceFailed(f"{job.part}: short read at {off} while re-hashing resumed bytes")
+            hasher.feed(memoryview(data))
+            off += len(data)
+
+    def _fetch_piece(self, job: OutputJob, piece: Piece, hasher: TensorHasher | None) -> None:
+        failures = 0
+        where = f"bytes {piece.src}+{piece.length}"
+        while True:
+            if self.cancel.is_set():
+                raise _transfer.Cancelled()
+            snap = hasher.snapshot() if hasher is not None else None
+            try:
+                _transfer.stream_range(self.listing, job.plan.source_of(piece), piece.src, piece.length, job.fd,  # type: ignore[arg-type]  # fd is open here
+                                       piece.dst, self.headers, download.TIMEOUT, self.cancel, self.count,
+                                       sink=hasher.feed if hasher is not None else None)
+                return
+            except _transfer.Fatal as e:
+                raise PieceFailed(f"{e} ({where})") from None
+            except _transfer.Retryable as e:
+                failures += 1
+                if hasher is not None and snap is not None:
+                    hasher.restore(snap)  # what the failed response fed is void
+                if failures >= self.retry.attempts:
+                    raise PieceFailed(f"{e}; gave up after {failures} attempts ({where})") from None
+                _transfer.back_off(self.retry, failures, e.retry_after)
+
+    # -- finishing a shard -----------------------------------------------------------------------
+
+    def finish(self, job: OutputJob) -> None:
+        """Check the complete ``.part`` (size, header) and rename it into place."""
+        sp = job.plan
+        assert job.fd is not None
+        os.fsync(job.fd)
+        if os.fstat(job.fd).st_size != sp.size:
+            raise PieceFailed(f"{job.part} is {os.fstat(job.fd).st_size} bytes, expected {sp.size}")
+        head = os.pread(job.fd, len(sp.prefix), 0)
+        if head != sp.prefix:
+            raise PieceFailed(f"{job.part}: the header on disk is not the one written")
+        parse_header_bytes(head[8:], file=sp.path, path=job.part, file_size=sp.size)  # valid safetensors
+        if self.before_rename is not None:
+            self.before_rename(job)
+        _transfer.pause_point("before_shard_rename")  # test hook
+        with job.lock:
+            job.close()
+            os.replace(job.part, job.final)
+            fsync_dir(os.path.dirname(job.final))
+            _dest.unlink(job.journal)
+        self.record_written(sp)
+        with self.cond:
+            self.result.written.append(sp.path)
+
+    def record_written(self, sp: OutputPlan) -> None:
+        """Add ``sp`` to :data:`SHARD_RECORD` (after its rename: a crash in between only costs a
+        re-fetch of that shard)."""
+        with self.record_lock:
+            path = Path(self.dest_real, SHARD_RECORD)
+            record = load_shard_record(self.dest_real)
+            record[sp.path] = sp.content_key()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, (json.dumps(dict(sorted(record.items())), indent=1) + "\n").encode())
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    def submit(self, job: OutputJob) -> None:
+        with self.cond:
+            for task in job.plan.tasks:
+                self.queue.append((job, task))
+                self.pending += 1
+            if not job.plan.tasks:
+                self.queue.append((job, Task((), ())))  # nothing to fetch: just finish
+                self.pending += 1
+                job.remaining = 1
+            self.cond.notify_all()
+
+    def worker(self) -> None:
+        while (item := _transfer.next_task(self.cond, self.queue, lambda: self.pending > 0, self.cancel)) is not None:
+            job, task = item
+            try:
+                self.run_task(job, task)
+                with job.lock:
+                    job.remaining -= 1
+                    last = job.remaining == 0 and job.failed is None
+                if last:
+                    self.finish(job)
+            except _transfer.Cancelled:
+                pass
+            except PieceFailed as e:
+                self.fail(job, str(e))
+            except K3ckptError as e:
+                self.fail(job, str(e))
+            except Exception as e:  # noqa: BLE001 - never lose a worker silently: fail the shard, keep going
+                self.fail(job, f"{type(e).__name__}: {_http.one_line(str(e))[:300]}")
+            finally:
+                with self.cond:
+                    self.pending -= 1
+                    self.cond.notify_all()
+
+    def run(self, workers: int) -> None:
+        _transfer.run_workers(self.worker, workers, "k3ckpt-rankfetch", self.cond, lambda: self.pending > 0,
+                              self.cancel)
+
+
+class RunPlan(FetchPlanTotals, Protocol):
+    """What :func:`fetch_run` and :func:`fetch_outputs` need of a rank-aware or node fetch plan."""
+
+    @property
+    def manifest(self) -> Manifest | None: ...
+    @property
+    def chunk_size(self) -> int: ...
+
+
+@contextmanager
+def fetch_run(plan: RunPlan, workers: int, retry: RetryPolicy | None,
+              names: list[str]) -> Iterator[tuple[RankFetchResult, str, RetryPolicy]]:
+    """The frame of a run: holds the destination's lock (the downloader's) and claims ``names`` in
+    it for the body, which gets ``(result, dest_real, retry policy)``; once the body returned, the
+    result's lists are sorted and its time set.
+
+    Raises:
+        ValueError: ``workers`` < 1.
+        FetchLockedError: Another live fetch holds the destination's lock.
+    """
+    if workers < 1:
+        raise ValueError("workers must be >= 1")
+    t0 = time.monotonic()
+    policy = retry or download.FETCH_RETRY
+    result = RankFetchResult(dest=plan.dest, verification=plan.verification, bytes_total=plan.bytes_total)
+    os.makedirs(plan.dest, exist_ok=True)
+    dest_real = os.path.realpath(plan.dest)
+    lock = _dest.DestLock(dest_real)
+    lock.acquire()
+    try:
+        _dest.claim_dest(dest_real, names)
+        yield result, dest_real, policy
+    finally:
+        lock.release()
+    result.written.sort()
+    result.skipped.sort()
+    result.seconds = time.monotonic() - t0
+
+
+P = TypeVar("P", bound=OutputPlan)
+T = TypeVar("T")
+
+
+def open_jobs(dest_real: str, outputs: Iterable[P], present: Callable[[P, str], T | None], result: RankFetchResult,
+              workers: int) -> tuple[list[OutputJob], dict[str, T]]:
+    """A job (resumed from its journal when it can be) for each output file not already complete,
+    and, by path, what ``present(op, final)`` said of those that are (something true). A file whose
+    name leaves the destination fails in ``result``; a complete one is added to its ``skipped``."""
+    targets: list[tuple[P, str]] = []
+    for op in outputs:
+        try:
+            targets.append((op, _dest.target(dest_real, op.path)))
+        except ValueError as e:
+            result.failed[op.path] = str(e)
+    # with a manifest this reads every present file: in parallel, as the downloader does
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        done = list(pool.map(lambda t: present(t[0], t[1]), targets))
+    jobs: list[OutputJob] = []
+    found: dict[str, T] = {}
+    for (op, final), got in zip(targets, done):
+        if got:
+            found[op.path] = got
+            result.skipped.append(op.path)
+            _dest.unlink(final + ".part.journal")
+            continue
+        job = OutputJob(op, final, dest_real)
+        job.load_resume()
+        jobs.append(job)
+    return jobs, found
+
+
+def fetch_outputs(plan: RunPlan, result: RankFetchResult, dest_real: str, jobs: list[OutputJob], whole: list[str],
+                  what: str, *, workers: int, token: str | None, progress: Callable[[int], None] | None,
+                  on_plan: Callable[[int], None] | None, policy: RetryPolicy, check_space: bool,
+                  before_rename: Callable[[OutputJob], None] | None = None) -> None:
+    """Fetch the files ``whole`` through the downloader, then fill ``jobs`` (``what`` they are, for
+    the free-space message) with the workers, recording everything in ``result``: nothing ends
+    neither written nor failed."""
+    todo = sum(job.todo_bytes() for job in jobs)
+    if check_space:
+        # before any byte moves, for both stages together (the downloader checks its own
+        # stage again, exactly); whole files not there at all are what they will take, and a
+        # resumed .part is allocated already
+        absent = [f for f in whole if not os.path.lexists(os.path.join(dest_real, f))]
+        needed = sum(job.plan.size for job in jobs if not job.done) + sum(plan.listing.files[f].size for f in absent)
+        require_free_space(dest_real, needed, f"for {len(jobs)} {what} and {len(absent)} file(s)")
+    report = (lambda n: on_plan(n + todo)) if on_plan is not None else None
+    if whole:
+        fr = download.fetch_files(plan.listing, plan.dest, whole, workers=workers, chunk_size=plan.chunk_size,
+                                  token=token, progress=progress, on_plan=report, retry=policy,
+                                  check_space=check_space, take_lock=False)
+        result.fetched, result.files_skipped = list(fr.fetched), list(fr.skipped)
+        result.failed.update(fr.failed)
+        result.bytes_downloaded += fr.bytes_downloaded
+        if plan.manifest is not None:
+            result.failed.update(check_against_manifest(plan.manifest, plan.listing, dest_real,
+                                                        fr.fetched + fr.skipped))
+    elif report is not None:
+        report(0)
+
+    hubclient.load_client(plan.listing.hub)  # before the workers: see load_client
+    run = OutputRun(plan.listing, plan.manifest, plan.dest, result, hubclient.auth_headers(plan.listing, token), policy,
+                    progress, before_rename)
+    for job in jobs:
+        run.submit(job)
+    try:
+        if jobs:
+            run.run(workers)
+    finally:
+        for job in jobs:
+            job.close()
+    for job in jobs:  # nothing may end neither written nor failed
+        if job.plan.path not in result.written and job.plan.path not in result.failed:
+            result.failed[job.plan.path] = "not completed"
