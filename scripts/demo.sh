@@ -26,7 +26,7 @@ TENSORS="$WORK/kimi-k3.tensors.json"
 # Re-runs reuse WORK, but only what this k3ckpt would write itself: when the package changed
 # since the last run (another version, another synthetic rule), the demo's own outputs - the
 # paths above and nothing else in WORK - are rebuilt rather than trusted.
-STAMP="$(python -c 'import hashlib, k3ckpt, k3ckpt.testing.synth as s; print(k3ckpt.__version__, hashlib.sha256(open(s.__file__, "rb").read()).hexdigest())')"
+STAMP="$(python -c 'import hashlib, pathlib, k3ckpt, k3ckpt.testing.synth as s; print(k3ckpt.__version__, hashlib.sha256(b"".join(p.read_bytes() for p in sorted(pathlib.Path(s.__file__).parent.glob("*.py")))).hexdigest())')"
 if [ "$(cat "$WORK/.demo-stamp" 2>/dev/null)" != "$STAMP" ]; then
   [ ! -e "$HUBDIR.done" ] || echo "k3ckpt changed since the last demo run: rebuilding the demo's outputs in $WORK"
   rm -rf "$WORK/hub" "$HUBDIR.done" "$WORK/node" "$WORK/node1" "$FULL" "$FULL.done" "$WORK/hub-cache" "$WORK/cache" \

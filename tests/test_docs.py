@@ -55,7 +55,8 @@ RECORD_ROOT = Path("/tmp/docs-work")
 README_LIMIT = 12 * 1024
 
 #: Digest of the code that writes the served synthetic checkpoints.
-SYNTH_DIGEST = hashlib.sha256((ROOT / "k3ckpt" / "testing" / "synth.py").read_bytes()).hexdigest()[:12]
+SYNTH_DIGEST = hashlib.sha256(
+    b"".join(p.read_bytes() for p in sorted((ROOT / "k3ckpt" / "testing" / "synth").glob("*.py")))).hexdigest()[:12]
 NO_TEST = re.compile(r"^\s*<!--\s*no-test:\s*(.*?)\s*-->\s*$")
 K3_FULL = re.compile(r"^\s*<!--\s*docs-test:\s*k3-full\s*-->\s*$")
 #: The name a K3-scale block finds the full inventory under, in the page's directory.
