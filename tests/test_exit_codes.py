@@ -29,7 +29,7 @@ from k3ckpt.errors import K3ckptError
 #: commands whose job is to find damage: a damaged checkpoint is their finding (exit 1)
 CHECKERS = {"verify", "preflight"}
 #: classes of input that are a damaged checkpoint (rather than no checkpoint at all)
-DAMAGE = {"truncated header", "index names a missing shard"}
+DAMAGE = {"truncated header", "index names a missing shard", "a shard is a symlink loop", "a shard is a directory"}
 EMBED = "language_model.model.embed_tokens.weight"
 
 
@@ -56,12 +56,21 @@ class Inputs:
         shutil.copytree(k3_tiny, gone)
         (gone / first).unlink()
         self.ckpt["index names a missing shard"] = gone
+        # issue #25: a self-referential symlink gave verify and preflight a traceback
+        for case, make in (("a shard is a symlink loop", lambda p: p.symlink_to(p.name)),
+                           ("a shard is a directory", lambda p: p.mkdir())):
+            odd = root / case.replace(" ", "-")
+            shutil.copytree(k3_tiny, odd)
+            (odd / first).unlink()
+            make(odd / first)
+            self.ckpt[case] = odd
 
         layout = root / "layout"
         assert run("reshard", str(k3_tiny), "-o", str(layout), "--format", "rank", "--ep", "2").exit_code == 0
         self.layout = dict(self.ckpt)
         part = sorted((layout / "rank-00000").glob("*.safetensors"))[0]
-        for case, damage in (("truncated header", "truncate"), ("index names a missing shard", "unlink")):
+        for case, damage in (("truncated header", "truncate"), ("index names a missing shard", "unlink"),
+                             ("a shard is a symlink loop", "loop"), ("a shard is a directory", "dir")):
             copy = root / f"layout-{damage}"
             shutil.copytree(layout, copy)
             target = copy / part.relative_to(layout)
@@ -70,6 +79,10 @@ class Inputs:
                     fh.truncate(20)
             else:
                 target.unlink()
+                if damage == "loop":
+                    target.symlink_to(target.name)
+                elif damage == "dir":
+                    target.mkdir()
             self.layout[case] = copy
         self.file = {"path does not exist": root / "missing.safetensors", "not a checkpoint": root / "empty",
                      "truncated header": trunc / first}
@@ -147,7 +160,8 @@ UNREACHABLE: dict[str, Argv] = {
 }
 
 CASES = [(case, command) for case in ("path does not exist", "not a checkpoint", "truncated header",
-                                      "index names a missing shard") for command in LOCAL]
+                                      "index names a missing shard", "a shard is a symlink loop",
+                                      "a shard is a directory") for command in LOCAL]
 CASES += [("bad option value", command) for command in BAD_OPTION]
 CASES += [("unreachable hub", command) for command in UNREACHABLE]
 #: the kind every command gives for a class, where the class decides it

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 import os
+from pathlib import Path
 from typing import Any
 
 from ..format.checkpoint import Checkpoint
@@ -62,7 +63,9 @@ def _path_issues(ckpt: Checkpoint) -> list[Issue]:
         p = ckpt.root / f
         if not p.is_symlink():
             continue
-        target = p.resolve()
+        # realpath, not Path.resolve: a symlink loop must be reported (the checkpoint's opening
+        # named it), not raise RuntimeError here (Python < 3.13)
+        target = Path(os.path.realpath(p))
         if not any(target == a or a in target.parents for a in allowed):
             out.append(Issue("path", f, f"is a symlink leading out of the checkpoint, to {target}"))
     return out
