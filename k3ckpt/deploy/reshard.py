@@ -109,8 +109,8 @@ from itertools import compress, repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..env import pause_point
 from ..errors import ReshardError
+from ..faults import pause_point
 from ..format.checkpoint import INDEX_NAME, Checkpoint, bulk_allocation, is_working_file, open_checkpoint
 from ..format.header import DTYPE_BITS, TensorInfo, header_prefix
 from ..format.jsontext import JsonStr, ShapeJson, json_records, json_strings
