@@ -8,12 +8,13 @@ import threading
 import pytest
 
 from k3ckpt.faults import fault_point, inject
+from k3ckpt.testing import inject_fault
 
 
 def test_a_hook_is_called_only_while_installed() -> None:
     seen: list[str] = []
     fault_point("test.point", "before")
-    with inject("test.point", seen.append):
+    with inject_fault("test.point", seen.append):
         fault_point("test.point", "inside")
         fault_point("test.other", "elsewhere")
         worker = threading.Thread(target=fault_point, args=("test.point", "from a thread"))

@@ -20,6 +20,7 @@ from k3ckpt.deploy import reshard as rs
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
 from k3ckpt.format.header import DTYPE_BITS, read_header
 from k3ckpt.format.topology import RankSelection, Topology
+from k3ckpt.testing import inject_fault
 
 TENSOR_FIELDS = {"file", "dtype", "shape", "source_shape", "split", "sha256"}
 TOPO_FIELDS = {"format", "version", "world_size", "ep", "tp", "moe_tp", "expert_placement", "num_experts",
@@ -220,7 +221,8 @@ def test_ready_last_and_incomplete_rank_rewritten(k3_tiny: Path, tmp_path: Path)
             raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError):
-        rs.run_reshard(plan, out, jobs=1, _fail_before=boom)
+        with inject_fault("reshard.file_written", boom):
+            rs.run_reshard(plan, out, jobs=1)
     r1 = out / "rank-00001"
     assert not (r1 / "READY").exists() and not (r1 / "rank-manifest.json").exists()
     assert not list(r1.glob("model-*.safetensors"))  # never a partial file under a final name
@@ -351,7 +353,8 @@ def test_failed_file_keeps_later_completed_ranks(k3_tiny: Path, tmp_path: Path) 
             raise rs.ReshardError(f"writing {name}: disk full")
 
     with pytest.raises(rs.ReshardError, match="model-rank-0-"):
-        rs.run_reshard(plan, out, jobs=2, _fail_before=boom)
+        with inject_fault("reshard.file_written", boom):
+            rs.run_reshard(plan, out, jobs=2)
     assert _ready_ranks(out) == [f"rank-{r:05d}" for r in range(1, 4)]
     res = rs.reshard(k3_tiny, out, RankSelection(ep=4, tp=2), layout="rank")
     assert res.written == [0] and res.skipped == [1, 2, 3]
@@ -591,7 +594,8 @@ def test_the_plan_is_kept_out_of_gc_passes_while_writing(k3_tiny: Path, tmp_path
         assert during and (0 < min(during) and max(during) <= before if caller_froze else min(during) > 0)
         assert kept()
         with pytest.raises(rs.ReshardError):  # a failed run hands the objects back too
-            rs.run_reshard(plan, tmp_path / "o", jobs=2, force=True, _fail_before=_fail)
+            with inject_fault("reshard.file_written", _fail):
+                rs.run_reshard(plan, tmp_path / "o", jobs=2, force=True)
         assert kept()
     finally:
         gc.unfreeze()

@@ -18,6 +18,7 @@ from helpers import assert_one_line_error, run, shard_of, tensor_digests
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
 from k3ckpt.integrity.manifest import build_manifest
 from k3ckpt.integrity.verify import record_verified
+from k3ckpt.testing import inject_fault
 
 FORMATS = {
     "rank": ["--format", "rank", "--ep", "4", "--tp", "2"],
@@ -262,7 +263,8 @@ def test_a_twin_is_written_as_soon_as_its_first_is(k3_tiny: Path, tmp_path: Path
 
     plan = rs.plan_reshard(k3_tiny, RankSelection(tp=2, dp=2, gpus_per_node=2), layout="node")
     written: list[str] = []
-    rs.run_reshard(plan, tmp_path / "out", jobs=1, _fail_before=written.append)
+    with inject_fault("reshard.file_written", written.append):
+        rs.run_reshard(plan, tmp_path / "out", jobs=1)
     dense = [k for k, name in enumerate(written) if name.startswith("model-dense-")]
     assert len(dense) == 2 and dense[1] == dense[0] + 1 and dense[1] < len(written) - 1, written
     check_digests(k3_tiny, tmp_path / "out")
@@ -312,7 +314,8 @@ def test_twin_of_a_failed_file_is_hashed_itself(k3_tiny: Path, tmp_path: Path, c
             raise rs.ReshardError(f"writing {name}: disk full")
 
     with pytest.raises(rs.ReshardError, match="model-dense-"):
-        rs.run_reshard(plan, tmp_path / "out", jobs=2, _fail_before=boom)
+        with inject_fault("reshard.file_written", boom):
+            rs.run_reshard(plan, tmp_path / "out", jobs=2)
     ready = [d for d in (tmp_path / "out").glob("node-*") if (d / "READY").exists()]
     assert len(ready) == 1
     res = rs.reshard(k3_tiny, tmp_path / "out", sel, layout="node")

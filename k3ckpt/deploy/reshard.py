@@ -110,7 +110,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import ReshardError
-from ..faults import pause_point
+from ..faults import fault_point, pause_point
 from ..format.checkpoint import INDEX_NAME, Checkpoint, bulk_allocation, is_working_file, open_checkpoint
 from ..format.header import DTYPE_BITS, TensorInfo, header_prefix
 from ..format.jsontext import JsonStr, ShapeJson, json_records, json_strings
@@ -665,8 +665,8 @@ class _DigestCache:
 
 
 def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
-                progress: Callable[[int], None] | None, fail_before: Callable[[str], None] | None = None,
-                twin: dict[str, Any] | None = None, *, window: int = CHUNK) -> dict[str, Any]:
+                progress: Callable[[int], None] | None, twin: dict[str, Any] | None = None, *,
+                window: int = CHUNK) -> dict[str, Any]:
     """Write one output file under its temporary name; return its digests (the unit's finisher,
     :func:`_finish_rank`, fsyncs it before the rename, so the writer goes on to its next file
     while the disk catches up instead of waiting for it: 0.06-0.14 s per run here). ``twin``:
@@ -679,7 +679,7 @@ def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _Di
     """
     fds = FdCache(plan.ckpt.path_of)
     try:
-        return _write_file_with(plan, f, dest, mode, cache, progress, fds, fail_before, twin, window)
+        return _write_file_with(plan, f, dest, mode, cache, progress, fds, twin, window)
     except OSError as e:
         if e.errno in NO_SPACE:
             raise _OutOfSpace(dest, e) from None
@@ -702,8 +702,7 @@ def _write_error(dest: Path, e: OSError) -> ReshardError:
 
 
 def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
-                     progress: Callable[[int], None] | None, fds: FdCache,
-                     fail_before: Callable[[str], None] | None, twin: dict[str, Any] | None,
+                     progress: Callable[[int], None] | None, fds: FdCache, twin: dict[str, Any] | None,
                      window: int) -> dict[str, Any]:
     copier = Copier(mode, fds, window)
     tmp = tmp_name(dest)
@@ -792,8 +791,7 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
                 assert cached  # th is None only for a cached digest
                 digests[t.name] = cached
             i += 1
-        if fail_before is not None:
-            fail_before(f.name)
+        fault_point("reshard.file_written", f.name)  # test seam (k3ckpt.faults): the file's bytes are written
     finally:
         os.close(dst)
     if twin is not None:
@@ -1011,7 +1009,6 @@ def run_reshard(
     on_plan: Callable[[int], None] | None = None,
     check_space: bool = True,
     manifest: Manifest | None = None,
-    _fail_before: Callable[[str], None] | None = None,
 ) -> ReshardResult:
     """Write the ranks (or nodes, with ``--format node``) of ``plan`` under ``out``.
     ``mode``: ``kernel`` (copy_file_range for contiguous runs, falling back as needed) or
@@ -1050,7 +1047,7 @@ def run_reshard(
             entries += plan.extra_files
         claim_output_dir(outp, "reshard", entries)
         return _run_locked(plan, outp, t0, jobs=jobs, force=force, mode=mode, progress=progress, on_plan=on_plan,
-                           check_space=check_space, fail_before=_fail_before, known=known)
+                           check_space=check_space, known=known)
 
 
 @contextlib.contextmanager
@@ -1073,7 +1070,7 @@ def _gc_frozen() -> Iterator[None]:
 
 def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, force: bool, mode: str,
                 progress: Callable[[int], None] | None, on_plan: Callable[[int], None] | None, check_space: bool,
-                fail_before: Callable[[str], None] | None, known: dict[str, str]) -> ReshardResult:
+                known: dict[str, str]) -> ReshardResult:
     topo_json = plan.topology_json()
     tpath = outp / TOPOLOGY_NAME
     old_units: list[Path] | None = None  # the unit directories of another layout, to replace (--force)
@@ -1126,8 +1123,8 @@ def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, f
 
         if on_plan is not None:
             on_plan(total)
-        written = _write_units(plan, outp, todo, jobs=jobs, mode=mode, progress=progress, fail_before=fail_before,
-                               known=known, meanwhile=copy_extra_files)
+        written = _write_units(plan, outp, todo, jobs=jobs, mode=mode, progress=progress, known=known,
+                               meanwhile=copy_extra_files)
     except _OutOfSpace as e:
         raise _out_of_space(plan, outp, todo, e.where, e.strerror) from None
     except OSError as e:
@@ -1199,8 +1196,8 @@ def _out_of_space(plan: ReshardPlan, outp: Path, todo: Sequence[RankPlan | NodeP
 
 
 def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan], *, jobs: int | None, mode: str,
-                 progress: Callable[[int], None] | None, fail_before: Callable[[str], None] | None,
-                 known: dict[str, str], meanwhile: Callable[[], None] = lambda: None) -> int:
+                 progress: Callable[[int], None] | None, known: dict[str, str],
+                 meanwhile: Callable[[], None] = lambda: None) -> int:
     """Write every file of ``todo`` in parallel and finish each unit as its last file lands;
     the bytes of the finished units. ``known``: whole-tensor digests not to compute;
     ``meanwhile``: run once the writers have started, before any unit is finished."""
@@ -1228,10 +1225,10 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
             first = firsts.get(key := _twin_key(f))
             if first is None:
                 slots[(r, k)] = firsts[key] = queue.put(partial(_write_file, plan, f, dest, mode, cache, progress,
-                                                                fail_before, window=window))
+                                                                window=window))
             else:
                 def submit(twin: dict[str, Any] | None, f: OutFile = f, dest: Path = dest) -> Future:
-                    return queue.put(partial(_write_file, plan, f, dest, mode, cache, progress, fail_before, twin,
+                    return queue.put(partial(_write_file, plan, f, dest, mode, cache, progress, twin,
                                              window=window), front=twin is not None)
 
                 slots[(r, k)] = _after(first, submit)
