@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -321,16 +322,16 @@ def test_force_other_topology_removes_the_old_ranks(k3_tiny: Path, tmp_path: Pat
     out = tmp_path / "o"
     rs.reshard(k3_tiny, out, RankSelection(ep=8), layout="rank")
     # killed while clearing the old layout: no READY of it survives, topology.json is still the old one
-    real_rmtree = rs.shutil.rmtree
+    real_rmtree = shutil.rmtree
 
     def crash(path, *a, **k):
         raise RuntimeError("killed")
 
-    monkeypatch.setattr(rs.shutil, "rmtree", crash)
+    monkeypatch.setattr(shutil, "rmtree", crash)
     with pytest.raises(RuntimeError):
         rs.reshard(k3_tiny, out, RankSelection(ep=4), force=True, layout="rank")
     assert _ready_ranks(out) == [] and json.loads((out / "topology.json").read_text())["ep"] == 8
-    monkeypatch.setattr(rs.shutil, "rmtree", real_rmtree)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
     rs.reshard(k3_tiny, out, RankSelection(ep=4), force=True, layout="rank")
     check_layout(k3_tiny, out, ep=4)  # rank-00004..7 are gone
     # per-node runs of one topology share OUT: a node's run keeps the other nodes' ranks
@@ -501,8 +502,10 @@ def test_a_unit_that_fails_after_its_renames_puts_its_weights_back(
     READY is removed, so the unit looks like any unfinished one; a re-run completes it."""
     import errno as errno_
 
+    from k3ckpt.deploy.reshard import units
+
     out = tmp_path / "out"
-    real_write_atomic = rs.write_atomic
+    real_write_atomic = units.write_atomic
     failed: list[Path] = []
 
     def write_atomic(path: str | os.PathLike[str], data: bytes, **kw: object) -> None:
@@ -515,7 +518,7 @@ def test_a_unit_that_fails_after_its_renames_puts_its_weights_back(
             raise OSError(errno_.EMFILE, os.strerror(errno_.EMFILE))
         real_write_atomic(path, data, **kw)
 
-    monkeypatch.setattr(rs, "write_atomic", write_atomic)
+    monkeypatch.setattr(units, "write_atomic", write_atomic)
     sel = RankSelection(tp=2, dp=2, gpus_per_node=2) if layout == "node" else RankSelection(ep=4, tp=2)
     with pytest.raises(rs.ReshardError) as ei:
         rs.reshard(k3_tiny, out, sel, layout=layout, jobs=2, check_space=False)
@@ -523,7 +526,7 @@ def test_a_unit_that_fails_after_its_renames_puts_its_weights_back(
     bad = failed[0]
     assert not (bad / "READY").exists() and not list(bad.glob("*.safetensors"))
     assert sorted(p.name for p in bad.glob(".*.safetensors.tmp"))  # kept as temporary files
-    monkeypatch.setattr(rs, "write_atomic", real_write_atomic)
+    monkeypatch.setattr(units, "write_atomic", real_write_atomic)
     assert rs.reshard(k3_tiny, out, sel, layout=layout).written
     rs.reshard(k3_tiny, tmp_path / "ref", sel, layout=layout)
     for ref in sorted(p for p in (tmp_path / "ref").glob("*/*") if p.is_file()):

@@ -189,14 +189,23 @@ class _CountingSha256:
         return self._h.hexdigest()
 
 
+def _count_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Count every byte reshard hashes: the source's index digest (planning) and the output's
+    digests (writing)."""
+    import types
+
+    from k3ckpt.deploy.reshard import plan, write
+
+    for module in (plan, write):
+        monkeypatch.setattr(module, "hashlib", types.SimpleNamespace(sha256=_CountingSha256))
+
+
 @pytest.mark.parametrize("manifest", [False, True])
 def test_each_byte_hashed_once_per_digest(k3_tiny: Path, tmp_path: Path, cache: Path,
                                           monkeypatch: pytest.MonkeyPatch, manifest: bool) -> None:
     """Node directories: each distinct output file is hashed once (the dense file every node
     holds: once per run), each distinct tensor once - or not at all with a verified manifest -
     and nothing is read back: the bytes hashed are exactly those sums."""
-    import types
-
     from k3ckpt.deploy import reshard as rs
     from k3ckpt.format.topology import RankSelection
     from k3ckpt.integrity.manifest import Manifest
@@ -205,7 +214,7 @@ def test_each_byte_hashed_once_per_digest(k3_tiny: Path, tmp_path: Path, cache: 
     if manifest:
         m = Manifest.load(_manifest(k3_tiny, tmp_path / "m.json"))
         assert run("verify", str(k3_tiny), "--manifest", str(tmp_path / "m.json")).exit_code == 0
-    monkeypatch.setattr(rs, "hashlib", types.SimpleNamespace(sha256=_CountingSha256))
+    _count_hashing(monkeypatch)
     _CountingSha256.total = 0
     res = rs.reshard(k3_tiny, tmp_path / "out", RankSelection(tp=2, dp=2, gpus_per_node=2), layout="node", jobs=3,
                      manifest=m)
@@ -225,12 +234,10 @@ def test_rank_dense_parts_are_twins_hashed_once(k3_tiny: Path, tmp_path: Path, m
     """--format rank: a rank's dense tensors (whole or its tp_rank's cut) are in parts of their
     own, byte-identical on every rank of that tp_rank, so a run hashes each distinct part once
     (and each distinct tensor slice once): the bytes hashed are exactly those sums."""
-    import types
-
     from k3ckpt.deploy import reshard as rs
     from k3ckpt.format.topology import RankSelection
 
-    monkeypatch.setattr(rs, "hashlib", types.SimpleNamespace(sha256=_CountingSha256))
+    _count_hashing(monkeypatch)
     _CountingSha256.total = 0
     # one writer: two writers may hash a whole tensor both tp_ranks' parts hold at the same time
     rs.reshard(k3_tiny, tmp_path / "out", RankSelection(ep=4, tp=2), layout="rank", jobs=1)
@@ -277,17 +284,18 @@ def test_extra_files_are_copied_while_the_weights_are_written(k3_tiny: Path, tmp
     import threading
 
     from k3ckpt.deploy import reshard as rs
+    from k3ckpt.deploy.reshard import run as reshard_run
     from k3ckpt.format.topology import RankSelection
 
     copying = threading.Event()
-    real_copy = rs.copy_files
+    real_copy = reshard_run.copy_files
     waited: list[bool] = []
 
     def copy_files(*args: Any, **kwargs: Any) -> Any:
         waited.append(copying.wait(30))  # False (after 30 s) if no weight byte was copied first
         return real_copy(*args, **kwargs)
 
-    monkeypatch.setattr(rs, "copy_files", copy_files)
+    monkeypatch.setattr(reshard_run, "copy_files", copy_files)
     rs.reshard(k3_tiny, tmp_path / "out", RankSelection(tp=2, dp=2, gpus_per_node=2), layout="node",
                progress=lambda n: copying.set())
     assert waited == [True, True]  # one copy per node
