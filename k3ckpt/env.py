@@ -49,7 +49,6 @@ __all__ = [
     "SIZE",
     "SWITCH",
     "TEXT",
-    "pause_point",
 ]
 
 T = TypeVar("T")
@@ -249,32 +248,4 @@ K3CKPT_TEST_PAUSE_FILE: EnvVar[Path | None] = _declare(EnvVar(
     "Test hook: the file a run writes when it reaches K3CKPT_TEST_PAUSE_AT's point (it goes on once "
     "the file is removed and the process continued).",
     _path))
-
-
-def pause_point(name: str, n: int | None = None) -> None:
-    """Freeze the whole process at a named point when ``K3CKPT_TEST_PAUSE_AT`` names it.
-
-    Crash tests SIGKILL a run at exact moments (between chunks, just before a rename, after the
-    N-th reshard file). The hook writes ``K3CKPT_TEST_PAUSE_FILE`` (so the test knows the point
-    was reached) and sends itself SIGSTOP, freezing every thread at once. A test that removes
-    the file and sends SIGCONT lets the run go on (two runs into one directory: the second is
-    refused while the first is held here, then the first finishes). Unset (production), it is
-    one dict lookup.
-    """
-    import signal
-    import time
-
-    want = K3CKPT_TEST_PAUSE_AT.get()
-    if not want or want != (name if n is None else f"{name}:{n}"):
-        return
-    marker = K3CKPT_TEST_PAUSE_FILE.get()
-    if marker is not None:
-        with open(marker, "w") as f:
-            f.write(name)
-    os.kill(os.getpid(), signal.SIGSTOP)
-    # The group stop can land a moment after kill() returns; this thread must not take another
-    # step past its pause point in that moment (a test SIGKILLs the process from here on, or
-    # removes the file first to let it go on).
-    while marker is None or marker.exists():
-        time.sleep(0.01)
 

@@ -47,11 +47,11 @@ BUCKETS = [
      r"lock' objects>|acquire|Condition\.wait|_thread\.|SimpleQueue|as_completed|result'|futures/|select|poll"),
     ("header parse (json, header)", r"json/|format/header\.py|format/checkpoint\.py|integrity/manifest\.py"),
     ("planning (plan, layout, topology)",
-     r"deploy/plan\.py|format/layout\.py|format/topology/|format/nodedir\.py|deploy/reshard\.py:.*plan"),
+     r"deploy/plan\.py|format/layout\.py|format/topology/|format/nodedir\.py|deploy/reshard/plan\.py"),
     ("structure checks",
      r"integrity/(verify|report|statcache|structure|scales|background)\.py|format/roles\.py|format/config\.py"),
     ("span hashing bookkeeping (Python)", r"integrity/hashing\.py"),
-    ("copy bookkeeping (Python)", r"deploy/bytecopy\.py|deploy/reshard\.py"),
+    ("copy bookkeeping (Python)", r"deploy/bytecopy\.py|deploy/reshard/"),
 ]
 
 # The child: run the CLI with cProfile in every thread; merge and dump at exit.

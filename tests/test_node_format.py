@@ -25,6 +25,7 @@ from k3ckpt.format.nodedir import plan_node_dir
 from k3ckpt.format.roles import classify
 from k3ckpt.format.topology import RankSelection, Topology
 from k3ckpt.integrity.verify import verify_checkpoint
+from k3ckpt.testing import inject_fault
 from k3ckpt.testing.synth import spec_from_preset, synthesize
 
 _RANK_FILE = re.compile(r"model-rank-(\d{5})-experts-(\d{5})-of-(\d{5})\.safetensors")
@@ -310,7 +311,8 @@ def test_interrupted_node_has_no_index_marker_or_ready(k3_tiny: Path, tmp_path: 
             raise OSError(28, "No space left on device")
 
     with pytest.raises(rs.ReshardError, match="No space left on device; .*temporary files removed.*free space and re-run"):
-        rs.run_reshard(plan, tmp_path / "o", jobs=1, _fail_before=boom)
+        with inject_fault("reshard.file_written", boom):
+            rs.run_reshard(plan, tmp_path / "o", jobs=1)
     unfinished = [d for d in (tmp_path / "o").glob("node-*") if not (d / "READY").exists()]
     assert unfinished
     for ndir in unfinished:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,7 @@ from k3ckpt.deploy import reshard as rs
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
 from k3ckpt.format.header import DTYPE_BITS, read_header
 from k3ckpt.format.topology import RankSelection, Topology
+from k3ckpt.testing import inject_fault
 
 TENSOR_FIELDS = {"file", "dtype", "shape", "source_shape", "split", "sha256"}
 TOPO_FIELDS = {"format", "version", "world_size", "ep", "tp", "moe_tp", "expert_placement", "num_experts",
@@ -220,7 +222,8 @@ def test_ready_last_and_incomplete_rank_rewritten(k3_tiny: Path, tmp_path: Path)
             raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError):
-        rs.run_reshard(plan, out, jobs=1, _fail_before=boom)
+        with inject_fault("reshard.file_written", boom):
+            rs.run_reshard(plan, out, jobs=1)
     r1 = out / "rank-00001"
     assert not (r1 / "READY").exists() and not (r1 / "rank-manifest.json").exists()
     assert not list(r1.glob("model-*.safetensors"))  # never a partial file under a final name
@@ -319,16 +322,16 @@ def test_force_other_topology_removes_the_old_ranks(k3_tiny: Path, tmp_path: Pat
     out = tmp_path / "o"
     rs.reshard(k3_tiny, out, RankSelection(ep=8), layout="rank")
     # killed while clearing the old layout: no READY of it survives, topology.json is still the old one
-    real_rmtree = rs.shutil.rmtree
+    real_rmtree = shutil.rmtree
 
     def crash(path, *a, **k):
         raise RuntimeError("killed")
 
-    monkeypatch.setattr(rs.shutil, "rmtree", crash)
+    monkeypatch.setattr(shutil, "rmtree", crash)
     with pytest.raises(RuntimeError):
         rs.reshard(k3_tiny, out, RankSelection(ep=4), force=True, layout="rank")
     assert _ready_ranks(out) == [] and json.loads((out / "topology.json").read_text())["ep"] == 8
-    monkeypatch.setattr(rs.shutil, "rmtree", real_rmtree)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
     rs.reshard(k3_tiny, out, RankSelection(ep=4), force=True, layout="rank")
     check_layout(k3_tiny, out, ep=4)  # rank-00004..7 are gone
     # per-node runs of one topology share OUT: a node's run keeps the other nodes' ranks
@@ -351,7 +354,8 @@ def test_failed_file_keeps_later_completed_ranks(k3_tiny: Path, tmp_path: Path) 
             raise rs.ReshardError(f"writing {name}: disk full")
 
     with pytest.raises(rs.ReshardError, match="model-rank-0-"):
-        rs.run_reshard(plan, out, jobs=2, _fail_before=boom)
+        with inject_fault("reshard.file_written", boom):
+            rs.run_reshard(plan, out, jobs=2)
     assert _ready_ranks(out) == [f"rank-{r:05d}" for r in range(1, 4)]
     res = rs.reshard(k3_tiny, out, RankSelection(ep=4, tp=2), layout="rank")
     assert res.written == [0] and res.skipped == [1, 2, 3]
@@ -498,8 +502,10 @@ def test_a_unit_that_fails_after_its_renames_puts_its_weights_back(
     READY is removed, so the unit looks like any unfinished one; a re-run completes it."""
     import errno as errno_
 
+    from k3ckpt.deploy.reshard import units
+
     out = tmp_path / "out"
-    real_write_atomic = rs.write_atomic
+    real_write_atomic = units.write_atomic
     failed: list[Path] = []
 
     def write_atomic(path: str | os.PathLike[str], data: bytes, **kw: object) -> None:
@@ -512,7 +518,7 @@ def test_a_unit_that_fails_after_its_renames_puts_its_weights_back(
             raise OSError(errno_.EMFILE, os.strerror(errno_.EMFILE))
         real_write_atomic(path, data, **kw)
 
-    monkeypatch.setattr(rs, "write_atomic", write_atomic)
+    monkeypatch.setattr(units, "write_atomic", write_atomic)
     sel = RankSelection(tp=2, dp=2, gpus_per_node=2) if layout == "node" else RankSelection(ep=4, tp=2)
     with pytest.raises(rs.ReshardError) as ei:
         rs.reshard(k3_tiny, out, sel, layout=layout, jobs=2, check_space=False)
@@ -520,7 +526,7 @@ def test_a_unit_that_fails_after_its_renames_puts_its_weights_back(
     bad = failed[0]
     assert not (bad / "READY").exists() and not list(bad.glob("*.safetensors"))
     assert sorted(p.name for p in bad.glob(".*.safetensors.tmp"))  # kept as temporary files
-    monkeypatch.setattr(rs, "write_atomic", real_write_atomic)
+    monkeypatch.setattr(units, "write_atomic", real_write_atomic)
     assert rs.reshard(k3_tiny, out, sel, layout=layout).written
     rs.reshard(k3_tiny, tmp_path / "ref", sel, layout=layout)
     for ref in sorted(p for p in (tmp_path / "ref").glob("*/*") if p.is_file()):
@@ -591,7 +597,8 @@ def test_the_plan_is_kept_out_of_gc_passes_while_writing(k3_tiny: Path, tmp_path
         assert during and (0 < min(during) and max(during) <= before if caller_froze else min(during) > 0)
         assert kept()
         with pytest.raises(rs.ReshardError):  # a failed run hands the objects back too
-            rs.run_reshard(plan, tmp_path / "o", jobs=2, force=True, _fail_before=_fail)
+            with inject_fault("reshard.file_written", _fail):
+                rs.run_reshard(plan, tmp_path / "o", jobs=2, force=True)
         assert kept()
     finally:
         gc.unfreeze()

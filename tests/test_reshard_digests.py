@@ -18,6 +18,7 @@ from helpers import assert_one_line_error, run, shard_of, tensor_digests
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
 from k3ckpt.integrity.manifest import build_manifest
 from k3ckpt.integrity.verify import record_verified
+from k3ckpt.testing import inject_fault
 
 FORMATS = {
     "rank": ["--format", "rank", "--ep", "4", "--tp", "2"],
@@ -188,14 +189,23 @@ class _CountingSha256:
         return self._h.hexdigest()
 
 
+def _count_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Count every byte reshard hashes: the source's index digest (planning) and the output's
+    digests (writing)."""
+    import types
+
+    from k3ckpt.deploy.reshard import plan, write
+
+    for module in (plan, write):
+        monkeypatch.setattr(module, "hashlib", types.SimpleNamespace(sha256=_CountingSha256))
+
+
 @pytest.mark.parametrize("manifest", [False, True])
 def test_each_byte_hashed_once_per_digest(k3_tiny: Path, tmp_path: Path, cache: Path,
                                           monkeypatch: pytest.MonkeyPatch, manifest: bool) -> None:
     """Node directories: each distinct output file is hashed once (the dense file every node
     holds: once per run), each distinct tensor once - or not at all with a verified manifest -
     and nothing is read back: the bytes hashed are exactly those sums."""
-    import types
-
     from k3ckpt.deploy import reshard as rs
     from k3ckpt.format.topology import RankSelection
     from k3ckpt.integrity.manifest import Manifest
@@ -204,7 +214,7 @@ def test_each_byte_hashed_once_per_digest(k3_tiny: Path, tmp_path: Path, cache: 
     if manifest:
         m = Manifest.load(_manifest(k3_tiny, tmp_path / "m.json"))
         assert run("verify", str(k3_tiny), "--manifest", str(tmp_path / "m.json")).exit_code == 0
-    monkeypatch.setattr(rs, "hashlib", types.SimpleNamespace(sha256=_CountingSha256))
+    _count_hashing(monkeypatch)
     _CountingSha256.total = 0
     res = rs.reshard(k3_tiny, tmp_path / "out", RankSelection(tp=2, dp=2, gpus_per_node=2), layout="node", jobs=3,
                      manifest=m)
@@ -224,12 +234,10 @@ def test_rank_dense_parts_are_twins_hashed_once(k3_tiny: Path, tmp_path: Path, m
     """--format rank: a rank's dense tensors (whole or its tp_rank's cut) are in parts of their
     own, byte-identical on every rank of that tp_rank, so a run hashes each distinct part once
     (and each distinct tensor slice once): the bytes hashed are exactly those sums."""
-    import types
-
     from k3ckpt.deploy import reshard as rs
     from k3ckpt.format.topology import RankSelection
 
-    monkeypatch.setattr(rs, "hashlib", types.SimpleNamespace(sha256=_CountingSha256))
+    _count_hashing(monkeypatch)
     _CountingSha256.total = 0
     # one writer: two writers may hash a whole tensor both tp_ranks' parts hold at the same time
     rs.reshard(k3_tiny, tmp_path / "out", RankSelection(ep=4, tp=2), layout="rank", jobs=1)
@@ -262,7 +270,8 @@ def test_a_twin_is_written_as_soon_as_its_first_is(k3_tiny: Path, tmp_path: Path
 
     plan = rs.plan_reshard(k3_tiny, RankSelection(tp=2, dp=2, gpus_per_node=2), layout="node")
     written: list[str] = []
-    rs.run_reshard(plan, tmp_path / "out", jobs=1, _fail_before=written.append)
+    with inject_fault("reshard.file_written", written.append):
+        rs.run_reshard(plan, tmp_path / "out", jobs=1)
     dense = [k for k, name in enumerate(written) if name.startswith("model-dense-")]
     assert len(dense) == 2 and dense[1] == dense[0] + 1 and dense[1] < len(written) - 1, written
     check_digests(k3_tiny, tmp_path / "out")
@@ -275,17 +284,18 @@ def test_extra_files_are_copied_while_the_weights_are_written(k3_tiny: Path, tmp
     import threading
 
     from k3ckpt.deploy import reshard as rs
+    from k3ckpt.deploy.reshard import run as reshard_run
     from k3ckpt.format.topology import RankSelection
 
     copying = threading.Event()
-    real_copy = rs.copy_files
+    real_copy = reshard_run.copy_files
     waited: list[bool] = []
 
     def copy_files(*args: Any, **kwargs: Any) -> Any:
         waited.append(copying.wait(30))  # False (after 30 s) if no weight byte was copied first
         return real_copy(*args, **kwargs)
 
-    monkeypatch.setattr(rs, "copy_files", copy_files)
+    monkeypatch.setattr(reshard_run, "copy_files", copy_files)
     rs.reshard(k3_tiny, tmp_path / "out", RankSelection(tp=2, dp=2, gpus_per_node=2), layout="node",
                progress=lambda n: copying.set())
     assert waited == [True, True]  # one copy per node
@@ -312,7 +322,8 @@ def test_twin_of_a_failed_file_is_hashed_itself(k3_tiny: Path, tmp_path: Path, c
             raise rs.ReshardError(f"writing {name}: disk full")
 
     with pytest.raises(rs.ReshardError, match="model-dense-"):
-        rs.run_reshard(plan, tmp_path / "out", jobs=2, _fail_before=boom)
+        with inject_fault("reshard.file_written", boom):
+            rs.run_reshard(plan, tmp_path / "out", jobs=2)
     ready = [d for d in (tmp_path / "out").glob("node-*") if (d / "READY").exists()]
     assert len(ready) == 1
     res = rs.reshard(k3_tiny, tmp_path / "out", sel, layout="node")

@@ -6,9 +6,9 @@
   Inside one package, private modules and names are shared freely.
 - The tests and ``scripts/*.py`` are outside every package: they use public names only, and
   patch none by string (``monkeypatch.setattr("k3ckpt.x._y", ...)``, ``setattr(mod, "_y", ...)``).
-- Data flows downward: ``errors`` <- ``utils`` <- ``env`` <- ``format`` <- ``integrity`` <-
-  ``hub`` <- ``mx`` <- ``deploy`` <- ``testing`` <- ``cli``. No package imports from one to its right, and
-  the packages' import graph has no cycle.
+- Data flows downward: ``errors`` <- ``utils`` <- ``env`` <- ``faults`` <- ``format`` <-
+  ``integrity`` <- ``hub`` <- ``mx`` <- ``deploy`` <- ``testing`` <- ``cli``. No package imports
+  from one to its right, and the packages' import graph has no cycle.
 - No module inside the package imports the lazy top-level ``k3ckpt`` namespace (except
   ``__version__``): that is the facade for users, and importing it from inside invites cycles.
 - No circle between modules either: counting every import, those inside functions and under
@@ -37,8 +37,8 @@ PKG_DIR = ROOT / "k3ckpt"
 
 # Lower rank = lower layer; a package may import from its own rank or below. The facade ("")
 # is imported from only for ``__version__``.
-RANK: dict[str, int] = {"": 0, "errors": 0, "utils": 1, "env": 2, "format": 3, "integrity": 4, "hub": 5, "mx": 6,
-                        "deploy": 7, "testing": 8, "cli": 9}
+RANK: dict[str, int] = {"": 0, "errors": 0, "utils": 1, "env": 2, "faults": 3, "format": 4, "integrity": 5, "hub": 6,
+                        "mx": 7, "deploy": 8, "testing": 9, "cli": 10}
 # The entry points above everything: the lazy facade (its eager imports are under TYPE_CHECKING)
 # and ``python -m k3ckpt``.
 FACADES = {"k3ckpt", "k3ckpt.__main__"}

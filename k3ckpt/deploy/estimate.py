@@ -35,13 +35,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..format.topology import InventoryIndex, Topology
 from .reshard import MAX_DEFAULT_WRITERS
-
-if TYPE_CHECKING:
-    from .plan import NodeBytes
 
 GB = 10**9
 
@@ -95,6 +92,23 @@ class Limits:
     def __post_init__(self) -> None:
         if not (self.link > 0 and self.disk > 0 and self.cores >= 1):
             raise ValueError(f"limits must be positive: link {self.link!r}, disk {self.disk!r}, cores {self.cores!r}")
+
+
+@dataclass
+class NodeBytes:
+    """What one node directory (``reshard --format node``) holds on disk: the node's share, which
+    the estimate's fetch, verify and reshard steps move (:func:`k3ckpt.deploy.plan.node_bytes`
+    counts it)."""
+
+    node: int
+    ranks: list[int]
+    experts: int
+    dense_bytes: int  # every non-expert tensor, whole
+    expert_bytes: int  # the routed experts of the node's ranks
+
+    @property
+    def total_bytes(self) -> int:
+        return self.dense_bytes + self.expert_bytes
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from ..format.topology import (
     ranks_of_node,
     tensors_for_ranks,
 )
-from .estimate import MEASURED_COSTS, CostPerGB, Limits, ReadyEstimate, estimate_ready, render_ready
+from .estimate import MEASURED_COSTS, CostPerGB, Limits, NodeBytes, ReadyEstimate, estimate_ready, render_ready
 
 #: Rule of thumb for what a rank needs beyond its weights (activations, CUDA graphs, buffers).
 WEIGHT_OVERHEAD = 1.15
@@ -64,21 +64,6 @@ class RankPlan:
     @property
     def total_bytes(self) -> int:
         return self.routed_bytes + self.split_bytes + self.replicated_bytes
-
-
-@dataclass
-class NodeBytes:
-    """What one node directory (``reshard --format node``) holds on disk."""
-
-    node: int
-    ranks: list[int]
-    experts: int
-    dense_bytes: int  # every non-expert tensor, whole
-    expert_bytes: int  # the routed experts of the node's ranks
-
-    @property
-    def total_bytes(self) -> int:
-        return self.dense_bytes + self.expert_bytes
 
 
 @dataclass

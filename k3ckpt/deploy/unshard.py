@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from ..env import pause_point
 from ..errors import UnshardError
+from ..faults import pause_point
 from ..format.checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
 from ..format.header import DTYPE_BITS, TensorSpec, build_header, read_header
 from ..format.layout import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, hf_shard_name, rank_dir_name

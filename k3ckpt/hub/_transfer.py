@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import requests
 import urllib3.exceptions
 
-from ..env import pause_point as env_pause_point
+from ..faults import pause_point as env_pause_point
 from ..utils import pwrite_all
 from . import _http
 from .client import HubError, HubFile, HubListing, RetryPolicy, file_url

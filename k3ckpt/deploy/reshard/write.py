@@ -1,0 +1,446 @@
+"""Writing a reshard's files: a pool of writers (``--jobs``; :func:`_write_units`) writes each
+output file under its temporary name (:func:`_write_file`), hashing it in the same pass, and
+hands each unit to its finisher (:func:`~k3ckpt.deploy.reshard.units._finish_rank`) as soon as
+its last file is written.
+
+How bytes move (streaming; memory is a few bounded buffers per worker, whatever the size):
+
+- adjacent contiguous runs (a rank's experts: their six tensors are adjacent in the shard) are
+  coalesced and copied kernel-side with ``os.copy_file_range`` (falling back to ``os.sendfile``,
+  then to a bounded ``pread``/``pwrite``), in chunks of :data:`~k3ckpt.deploy.bytecopy.CHUNK`
+  bytes;
+- strided runs are gathered through bounded buffers (whole rows read, columns cut row by row);
+- output files are written in parallel by a thread pool (``--jobs``), largest first.
+
+Hashing. Per-tensor and per-file sha256 are computed while writing, in the same pass: each
+kernel-side chunk is hashed from the *source's* pages through a bounded read-only mapping (hot
+pages: the copy that follows reads the same ones; nothing is read back from the output, and no
+byte is read from disk twice), and buffered chunks are hashed from the buffer they are written
+from. The file digest must cover every output byte, so it is always computed. A tensor slice's
+digest is computed once per run, fed from that same read, and reused wherever several ranks or
+nodes hold the same slice (replicated tensors, TP slices across dp ranks); a file byte-identical
+to another of the run (a twin: a node's dense files, a rank's dense parts) takes its digests
+from that one and is only copied, as soon as that one is written. With ``--manifest``
+(:func:`manifest_digests`) whole tensors of source files that ``verify`` or ``fetch`` last found
+unchanged and equal to the manifest take their digest from it and are not hashed at all; every
+other tensor is hashed as above, so a source that does not match the manifest never gets its
+digests.
+
+A full disk raises :class:`_OutOfSpace` (the run turns it into the shortfall); any other
+``OSError`` becomes a one-line error naming the file (:func:`_write_error`).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...errors import ReshardError
+from ...faults import fault_point, pause_point
+from ...format.checkpoint import Checkpoint
+from ..bytecopy import CHUNK, NO_SPACE, Copier, FdCache, map_window, tmp_name
+from .plan import _T_RUNS, _T_SRC, NodePlan, OutFile, RankPlan, ReshardPlan
+from .units import _finish_rank
+
+if TYPE_CHECKING:
+    from ...integrity.manifest import Manifest
+
+
+#: Writers ``reshard`` runs without ``--jobs``: one per core, at most this many.
+MAX_DEFAULT_WRITERS = 16
+
+
+def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan], *, jobs: int | None, mode: str,
+                 progress: Callable[[int], None] | None, known: dict[str, str],
+                 meanwhile: Callable[[], None] = lambda: None) -> int:
+    """Write every file of ``todo`` in parallel and finish each unit as its last file lands;
+    the bytes of the finished units. ``known``: whole-tensor digests not to compute;
+    ``meanwhile``: run once the writers have started, before any unit is finished."""
+    cache = _DigestCache(known)
+    # One writer per core: each chunk is hashed from the source's mapping and copied in one pass,
+    # so a writer keeps its core busy. Measured on 2 cores (k3-8shard and k3-small, rank and node
+    # formats, medians of 3): warm cache, 2 writers vs 4 took 2-23 % less wall and 1-9 % fewer
+    # CPU-seconds (fewer GIL hand-offs); cold cache, the same wall within noise and 3-5 % fewer
+    # CPU-seconds. (Two per core paid off while each chunk was read back from the output.)
+    workers = jobs or min(MAX_DEFAULT_WRITERS, os.cpu_count() or 1)
+    window = map_window(workers)  # the run's mapped source bytes stay within MAP_BUDGET (or a chunk per writer)
+    written = 0
+    files_done = 0
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard")
+    queue = _WriteQueue(pool)
+    try:
+        # largest files first within the whole job keeps the pool busy to the end
+        order = sorted(((f.size, rp.unit, k) for rp in todo for k, f in enumerate(rp.files)), reverse=True)
+        by_unit = {rp.unit: rp for rp in todo}
+        slots: dict[tuple[int, int], Future] = {}
+        firsts: dict[tuple, Future] = {}  # the writer of each distinct file content
+        for _, r, k in order:
+            f = by_unit[r].files[k]
+            dest = outp / by_unit[r].dir_name / f.name
+            first = firsts.get(key := _twin_key(f))
+            if first is None:
+                slots[(r, k)] = firsts[key] = queue.put(partial(_write_file, plan, f, dest, mode, cache, progress,
+                                                                window=window))
+            else:
+                def submit(twin: dict[str, Any] | None, f: OutFile = f, dest: Path = dest) -> Future:
+                    return queue.put(partial(_write_file, plan, f, dest, mode, cache, progress, twin,
+                                             window=window), front=twin is not None)
+
+                slots[(r, k)] = _after(first, submit)
+        # A unit is finished (manifest, READY) as soon as its last file is written, whatever
+        # order files complete in: a failed file costs only its own unit, and the first error
+        # is raised once every other file is done ("completed ranks are kept").
+        unit_of = {fu: r for (r, _), fu in slots.items()}
+        left = {rp.unit: len(rp.files) for rp in todo}
+        failed: set[int] = set()
+        first_error: BaseException | None = None
+
+        def finish(rp: RankPlan | NodePlan) -> None:
+            nonlocal written, first_error
+            results = [slots[(rp.unit, k)].result() for k in range(len(rp.files))]
+            try:
+                _finish_rank(outp, rp, results, plan.source_json)
+            except OSError as e:
+                if e.errno in NO_SPACE:
+                    first_error = first_error or _OutOfSpace(Path(e.filename or outp / rp.dir_name), e)
+                else:  # (the same words as a writer's: which thread meets a limit first is chance)
+                    first_error = first_error or _write_error(outp / rp.dir_name, e)
+                return
+            written += rp.nbytes
+
+        meanwhile()
+        for rp in todo:
+            if not rp.files:
+                finish(rp)
+        for fu in as_completed(unit_of):
+            r = unit_of[fu]
+            if fu.exception() is not None:
+                first_error = first_error or fu.exception()
+                failed.add(r)
+                continue
+            files_done += 1
+            pause_point("reshard_file", files_done)  # test hook: the N-th file of the run written
+            left[r] -= 1
+            if left[r] == 0 and r not in failed:
+                finish(by_unit[r])
+        if first_error is not None:
+            raise first_error
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    return written
+
+
+def manifest_digests(ckpt: Checkpoint, manifest: Manifest, cache_directory: Path | None = None) -> dict[str, str]:
+    """The whole-tensor sha256 ``reshard --manifest`` takes from ``manifest`` instead of
+    hashing the bytes again: those of the source files whose current bytes are known to be the
+    manifest's - the verify stat cache (what ``k3ckpt verify`` and ``k3ckpt fetch`` record,
+    :class:`~k3ckpt.integrity.verify.StatCache`) holds the file with its stat unchanged
+    (size, mtime, inode, device) and the sha256 the manifest lists for it, and no tensor that
+    verify found differing from its manifest - and whose entry in the manifest has the source
+    header's dtype, shape and byte range. The file digest is what ties the manifest to the
+    bytes; its tensor digests are taken as the manifest states them. Every other tensor
+    (a file never verified, changed since, or listed with another digest) is hashed as without
+    a manifest: a source that does not match the manifest never gets the manifest's digests.
+
+    Raises:
+        ReshardError: the manifest has no tensor hashes (nothing to take from it).
+    """
+    from ...integrity.verify import StatCache
+
+    if not manifest.tensor_hashes:
+        raise ReshardError("the --manifest has no tensor hashes (build one with `k3ckpt manifest build "
+                           "--tensor-hashes`)")
+    cache = StatCache(ckpt.root, cache_directory)
+    trusted: set[str] = set()
+    for f in ckpt.shards:
+        listed = manifest.files.get(f)
+        try:
+            hit = cache.lookup(f, os.stat(ckpt.root / f))
+        except OSError:
+            continue
+        # a file whose last verify found tensors differing from its manifest is not trusted either
+        if (listed is not None and listed.sha256 and hit is not None and hit.get("sha256") == listed.sha256
+                and not hit.get("bad_tensors")):
+            trusted.add(f)
+    out: dict[str, str] = {}
+    for name, info in ckpt.tensors.items():
+        entry = manifest.tensors.get(name)
+        if info.file not in trusted or entry is None or entry.sha256 is None:
+            continue
+        start = ckpt.shards[info.file].data_start
+        if (entry.file, entry.dtype, tuple(entry.shape), tuple(entry.offsets)) == (
+                info.file, info.dtype, tuple(info.shape), (start + info.begin, start + info.end)):
+            out[name] = entry.sha256
+    return out
+
+
+class _OutOfSpace(ReshardError):
+    """A write found the filesystem full (``ENOSPC``/``EDQUOT``);
+    :func:`~k3ckpt.deploy.reshard.run.run_reshard` removes its temporary files and replaces the
+    message with the shortfall."""
+
+    def __init__(self, path: Path, err: OSError) -> None:
+        super().__init__(f"writing {path}: {err.strerror or err}", path=path)
+        self.where = path
+        self.strerror = err.strerror or str(err)
+
+
+class _DigestCache:
+    """Digests of byte slices several ranks hold identically, computed once per run; ``known``:
+    whole-tensor digests taken from a verified source manifest (:func:`manifest_digests`),
+    which are never computed."""
+
+    def __init__(self, known: dict[str, str] | None = None) -> None:
+        self._lock = threading.Lock()
+        # a whole tensor's key is (name, None) in both formats (see _tensor_plan and _node_plan)
+        self._done: dict[tuple, str] = {(name, None): d for name, d in (known or {}).items()}
+
+    def get(self, key: tuple) -> str | None:
+        with self._lock:
+            return self._done.get(key)
+
+    def put(self, key: tuple, digest: str) -> None:
+        with self._lock:
+            self._done.setdefault(key, digest)
+
+
+def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
+                progress: Callable[[int], None] | None, twin: dict[str, Any] | None = None, *,
+                window: int = CHUNK) -> dict[str, Any]:
+    """Write one output file under its temporary name; return its digests (the unit's finisher,
+    :func:`~k3ckpt.deploy.reshard.units._finish_rank`, fsyncs it before the rename, so the writer
+    goes on to its next file while the disk catches up instead of waiting for it: 0.06-0.14 s per
+    run here). ``twin``: the digests of a byte-identical file of this run (same header, same
+    source runs: a dense file every node holds) - the bytes are then copied, not hashed again.
+
+    Raises:
+        ReshardError: the file cannot be written (disk full, file too large, ...), naming it;
+            ranks already complete stay, and a re-run redoes only the others.
+    """
+    fds = FdCache(plan.ckpt.path_of)
+    try:
+        return _write_file_with(plan, f, dest, mode, cache, progress, fds, twin, window)
+    except OSError as e:
+        if e.errno in NO_SPACE:
+            raise _OutOfSpace(dest, e) from None
+        raise _write_error(dest, e) from None
+    finally:
+        fds.close()
+
+
+def _write_error(dest: Path, e: OSError) -> ReshardError:
+    """``e`` (not ENOSPC: :class:`_OutOfSpace`) raised while writing ``dest`` - a weight file, or
+    a unit its finisher syncs and completes - as one line naming it, with what to do about a
+    limit. copy_file_range/pwrite errors carry no file name; without it "File too large" is a
+    riddle."""
+    hint = ("; free space (or raise the limit) and re-run: completed ranks are kept"
+            if e.errno == errno.EFBIG else "")
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        hint = "; raise the open-files limit (ulimit -n) or use fewer --jobs"
+    what = f"{e.filename}: " if e.filename else ""
+    return ReshardError(f"writing {dest}: {what}{e.strerror or e}{hint}")
+
+
+def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
+                     progress: Callable[[int], None] | None, fds: FdCache, twin: dict[str, Any] | None,
+                     window: int) -> dict[str, Any]:
+    copier = Copier(mode, fds, window)
+    tmp = tmp_name(dest)
+    fh = hashlib.sha256(f.prefix if twin is None else b"")  # a twin is not hashed at all
+    digests: dict[str, str] = {}
+    # O_NOFOLLOW: a symlink planted at the temporary name must not redirect the write.
+    dst = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        os.pwrite(dst, f.prefix, 0)
+        base = len(f.prefix)
+        if f.size > base:
+            os.ftruncate(dst, f.size)
+        ts = f.tensors
+        if twin is not None:  # its digests are known: copy only
+            _copy_unhashed(f, base, dst, copier, fds, progress)
+            ts = []
+        # coalesce: consecutive tensors whose single contiguous runs are adjacent in one source file
+        i = 0
+        while i < len(ts):
+            t = ts[i]
+            t_do = base + f.offsets[i][0]
+            if len(t.runs) == 1 and t.runs[0].count == 1:
+                j = i + 1
+                end = t.runs[0].offset + t.runs[0].length
+                while (j < len(ts) and ts[j].src_file == t.src_file and len(ts[j].runs) == 1
+                       and ts[j].runs[0].count == 1 and ts[j].runs[0].offset == end):
+                    end += ts[j].runs[0].length
+                    j += 1
+                group = ts[i:j]
+                hashers = [None if cache.get(g.key) else hashlib.sha256() for g in group]
+                bounds = [g.nbytes for g in group]
+                state = [0, 0]  # index in group, bytes consumed of it
+
+                def sinks(data: memoryview, group=group, hashers=hashers, bounds=bounds, state=state) -> None:
+                    fh.update(data)
+                    pos = 0
+                    while pos < len(data):
+                        gi, used = state
+                        take = min(bounds[gi] - used, len(data) - pos)
+                        h = hashers[gi]
+                        if h is not None and take:
+                            h.update(data[pos:pos + take])
+                        pos += take
+                        used += take
+                        if used == bounds[gi] and gi + 1 < len(bounds):
+                            gi, used = gi + 1, 0
+                        state[0], state[1] = gi, used
+                    if progress is not None:
+                        progress(len(data))
+
+                src = fds.get(t.src_file)
+                copier.contiguous(src, dst, t.runs[0].offset, t_do, end - t.runs[0].offset, sinks)
+                for g, h in zip(group, hashers):
+                    if h is None:
+                        known = cache.get(g.key)
+                        assert known is not None  # no hasher: the cache had its digest, and entries stay
+                        digests[g.name] = known
+                    else:
+                        digests[g.name] = h.hexdigest()
+                        cache.put(g.key, digests[g.name])
+                # zero-length tensors in the group have their (empty) digest already
+                i = j
+                continue
+            cached = cache.get(t.key)
+            th = None if cached else hashlib.sha256()
+
+            def sink(data: memoryview, th=th) -> None:
+                fh.update(data)
+                if th is not None:
+                    th.update(data)
+                if progress is not None:
+                    progress(len(data))
+
+            src = fds.get(t.src_file)
+            do = t_do
+            for run in t.runs:
+                if run.count == 1:
+                    copier.contiguous(src, dst, run.offset, do, run.length, sink)
+                else:
+                    copier.strided(src, dst, run, do, sink)
+                do += run.nbytes
+            if th is not None:
+                digests[t.name] = th.hexdigest()
+                cache.put(t.key, digests[t.name])
+            else:
+                assert cached  # th is None only for a cached digest
+                digests[t.name] = cached
+            i += 1
+        fault_point("reshard.file_written", f.name)  # test seam (k3ckpt.faults): the file's bytes are written
+    finally:
+        os.close(dst)
+    if twin is not None:
+        return {"sha256": twin["sha256"], "size": f.size, "tensors": dict(twin["tensors"])}
+    return {"sha256": fh.hexdigest(), "size": f.size, "tensors": digests}
+
+
+def _copy_unhashed(f: OutFile, base: int, dst: int, copier: Copier, fds: FdCache,
+                   progress: Callable[[int], None] | None) -> None:
+    """Copy every tensor of ``f`` (data buffer at ``base``) without hashing: contiguous runs
+    adjacent in one source file and in ``f`` are merged into one kernel-side copy."""
+    pending: tuple[str, int, int, int] | None = None  # source file, source offset, length, output offset
+
+    def flush() -> None:
+        if pending is not None:
+            copier.contiguous(fds.get(pending[0]), dst, pending[1], pending[3], pending[2], None)
+            if progress is not None:
+                progress(pending[2])
+
+    for t, (b, _e) in zip(f.tensors, f.offsets):
+        do = base + b
+        for run in t.runs:
+            if run.count != 1:
+                flush()
+                pending = None
+                copier.strided(fds.get(t.src_file), dst, run, do, None)
+                if progress is not None:
+                    progress(run.nbytes)
+            elif (pending is not None and pending[0] == t.src_file and pending[1] + pending[2] == run.offset
+                  and pending[3] + pending[2] == do):
+                pending = (pending[0], pending[1], pending[2] + run.length, pending[3])
+            else:
+                flush()
+                pending = (t.src_file, run.offset, run.length, do)
+            do += run.nbytes
+    flush()
+
+
+def _twin_key(f: OutFile) -> tuple:
+    """What fixes every byte of an output file: its header and the source runs of its tensors.
+    Files with equal keys are byte-identical (the dense files of every node)."""
+    return f.prefix, tuple(zip(map(_T_SRC, f.tensors), map(_T_RUNS, f.tensors)))
+
+
+class _WriteQueue:
+    """The files of a run, each taken by a pool worker at the moment it starts one, in the
+    queue's order then - not in the order they were submitted. A twin (its digests known: a
+    copy only, bound by the disk) is released when its first is written and goes to the front,
+    so it is copied while the cores still hash the files queued behind it; queued at the back
+    it ran last, one writer copying (a node's 270 MiB dense twin) while the other core idled."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._jobs: deque[tuple[Future, Callable[[], dict[str, Any]]]] = deque()
+
+    def put(self, job: Callable[[], dict[str, Any]], *, front: bool = False) -> Future:
+        """A future for ``job()``, run by the next free worker (``front``: before the others
+        waiting). Raises RuntimeError once the pool is shut down (an error or Ctrl-C)."""
+        fut: Future = Future()
+        with self._lock:
+            (self._jobs.appendleft if front else self._jobs.append)((fut, job))
+        self._pool.submit(self._run_next)  # one worker turn per job: every job is taken once
+        return fut
+
+    def _run_next(self) -> None:
+        with self._lock:
+            fut, job = self._jobs.popleft()
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(job())
+        except BaseException as e:  # the caller sees it through the future, as with pool.submit
+            fut.set_exception(e)
+
+
+def _after(first: Future, submit: Callable[[dict[str, Any] | None], Future]) -> Future:
+    """A future for ``submit(twin)``, called once ``first`` (a byte-identical file's writer) is
+    done, with its digests (``None`` if it failed: the file is then hashed as any other).
+    Submitting then, not waiting in a worker, keeps every worker copying meanwhile."""
+    out: Future = Future()
+
+    def relay(inner: Future) -> None:
+        if inner.cancelled():
+            out.set_exception(ReshardError("cancelled"))
+        elif inner.exception() is not None:
+            out.set_exception(inner.exception())
+        else:
+            out.set_result(inner.result())
+
+    def go(done: Future) -> None:
+        twin = None if done.cancelled() or done.exception() is not None else done.result()
+        try:
+            inner = submit(twin)
+        except RuntimeError as e:  # the pool is shutting down: an error or Ctrl-C ends the run
+            out.set_exception(e)
+            return
+        inner.add_done_callback(relay)
+
+    first.add_done_callback(go)
+    return out
