@@ -240,7 +240,8 @@ K3CKPT_PREFLIGHT_MEM_BYTES: EnvVar[int | None] = _declare(EnvVar(
 K3CKPT_TEST_PAUSE_AT: EnvVar[str | None] = _declare(EnvVar(
     "K3CKPT_TEST_PAUSE_AT", TEXT, None,
     "Test hook: a fetch, reshard or unshard stops itself (SIGSTOP) at this point (`after_chunk:N`, "
-    "`before_rename`, `reshard_file:N`, `unshard_shard:N`) so crash tests can kill it there.",
+    "`before_rename`, `after_piece:N`, `before_shard_rename`, `reshard_file:N`, `unshard_shard:N`; "
+    "k3ckpt.faults lists them) so crash tests can kill it there.",
     _text))
 
 K3CKPT_TEST_PAUSE_FILE: EnvVar[Path | None] = _declare(EnvVar(

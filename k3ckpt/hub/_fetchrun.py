@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..faults import pause_point
 from ..utils import fsync_dir
 from . import _dest, _http, _transfer
 from ._digest import mismatch
@@ -228,7 +229,7 @@ class FetchRun:
             with self.bytes_lock:
                 self.chunks_journaled += 1
                 journaled = self.chunks_journaled
-            _transfer.pause_point("after_chunk", journaled)
+            pause_point("after_chunk", journaled)
             if not complete:
                 job.digest.advance(job)
                 return
@@ -349,7 +350,7 @@ class FetchRun:
                 _dest.unlink(job.journal)
                 _dest.unlink(job.part)
             return
-        _transfer.pause_point("before_rename")
+        pause_point("before_rename")
         with job.lock:
             job.close()
             os.replace(job.part, job.final)

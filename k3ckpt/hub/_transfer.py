@@ -23,7 +23,6 @@ from typing import Any, Protocol
 import requests
 import urllib3.exceptions
 
-from ..faults import pause_point as env_pause_point
 from ..utils import pwrite_all
 from . import _http
 from .client import HubError, HubFile, HubListing, RetryPolicy, file_url
@@ -58,14 +57,6 @@ class RangeIgnored(Fatal):
     """The server answered a ranged GET with the whole file (HTTP 200, no ``Content-Range``).
     Fatal for that range; the downloader falls back to one sequential GET of the file."""
 
-
-# ----------------------------------------------------------------------------------------------
-# Test hook
-# ----------------------------------------------------------------------------------------------
-
-
-#: The test hook (:func:`k3ckpt.env.pause_point`), re-exported for the downloaders.
-pause_point = env_pause_point
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from ..errors import K3ckptError
+from ..faults import pause_point
 from ..format.header import parse_header_bytes
 from ..integrity.manifest import Manifest
 from ..utils import fsync_dir, write_atomic
@@ -187,7 +188,7 @@ class OutputRun:
         with self.count_lock:
             self.pieces_journaled += 1
             n = self.pieces_journaled
-        _transfer.pause_point("after_piece", n)  # test hook: the n-th piece of the run journaled
+        pause_point("after_piece", n)  # test hook: the n-th piece of the run journaled
 
     @staticmethod
     def _rehash(job: OutputJob, piece: Piece, hasher: TensorHasher) -> None:
@@ -237,7 +238,7 @@ class OutputRun:
         parse_header_bytes(head[8:], file=sp.path, path=job.part, file_size=sp.size)  # valid safetensors
         if self.before_rename is not None:
             self.before_rename(job)
-        _transfer.pause_point("before_shard_rename")  # test hook
+        pause_point("before_shard_rename")  # test hook
         with job.lock:
             job.close()
             os.replace(job.part, job.final)
