@@ -320,7 +320,7 @@ def test_examples_run(path: Path, page_runs: dict[Path, Future[list[str]]]) -> N
 
 def test_every_page_has_something_to_run() -> None:
     for path in PAGES:
-        if path.name in ("index.md", "env.md", "api.md"):
+        if path.name in ("index.md", "env.md", "api.md", "architecture.md"):  # (test_api, test_architecture)
             continue
         page = parse(path)
         assert any(b.skip is None and b.commands for b in page.blocks), f"{_page_id(path)}: no tested example"
