@@ -21,7 +21,10 @@
 # Settings (environment, with defaults):
 #   K3_SOURCE=hf  K3_REPO=moonshotai/Kimi-K3  K3_REVISION=main  K3_DEST=/nvme/kimi-k3
 #   K3_GPUS_PER_NODE=8  K3_TP=8 (GPUs per data-parallel rank; must divide K3_GPUS_PER_NODE)
-#   K3_MANIFEST (optional: a tensor-hash manifest; every fetched tensor is checked against it)
+#   K3_MANIFEST (a tensor-hash manifest, `k3ckpt manifest pull REPO --tensor-hashes`: every
+#     fetched tensor is checked against it, which is what proves the node's bytes)
+#   K3_ALLOW_UNPROVEN=1 (hand over to the engine although the bytes are not proven - no
+#     K3_MANIFEST: the node files are checked for structure and sizes only; see docs/trust.md)
 #   K3_DP_RPC_PORT=13345  K3_LEADER_ADDRESS (overrides LWS_LEADER_ADDRESS)
 #   K3_SERVED_MODEL_NAME=$K3_REPO
 #   K3_FETCH_ARGS, K3_PREFLIGHT_ARGS, K3_VLLM_ARGS: extra arguments, split on spaces
@@ -30,8 +33,10 @@
 # parallelism spans every rank (EP = W, expert placement linear). The node directory therefore
 # holds every dense tensor whole and the experts of ranks [node*G, (node+1)*G) only.
 #
-# Exit codes: 0 ok, 1 preflight found a problem (its report says which), 2 could not run
-# (a one-line `node-init.sh: error: ...` on stderr, or k3ckpt's own exit code).
+# Exit codes: 0 ok, 1 preflight found a problem (its report says which; unproven bytes are one,
+# unless K3_ALLOW_UNPROVEN=1), 2 could not run (a one-line `node-init.sh: error: ...` on stderr,
+# or k3ckpt's own exit code; no K3_MANIFEST without K3_ALLOW_UNPROVEN=1 is refused before any
+# byte is fetched).
 set -eu
 set -f  # the K3_*_ARGS below are split on spaces, never globbed
 
@@ -154,20 +159,28 @@ fi
 # --- init: this node's share, checked --------------------------------------------------------
 echo "node-init: $launcher node $node of $nodes: ranks $first_rank-$last_rank of ep $world x tp $tp (dp $dp), into $dest"
 
+# Only proven bytes are handed to the engine (docs/trust.md): fetch refuses, before any byte, to
+# assemble node files it cannot check against a manifest, and preflight FAILs a share whose
+# bytes nothing proved - unless K3_ALLOW_UNPROVEN=1 says to serve them anyway.
 manifest_args=""
 if [ -n "${K3_MANIFEST:-}" ]; then
     manifest_args="--manifest ${K3_MANIFEST}"
 fi
+proof_args="--require-proof"
+if [ "${K3_ALLOW_UNPROVEN:-0}" = 1 ]; then
+    proof_args=""
+    [ -n "$manifest_args" ] || echo "node-init: K3_ALLOW_UNPROVEN=1 and no K3_MANIFEST: the node files are checked for structure and sizes only" >&2
+fi
 # shellcheck disable=SC2086
 k3ckpt fetch "$repo" --source "$source_hub" --revision "$revision" --local-dir "$dest" \
-    --node "$node" --gpus-per-node "$gpus" --ep "$world" --tp "$tp" --placement linear \
-    $manifest_args ${K3_FETCH_ARGS:-}
+    --node "$node" --gpus-per-node "$gpus" --tp "$tp" --dp "$dp" --placement linear \
+    $manifest_args $proof_args ${K3_FETCH_ARGS:-}
 # The launcher's variables are checked too: preflight reads a one-task-per-node srun
 # (SLURM_PROCID = node index) and LeaderWorkerSet's LWS_WORKER_INDEX as the node's index.
 # Its last line is `serve      <this node's vllm serve command>`.
 rc=0
 # shellcheck disable=SC2086
-report=$(k3ckpt preflight "$dest" --engine vllm $launch_args $leader_args \
+report=$(k3ckpt preflight "$dest" --engine vllm $launch_args $leader_args $proof_args \
     --served-model-name "$served_name" ${K3_PREFLIGHT_ARGS:-}) || rc=$?
 printf '%s\n' "$report" | sed '$d'  # the table; the serve line is printed below, once ready
 [ "$rc" -eq 0 ] || exit "$rc"

@@ -17,6 +17,8 @@ from helpers import run as run_cli
 from k3ckpt.deploy import preflight as pf
 from k3ckpt.deploy.reshard import reshard
 from k3ckpt.format.topology import RankSelection
+from k3ckpt.integrity.manifest import build_manifest
+from k3ckpt.integrity.verify import verify_checkpoint
 
 #: No GPU tool on this PATH (the machine has none; tests add fake ones in front).
 NO_GPU = {"PATH": "/usr/bin:/bin"}
@@ -27,12 +29,17 @@ ROCM_ARGS = "--showproductname --showmeminfo vram --json"
 
 @pytest.fixture(scope="module")
 def source(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """k3-tiny as `hf download --local-dir` leaves it: its revision is recorded."""
+    """k3-tiny as `hf download --local-dir` leaves it: its revision is recorded; and, as the
+    documented flow does, verified against its pinned manifest (so what is resharded from it is
+    proven: docs/trust.md)."""
     src = tmp_path_factory.mktemp("src") / "Kimi-K3"
     shutil.copytree(k3_tiny, src)
     meta = src / ".cache" / "huggingface" / "download" / "config.json.metadata"
     meta.parent.mkdir(parents=True)
     meta.write_text(f"{COMMIT}\netag\n1700000000.0\n")
+    pinned = src.parent / "kimi-k3.json"
+    build_manifest(src).save(pinned)
+    assert verify_checkpoint(src, manifest_path=pinned).proven
     return src
 
 
@@ -91,15 +98,23 @@ def run_fix(fix: str) -> None:
 # -- the PASS path ----------------------------------------------------------------------------
 
 
-def test_pass_path_node_of_a_rank_layout(layout: Path, source: Path, tmp_path: Path) -> None:
+def test_pass_path_node_of_a_rank_layout(pristine: Path, layout: Path, source: Path, tmp_path: Path) -> None:
     env = b200s(tmp_path)
-    rep = pf.preflight(layout, RankSelection(node=1, gpus_per_node=2, ep=4, tp=2), environ=env)
+    rep = pf.preflight(pristine, RankSelection(node=1, gpus_per_node=2, ep=4, tp=2), environ=env)
     assert rep.ok and rep.ranks == [2, 3] and rep.layout == "rank-layout"
     assert statuses(rep) == {
         "topology": "PASS", "environment": "PASS", "rank 2": "PASS", "rank 3": "PASS", "disk": "PASS",
         "host memory": "PASS", "gpu": "PASS", "mxfp4": "PASS", "quantization": "PASS", "config": "PASS",
-        "tokenizer": "PASS", "license": "PASS", "source": "PASS",
+        "tokenizer": "PASS", "license": "PASS", "source": "PASS", "proof": "PASS",
     }
+    assert rep.verdict == "ready to load" and f"proven by manifest {source.parent / 'kimi-k3.json'}" in \
+        rows(rep)["proof"].reason
+    # a copy of it carries no proof: loadable, not "ready" (docs/trust.md); FAIL when proof is required
+    copy = pf.preflight(layout, RankSelection(node=1, gpus_per_node=2, ep=4, tp=2), environ=env)
+    assert copy.ok and statuses(copy)["proof"] == "WARN" and copy.verdict == "loadable, not proven"
+    required = pf.preflight(layout, RankSelection(node=1, gpus_per_node=2, ep=4, tp=2), environ=env,
+                            require_proof=True)
+    assert not required.ok and statuses(required)["proof"] == "FAIL"
     r = rows(rep)
     assert "ep 4 x tp 2, world size 4" in r["topology"].reason and "as requested" in r["topology"].reason
     assert "natively" in r["mxfp4"].reason and "B200" in r["mxfp4"].reason
@@ -110,7 +125,7 @@ def test_pass_path_node_of_a_rank_layout(layout: Path, source: Path, tmp_path: P
     assert r["rank 2"].details["bytes"] == sum(f["size"] for f in manifest["files"].values())
     assert not any(c.fix for c in rep.checks)
     text = pf.render_preflight(rep)
-    assert text.splitlines()[-1] == "result     0 FAIL, 0 WARN, 13 PASS: ready to load"
+    assert text.splitlines()[-1] == "result     0 FAIL, 0 WARN, 14 PASS: ready to load"
 
 
 
@@ -627,6 +642,22 @@ def test_an_hf_cache_repo_folder_is_served_from_its_snapshot(nodes_pristine: Pat
     rep = pf.preflight(repo_dir, launch(0), engine="vllm", leader_address=LEADER, environ=NO_GPU)
     assert rep.ok and rep.serve is not None
     assert rep.serve[:3] == ["vllm", "serve", str(snap)] and (Path(rep.serve[2]) / "config.json").is_file()
+
+
+def test_full_checks_the_marker_digests_and_a_flipped_byte_fails(nodes: Path) -> None:
+    """Issue #25: ``preflight --full`` of a node directory with one expert byte flipped said
+    "ready to load" (the marker's digests were not checked). A flip that keeps the file's mtime
+    passes the stat checks, so only --full sees it: the proof row FAILs, naming the tensor."""
+    d = nodes / "node-00001"
+    f = d / "model-rank-00003-experts-00001-of-00001.safetensors"
+    st = f.stat()
+    flip_byte(f, f.stat().st_size - 100)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    rep = pf.preflight(d, launch(1), engine="vllm", environ=NO_GPU, full=True)
+    proof = rows(rep)["proof"]
+    assert not rep.ok and proof.status == "FAIL" and rep.verdict == "not ready"
+    assert f.name in proof.reason and "tensor bytes differ from k3ckpt-node.json's record" in proof.reason
+    assert proof.fix == f"k3ckpt verify {d.resolve()}"
 
 
 def test_engine_is_the_default_for_a_node_directory_and_the_marker_gives_the_launch(nodes_pristine: Path) -> None:

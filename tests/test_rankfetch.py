@@ -136,13 +136,16 @@ def test_node0_moves_only_its_share_and_reshards_identically(served_hub: Any, k3
     dest = tmp_path / "node0"
     res = fetch(h, dest)
     assert res.exit_code == 0, res.output
-    assert res.output.startswith("ok: ") and "only structure and sizes" not in res.output
-    assert "checked for structure and sizes only" in res.output  # no --manifest: said plainly
+    # no --manifest: said plainly, and never "ok" (#25: the bytes assembled from tensors are unproven)
+    assert res.output.startswith("not proven: ") and "only structure and sizes" not in res.output
+    assert "not proven: no --manifest: the files assembled from tensors were checked for structure and sizes " \
+           "only" in res.output
 
     want = expected_bytes(served, node0_names)
     sent = {f: h.bytes_sent(f) for f in want}
     assert sent == want
     assert h.total_bytes_sent() == sum(want.values())
+    assert json.loads(fetch(h, dest, "--json").output)["proven"] is False  # (a re-run: all present)
 
     # a valid checkpoint of exactly those tensors, byte for byte the source's
     ckpt = open_checkpoint(dest)

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -97,10 +98,12 @@ def stubs(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def base_env(hub: Any, stubs: Path, tmp_path: Path) -> dict[str, str]:
+def base_env(hub: Any, stubs: Path, tmp_path: Path, tensor_manifest: Path) -> dict[str, str]:
     """A clean environment (no launcher, hub or k3ckpt variables of this machine): the stubs
-    first on PATH, the loopback hub as the Hugging Face endpoint."""
+    first on PATH, the loopback hub as the Hugging Face endpoint, and the tensor-hash manifest
+    that proves what a node fetches (without it the recipe refuses: docs/trust.md)."""
     return {
+        "K3_MANIFEST": str(tensor_manifest),
         "PATH": f"{stubs}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
         "HOME": str(tmp_path / "home"),
         "LANG": "C.UTF-8",
@@ -212,7 +215,8 @@ def test_slurm_single_node_serves_without_data_parallel_flags(served: Path, base
         res = node_init(env, "init")
         assert res.returncode == 0, res.stdout + res.stderr
         assert "ready to load" in res.stdout
-    assert re.search(r" 0 files fetched \(0 B; .*, [1-9]\d* already present, 0 failed", res.stdout)
+    assert re.search(r" 0 files fetched \(0 B; .*, [1-9]\d* already present, [\d,]+ tensors verified against the "
+                     r"manifest, 0 failed", res.stdout)
     assert res.stdout.splitlines()[-1] == shlex.join(["vllm", *expected_serve(str(dest), 0, 1, 8, 8, None)])
     assert "--data-parallel" not in res.stdout.splitlines()[-1]
     assert_node_dir(dest, served, 0, 1, 8, 8)
@@ -230,8 +234,28 @@ def test_a_disk_that_held_another_node_is_turned_into_this_one(served: Path, bas
         res = node_init(env, "init")
         assert res.returncode == 0, res.stdout + res.stderr
         assert "ready to load" in res.stdout
-    assert re.search(r" 0 files fetched \(.*, [1-9]\d* already present, 0 failed", res.stdout)
+    assert re.search(r" 0 files fetched \(.*, [1-9]\d* already present, [\d,]+ tensors verified against the "
+                     r"manifest, 0 failed", res.stdout)
     assert_node_dir(dest, served, 1, 2, 4, 4)
+
+
+def test_without_a_manifest_the_recipe_refuses_before_any_byte_unless_told(hub: Any, base_env: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    """Issue #25: with no K3_MANIFEST, node-init fetched node files it could only check for
+    structure and sizes, and preflight said "ready to load". Now the fetch is refused before any
+    byte (exit 2); K3_ALLOW_UNPROVEN=1 serves such a share knowingly, and preflight says so."""
+    dest = tmp_path / "nvme" / "kimi-k3"
+    env = {k: v for k, v in base_env.items() if k != "K3_MANIFEST"}
+    env.update(SLURM_NODEID="0", SLURM_NNODES="1", K3_DEST=str(dest))
+    hub.reset_counters()
+    res = node_init(env, "init")
+    assert res.returncode == 2 and "--require-proof: a rank-aware fetch without --manifest" in res.stderr, res.stdout
+    assert not dest.exists() and hub.total_bytes_sent() == 0 and "vllm serve" not in res.stdout
+    res = node_init(dict(env, K3_ALLOW_UNPROVEN="1"), "init")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "K3_ALLOW_UNPROVEN=1 and no K3_MANIFEST" in res.stderr
+    assert re.search(r"^WARN  proof +not proven: ", res.stdout, re.MULTILINE) and "loadable, not proven" in res.stdout
+    assert "ready to load" not in res.stdout and res.stdout.splitlines()[-1].startswith("vllm serve ")
 
 
 def test_a_preflight_fail_stops_the_node_before_serving(base_env: dict[str, str], tmp_path: Path) -> None:
@@ -351,6 +375,11 @@ def test_lws_manifest_runs_node_init_in_every_pod(served: Path, base_env: dict[s
         nvme = next(v for v in pod["volumes"] if "hostPath" in v)["hostPath"]["path"]
         env["K3_DEST"] = env["K3_DEST"].replace(nvme, str(disk), 1)
         assert env["K3_DEST"].startswith(str(disk))
+        # the manifest where the example says each node has it (its own disk)
+        assert env["K3_MANIFEST"].startswith(nvme + "/")
+        env["K3_MANIFEST"] = env["K3_MANIFEST"].replace(nvme, str(disk), 1)
+        disk.mkdir(parents=True, exist_ok=True)
+        shutil.copy(base_env["K3_MANIFEST"], env["K3_MANIFEST"])
         mounts = {"k3ckpt-node-init": EXAMPLES}
         init, main = pod["initContainers"][0], pod["containers"][0]
         assert [f["configMapRef"]["name"] for f in init["envFrom"]] == [settings["metadata"]["name"]]

@@ -307,7 +307,9 @@ def test_nan_scale_byte_names_exactly_that_tensor_and_no_scan_skips_it(ckpt: Pat
     res = run("verify", str(ckpt), "--no-cache")
     assert res.exit_code == 1 and "[nan-scale] 1 problem\n" in res.output and SCALE in res.output
     res = run("verify", str(ckpt), "--no-cache", "--no-scan")
-    assert res.exit_code == 0 and res.output.startswith("ok: "), res.output
+    # nothing wrong, but no reference proved the bytes: said so, exit 0 unless proof is required
+    assert res.exit_code == 0 and res.output.startswith("not proven: "), res.output
+    assert run("verify", str(ckpt), "--no-cache", "--no-scan", "--require-proof").exit_code == 1
 
 
 def test_nan_in_the_last_byte_of_a_scale_and_not_in_packed_data(ckpt: Path, tmp_path: Path) -> None:

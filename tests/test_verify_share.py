@@ -85,7 +85,8 @@ def test_node_dir_verifies_clean_against_the_tensor_manifest(resharded: Path, ma
     assert lines[0].startswith("ok: ")
     assert lines[1] == (f"node share ({NODE_MARKER}; node 1, ranks 2-3): {held:,} tensors checked, "
                         f"{skipped:,} not local (other nodes' experts)")
-    assert len(lines) == 2 and skipped > 0  # nothing about the experts the node does not hold
+    assert lines[2] == f"proven by manifest {manifests['tensors']}"
+    assert len(lines) == 3 and skipped > 0  # nothing about the experts the node does not hold
 
     rep = json.loads(verify(resharded, "--manifest", str(manifests["tensors"]), "--json").output)
     assert rep["ok"] and rep["issues"] == {}
@@ -159,10 +160,11 @@ def test_quick_trusts_unchanged_files_and_never_reports_other_nodes_experts(node
     res = verify(node, *m, "--quick")
     assert res.exit_code == 0, res.output
     assert f"{hashed} trusted from the stat cache" in res.output and "not local (other nodes' experts)" in res.output
-    assert len(res.output.splitlines()) == 2
+    assert len(res.output.splitlines()) == 3 and res.output.splitlines()[2].startswith("proven by manifest ")
     flip_byte(node / EXPERT_FILE, data_offset(node / EXPERT_FILE, EXPERT))
     res = verify(node, *m, "--quick")  # changed stat: no cached verdict, checked by size only
-    assert res.exit_code == 0 and "checked by size only" in res.output
+    # issue #25: that was "ok"; sizes prove nothing
+    assert res.exit_code == 0 and "checked by size only" in res.output and res.output.startswith("not proven: ")
     assert verify(node, *m).exit_code == 1
     res = verify(node, *m, "--quick")  # the full run's verdict is remembered while the file is unchanged
     assert res.exit_code == 1 and f"tensor {EXPERT}: tensor bytes differ" in res.output

@@ -245,11 +245,13 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
 @size_option("--kv-budget", default="20GiB", help=_KV_BUDGET)
 @size_option("--min-free-disk", default="1GiB", help="Free space the disk holding DIRECTORY must keep.")
 @click.option("--no-env", is_flag=True, help="Ignore the launcher's variables (RANK, SLURM_*, ...).")
+@click.option("--require-proof", is_flag=True,
+              help="FAIL (exit 1) unless the bytes this node loads are proven (docs/trust.md); the init recipe's way.")
 @jobs_option("Files hashed in parallel with --full [default: CPU count].")
 @json_option("Machine-readable report.")
 @handle_errors
 def preflight(directory: str, selection: RankSelection, full: bool, io_test: float | None, kv_budget: int,
-              min_free_disk: int, no_env: bool, jobs: int | None, as_json: bool, engine: str | None,
+              min_free_disk: int, no_env: bool, require_proof: bool, jobs: int | None, as_json: bool, engine: str | None,
               leader_address: str | None, rpc_port: int, served_model_name: str | None) -> None:
     """Check, in seconds, that this node can load DIRECTORY before the engine boots.
 
@@ -287,7 +289,7 @@ def preflight(directory: str, selection: RankSelection, full: bool, io_test: flo
         rep = run_preflight(directory, selection, full=full, io_test=io_test, kv_budget=kv_budget,
                             min_free_disk=min_free_disk, use_env=not no_env, jobs=jobs, engine=engine,
                             leader_address=leader_address, rpc_port=rpc_port, served_model_name=served_model_name,
-                            progress=bar, on_plan=bar.plan)
+                            progress=bar, on_plan=bar.plan, require_proof=require_proof)
     if as_json:
         emit_json(rep.to_json())
     else:

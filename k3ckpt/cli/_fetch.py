@@ -67,6 +67,8 @@ from ._output import ByteProgress, emit_json
                        "both write the same files).")
 @click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False, path_type=str),
               help="Rank-aware: verify every fetched tensor against this tensor-hash manifest.")
+@click.option("--require-proof", is_flag=True,
+              help="Refuse (before any byte) a rank-aware fetch that could not prove its bytes: one without --manifest.")
 @click.option("--dry-run", is_flag=True, help="List what would be downloaded and how many bytes; download nothing "
               "(a destination the run would refuse is refused the same way).")
 @json_option("Machine-readable summary.")
@@ -75,8 +77,8 @@ from ._output import ByteProgress, emit_json
 def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: str | None, revision: str | None,
           dest: str | None, cache_dir: str | None, include: tuple[str, ...], exclude: tuple[str, ...],
           token: str | None, jobs: int, chunk_size: int, endpoint: str | None, selection: RankSelection,
-          layout: str | None, max_shard_size: int, manifest_path: str | None, dry_run: bool, as_json: bool,
-          verbose: bool) -> None:
+          layout: str | None, max_shard_size: int, manifest_path: str | None, require_proof: bool, dry_run: bool,
+          as_json: bool, verbose: bool) -> None:
     """Download a checkpoint from Hugging Face or ModelScope: resumable, parallel, verified.
 
     The vocabulary of `hf download` (and `modelscope download`): REPO_ID, then optionally
@@ -141,6 +143,10 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
         # FILES select as patterns do here: the recorded listing is checked, not the hub asked
         _check_offline(hub, repo, revision, dest, cache_dir, include or files, exclude, jobs, rank_aware, as_json)
         return
+    if rank_aware and require_proof and manifest_path is None:
+        raise click.UsageError("--require-proof: a rank-aware fetch without --manifest checks the files it assembles "
+                               "from tensors for structure and sizes only (docs/trust.md); give a tensor-hash "
+                               "manifest (k3ckpt manifest pull REPO_ID --tensor-hashes -o M, then --manifest M)")
     if rank_aware:
         if sel.ranks is None and sel.node is None:
             raise click.UsageError("rank-aware fetch needs --ranks or --node (all ranks need the whole checkpoint: "

@@ -240,13 +240,15 @@ def manifest_sign(file: str, key: str, output: str | None, as_json: bool) -> Non
 @click.option("--quick", is_flag=True, help="Sizes and structure only, trusting digests from the stat cache.")
 @click.option("--no-scan", is_flag=True, help="Skip the NaN scale-byte scan.")
 @click.option("--no-cache", is_flag=True, help="Neither read nor write the stat cache.")
+@click.option("--require-proof", is_flag=True,
+              help="Exit 1 unless every file is proven: checked against a digest of named origin (docs/trust.md).")
 @jobs_option("Files hashed in parallel [default: CPU count].")
 @json_option()
 @handle_errors
 def verify(path: str, manifest_path: str | None, signature_path: str | None, pubkey_path: str | None,
            against: str | None, repo: str | None, revision: str | None, endpoint: str | None, token: str | None,
            quick: bool,
-           no_scan: bool, no_cache: bool, jobs: int | None, as_json: bool) -> None:
+           no_scan: bool, no_cache: bool, require_proof: bool, jobs: int | None, as_json: bool) -> None:
     """Prove a checkpoint intact, or say exactly what is wrong (exit 1).
 
     Always checks structure: every shard header, index vs headers, paths, config vs tensors,
@@ -315,7 +317,7 @@ def verify(path: str, manifest_path: str | None, signature_path: str | None, pub
         emit_json(rep.to_json())
     else:
         click.echo(render_verify(rep))
-    if not rep.ok:
+    if not rep.ok or (require_proof and not rep.proven):
         sys.exit(EXIT_PROBLEMS)
 
 

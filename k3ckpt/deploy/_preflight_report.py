@@ -85,12 +85,23 @@ class PreflightReport:
         """Nothing FAILs (WARNs allowed)."""
         return not any(c.status == FAIL for c in self.checks)
 
+    @property
+    def proven(self) -> bool:
+        """The ``proof`` row passed: every byte this node loads is proven (docs/trust.md)."""
+        return any(c.name == "proof" and c.status == PASS for c in self.checks)
+
+    @property
+    def verdict(self) -> str:
+        """"ready to load" only when nothing FAILs and the bytes are proven."""
+        return "not ready" if not self.ok else "ready to load" if self.proven else "loadable, not proven"
+
     def counts(self) -> dict[str, int]:
         return {s: sum(c.status == s for c in self.checks) for s in (FAIL, WARN, PASS)}
 
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "layout": self.layout, "topology": self.topology, "ranks": self.ranks,
-                "selection": self.selection, "ok": self.ok, "counts": self.counts(),
+                "selection": self.selection, "ok": self.ok, "proven": self.proven, "verdict": self.verdict,
+                "counts": self.counts(),
                 "checks": [c.to_json() for c in self.checks], "fix_all": self.fix_all,
                 "engine": self.engine, "serve": self.serve,
                 "read_speed": self.read_speed.to_json() if self.read_speed else None}
@@ -258,8 +269,7 @@ def render_preflight(rep: PreflightReport) -> str:
     n = rep.counts()
     if rep.fix_all:
         lines += ["", f"fix all    {rep.fix_all}"]
-    lines += ["", f"result     {n[FAIL]} FAIL, {n[WARN]} WARN, {n[PASS]} PASS: "
-                  + ("ready to load" if rep.ok else "not ready")]
+    lines += ["", f"result     {n[FAIL]} FAIL, {n[WARN]} WARN, {n[PASS]} PASS: {rep.verdict}"]
     if rep.serve:  # last, so that a script can take it with tail -n 1
         lines.append(f"serve      {shlex.join(rep.serve)}")
     return "\n".join(lines)

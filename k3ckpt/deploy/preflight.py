@@ -83,6 +83,7 @@ from ._preflight_host import (
     measure_read_speed,
     query_gpus,
 )
+from ._preflight_proof import checkpoint_proof, layout_proof
 from ._preflight_ranks import (
     PlainCheckpoint,
     RankLayout,
@@ -152,6 +153,7 @@ def preflight(
     served_model_name: str | None = None,
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
+    require_proof: bool = False,
 ) -> PreflightReport:
     """Check that the directory ``path`` is ready for this node to load.
 
@@ -177,6 +179,9 @@ def preflight(
             placeholder ``LEADER_ADDRESS``.
         progress, on_plan: ``full``'s progress: called with the bytes it will read (every rank
             file, or a checkpoint's E8M0 scales), then with the bytes as they are read.
+        require_proof: the ``proof`` row FAILs (instead of WARNs) when the bytes this node loads
+            are not proven (docs/trust.md): what an init container that hands over to the engine
+            asks for. Without it the report says "loadable, not proven", never "ready to load".
 
     Raises:
         PreflightError / TopologyError: ``path`` is missing or holds neither a rank layout nor
@@ -211,6 +216,11 @@ def preflight(
         report = RankLayout(root, ask).run()
     else:
         report = PlainCheckpoint(root, ask).run()
+    if report.layout == "rank-layout":
+        report.checks.append(layout_proof(root, {r: root / f"rank-{r:05d}" for r in report.ranks},
+                                          require=require_proof))
+    else:
+        report.checks.append(checkpoint_proof(root, full=full, require=require_proof, jobs=jobs, progress=progress))
     if io_test:
         io_check(report, io_test)
     report.path = str(Path(path))  # as given; fix commands carry the absolute path

@@ -66,9 +66,21 @@ class RankFetchResult:
         """True only if every selected shard and file is present and checked."""
         return not self.failed
 
+    @property
+    def proven(self) -> bool:
+        """Every byte checked against a digest of named origin (docs/trust.md): the hub's sha256
+        of the files fetched whole, a tensor-hash manifest's of the files assembled from tensors.
+        Without a manifest those are checked for structure and sizes only: not proven."""
+        return self.ok and self.verification != VERIFIED_STRUCTURE
+
+    @property
+    def verdict(self) -> str:
+        return "FAILED" if not self.ok else "ok" if self.proven else "not proven"
+
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "dest": str(self.dest), "ok": self.ok, "written": sorted(self.written), "skipped": sorted(self.skipped),
+            "dest": str(self.dest), "ok": self.ok, "proven": self.proven, "written": sorted(self.written),
+            "skipped": sorted(self.skipped),
             "fetched": sorted(self.fetched), "files_skipped": sorted(self.files_skipped),
             "failed": dict(sorted(self.failed.items())), "bytes_downloaded": self.bytes_downloaded,
             "bytes_total": self.bytes_total, "tensors_verified": self.tensors_verified,
@@ -124,12 +136,12 @@ def fetch_summary(res: RankFetchResult, *, source: str, dest: Path, selection: s
         lines += [f"verified {p} (already present)" for p in res.skipped + res.files_skipped]
     rate = f" at {human_bytes(res.bytes_downloaded / res.seconds)}/s" if res.seconds and res.bytes_downloaded else ""
     checked = f", {res.tensors_verified:,} tensors verified against the manifest" if manifest else ""
-    lines.append(f"{'ok' if res.ok else 'FAILED'}: {source} -> {dest}: {selection}: "
+    lines.append(f"{res.verdict}: {source} -> {dest}: {selection}: "
                  f"{len(res.written)} {written}, {len(res.fetched)} files fetched "
                  f"({human_bytes(res.bytes_downloaded)}{rate}; {whole} is {human_bytes(bytes_total)} of "
                  f"{human_bytes(source_bytes)}), {len(res.skipped) + len(res.files_skipped)} already present"
                  f"{checked}, {len(res.failed)} failed")
     lines += [f"  could not fetch {p}: {why}" for p, why in sorted(res.failed.items())]
     if res.verification == VERIFIED_STRUCTURE:
-        lines.append(f"note: {STRUCTURE_ONLY_NOTE}")
+        lines.append(f"not proven: {STRUCTURE_ONLY_NOTE}")
     return "\n".join(lines)

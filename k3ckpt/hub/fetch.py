@@ -131,6 +131,12 @@ def source_text(listing: HubListing) -> str:
     return f"{listing.hub}:{listing.repo}@{listing.revision}"
 
 
+def hub_origin(listing: HubListing) -> str:
+    """The named origin of the digests a fetch checks (docs/trust.md): the hub's own, for that
+    revision (an LFS file's sha256, a small file's git blob id)."""
+    return f"hub sha256 of {source_text(listing)}"
+
+
 def plan_fetch(
     hub: str,
     repo: str,
@@ -199,7 +205,8 @@ def run_fetch(
     # Every file fetched or skipped had its digest checked against the hub's: let a later
     # ``verify --quick`` trust it while its stat is unchanged, instead of checking sizes only.
     files = plan.listing.files
-    record_verified(plan.dest, {p: (files[p].sha256, files[p].git_sha1) for p in result.fetched + result.skipped})
+    record_verified(plan.dest, {p: (files[p].sha256, files[p].git_sha1) for p in result.fetched + result.skipped},
+                    origin=hub_origin(plan.listing))
     if result.ok:
         try:
             record_source(plan.dest, plan.listing)
@@ -324,7 +331,8 @@ def _run_cache_fetch(plan: FetchPlan, layout: CacheLayout, *, workers: int, chun
 
             write_ref(layout)
     files = plan.listing.files
-    record_verified(plan.dest, {p: (files[p].sha256, files[p].git_sha1) for p in result.fetched + result.skipped})
+    record_verified(plan.dest, {p: (files[p].sha256, files[p].git_sha1) for p in result.fetched + result.skipped},
+                    origin=hub_origin(plan.listing))
     result.dest = plan.dest
     return result
 

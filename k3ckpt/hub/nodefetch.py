@@ -45,6 +45,8 @@ from ..format.nodedir import NODE_ALIGN, NODE_MAX_FILE_SIZE, NodeDir, NodeFile, 
 from ..format.topology import RankSelection, Topology, build_index, fp8_block_of
 from ..integrity.hashing import HashError, Span, hash_file
 from ..integrity.manifest import Manifest
+from ..integrity.share import share_reference_key
+from ..integrity.statcache import record_written
 from ..utils import format_ranges, human_bytes, write_atomic
 from . import _dest, download
 from . import client as hubclient
@@ -53,7 +55,7 @@ from ._remote import check_manifest, check_manifest_files, load_manifest, other_
 from ._result import VERIFIED_STRUCTURE, VERIFIED_TENSORS, RankFetchResult, dry_run_total, fetch_summary
 from ._workers import fetch_outputs, fetch_run, open_jobs
 from .client import HubFile, HubListing, RetryPolicy
-from .fetch import record_source, source_text
+from .fetch import hub_origin, record_source, source_text
 
 __all__ = [
     "DIGEST_DIR",
@@ -418,6 +420,22 @@ def _finish_node(plan: NodeFetchPlan, dest_real: str, digests: dict[str, dict[st
         record_source(dest_real, plan.listing)
     except OSError:
         pass  # provenance only
+    _record_proofs(plan, dest_real, digests, len(tensor_sha))
+
+
+def _record_proofs(plan: NodeFetchPlan, dest_real: str, digests: dict[str, dict[str, Any]], tensors: int) -> None:
+    """Tell the directory's stat cache what proved its bytes (docs/trust.md): the files fetched
+    whole, the hub's sha256; the node files, the tensor-hash manifest every tensor was checked
+    against while it streamed - or nothing, without one (their structure and sizes only)."""
+    key = share_reference_key(tensors)
+    origin = f"manifest {plan.manifest_label or '(given)'}" if plan.manifest is not None else None
+    entries: dict[str, dict[str, Any]] = {
+        name: {"sha256": rec["sha256"], "share_ref": key, "share_issues": [], "proven": origin}
+        for name, rec in digests.items()}
+    files = plan.listing.files
+    entries.update({f: {"sha256": files[f].sha256, "git_sha1": files[f].git_sha1, "proven": hub_origin(plan.listing)}
+                    for f in plan.files if f in files})
+    record_written(dest_real, entries)
 
 
 # ---------------------------------------------------------------------------------------------

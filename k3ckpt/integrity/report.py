@@ -7,6 +7,11 @@
 - :class:`VerifyReport`: the whole run (``--json`` is its :meth:`~VerifyReport.to_json`), and
   :func:`render_verify`, what the command prints.
 
+The verdict follows the one rule for "proven" (docs/trust.md): ``ok`` only when nothing is wrong
+*and* every file was checked against a digest whose origin is named (:attr:`VerifyReport.proofs`);
+``not proven`` when nothing is wrong but some bytes were checked by less (sizes, structure);
+``FAILED`` when something is wrong.
+
 Both the whole-checkpoint checks (:mod:`k3ckpt.integrity.verify`) and the share checks
 (:mod:`k3ckpt.integrity.share`) fill it in; it imports neither.
 """
@@ -106,6 +111,10 @@ class VerifyReport:
     seconds: float = 0.0
     issues: list[Issue] = field(default_factory=list)
     share: ShareFacts | None = None  # a node directory or rank-aware copy: what it holds, what was checked
+    # every file -> the named origin of the digest its bytes were found equal to (None: nothing
+    # proved them); files k3ckpt writes about a share (its marker, READY, the index the structure
+    # checks compare with the headers) are not listed
+    proofs: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def problems(self) -> list[Issue]:
@@ -113,7 +122,27 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Nothing is wrong (a report can be ok and still not proven)."""
         return not self.problems
+
+    @property
+    def unproven(self) -> list[str]:
+        """The files no digest of named origin vouches for, sorted."""
+        return sorted(f for f, origin in self.proofs.items() if origin is None)
+
+    @property
+    def origins(self) -> list[str]:
+        """The named origins that vouch for the files, sorted."""
+        return sorted({o for o in self.proofs.values() if o is not None})
+
+    @property
+    def proven(self) -> bool:
+        """Nothing is wrong and every file is proven: the only report that says ``ok``."""
+        return self.ok and not self.unproven
+
+    @property
+    def verdict(self) -> str:
+        return "FAILED" if not self.ok else "ok" if self.proven else "not proven"
 
     def grouped(self) -> dict[str, list[Issue]]:
         out: dict[str, list[Issue]] = {}
@@ -126,6 +155,9 @@ class VerifyReport:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["ok"] = self.ok
+        d["proven"] = self.proven
+        d["unproven"] = self.unproven
+        d["origins"] = self.origins
         d["issues"] = {k: [asdict(i) for i in v] for k, v in self.grouped().items()}
         return d
 
@@ -152,7 +184,7 @@ def render_verify(rep: VerifyReport) -> str:
     from ..utils import human_bytes
 
     rate = f" at {human_bytes(rep.bytes_hashed / rep.seconds)}/s" if rep.bytes_hashed and rep.seconds else ""
-    head = (f"{'ok' if rep.ok else 'FAILED'}: {rep.root} ({rep.mode}; reference: {rep.reference}): "
+    head = (f"{rep.verdict}: {rep.root} ({rep.mode}; reference: {rep.reference}): "
             f"{rep.files} files, {rep.files_hashed} hashed ({human_bytes(rep.bytes_hashed)}{rate})")
     if rep.files_trusted:
         head += f", {len(rep.files_trusted)} trusted from the stat cache"
@@ -164,6 +196,8 @@ def render_verify(rep: VerifyReport) -> str:
     lines = [head]
     if rep.share is not None:
         lines.append(rep.share.summary())
+    if rep.ok:
+        lines += proof_lines(rep)
     for kind, items in rep.grouped().items():
         label = "warning" if items[0].is_warning else "problem"
         lines.append(f"[{kind}] {len(items)} {label}{'s' if len(items) != 1 else ''}")
@@ -171,3 +205,22 @@ def render_verify(rep: VerifyReport) -> str:
         if len(items) > 200:
             lines.append(f"  ... and {len(items) - 200} more (--json lists all)")
     return "\n".join(lines)
+
+
+def proof_lines(rep: VerifyReport) -> list[str]:
+    """What vouches for the bytes (``proven by ...``), or what does not and how to prove it."""
+    if rep.proven:
+        return [f"proven by {'; '.join(rep.origins)}"] if rep.origins else []
+    files = rep.unproven
+    shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    referenced = rep.reference.startswith(("manifest ", "hf:", "ms:", "hub "))
+    if rep.files_size_only and referenced:
+        how = "run verify without --quick"
+    elif rep.share is not None:
+        how = ("verify against a tensor-hash manifest (--manifest M, from k3ckpt manifest pull --tensor-hashes): "
+               "a share's own digests prove its bytes only where k3ckpt wrote or verified them")
+    else:
+        how = "verify against a pinned or signed manifest (--manifest M) or the hub's listing (--against hf REPO_ID)"
+    why = ("checked by size only (no record of an earlier check of these bytes here)" if rep.files_size_only else
+           "no digest of named origin (a manifest, a signature or the hub's sha256) was checked for them")
+    return [f"not proven: {len(files)} file{'s' if len(files) != 1 else ''} ({shown}): {why}; {how}"]

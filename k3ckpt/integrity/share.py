@@ -39,7 +39,7 @@ from .hashing import FileDigest, Span, hash_files
 from .manifest import Manifest, TensorEntry, tensors_from_headers
 from .report import Expected, Issue, ShareFacts, VerifyReport, content_issue, nan_issues
 from .scales import rescan_scales, scale_spans
-from .statcache import StatCache, cached_digest_known, cached_digest_matches, stat_present
+from .statcache import StatCache, cached_digest_known, cached_digest_matches, settle_proofs, stat_present
 from .structure import structure_issues
 
 #: Which marker makes a directory which kind of share.
@@ -165,12 +165,18 @@ def verify_share(
 
     # -- content: one parallel read hashes files and tensors and scans the scales ---------------------
     want_sha = _tensor_digests(tensor_ref, node_tensors)
-    ref_key = _reference_key(manifest, node_tensors, scan)
+    ref_key = _reference_key(manifest, len(node_tensors))
     spans: dict[str, list[Span]] = {f: [] for f in weight}
     for name, t in actual.items():
         spans[t.file].append(Span(name, *t.offsets))
     header_scan = scale_spans(ckpt) if scan else {}
     hits = {f: cache.lookup(f, st) for f, st in stats.items()} if cache is not None else {}
+    # file -> the reference this run found it equal to; with no manifest a weight file's reference
+    # is the marker's digests, whose origin is the proof its producer recorded (settle_proofs)
+    checked: dict[str, str] = {}
+    by_reference = manifest is not None or bool(expected)
+    if not by_reference:  # the marker's digests are what the bytes are checked against
+        report.reference = f"{marker_name}'s digests"
 
     def file_ref(f: str) -> str | None:
         if f in weight:
@@ -188,6 +194,8 @@ def verify_share(
                 if hit and hit.get("share_ref") == ref_key:
                     report.files_trusted.append(f)  # and what the full run found in it, again
                     issues += [Issue(**i) for i in hit.get("share_issues") or []]
+                    if by_reference and not hit.get("share_issues"):
+                        checked[f] = report.reference
                     facts.tensors_checked += sum(1 for s in spans[f] if s.name in want_sha)
                 else:
                     report.files_size_only.append(f)
@@ -200,6 +208,7 @@ def verify_share(
                 to_hash.append(f)
             elif hit and cached_digest_matches(hit, exp):
                 report.files_trusted.append(f)
+                checked[f] = report.reference
             elif hit and cached_digest_known(hit, exp):
                 issues.append(content_issue(f, exp, hit))
             else:
@@ -220,11 +229,23 @@ def verify_share(
             issues += found
             if scan:
                 issues += nan_issues(f, d.flagged or [])
+            matched = by_reference and not found
+            if matched:
+                checked[f] = report.reference
             if cache is not None:
                 extra = {"share_ref": ref_key, "share_issues": [asdict(i) for i in found]} if f in weight else {}
                 scanned = {"scan_ok": not d.flagged, "flagged": d.flagged or []} if scan and f in weight else {}
-                cache.record(f, stats[f], sha256=d.sha256, **extra, **scanned)
+                proof = {"proven": report.reference} if matched else {}
+                cache.record(f, stats[f], sha256=d.sha256, **extra, **scanned, **proof)
     issues += rescan_scales(root, to_scan, header_scan, jobs, stats, cache)
+    settle_proofs(report, stats, hits, checked, skip=OWN_FILES)
+
+
+def share_reference_key(tensors: int) -> str:
+    """The key under which ``verify --quick`` finds a weight file of a share of ``tensors``
+    tensors checked against its own marker (no manifest): what a command that wrote the share
+    records for its files (:func:`k3ckpt.integrity.statcache.record_written`)."""
+    return _reference_key(None, tensors)
 
 
 def _marker_map(marker: dict[str, Any], marker_name: str, key: str) -> dict[str, Any]:
@@ -272,11 +293,11 @@ def _tensor_digests(tensor_ref: dict[str, TensorEntry] | None, node_tensors: dic
             if isinstance(e, dict) and isinstance(e.get("sha256"), str)}
 
 
-def _reference_key(manifest: Manifest | None, node_tensors: dict[str, Any], scan: bool) -> str:
-    """What a cached share verdict was checked against: reused by ``--quick`` only for the same."""
+def _reference_key(manifest: Manifest | None, tensors: int) -> str:
+    """What a cached share verdict was checked against (the manifest, or the marker's ``tensors``
+    digests): reused by ``--quick`` only for the same. (The scale scan is cached apart, per file.)"""
     h = hashlib.sha256(manifest.fingerprint().encode() if manifest is not None else b"no manifest")
-    h.update(str(len(node_tensors)).encode())
-    h.update(b"scan" if scan else b"noscan")
+    h.update(str(tensors).encode())
     return h.hexdigest()
 
 

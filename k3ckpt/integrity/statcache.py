@@ -1,12 +1,20 @@
 """The stat cache of ``verify --quick``, and the stat of the files it is keyed by.
 
-A file whose stat (path, size, mtime, inode, device) is unchanged since a full run verified it
+A file whose stat (path, size, mtime, inode, device, ctime) is unchanged since a full run verified it
 is trusted without being read again: :class:`StatCache` keeps its verified digests and scan
 verdicts outside the checkpoint (one JSON file per checkpoint path, under :func:`cache_dir`), and
 :func:`record_verified` lets another command that checked every byte (``fetch``) vouch for files
 too. :func:`stat_present` lists a checkpoint's files with their stat;
 :func:`cached_digest_known` and :func:`cached_digest_matches` compare a cached digest with
 what the reference expects.
+
+Proofs (docs/trust.md). An entry may carry ``proven``: the named origin (a manifest, a signed
+manifest, the hub's sha256 of a repo revision) of the digest the file's bytes were found equal
+to, by ``verify`` against that reference or by the command that wrote the file (``fetch``
+checking the hub's sha256; ``reshard`` and ``fetch --node`` carrying their source's proof to the
+files they write). A later command that finds the stat unchanged takes the proof from here
+(:func:`carried_proof`): the bytes are those that were proven. No entry, or a changed stat (an
+edited file, a copy elsewhere), carries no proof.
 """
 
 from __future__ import annotations
@@ -33,11 +41,13 @@ def cache_dir() -> Path:
 
 
 def stat_key(st: os.stat_result) -> list[int]:
-    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+    """What identifies a file's bytes without reading them. The ctime too: bytes rewritten in
+    place change it even when ``os.utime`` puts the mtime back (a proof must not survive that)."""
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns]
 
 
 class StatCache:
-    """Verified digests and scan verdicts keyed by (path, size, mtime, inode, device).
+    """Verified digests and scan verdicts keyed by (path, size, mtime, inode, device, ctime).
 
     A file whose stat is unchanged since a full run had verified it is trusted without being
     read again. The cache lives outside the checkpoint (one JSON file per checkpoint path) so
@@ -74,11 +84,12 @@ class StatCache:
 
 
 def record_verified(path: str | os.PathLike[str], digests: dict[str, tuple[str | None, str | None]],
-                    cache_directory: Path | None = None) -> None:
+                    cache_directory: Path | None = None, *, origin: str | None = None) -> None:
     """Tell the stat cache that files of the checkpoint at ``path`` were just verified by
     someone else (``k3ckpt fetch`` checks every sha256 it downloads): ``digests`` maps a
-    relative path to ``(sha256, git blob id)``. A later ``verify --quick`` then trusts them
-    while their stat is unchanged, exactly as after a full ``verify``."""
+    relative path to ``(sha256, git blob id)``; ``origin`` names whose digests they were checked
+    against (``hub sha256 of hf:REPO@REV``). A later ``verify --quick`` then trusts them while
+    their stat is unchanged, exactly as after a full ``verify``, and takes the proof along."""
     root, _ = resolve_root(path)
     cache = StatCache(root, cache_directory)
     for rel, (sha256, git_sha1) in digests.items():
@@ -86,10 +97,33 @@ def record_verified(path: str | os.PathLike[str], digests: dict[str, tuple[str |
             st = os.stat(root / rel)
         except OSError:
             continue
-        facts = {k: v for k, v in (("sha256", sha256), ("git_sha1", git_sha1)) if v}
+        facts: dict[str, Any] = {k: v for k, v in (("sha256", sha256), ("git_sha1", git_sha1)) if v}
         if facts:
-            cache.record(rel, st, **facts)
+            cache.record(rel, st, **facts, **({"proven": origin} if origin else {}))
     cache.save()
+
+
+def record_written(path: str | os.PathLike[str], entries: dict[str, dict[str, Any]],
+                   cache_directory: Path | None = None) -> None:
+    """Tell the stat cache what a command knows of the files it just wrote under ``path``:
+    ``entries`` maps a relative path to its facts (``sha256``; ``proven``, the origin its source
+    was proven by; a share's ``share_ref``). Their stat is taken now, so the record vouches only
+    for these bytes: a file changed or copied later carries none of it."""
+    root = Path(os.path.realpath(path))  # the key verify uses (its resolved root)
+    cache = StatCache(root, cache_directory)
+    for rel, facts in entries.items():
+        try:
+            st = os.stat(root / rel)
+        except OSError:
+            continue
+        cache.record(rel, st, **{k: v for k, v in facts.items() if v is not None})
+    cache.save()
+
+
+def carried_proof(hit: dict[str, Any] | None) -> str | None:
+    """The origin a stat-cache entry (found with the file's current stat) says proved its bytes."""
+    origin = hit.get("proven") if hit else None
+    return origin if isinstance(origin, str) and origin else None
 
 
 def cached_digest_known(hit: dict[str, Any], exp: Expected) -> bool:
@@ -114,3 +148,38 @@ def stat_present(root: Path, report: VerifyReport) -> tuple[list[str], dict[str,
         except OSError as e:
             report.issues.append(Issue("unreadable", f, f"cannot stat ({e.strerror})"))
     return present, stats
+
+
+def settle_proofs(report: VerifyReport, stats: dict[str, os.stat_result], hits: dict[str, dict[str, Any] | None],
+                  checked: dict[str, str], skip: frozenset[str] = frozenset()) -> None:
+    """Fill ``report.proofs`` for every file in ``stats`` (but ``skip``): the reference this run
+    found it equal to (``checked``), else the proof its unchanged stat-cache entry carries, else
+    none. A file with an issue is never proven."""
+    bad = {i.file for i in report.problems}
+    # a file the reference does not list is reported as such (extra-file); no engine reads it
+    extra = {i.file for i in report.issues if i.kind == "extra-file"}
+    for f in sorted(stats):
+        if f in skip or f in extra:
+            continue
+        report.proofs[f] = None if f in bad else checked.get(f) or carried_proof(hits.get(f))
+
+
+def recorded_proofs(root: Path, rels: list[str], cache_directory: Path | None = None) -> dict[str, str | None]:
+    """``rel`` -> the origin that proved the bytes of each file of the checkpoint at ``root``, as
+    the stat cache recorded it (None: never proven, or changed since): what a command that
+    copies them (``reshard``) carries over to what it writes."""
+    cache = StatCache(Path(os.path.realpath(root)), cache_directory)
+    out: dict[str, str | None] = {}
+    for rel in rels:
+        try:
+            out[rel] = carried_proof(cache.lookup(rel, os.stat(root / rel)))
+        except OSError:
+            out[rel] = None
+    return out
+
+
+def joined_origin(origins: list[str | None]) -> str | None:
+    """One origin for bytes derived from several proven ones (None if any is unproven)."""
+    if not origins or any(o is None for o in origins):
+        return None
+    return "; ".join(sorted({o for o in origins if o is not None}))

@@ -76,6 +76,7 @@ from .statcache import (
     cached_digest_known,
     cached_digest_matches,
     record_verified,
+    settle_proofs,
     stat_key,
     stat_present,
 )
@@ -205,6 +206,7 @@ def verify_checkpoint(
     try:  # (an error or Ctrl-C from here on also stops the hashing that may have started)
         expected = _expected(manifest, expected_files)
         hits = {f: cache.lookup(f, st) for f, st in stats.items()} if cache is not None else {}
+        checked: dict[str, str] = {}  # file -> the reference it was found equal to in this run
 
         # In quick mode an unchanged directory (same stat for every file) keeps its previous
         # structure verdict and scan results, so the headers need not even be parsed.
@@ -307,6 +309,7 @@ def verify_checkpoint(
                     assert exp is not None
                     if hit and cached_digest_matches(hit, exp):
                         report.files_trusted.append(f)
+                        checked[f] = report.reference
                     elif hit and cached_digest_known(hit, exp):
                         issues.append(content_issue(f, exp, hit))  # known bad, from the last full run
                         for name, got in sorted((hit.get("bad_tensors") or {}).items()):
@@ -333,6 +336,9 @@ def verify_checkpoint(
             if f in size_bad and manifest is not None:
                 tensor_issues = [i for i in tensor_issues
                                  if i.tensor is not None and manifest.tensors[i.tensor].offsets[0] < d.size]
+            matched = exp is not None and _digest_matches(d, exp) and f not in size_bad and not tensor_issues
+            if matched:
+                checked[f] = report.reference
             if exp is not None and not _digest_matches(d, exp) and f not in size_bad:
                 issue = content_issue(f, exp, {"sha256": d.sha256, "git_sha1": d.git_sha1})
                 if d.spans and not tensor_issues:  # every tensor matched: the header or padding changed
@@ -346,6 +352,7 @@ def verify_checkpoint(
             if cache is not None:
                 cache.record(f, stats[f], sha256=d.sha256, git_sha1=d.git_sha1,
                              bad_tensors={i.tensor: i.actual for i in tensor_issues},
+                             **({"proven": report.reference} if matched else {}),
                              **({"scan_ok": not d.flagged, "flagged": d.flagged or []} if scanned else {}))
     except BaseException:
         cancel.set()  # stop the background hashing too: an error or Ctrl-C ends the run now
@@ -353,7 +360,7 @@ def verify_checkpoint(
             hashing.stop(wait=False)
         raise
     issues += rescan_scales(root, to_scan, header_scan_spans, jobs, stats, cache)
-
+    settle_proofs(report, stats, hits, checked)
     return _finish(report, cache, t0)
 
 

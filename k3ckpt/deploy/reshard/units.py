@@ -72,6 +72,27 @@ def _finish_rank(outp: Path, rp: RankPlan | NodePlan, results: list[dict[str, An
         raise
 
 
+def _record_proofs(outp: Path, rp: RankPlan | NodePlan, results: list[dict[str, Any]],
+                   proofs: dict[str, str | None], extra_files: list[str]) -> None:
+    """Tell the output's stat cache what vouches for the unit just finished: each file carries
+    the proof of the source bytes it was copied from (docs/trust.md); a node directory's weight
+    files also their sha256 and the key under which ``verify --quick`` trusts them against the
+    marker, and its copies of the source's other files their proof. A source file nothing proved
+    gives its copies no proof; ``verify`` and ``preflight`` then say "not proven"."""
+    from ...integrity.share import share_reference_key
+    from ...integrity.statcache import joined_origin, record_written
+
+    node = isinstance(rp, NodePlan)
+    key = share_reference_key(sum(len(f.tensors) for f in rp.files)) if node else None
+    entries: dict[str, dict[str, Any]] = {
+        f.name: {"sha256": res["sha256"], "share_ref": key, "share_issues": [] if node else None,
+                 "proven": joined_origin([proofs.get(t.src_file) for t in f.tensors])}
+        for f, res in zip(rp.files, results)}
+    if node:
+        entries.update({rel: {"proven": proofs.get(rel)} for rel in extra_files})
+    record_written(outp / rp.dir_name, entries)
+
+
 def _fsync_file(path: Path) -> None:
     """Make ``path``'s data durable (fsync through a fresh descriptor: the writer's is closed;
     Linux syncs the inode's dirty pages whichever descriptor asks). An error names the file."""

@@ -46,9 +46,10 @@ from typing import TYPE_CHECKING, Any
 from ...errors import ReshardError
 from ...faults import fault_point, pause_point
 from ...format.checkpoint import Checkpoint
+from ...integrity.statcache import recorded_proofs
 from ..bytecopy import CHUNK, NO_SPACE, Copier, FdCache, map_window, tmp_name
 from .plan import _T_RUNS, _T_SRC, NodePlan, OutFile, RankPlan, ReshardPlan
-from .units import _finish_rank
+from .units import _finish_rank, _record_proofs
 
 if TYPE_CHECKING:
     from ...integrity.manifest import Manifest
@@ -65,6 +66,8 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
     the bytes of the finished units. ``known``: whole-tensor digests not to compute;
     ``meanwhile``: run once the writers have started, before any unit is finished."""
     cache = _DigestCache(known)
+    # what proved each source file (the stat cache of a verify or fetch): its copies carry it
+    proofs = recorded_proofs(plan.ckpt.root, sorted({*plan.ckpt.shards, *plan.extra_files}))
     # One writer per core: each chunk is hashed from the source's mapping and copied in one pass,
     # so a writer keeps its core busy. Measured on 2 cores (k3-8shard and k3-small, rank and node
     # formats, medians of 3): warm cache, 2 writers vs 4 took 2-23 % less wall and 1-9 % fewer
@@ -108,6 +111,7 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
             results = [slots[(rp.unit, k)].result() for k in range(len(rp.files))]
             try:
                 _finish_rank(outp, rp, results, plan.source_json)
+                _record_proofs(outp, rp, results, proofs, plan.extra_files)
             except OSError as e:
                 if e.errno in NO_SPACE:
                     first_error = first_error or _OutOfSpace(Path(e.filename or outp / rp.dir_name), e)
@@ -146,7 +150,7 @@ def manifest_digests(ckpt: Checkpoint, manifest: Manifest, cache_directory: Path
     hashing the bytes again: those of the source files whose current bytes are known to be the
     manifest's - the verify stat cache (what ``k3ckpt verify`` and ``k3ckpt fetch`` record,
     :class:`~k3ckpt.integrity.verify.StatCache`) holds the file with its stat unchanged
-    (size, mtime, inode, device) and the sha256 the manifest lists for it, and no tensor that
+    (size, mtime, inode, device, ctime) and the sha256 the manifest lists for it, and no tensor that
     verify found differing from its manifest - and whose entry in the manifest has the source
     header's dtype, shape and byte range. The file digest is what ties the manifest to the
     bytes; its tensor digests are taken as the manifest states them. Every other tensor
