@@ -61,6 +61,7 @@ from ..format.checkpoint import INDEX_NAME
 from ..format.layout import PARTIAL_MARKER
 from ..integrity.hashing import HashError, hash_file
 from ..integrity.manifest import Manifest
+from ..integrity.statcache import record_verified
 from ..utils import format_ranges, human_bytes, write_atomic
 from . import _dest
 from ._pieces import looks_complete, tensor_spans
@@ -68,7 +69,7 @@ from ._rankplan import RankFetchPlan, ShardPlan, plan_rank_fetch, plan_shard, se
 from ._result import RankFetchResult, dry_run_total, fetch_summary
 from ._workers import fetch_outputs, fetch_run, load_shard_record, open_jobs
 from .client import RetryPolicy
-from .fetch import record_source, source_text
+from .fetch import hub_origin, record_source, source_text
 
 __all__ = [
     "PARTIAL_NAME",
@@ -185,6 +186,12 @@ def run_rank_fetch(
                 record_source(dest_real, plan.listing)
             except OSError:
                 pass  # provenance only: the marker names the source revision too
+            # what proved the files fetched whole (the hub's sha256: docs/trust.md); a rewritten
+            # shard is proven once verify checks it against a tensor-hash manifest
+            files = plan.listing.files
+            whole = [f for f in plan.files + [sp.path for sp in plan.shards if sp.whole] if f in files]
+            record_verified(dest_real, {f: (files[f].sha256, files[f].git_sha1) for f in whole},
+                            origin=hub_origin(plan.listing))
     return result
 
 
