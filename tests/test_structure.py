@@ -411,6 +411,28 @@ def test_every_module_says_what_it_owns() -> None:
     assert not silent, "modules without a docstring saying what they own: " + ", ".join(silent)
 
 
+def private_parameters(root: Path = ROOT) -> list[str]:
+    """Public functions and methods (module level or in a class) of the package that take a
+    parameter named ``_x``: a test hook in a library signature (issue #24: ``run_reshard(...,
+    _fail_before=)``). Tests reach into a run through :mod:`k3ckpt.faults` instead."""
+    found = []
+    for p in sorted((root / "k3ckpt").rglob("*.py")):
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        scopes = [tree.body] + [n.body for n in tree.body if isinstance(n, ast.ClassDef)]
+        for body in scopes:
+            for fn in body:
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_private(fn.name):
+                    args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+                    found += [f"{p.relative_to(root)}:{fn.lineno}: {fn.name}({a.arg}=...)" for a in args
+                              if is_private(a.arg)]
+    return found
+
+
+def test_no_test_hook_in_a_library_signature() -> None:
+    hooks = private_parameters()
+    assert not hooks, "private parameters of public functions (use k3ckpt.faults):\n" + "\n".join(hooks)
+
+
 # ----------------------------------------------------------------------------------------------
 # the checker itself catches what it should
 # ----------------------------------------------------------------------------------------------
@@ -497,3 +519,14 @@ def test_the_checker_finds_module_cycles_and_oversized_modules(tmp_path: Path) -
         (tmp_path / rel).write_text(text)
     assert module_cycles(module_graph(tmp_path)) == [["k3ckpt.hub.fetch", "k3ckpt.hub.plan"]]
     assert oversized_modules(tmp_path) == [f"k3ckpt/hub/big.py: {MAX_MODULE_LINES + 1} lines"]
+
+
+def test_the_checker_finds_a_test_hook_in_a_signature(tmp_path: Path) -> None:
+    files = {**FAKE, "k3ckpt/hub/run.py": ("def run(plan, *, _fail_before=None):\n    def inner(_n):\n        pass\n"
+                                         "class R:\n    def go(self, _x=1):\n        pass\n"
+                                         "def _private(_y):\n    pass\n")}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert private_parameters(tmp_path) == ["k3ckpt/hub/run.py:1: run(_fail_before=...)",
+                                            "k3ckpt/hub/run.py:5: go(_x=...)"]
