@@ -11,6 +11,7 @@ from ..errors import EXIT_PROBLEMS
 from ..format.topology import RankSelection
 from ._options import (
     CONTEXT,
+    AliasedChoice,
     ByteRate,
     Decorator,
     handle_errors,
@@ -28,7 +29,9 @@ _PLACEMENT = "Expert placement: vLLM's linear rule or round robin."
 _KV_BUDGET = "KV cache (and other runtime) memory to reserve per GPU."
 _FORMAT = ("node: per node a checkpoint directory stock vLLM loads with --enable-expert-parallel "
            "--enable-ep-weight-filter (dense tensors whole, only the node's experts); rank: pre-split tensors "
-           "per rank, for custom loaders - no stock engine reads pre-split tensors. hf-node is another name for node.")
+           "per rank, for custom loaders - no stock engine reads pre-split tensors.")
+#: --format's values; ``hf-node`` (the node format's first name) is accepted and not shown
+_LAYOUTS = AliasedChoice(["node", "rank"], aliases=("hf-node",))
 
 
 def _engine_topology(**extra: str) -> Decorator:
@@ -52,7 +55,7 @@ def _engine_topology(**extra: str) -> Decorator:
 
 @click.command(context_settings=CONTEXT)
 @click.argument("source", type=click.Path(path_type=str))
-@click.option("--format", "layout", type=click.Choice(["node", "rank", "hf-node"]), default="node", show_default=True,
+@click.option("--format", "layout", type=_LAYOUTS, default="node", show_default=True,
               help=_FORMAT)
 @_engine_topology()
 @size_option("--kv-budget", default="20GiB", help=_KV_BUDGET)
@@ -110,7 +113,7 @@ def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, l
 @click.argument("source", type=click.Path(file_okay=False, path_type=str))
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Output directory (node-NNNNN/ or rank-NNNNN/ directories and topology.json).")
-@click.option("--format", "layout", type=click.Choice(["node", "rank", "hf-node"]), default="node", show_default=True,
+@click.option("--format", "layout", type=_LAYOUTS, default="node", show_default=True,
               help=_FORMAT)
 @_engine_topology(ranks="--format rank: only these ranks, e.g. 0-3,8.",
                   node="Only this node (needs --gpus-per-node with --format rank).")
