@@ -789,6 +789,25 @@ def test_engine_cli_json_text_and_exit_codes(nodes_pristine: Path, pristine: Pat
     assert res.exit_code == 0 and res.output.strip() == shlex.join(out["serve"])
 
 
+@pytest.mark.parametrize("variable", ["MASTER_ADDR", "LWS_LEADER_ADDRESS"])
+def test_serve_command_and_preflight_read_the_leader_alike(nodes_pristine: Path, variable: str) -> None:
+    """Issue #25: with MASTER_ADDR set, serve-command printed the LEADER_ADDRESS placeholder while
+    preflight used the address; both take it from the launcher's variables (else the placeholder),
+    so both print the same line."""
+    d = nodes_pristine / "node-00001"
+    args = ["--tp", "2", "--dp", "2", "--node", "1", "--gpus-per-node", "2"]
+    for env in ({**NO_GPU, variable: "gpu07"}, NO_GPU):
+        served = run_cli("serve-command", str(d), *args, env=env)
+        checked = run_cli("preflight", str(d), *args, env=env)
+        assert served.exit_code == 0 and checked.exit_code == 0, checked.output
+        assert served.output.strip() == checked.output.splitlines()[-1].removeprefix("serve").strip()
+        assert ("--data-parallel-address gpu07" in served.output) == (variable in env)
+        assert ("LEADER_ADDRESS " in served.output) == (variable not in env)
+    # --leader-address wins over the variable, in both
+    served = run_cli("serve-command", str(d), *args, "--leader-address", "gpu01", env={**NO_GPU, variable: "gpu07"})
+    assert "--data-parallel-address gpu01" in served.output
+
+
 def test_engine_rank_aware_fetch_is_fixed_by_fetching_the_launchs_share(served_hub, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A `fetch --node` copy checked for another node: the fix is the rank-aware fetch of that

@@ -313,7 +313,9 @@ def preflight(directory: str, selection: RankSelection, full: bool, io_test: flo
               help="Expert placement the directory was written for.")
 @click.option("--node", type=click.IntRange(0), default=0, show_default=True, help="This node.")
 @click.option("--gpus-per-node", type=click.IntRange(1), help="Ranks per node [default: tp x dp, one node].")
-@click.option("--leader-address", metavar="HOST", help="The leader's address (multi-node) [default: LEADER_ADDRESS].")
+@click.option("--leader-address", metavar="HOST",
+              help="The leader's address (multi-node) [default: LWS_LEADER_ADDRESS / MASTER_ADDR, else the "
+                   "placeholder LEADER_ADDRESS, as preflight].")
 @click.option("--rpc-port", type=click.IntRange(1, 65535), default=13345, show_default=True,
               help="vLLM's --data-parallel-rpc-port (multi-node).")
 @click.option("--served-model-name", metavar="NAME", help="--served-model-name.")
@@ -327,20 +329,24 @@ def serve_command(directory: str, engine: str, tp: int, dp: int, placement: str,
     The line `k3ckpt preflight` prints as `serve` after checking the directory, without the
     check (DIRECTORY need not exist yet): vLLM's expert parallel over tp x dp ranks with the
     weight filter and the placement, and for several nodes the data-parallel flags (node 0
-    serves the API, the others run --headless from their first DP rank). Shell-quoted.
+    serves the API, the others run --headless from their first DP rank). The leader is
+    --leader-address, else LWS_LEADER_ADDRESS / MASTER_ADDR, else the placeholder
+    LEADER_ADDRESS - as preflight reads it. Shell-quoted.
 
     \b
     Examples:
       k3ckpt serve-command /nvme/k3 --tp 8
       k3ckpt serve-command /nvme/k3 --tp 8 --dp 2 --gpus-per-node 8 --node 1 --leader-address gpu01
     """
+    import os
     import shlex
 
+    from ..deploy.serve import leader_from_env
     from ..deploy.serve import serve_command as build
 
     argv = build(directory, tp=tp, dp=dp, placement=placement, node=node, gpus_per_node=gpus_per_node,
-                 leader_address=leader_address, rpc_port=rpc_port, served_model_name=served_model_name,
-                 engine=engine)
+                 leader_address=leader_address or leader_from_env(os.environ), rpc_port=rpc_port,
+                 served_model_name=served_model_name, engine=engine)
     if as_json:
         emit_json({"serve": argv})
     else:

@@ -356,11 +356,3 @@ def _describe(topo: Topology, node: int, per_node: int) -> str:
 
 def _int(x: Any) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) else None
-
-
-#: Where the launchers put the leader's address: LeaderWorkerSet's, then the torchrun/SLURM convention.
-LEADER_VARIABLES = ("LWS_LEADER_ADDRESS", "MASTER_ADDR")
-
-
-def leader_from_env(environ: Any) -> str | None:
-    return next((environ[v].strip() for v in LEADER_VARIABLES if environ.get(v, "").strip()), None)

@@ -73,7 +73,7 @@ from ..errors import PreflightError
 from ..format.checkpoint import resolve_root
 from ..format.layout import NODE_MARKER, TOPOLOGY_NAME
 from ..format.topology import RankEnv, RankSelection
-from ._preflight_engine import EngineNodeDir, leader_from_env
+from ._preflight_engine import EngineNodeDir
 from ._preflight_host import (
     DEFAULT_MIN_FREE_DISK,
     FREE_BYTES_HOOK,
@@ -105,7 +105,7 @@ from ._preflight_report import (
     reshard_command,
 )
 from .plan import DEFAULT_KV_BUDGET
-from .serve import DEFAULT_RPC_PORT, ENGINES, serve_command
+from .serve import DEFAULT_RPC_PORT, ENGINES, leader_from_env, serve_command
 
 __all__ = [
     "DEFAULT_MIN_FREE_DISK",
