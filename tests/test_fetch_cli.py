@@ -115,3 +115,39 @@ def test_fetch_records_its_source_for_reshard_and_preflight(hub, tmp_path: Path,
     assert (topo["source"]["repo"], topo["source"]["revision"]) == (REPO, revision)
     # the record is not part of the checkpoint: a hub verify sees exactly the hub's files
     assert run("verify", str(dest), "--against", "modelscope", "--repo", REPO, "--endpoint", h.url).exit_code == 0
+
+
+def _help_examples(*command: str) -> list[list[str]]:
+    """The argv of each example in ``k3ckpt COMMAND --help`` (a trailing ``\\`` continues one)."""
+    import shlex
+
+    text = run(*command, "--help").output
+    body = text.split("Examples:", 1)[1].split("\nOptions:", 1)[0]
+    lines = " ".join(line.strip() for line in body.replace("\\\n", " ").splitlines() if line.strip())
+    return [shlex.split("k3ckpt " + ex.strip()) for ex in lines.split("k3ckpt ") if ex.strip()]
+
+
+@pytest.mark.usefixtures("isolated_hub_clients")
+def test_help_examples_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #25: ``fetch --help``'s ``--ep 8 --ranks 0 --manifest kimi-k3.json`` exited 2 ("no
+    tensor hashes") with the name the docs give a plain manifest. Every example runs here as
+    printed, in order, against the loopback hub serving k3-tiny with K3's TP 8-able heads
+    (``/nvme`` under the test's directory)."""
+    from k3ckpt.testing.hub import LoopbackHub
+    from k3ckpt.testing.synth import spec_from_preset, synthesize
+
+    served = tmp_path / "served"
+    synthesize(spec_from_preset("k3-tiny", num_attention_heads=8, kda_num_heads=8), served)
+    h = LoopbackHub({REPO: served}, cache_dir=tmp_path / "hub-cache").start()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_ENDPOINT", h.url)
+    monkeypatch.setenv("MODELSCOPE_ENDPOINT", h.url)
+    examples = _help_examples("fetch")
+    assert any("--manifest" in ex for ex in examples) and any(ex[1:3] == ["manifest", "pull"] for ex in examples)
+    try:
+        for argv in examples:
+            argv = [a.replace("/nvme/", f"{tmp_path}/nvme/") for a in argv]
+            res = run(*argv[1:])
+            assert res.exit_code == 0, (argv, res.output)
+    finally:
+        h.stop()
