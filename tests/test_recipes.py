@@ -212,7 +212,8 @@ def test_slurm_single_node_serves_without_data_parallel_flags(served: Path, base
         res = node_init(env, "init")
         assert res.returncode == 0, res.stdout + res.stderr
         assert "ready to load" in res.stdout
-    assert re.search(r" 0 files fetched \(0 B; .*, [1-9]\d* already present, 0 failed", res.stdout)
+    assert re.search(r" 0 node files written, 0 whole files fetched, [1-9]\d* already present, 0 failed; "
+                     r"0 B downloaded this run", res.stdout)
     assert res.stdout.splitlines()[-1] == shlex.join(["vllm", *expected_serve(str(dest), 0, 1, 8, 8, None)])
     assert "--data-parallel" not in res.stdout.splitlines()[-1]
     assert_node_dir(dest, served, 0, 1, 8, 8)
@@ -230,7 +231,7 @@ def test_a_disk_that_held_another_node_is_turned_into_this_one(served: Path, bas
         res = node_init(env, "init")
         assert res.returncode == 0, res.stdout + res.stderr
         assert "ready to load" in res.stdout
-    assert re.search(r" 0 files fetched \(.*, [1-9]\d* already present, 0 failed", res.stdout)
+    assert re.search(r" 0 whole files fetched, [1-9]\d* already present, 0 failed; ", res.stdout)
     assert_node_dir(dest, served, 1, 2, 4, 4)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from ..utils import human_bytes
 from .client import HubListing
-from .fetch import source_text
+from .fetch import moved_text, resumed_text, source_text
 
 #: ``verification`` values of the result and the marker: every rewritten shard's tensors were
 #: checked against a manifest; or only their structure and sizes; or no shard was rewritten (every
@@ -38,6 +38,7 @@ class RankFetchResult:
     Attributes:
         dest: The destination directory.
         written: Rewritten shards downloaded (fully or resumed) and checked this run.
+        resumed: Of ``written``, those continued from an earlier run's journaled pieces.
         skipped: Rewritten shards already complete (size, header and, with a manifest, tensor hashes).
         fetched: Whole files (non-weight files and whole shards) downloaded and sha256-verified.
         files_skipped: Whole files already present and verified.
@@ -60,6 +61,7 @@ class RankFetchResult:
     bytes_total: int = 0
     tensors_verified: int = 0
     seconds: float = 0.0
+    resumed: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -68,7 +70,8 @@ class RankFetchResult:
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "dest": str(self.dest), "ok": self.ok, "written": sorted(self.written), "skipped": sorted(self.skipped),
+            "dest": str(self.dest), "ok": self.ok, "written": sorted(self.written), "resumed": sorted(self.resumed),
+            "skipped": sorted(self.skipped),
             "fetched": sorted(self.fetched), "files_skipped": sorted(self.files_skipped),
             "failed": dict(sorted(self.failed.items())), "bytes_downloaded": self.bytes_downloaded,
             "bytes_total": self.bytes_total, "tensors_verified": self.tensors_verified,
@@ -122,13 +125,13 @@ def fetch_summary(res: RankFetchResult, *, source: str, dest: Path, selection: s
         lines += [f"wrote    {p}{wrote_note}" for p in res.written]
         lines += [f"fetched  {p}" for p in res.fetched]
         lines += [f"verified {p} (already present)" for p in res.skipped + res.files_skipped]
-    rate = f" at {human_bytes(res.bytes_downloaded / res.seconds)}/s" if res.seconds and res.bytes_downloaded else ""
     checked = f", {res.tensors_verified:,} tensors verified against the manifest" if manifest else ""
+    resumed = sorted(set(res.resumed) & set(res.written))
     lines.append(f"{'ok' if res.ok else 'FAILED'}: {source} -> {dest}: {selection}: "
-                 f"{len(res.written)} {written}, {len(res.fetched)} files fetched "
-                 f"({human_bytes(res.bytes_downloaded)}{rate}; {whole} is {human_bytes(bytes_total)} of "
-                 f"{human_bytes(source_bytes)}), {len(res.skipped) + len(res.files_skipped)} already present"
-                 f"{checked}, {len(res.failed)} failed")
+                 f"{len(res.written)} {written}{resumed_text(resumed)}, {len(res.fetched)} whole files fetched, "
+                 f"{len(res.skipped) + len(res.files_skipped)} already present{checked}, {len(res.failed)} failed; "
+                 f"{moved_text(res.bytes_downloaded, res.seconds)} ({whole} is {human_bytes(bytes_total)} of "
+                 f"{human_bytes(source_bytes)})")
     lines += [f"  could not fetch {p}: {why}" for p, why in sorted(res.failed.items())]
     if res.verification == VERIFIED_STRUCTURE:
         lines.append(f"note: {STRUCTURE_ONLY_NOTE}")

@@ -175,6 +175,7 @@ def run_rank_fetch(
         record = load_shard_record(dest_real)
         jobs, _ = open_jobs(dest_real, (sp for sp in plan.shards if not sp.whole),
                             lambda sp, final: _complete(sp, final, plan.manifest, record.get(sp.path)), result, workers)
+        result.resumed = sorted(job.plan.path for job in jobs if job.done)  # (written ones are reported)
         fetch_outputs(plan, result, dest_real, jobs, plan.files + [sp.path for sp in plan.shards if sp.whole],
                       "rewritten shard(s)", workers=workers, token=token, progress=progress, on_plan=on_plan,
                       policy=policy, check_space=check_space)
