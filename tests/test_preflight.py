@@ -219,11 +219,29 @@ def test_topology_mismatch(layout: Path, source: Path) -> None:
     assert r.fix == f"k3ckpt reshard {source} -o {layout}-ep4-tp2-round-robin --format rank --ep 4 --tp 2 --placement round_robin"
 
 
-def test_preflight_checks_one_rank_or_one_node(layout: Path) -> None:
+def test_ranks_means_what_it_means_in_the_other_commands(layout: Path, tmp_path: Path) -> None:
+    """Issue #25: ``--ranks`` was one rank in preflight and a list (``0-3,8``) everywhere else;
+    preflight reads it with the same parser, so a node's ranks (or any) can be checked."""
     assert pf.preflight(layout, RankSelection(ranks="1"), environ=NO_GPU).ranks == [1]
-    for ranks in ("0-1", [0, 1]):
-        with pytest.raises(pf.PreflightError, match="preflight checks one rank or one node"):
-            pf.preflight(layout, RankSelection(ranks=ranks), environ=NO_GPU)
+    for ranks in ("0-1", [0, 1], "1,0"):
+        rep = pf.preflight(layout, RankSelection(ranks=ranks), environ=NO_GPU)
+        assert rep.ok and rep.ranks == [0, 1] and rep.selection == "--ranks 0-1"
+        assert [c.name for c in rep.checks if c.name.startswith("rank ")] == ["rank 0", "rank 1"]
+    shutil.rmtree(layout / "rank-00003")
+    rep = pf.preflight(layout, RankSelection(ranks="0,2-3"), environ=NO_GPU)
+    assert rep.ranks == [0, 2, 3] and statuses(rep)["rank 3"] == "FAIL" and "rank 1" not in statuses(rep)
+    # the launcher's rank must be one of them
+    env = {**NO_GPU, "RANK": "1"}
+    assert "RANK=1 but --ranks 0,2-3" in rows(pf.preflight(layout, RankSelection(ranks="0,2-3"), environ=env))[
+        "environment"].reason
+    # the CLI: the same parser, the same one-line errors
+    res = run_cli("preflight", str(layout), "--ranks", "2-3", "--no-env", "--json", env=NO_GPU)
+    assert res.exit_code == 1 and json.loads(res.output)["ranks"] == [2, 3]
+    for spec, needle in (("0-x", "'0-x': '0-x' is not a rank or a range a-b"), ("3-1", "range 3-1 is reversed"),
+                         ("2-9", "rank 9 out of range 0..3")):
+        res = run_cli("preflight", str(layout), "--ranks", spec, env=NO_GPU)
+        lines = res.output.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
 
 
 @pytest.mark.parametrize("edit, needle", [
@@ -537,7 +555,7 @@ def test_cli_text_json_and_exit_codes(layout: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, needle", [
     (["--rank", "0", "--node", "0", "--gpus-per-node", "2"], "give --ranks or --node, not both"),
     (["--node", "0"], "--node needs --gpus-per-node"),
-    (["--rank", "9"], "--ranks 9 out of range 0..3"),
+    (["--rank", "9"], "--ranks '9': rank 9 out of range 0..3"),
     (["--node", "5", "--gpus-per-node", "2"], "--node 5 out of range"),
 ])
 def test_cli_cannot_run(pristine: Path, args: list[str], needle: str) -> None:

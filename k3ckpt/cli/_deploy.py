@@ -227,7 +227,8 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
 
 @click.command(context_settings=CONTEXT)
 @click.argument("directory", type=click.Path(path_type=str))
-@topology_options(ranks="Check this global rank only (one rank).", node="Check the ranks of this node (needs --gpus-per-node).",
+@topology_options(ranks="Check these global ranks, e.g. 3 or 0-3,8 (as the other commands read --ranks).",
+                  node="Check the ranks of this node (needs --gpus-per-node).",
                   gpus_per_node="Ranks per node.", ep="Expert-parallel degree the launcher uses.",
                   tp="Tensor-parallel degree the launcher uses.",
                   dp="Data-parallel degree the launcher uses (--engine: ep = tp x dp).",

@@ -266,7 +266,7 @@ def token_option() -> Decorator:
 
 def _topology_options() -> dict[str, tuple[str, click.ParamType]]:
     """parameter -> (option, type); the parameter names are RankSelection's fields. Ranks are
-    selected by --ranks in every command (preflight: one rank); --rank is the same option.
+    selected by --ranks in every command (one rank or a list, 0-3,8); --rank is the same option.
     (Built when a command declares them: the topology math is imported by the commands that
     use it, not by every command.)"""
     from ..format.topology import PLACEMENTS

@@ -139,7 +139,7 @@ class EngineNodeDir(PlainCheckpoint):
         """(GPUs per node, this node, how it was chosen): the options, else the launcher's
         variables, else the marker's node."""
         ask, sel, env = self.ask, self.ask.selection, self.ask.env
-        if ask.rank is not None:
+        if ask.asks_ranks:
             raise PreflightError("--engine checks one node: give --node, not --ranks")
         marked = self.marker or {}
         per_node = sel.gpus_per_node or env.local_world_size or _int(marked.get("gpus_per_node")) or topo.world_size

@@ -6,7 +6,8 @@ checkpoint (a full download or an ``hf-node`` copy that holds only the node's ex
 check ends as a row ``PASS`` / ``WARN`` / ``FAIL`` with a one-line reason and, for a FAIL, the
 command that fixes it. Only a FAIL makes the run exit 1.
 
-Which ranks are "this node's", in order: ``--ranks R``; ``--node N --gpus-per-node G``; the
+Which ranks are "this node's", in order: ``--ranks`` (one rank, or several: ``0-3,8``, read
+as every command reads it); ``--node N --gpus-per-node G``; the
 launcher's node index (``GROUP_RANK``, ``SLURM_NODEID``, ``JOB_COMPLETION_INDEX``) with the
 ranks per node (``--gpus-per-node`` or ``LOCAL_WORLD_SIZE`` / ``SLURM_NTASKS_PER_NODE``); the
 launcher's global rank (``RANK``, ``SLURM_PROCID``); otherwise every rank of the topology.
@@ -89,7 +90,7 @@ from ._preflight_ranks import (
     Request,
     check_environment,
     launcher_env,
-    one_rank,
+    ranks_of_spec,
     select_ranks,
 )
 from ._preflight_report import (
@@ -134,6 +135,9 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # The entry point
 
+#: A world larger than any: ``--ranks`` is checked for its form before the topology is known.
+_ANY_WORLD = 1 << 40
+
 
 def preflight(
     path: str | os.PathLike[str],
@@ -156,7 +160,7 @@ def preflight(
     """Check that the directory ``path`` is ready for this node to load.
 
     Args:
-        selection: this node's ranks - one rank (``ranks=[R]``) or ``node`` + ``gpus_per_node``
+        selection: this node's ranks - ``ranks`` (``"3"``, ``"0-3,8"`` or a list) or ``node`` + ``gpus_per_node``
             (default: from the launcher's environment, else every rank) - and the topology the
             launcher will use (``ep`` / ``tp`` / ``world_size`` / ``placement``): compared with
             ``topology.json``, or (plain checkpoint) the one whose experts must be present.
@@ -189,12 +193,13 @@ def preflight(
     # must name the folder holding config.json, not the cache's bookkeeping around it.
     root, _ = resolve_root(root)
     env = os.environ if environ is None else environ
-    rank = one_rank(selection.ranks)
-    if rank is not None and selection.node is not None:
-        raise PreflightError("give --ranks or --node, not both")
+    if selection.ranks is not None:
+        if selection.node is not None:
+            raise PreflightError("give --ranks or --node, not both")
+        ranks_of_spec(selection.ranks, _ANY_WORLD)  # not ranks at all: before anything is read
     if selection.node is not None and selection.gpus_per_node is None:
         raise PreflightError("--node needs --gpus-per-node")
-    ask = Request(rank, selection, full, kv_budget, min_free_disk, jobs,
+    ask = Request(selection, full, kv_budget, min_free_disk, jobs,
                    launcher_env(env) if use_env else RankEnv(), env, progress, on_plan)
     rank_layout = (root / TOPOLOGY_NAME).exists() or any(root.glob("rank-[0-9]*"))
     if engine is None and not rank_layout and (root / NODE_MARKER).is_file():
