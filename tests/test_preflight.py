@@ -52,6 +52,23 @@ def layout(pristine: Path, tmp_path: Path) -> Path:
     return dest
 
 
+@pytest.fixture(autouse=True)
+def every_fail_has_a_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #25: a FAIL row without a fix line (an MXFP4 split, the launcher's variables, a GPU
+    too small...) leaves the operator with a reason and nothing to do. Every report the tests of
+    this module produce - through the library or the CLI, which calls the same function - is
+    walked: each FAIL row carries a fix."""
+    real = pf.preflight
+
+    def checked(*args, **kwargs):
+        rep = real(*args, **kwargs)
+        bare = [f"{c.name}: {c.reason}" for c in rep.checks if c.status == "FAIL" and not c.fix]
+        assert not bare, f"FAIL rows without a fix: {bare}"
+        return rep
+
+    monkeypatch.setattr(pf, "preflight", checked)
+
+
 def fake_tool(bin_dir: Path, name: str, args: str, output: str, code: int = 0) -> dict[str, str]:
     """An executable ``name`` that prints ``output`` when called with exactly ``args``; the
     environment to find it."""
@@ -447,13 +464,12 @@ def test_hf_node_copy_covers_its_node_only(source: Path, clone_checkpoint) -> No
     r = rows(rep)["experts"]
     assert r.status == "FAIL" and "lacks 8 expert(s) that ranks 0-1 needs: 0-7" in r.reason
     # not a rank-aware fetch's directory: the fix fetches the checkpoint
-    assert r.fix == f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {node1}"
+    assert r.fix == f"k3ckpt fetch REPO --revision {COMMIT} --local-dir {node1}"
     assert rows(pf.preflight(node1, environ=NO_GPU))["experts"].status == "FAIL"
     # a rank-aware fetch's directory: the fix fetches exactly the share of the ranks asked for
     (node1 / "k3ckpt-partial.json").write_text(json.dumps({"experts": list(range(8, 16))}))
     r = rows(pf.preflight(node1, RankSelection(ep=4, tp=2, node=0, gpus_per_node=2), environ=NO_GPU))["experts"]
-    assert r.status == "FAIL" and r.fix == (f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {node1} "
-                                            f"--ep 4 --tp 2 --world-size 4 --placement linear --ranks 0-1")
+    assert r.status == "FAIL" and r.fix == f"k3ckpt fetch REPO --revision {COMMIT} --local-dir {node1} --ep 4 --tp 2 --ranks 0-1"
 
 
 def test_plain_checkpoint_missing_shard(source: Path, clone_checkpoint) -> None:
@@ -462,14 +478,32 @@ def test_plain_checkpoint_missing_shard(source: Path, clone_checkpoint) -> None:
     rep = pf.preflight(c, environ=NO_GPU)
     r = rows(rep)["structure"]
     assert r.status == "FAIL" and "model-00003-of-000008.safetensors" in r.reason
-    assert r.fix == (f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {c} "
-                     f"--include model-00003-of-000008.safetensors")
+    assert r.fix == f"k3ckpt fetch REPO --revision {COMMIT} --local-dir {c} --include model-00003-of-000008.safetensors"
 
 
 def test_plain_stacked_experts(gptoss_tiny: Path) -> None:
     rep = pf.preflight(gptoss_tiny, RankSelection(ep=2), environ=NO_GPU)
     assert statuses(rep)["experts"] == "PASS" and statuses(rep)["structure"] == "PASS"
     assert statuses(rep)["license"] == "PASS" and "Apache" in rows(rep)["license"].reason
+
+
+def test_tp_and_dp_mean_vllms_expert_parallel_without_engine(source: Path) -> None:
+    """Issue #25: ``preflight DIR --tp 4 --dp 2 --node 0 --gpus-per-node 4`` without ``--engine``
+    read the flags as ep 1 (experts cut 8 ways) and FAILed on an MXFP4 split with no fix line.
+    --tp/--dp mean what they mean in plan and reshard: ep = tp x dp."""
+    args = ["--tp", "4", "--dp", "2", "--node", "0", "--gpus-per-node", "4", "--no-env"]
+    res = run_cli("preflight", str(source), *args, "--json", env=NO_GPU)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert (data["topology"]["ep"], data["topology"]["tp"], data["topology"]["world_size"]) == (8, 4, 8)
+    assert data["ranks"] == [0, 1, 2, 3]
+    # an --ep given is taken as given: the cut that cannot be made FAILs, and its fix is the check
+    # of vLLM's launch, which passes
+    rep = pf.preflight(source, RankSelection(ep=1, tp=4, dp=2, node=0, gpus_per_node=4), environ=NO_GPU)
+    r = rows(rep)["topology"]
+    assert r.status == "FAIL" and "does not split 8 ways" in r.reason and "ep = tp x dp" in r.reason
+    assert r.fix == f"k3ckpt preflight {source} --tp 4 --dp 2 --node 0 --gpus-per-node 4"
+    assert run_cli(*shlex.split(r.fix)[1:], "--no-env", env=NO_GPU).exit_code == 0
 
 
 def test_plain_checkpoint_needs_topology_for_a_rank(source: Path) -> None:
@@ -757,7 +791,10 @@ def test_sglang_refuses_uneven_experts(k3_tiny: Path, tmp_path: Path) -> None:
     assert pf.preflight(out / "node-00002", sel, engine="vllm", environ=NO_GPU).ok
     rep = pf.preflight(out / "node-00002", sel, engine="sglang", environ=NO_GPU)
     assert "16 experts do not divide by ep 6" in rows(rep)["sglang"].reason
-    assert rows(rep)["sglang"].fix is None  # no linear layout of 16 experts over 6 ranks for SGLang
+    # no linear layout of 16 experts over 6 ranks for SGLang: the fix is the check of vLLM's launch
+    fix = rows(rep)["sglang"].fix or ""
+    assert fix == f"k3ckpt preflight {out / 'node-00002'} --engine vllm --tp 2 --dp 3 --node 2 --gpus-per-node 2"
+    assert run_cli(*shlex.split(fix)[1:], "--no-env", env=NO_GPU).exit_code == 0
 
 
 def test_engine_launcher_disagreeing_with_the_node_fails(nodes_pristine: Path) -> None:
@@ -826,24 +863,35 @@ def test_serve_command_and_preflight_read_the_leader_alike(nodes_pristine: Path,
     assert "--data-parallel-address gpu01" in served.output
 
 
-def test_engine_rank_aware_fetch_is_fixed_by_fetching_the_launchs_share(served_hub, tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("with_manifest", [False, True])
+def test_engine_rank_aware_fetch_is_fixed_by_fetching_the_launchs_share(served_hub, k3_tiny_manifests, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         with_manifest: bool) -> None:
     """A `fetch --node` copy checked for another node: the fix is the rank-aware fetch of that
     node (from the hub its fetch recorded) into a new directory - never over node 0's share -
-    and that directory is exactly node 1's."""
+    in today's words (REPO_ID, --local-dir, --tp/--dp) and, when the first fetch verified its
+    tensors against a manifest, against that manifest too (issue #25: it was dropped); that
+    directory is exactly node 1's."""
     h, _ = served_hub
     monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    manifest = tmp_path / "kimi-k3.tensors.json"
+    shutil.copy(k3_tiny_manifests["tensors"], manifest)
     dest = tmp_path / "node"
-    res = run_cli("fetch", "--source", "hf", "--repo", "moonshotai/Kimi-K3", "--dest", str(dest), "--endpoint", h.url,
-                  "--ep", "4", "--tp", "2", "--node", "0", "--gpus-per-node", "2")
+    given = ["--manifest", manifest.name] if with_manifest else []  # relative, as typed
+    res = run_cli("fetch", "moonshotai/Kimi-K3", "--local-dir", str(dest), "--endpoint", h.url,
+                  "--tp", "2", "--dp", "2", "--node", "0", "--gpus-per-node", "2", *given)
     assert res.exit_code == 0, res.output
     assert pf.preflight(dest, launch(0), engine="vllm", environ=NO_GPU).ok
     rep = pf.preflight(dest, launch(1), engine="vllm", environ=NO_GPU)
     r = rows(rep)
     assert "--node 1 (k3ckpt-node.json has 0)" in r["launch"].reason
     fix = r["launch"].fix or ""
-    assert fix.startswith("k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --revision ")
-    assert fix.endswith(f"--dest {dest}-node1-tp2-dp2 --ep 4 --tp 2 --placement linear --node 1 --gpus-per-node 2")
-    run_fix(f"{fix} --endpoint {h.url}")
+    assert fix.startswith("k3ckpt fetch moonshotai/Kimi-K3 --revision ")
+    tail = f"--local-dir {dest}-node1-tp2-dp2 --tp 2 --dp 2 --node 1 --gpus-per-node 2"
+    assert fix.endswith(tail + (f" --manifest {manifest}" if with_manifest else "")), fix
+    res = run_cli(*shlex.split(fix)[1:], "--endpoint", h.url, "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["verification"] == ("tensor-sha256" if with_manifest else "structure-and-sizes")
     assert pf.preflight(Path(f"{dest}-node1-tp2-dp2"), launch(1), engine="vllm", environ=NO_GPU).ok
     assert pf.preflight(dest, launch(0), engine="vllm", environ=NO_GPU).ok

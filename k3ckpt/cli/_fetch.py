@@ -338,6 +338,10 @@ def _run_planned(r: _Run, plan: Any, render_plan: Callable[[Any], str], run: Cal
         return
     with ByteProgress(not r.as_json, "fetching") as bar:
         res = run(plan, workers=r.jobs, token=r.token, progress=bar, on_plan=bar.plan)
+    if res.ok and r.manifest_path is not None:
+        from ..hub.fetch import record_manifest
+
+        record_manifest(plan.dest, r.manifest_path)  # for the commands that fetch more of it
     if r.as_json:
         emit_json(to_json(plan, res))
     else:

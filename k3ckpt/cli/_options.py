@@ -187,7 +187,7 @@ class AliasedOption(click.Option):
         return " / ".join(f"'{o}'" for o in self._shown())
 
 
-class AliasedChoice(click.Choice):  # type: ignore[type-arg]
+class AliasedChoice(click.Choice):
     """A ``click.Choice`` with other accepted spellings (``aliases``) that ``--help``, the error
     hint and shell completion leave out, as :class:`AliasedOption` does for option names: an
     alias is passed on as given (the library reads it: ``hf-node``, ``floor``)."""

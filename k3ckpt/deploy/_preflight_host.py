@@ -207,26 +207,33 @@ def gpu_checks(need: Mapping[int, int | None] | None, slots: Mapping[int, int], 
         what = "GPU memory and MXFP4 support" if mxfp4 else "GPU memory"
         return [Check("gpu", WARN, f"{what} not checked: {devices}")]
     out = []
-    short, unknown = [], []
+    short, unknown, fixes = [], [], []
     for r, weights in sorted((need or {}).items()):
         slot = slots.get(r, 0)
         if slot >= len(devices):
             short.append(f"rank {r} needs device {slot} but {tool} shows {len(devices)}")
+            fixes.append(f"run on a node with {slot + 1} GPUs visible (CUDA_VISIBLE_DEVICES), or give "
+                         f"--gpus-per-node the number it has")
             continue
         if weights is None:
             unknown.append(r)
             continue
-        want = int(weights * WEIGHT_OVERHEAD) + kv_budget
+        loaded = int(weights * WEIGHT_OVERHEAD)
+        want = loaded + kv_budget
         d = devices[slot]
         if want > d.free:
             short.append(f"rank {r} needs {human_bytes(want)} ({human_bytes(weights)} x {WEIGHT_OVERHEAD} + "
                          f"{human_bytes(kv_budget)} KV) but GPU {slot} ({d.name}) has {human_bytes(d.free)} free")
+            fixes.append(f"--kv-budget {(d.free - loaded) >> 20}MiB at most fits rank {r} on GPU {slot}, or free its "
+                         f"{human_bytes(d.used)} in use" if loaded < d.free else
+                         f"rank {r}'s weights alone need {human_bytes(loaded)} of GPU {slot}'s "
+                         f"{human_bytes(d.free)} free: spread them over more GPUs (a larger --tp/--dp)")
     names = sorted({d.name for d in devices})
     seen = f"{len(devices)} x {' / '.join(names)} ({tool})"
     details = {"devices": [d.__dict__ | {"free": d.free} for d in devices], "kv_budget": kv_budget}
     if short:
         more = f" (+{len(short) - 1} more)" if len(short) > 1 else ""
-        out.append(Check("gpu", FAIL, short[0] + more, details={**details, "problems": short}))
+        out.append(Check("gpu", FAIL, short[0] + more, fix=fixes[0], details={**details, "problems": short}))
     elif unknown:
         out.append(Check("gpu", WARN, f"{seen}; weights of ranks {format_ranges(unknown)} unknown (no manifest yet)",
                          details=details))
@@ -347,6 +354,8 @@ def quant_check(cfg: ModelConfig | None, mx: int, fp8: int) -> Check:
           and (not (declared or "").startswith("fp8") or fp8 > 0))
     if not ok:
         return Check("quantization", FAIL, f"config.json says {says} but the tensors have {found}",
+                     fix="compare config.json's quantization_config with the checkpoint's source and restore "
+                         "whichever was changed (the config, or the weights)",
                      details={"declared": declared, "mxfp4_tensors": mx, "fp8_tensors": fp8})
     return Check("quantization", PASS, f"config.json says {says}; {found}",
                  details={"declared": declared, "mxfp4_tensors": mx, "fp8_tensors": fp8})
@@ -458,7 +467,9 @@ def io_check(report: PreflightReport, seconds: float) -> None:
     try:
         rs = measure_read_speed(files, seconds, readers=max(1, min(len(report.ranks) or 1, 8)))
     except OSError as e:
-        report.checks.append(Check("read speed", FAIL, f"{e.filename or ''}: read failed ({e.strerror or e})"))
+        report.checks.append(Check("read speed", FAIL, f"{e.filename or ''}: read failed ({e.strerror or e})",
+                                   fix="the engine's load would fail the same way: check the device (dmesg, "
+                                       "smartctl) and write the file again"))
         return
     report.read_speed = rs
     rate = rs.bytes_per_second

@@ -50,8 +50,10 @@ from ._preflight_report import (
     PreflightReport,
     copy_command,
     describe_topology,
+    environment_fix,
     fetch_command,
     new_output_dir,
+    preflight_command,
     reshard_command,
     restore_command,
     topology_suffix,
@@ -196,7 +198,7 @@ def check_environment(env: RankEnv, world_size: int | None, ranks: list[int], *,
     seen = ", ".join(f"{src[k]}={getattr(env, k)}" for k in ("rank", "world_size", "local_rank",
                                                               "local_world_size", "node") if k in src)
     if bad:
-        return Check("environment", FAIL, "; ".join(bad), details={"variables": seen})
+        return Check("environment", FAIL, "; ".join(bad), fix=environment_fix(bad[0]), details={"variables": seen})
     return Check("environment", PASS, f"{seen} agree with the topology", details={"variables": seen})
 
 
@@ -607,7 +609,9 @@ class PlainCheckpoint:
         cfg = ckpt.config
         found = max((e for _, e in ckpt.stats.expert_parts), default=-1) + 1
         num_experts = (cfg.num_experts if cfg and cfg.num_experts else 0) or found or 1
-        return ask.selection.topology(num_experts)
+        # --tp/--dp mean what plan and reshard make of them, vLLM's expert parallel (ep = tp x dp):
+        # an engine loads this directory; an --ep given is taken as given
+        return ask.selection.topology(num_experts, engine=ask.selection.ep is None)
 
     def _structure(self, ckpt: Checkpoint) -> Check:
         from ..integrity.verify import scale_spans, scan_files, structure_issues
@@ -631,11 +635,16 @@ class PlainCheckpoint:
             f"headers and index agree ({CONFIG_NAME} missing or unreadable: not compared)"
         if not issues:
             return Check("structure", PASS, f"{n}: {agree}{scanned} ({verify_advice(ckpt.root)})")
-        missing = sorted(i.file for i in issues if i.kind == "missing-file" and i.file)
-        fix = restore_command(ckpt, ckpt.root, missing) if missing else None
         first = str(issues[0])
         more = f" (+{len(issues) - 1} more)" if len(issues) > 1 else ""
-        return Check("structure", FAIL, first + more, fix=fix, details={"issues": [str(i) for i in issues]})
+        return Check("structure", FAIL, first + more, fix=self._structure_fix(ckpt, issues),
+                     details={"issues": [str(i) for i in issues]})
+
+    def _structure_fix(self, ckpt: Checkpoint, issues: list[Any]) -> str:
+        """Fetch the files the issues name again (a fetch replaces what does not verify and adds
+        what is missing); every file when an issue names none."""
+        named = {i.file for i in issues if i.file}
+        return restore_command(ckpt, ckpt.root, sorted(named) if all(i.file for i in issues) else [])
 
     def _coverage(self, ckpt: Checkpoint, topo: Topology | None, ranks: list[int]) -> Check:
         cfg = ckpt.config
@@ -687,7 +696,17 @@ class PlainCheckpoint:
         try:
             per_rank = tensors_for_ranks(ckpt, topo, ranks)
         except TopologyError as e:
-            self.checks.append(Check("topology", FAIL, str(e)))
+            sel, why = self.ask.selection, str(e)
+            if topo.ep != topo.world_size and topo.world_size % topo.tp == 0:  # experts cut: vLLM keeps them whole
+                whole = Topology.make(topo.world_size, topo.tp, topo.world_size, topo.placement,
+                                      num_experts=topo.num_experts)
+                why += (f" (--ep {topo.ep} cuts experts {topo.world_size // topo.ep} ways; vLLM's expert parallel "
+                        f"keeps them whole: ep = tp x dp)")
+                fix = preflight_command(self.root, whole, node=sel.node, gpus_per_node=sel.gpus_per_node,
+                                        ranks=ranks if self.ask.asks_ranks else None)
+            else:
+                fix = "give a --tp whose split every tensor allows (plan refuses the others, naming the tensor)"
+            self.checks.append(Check("topology", FAIL, why, fix=fix))
             return None
         return {r: rt.total_bytes for r, rt in per_rank.items()}
 

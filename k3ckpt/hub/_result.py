@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from ..utils import human_bytes
 from .client import HubListing
-from .fetch import moved_text, resumed_text, source_text
+from .fetch import moved_text, pull_command, resumed_text, source_text
 
 #: ``verification`` values of the result and the marker: every rewritten shard's tensors were
 #: checked against a manifest; or only their structure and sizes; or no shard was rewritten (every
@@ -27,8 +27,13 @@ VERIFIED_STRUCTURE = "structure-and-sizes"
 VERIFIED_FILES = "file-sha256"
 #: Said plainly whenever no manifest was given.
 STRUCTURE_ONLY_NOTE = ("no --manifest: the files assembled from tensors were checked for structure and sizes only (the hub's "
-                       "sha256 covers whole files); pass a tensor-hash manifest (k3ckpt manifest pull "
-                       "--tensor-hashes, before the download, or manifest build --tensor-hashes) to verify every tensor")
+                       "sha256 covers whole files); pass a tensor-hash manifest as --manifest to verify every tensor")
+
+
+def structure_only_note(source: HubListing | str) -> str:
+    """:data:`STRUCTURE_ONLY_NOTE`, with the command that pulls the manifest of this very commit
+    (``source``: the listing or its ``hub:repo@revision``)."""
+    return f"{STRUCTURE_ONLY_NOTE} (`{pull_command(source)}`, before the download)"
 
 
 @dataclass
@@ -111,7 +116,7 @@ def dry_run_total(plan: FetchPlanTotals, selection: str, written: str) -> list[s
              f"from {source_text(plan.listing)} into {plan.dest} for {selection}: {plan.tensors:,} tensors "
              f"in {written} and {len(plan.files)} other files; headers read: {human_bytes(plan.header_bytes)}"]
     if plan.verification == VERIFIED_STRUCTURE:
-        lines.append(f"note: {STRUCTURE_ONLY_NOTE}")
+        lines.append(f"note: {structure_only_note(plan.listing)}")
     return lines
 
 
@@ -134,5 +139,5 @@ def fetch_summary(res: RankFetchResult, *, source: str, dest: Path, selection: s
                  f"{human_bytes(source_bytes)})")
     lines += [f"  could not fetch {p}: {why}" for p, why in sorted(res.failed.items())]
     if res.verification == VERIFIED_STRUCTURE:
-        lines.append(f"note: {STRUCTURE_ONLY_NOTE}")
+        lines.append(f"note: {structure_only_note(source)}")
     return "\n".join(lines)

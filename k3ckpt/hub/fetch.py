@@ -131,6 +131,20 @@ def source_text(listing: HubListing) -> str:
     return f"{listing.hub}:{listing.repo}@{listing.revision}"
 
 
+def pull_command(source: HubListing | str) -> str:
+    """The ``k3ckpt manifest pull`` of the tensor-hash manifest of exactly this commit (a listing,
+    or its :func:`source_text`), as messages suggest it: its file named after the repo
+    (``kimi-k3.tensors.json``)."""
+    import shlex
+
+    text = source if isinstance(source, str) else source_text(source)
+    hub, _, rest = text.partition(":")
+    repo, _, revision = rest.rpartition("@")
+    args = ["k3ckpt", "manifest", "pull", repo] + (["--source", hub] if hub != "hf" else [])
+    name = repo.rsplit("/", 1)[-1].lower()
+    return shlex.join([*args, "--revision", revision, "--tensor-hashes", "-o", f"{name}.tensors.json"])
+
+
 def plan_fetch(
     hub: str,
     repo: str,
@@ -284,7 +298,7 @@ def _forget_partial(plan: FetchPlan) -> None:
     if shards & set(plan.paths) and (plan.dest / NODE_MARKER).exists():
         # a node directory's files are not the hub's shards: mixing both would leave tensors twice
         raise LayoutError(f"{plan.dest} is a node directory ({NODE_MARKER}); a whole fetch would add the hub's "
-                          "shards to it: fetch into another --dest")
+                          "shards to it: fetch into another --local-dir")
     marker = plan.dest / PARTIAL_MARKER
     if shards and shards <= set(plan.paths) and marker.is_file():
         marker.unlink()
@@ -300,6 +314,24 @@ def record_source(dest: str | os.PathLike[str], listing: HubListing) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"hub": listing.hub, "repo": listing.repo, "revision": listing.revision}
     write_atomic(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+
+
+def record_manifest(dest: str | os.PathLike[str], manifest: str | os.PathLike[str]) -> None:
+    """Add to ``dest``'s source record (:func:`record_source`, written by the fetch that just
+    finished) the tensor-hash manifest it verified against, as an absolute path: a command
+    that fetches more of the same source (preflight's fix) carries it as ``--manifest``. The
+    next fetch's record replaces it (a fetch without one leaves none)."""
+    from ..format.checkpoint import SOURCE_RECORD
+    from ..utils import write_atomic
+
+    path = Path(dest) / SOURCE_RECORD
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # no record: nothing says where the files came from, so nothing to add to
+    if isinstance(doc, dict):
+        doc["manifest"] = os.path.abspath(manifest)
+        write_atomic(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def run_rank_fetch(
             # an index without our marker: a whole checkpoint (or another tool's), whose shards
             # this run would replace with subsets
             raise RankFetchError(f"{dest_real} holds a checkpoint that is not a rank-aware fetch ({INDEX_NAME} and no "
-                                 f"{PARTIAL_NAME}); its shards would be replaced by subsets: fetch into another --dest")
+                                 f"{PARTIAL_NAME}); its shards would be replaced by subsets: fetch into another --local-dir")
         # Until this run succeeds the destination must not look like a complete checkpoint.
         for name in (PARTIAL_NAME, INDEX_NAME):
             _dest.unlink(os.path.join(dest_real, name))
