@@ -341,17 +341,73 @@ def test_ranks_from_the_environment(pristine: Path, env: dict[str, str], kwargs:
 
 
 def test_not_enough_disk(layout: Path) -> None:
+    """Loading writes nothing into the directory: free space below --min-free-disk is a WARN;
+    a FAIL only when ranks still to be written there (their fix rewrites them) do not fit."""
     rep = pf.preflight(layout, environ={**NO_GPU, pf.FREE_BYTES_HOOK: "1000"})
     r = rows(rep)["disk"]
-    assert r.status == "FAIL" and not rep.ok and "1.00 KB free (K3CKPT_PREFLIGHT_FREE_BYTES)" in r.reason
+    assert r.status == "WARN" and rep.ok and "1.00 KB free (K3CKPT_PREFLIGHT_FREE_BYTES)" in r.reason
+    assert "loading writes nothing here" in r.reason
     # the real statvfs number against a limit no disk meets
     r = rows(pf.preflight(layout, min_free_disk=10**18, environ=NO_GPU))["disk"]
-    assert r.status == "FAIL" and r.details["need_bytes"] == 10**18 and "(K3CKPT" not in r.reason
+    assert r.status == "WARN" and r.details["need_bytes"] == 10**18 and "(K3CKPT" not in r.reason
     # a rank still to be written counts: exactly enough for the limit alone is not enough then
     shutil.rmtree(layout / "rank-00000")
     limit = 10**6
     r = rows(pf.preflight(layout, min_free_disk=limit, environ={**NO_GPU, pf.FREE_BYTES_HOOK: str(limit)}))["disk"]
-    assert r.status == "FAIL" and "for ranks still to be written" in r.reason
+    assert r.status == "FAIL" and "for ranks still to be written" in r.reason and r.fix.startswith("free ")
+
+
+@pytest.fixture
+def read_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``make(src) -> path``: ``src`` seen through a read-only mount - a real read-only bind
+    mount where this process may mount (root), else a filesystem whose statvfs says ST_RDONLY."""
+    import subprocess
+
+    mounted: list[Path] = []
+
+    def make(src: Path) -> Path:
+        view = tmp_path / f"ro-{len(mounted)}"
+        view.mkdir()
+        binds = [["mount", "--bind", str(src), str(view)], ["mount", "-o", "remount,ro,bind", str(view)]]
+        if os.geteuid() == 0 and subprocess.run(binds[0], capture_output=True).returncode == 0:
+            mounted.append(view)
+            assert subprocess.run(binds[1], capture_output=True).returncode == 0
+            with pytest.raises(OSError):
+                (view / "probe").write_text("x")
+            return view
+        view.rmdir()
+        real = os.statvfs
+
+        def statvfs(path):
+            st = real(path)
+            if not Path(path).resolve().is_relative_to(src.resolve()):
+                return st
+            fields = list(st)
+            fields[8] |= os.ST_RDONLY  # f_flag
+            return os.statvfs_result(fields)
+
+        monkeypatch.setattr(os, "statvfs", statvfs)
+        return src
+
+    yield make
+    for view in mounted:
+        subprocess.run(["umount", str(view)], check=True)
+
+
+def test_weights_on_a_read_only_mount_pass_the_disk_check(layout: Path, nodes_pristine: Path, source: Path,
+                                                           read_only) -> None:
+    """Issue #25: weights on a read-only mount FAILed disk - free space on a filesystem neither
+    preflight nor the engine writes. Loading needs none: the row passes and says why; only ranks
+    still to be written there cannot be, and that FAILs with the way out."""
+    for d, sel in ((read_only(layout), RankSelection()), (read_only(nodes_pristine / "node-00000"), launch(0)),
+                   (read_only(source), RankSelection(tp=2, dp=2))):
+        rep = pf.preflight(d, sel, environ={**NO_GPU, pf.FREE_BYTES_HOOK: "0"})
+        r = rows(rep)["disk"]
+        assert r.status == "PASS" and "read-only mount" in r.reason and r.details["read_only"], r
+        assert rep.ok, pf.render_preflight(rep)
+    shutil.rmtree(layout / "rank-00001")
+    r = rows(pf.preflight(read_only(layout), environ=NO_GPU))["disk"]
+    assert r.status == "FAIL" and "read-only mount" in r.reason and "remount" in (r.fix or "")
 
 
 def test_host_memory_is_a_warning(layout: Path) -> None:

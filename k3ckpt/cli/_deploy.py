@@ -247,7 +247,9 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
 @click.option("--io-test", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="Measure read speed (O_DIRECT where possible) for up to this long.")
 @size_option("--kv-budget", default="20GiB", help=_KV_BUDGET)
-@size_option("--min-free-disk", default="1GiB", help="Free space the disk holding DIRECTORY must keep.")
+@size_option("--min-free-disk", default="1GiB",
+             help="Free space the disk holding DIRECTORY should keep: less is a WARN (loading writes nothing "
+                  "there; a FAIL only when ranks still to be written there do not fit; a read-only mount passes).")
 @click.option("--no-env", is_flag=True, help="Ignore the launcher's variables (RANK, SLURM_*, ...).")
 @jobs_option("Files hashed in parallel with --full [default: CPU count].")
 @json_option("Machine-readable report.")

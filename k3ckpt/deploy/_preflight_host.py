@@ -62,21 +62,38 @@ MXFP4_WEIGHT_ONLY = ("H100", "H200", "H800", "H20", "GH200")
 
 
 def disk_check(root: Path, min_free: int, still_to_write: int, environ: Mapping[str, str]) -> Check:
-    """Free space on the filesystem of ``root``: ``min_free`` plus what incomplete ranks need."""
+    """Free space on the filesystem of ``root``, which preflight and the engine only read: it
+    matters for what is still to be written there (``still_to_write``: a layout's incomplete
+    ranks, which their fix rewrites in place) - a FAIL when that does not fit, or cannot be
+    written at all (a read-only mount). ``min_free`` (``--min-free-disk``) is a margin for the
+    other writers sharing the filesystem: below it is a WARN, since loading needs no space."""
+    st = os.statvfs(root)
     free = K3CKPT_PREFLIGHT_FREE_BYTES.get(environ)  # the hooks live where the launcher variables do
-    hooked = free is not None
-    if free is None:
-        st = os.statvfs(root)
-        free = st.f_bavail * st.f_frsize
-    need = min_free + still_to_write
+    via = f" ({FREE_BYTES_HOOK})" if free is not None else ""
+    free = st.f_bavail * st.f_frsize if free is None else free
+    details: dict[str, Any] = {"free_bytes": free, "need_bytes": min_free + still_to_write,
+                               "read_only": bool(st.f_flag & os.ST_RDONLY)}
+    if details["read_only"]:
+        if still_to_write:
+            return Check("disk", FAIL, f"{root} is on a read-only mount: the {human_bytes(still_to_write)} of ranks "
+                                       f"still to be written cannot be written here",
+                         fix=f"remount the filesystem of {root} read-write, or write the layout where it is "
+                             f"(the rank rows' fix with another -o)", details=details)
+        return Check("disk", PASS, f"read-only mount: preflight and the engine only read {root}, so no free "
+                                   f"space is needed", details=details)
+    if still_to_write and free < min_free + still_to_write:
+        need = min_free + still_to_write
+        return Check("disk", FAIL, f"{human_bytes(free)} free{via} on {root}, need {human_bytes(need)} "
+                                   f"({human_bytes(still_to_write)} for ranks still to be written + "
+                                   f"{human_bytes(min_free)} to keep free)",
+                     fix=f"free {human_bytes(need - free)} on the filesystem of {root}", details=details)
     what = f"{human_bytes(min_free)} to keep free" + (
         f" + {human_bytes(still_to_write)} for ranks still to be written" if still_to_write else "")
-    via = f" ({FREE_BYTES_HOOK})" if hooked else ""
-    details = {"free_bytes": free, "need_bytes": need}
-    if free < need:
-        return Check("disk", FAIL, f"{human_bytes(free)} free{via} on {root}, need {human_bytes(need)} ({what})",
-                     fix=f"free {human_bytes(need - free)} on the filesystem of {root}", details=details)
-    return Check("disk", PASS, f"{human_bytes(free)} free{via}, need {human_bytes(need)} ({what})", details=details)
+    if free < min_free:
+        return Check("disk", WARN, f"{human_bytes(free)} free{via} on {root}, below the {what}: loading writes "
+                                   f"nothing here, but other writers on this filesystem may fail", details=details)
+    return Check("disk", PASS, f"{human_bytes(free)} free{via}, need {human_bytes(min_free + still_to_write)} "
+                               f"({what})", details=details)
 
 
 def _mem_available(environ: Mapping[str, str]) -> tuple[int | None, str]:

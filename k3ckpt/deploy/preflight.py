@@ -37,8 +37,10 @@ Decisions the issue leaves open:
 - capacity: the GPU need of a rank is
  :func:`k3ckpt.plan` 's rule (weights x 1.15 + KV budget)
   against the device's free memory (total - used); host RAM is checked against one weight
-  file per local rank (loaders stage a file at a time) and only WARNs; the disk must keep
-  ``--min-free-disk`` free plus whatever the node's incomplete ranks still need;
+  file per local rank (loaders stage a file at a time) and only WARNs; the directory is read,
+  never written, by preflight and the engine: a read-only mount PASSes the disk check, free
+  space below ``--min-free-disk`` only WARNs, and a FAIL is for the node's incomplete ranks
+  when what they still need does not fit (or the mount is read-only);
 - the environment is compared by its highest-priority variable per field (see
   :func:`k3ckpt.topology.rank_from_env`); ``--no-env`` skips it for a prolog whose variables
   describe the allocation rather than the job.
@@ -167,7 +169,7 @@ def preflight(
         full: compare sha256 of every rank file instead of sizes.
         io_test: seconds to spend measuring the read speed of this node's weight files.
         kv_budget: per-GPU memory to reserve beyond the weights x 1.15.
-        min_free_disk: free bytes the disk holding ``path`` must keep.
+        min_free_disk: free bytes the disk holding ``path`` should keep (less is a WARN: loading writes nothing there).
         use_env: compare with (and select ranks from) the launcher's variables.
         environ: the environment to read (default ``os.environ``); the test hooks
             :data:`FREE_BYTES_HOOK` and :data:`MEM_BYTES_HOOK` are read from it too.
