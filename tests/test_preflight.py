@@ -519,8 +519,9 @@ def test_hf_node_copy_covers_its_node_only(source: Path, clone_checkpoint) -> No
     rep = pf.preflight(node1, RankSelection(ep=4, tp=2, node=0, gpus_per_node=2), environ=NO_GPU)
     r = rows(rep)["experts"]
     assert r.status == "FAIL" and "lacks 8 expert(s) that ranks 0-1 needs: 0-7" in r.reason
-    # not a rank-aware fetch's directory: the fix fetches the checkpoint
-    assert r.fix == f"k3ckpt fetch REPO --revision {COMMIT} --local-dir {node1}"
+    # not a rank-aware fetch's directory (and not k3ckpt's to write into): the fix fetches the
+    # checkpoint beside it
+    assert r.fix == f"k3ckpt fetch REPO --revision {COMMIT} --local-dir {node1}-fetched"
     assert rows(pf.preflight(node1, environ=NO_GPU))["experts"].status == "FAIL"
     # a rank-aware fetch's directory: the fix fetches exactly the share of the ranks asked for
     (node1 / "k3ckpt-partial.json").write_text(json.dumps({"experts": list(range(8, 16))}))
@@ -534,7 +535,8 @@ def test_plain_checkpoint_missing_shard(source: Path, clone_checkpoint) -> None:
     rep = pf.preflight(c, environ=NO_GPU)
     r = rows(rep)["structure"]
     assert r.status == "FAIL" and "model-00003-of-000008.safetensors" in r.reason
-    assert r.fix == f"k3ckpt fetch REPO --revision {COMMIT} --local-dir {c} --include model-00003-of-000008.safetensors"
+    # hf download's directory (a copy of one): k3ckpt never writes into it, the client adds the file
+    assert r.fix == f"hf download REPO model-00003-of-000008.safetensors --revision {COMMIT} --local-dir {c}"
 
 
 def test_plain_stacked_experts(gptoss_tiny: Path) -> None:

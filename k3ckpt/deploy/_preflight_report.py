@@ -203,24 +203,38 @@ def topology_suffix(topo: Topology) -> str:
     return "-".join(parts)
 
 
-def hf_download_command(repo: str | None, revision: str | None, cache_repo: Path, files: list[str]) -> str:
+def hf_download_command(repo: str | None, revision: str | None, files: list[str], *, cache_dir: Path | None = None,
+                        local_dir: Path | None = None) -> str:
     """The Hugging Face client's own command that adds ``files`` (every missing file when empty)
-    to the snapshot of a cache repo folder: it writes blobs and symlinks the cache's way and
-    never replaces a file it has (k3ckpt never writes into a cache)."""
+    to a cache (``cache_dir``: it writes blobs and symlinks the cache's way and never replaces a
+    file it has) or to a directory the client downloaded, or k3ckpt did not write
+    (``local_dir``: only the named files, which are missing): k3ckpt writes into neither."""
     args = ["hf", "download", repo or "REPO", *files]
     if revision:
         args += ["--revision", revision]
-    args += ["--cache-dir", str(cache_repo.parent)]
+    args += ["--cache-dir", str(cache_dir)] if cache_dir is not None else ["--local-dir", str(local_dir)]
     return " ".join(a if a == "REPO" else shlex.quote(a) for a in args)
 
 
 def restore_command(ckpt: Checkpoint, root: Path, files: list[str]) -> str:
     """The command that adds the missing ``files`` (every missing file when empty) to the
-    checkpoint at ``root``: ``hf download`` into a Hugging Face cache, else :func:`fetch_command`
-    into ``root`` (a fetch adds what is missing and keeps what verifies)."""
+    checkpoint at ``root``: ``hf download`` into a Hugging Face cache; :func:`fetch_command` into
+    a directory k3ckpt fetched (a fetch adds what is missing and keeps what verifies); into any
+    other directory (``hf download --local-dir``'s, a copy), which k3ckpt never writes, the
+    client's ``hf download`` of just those files - or, for the whole checkpoint, a fetch into a
+    new directory beside it."""
+    from ..errors import OutputNotOwnedError
+    from ..hub.fetch import check_destination
+
     cache = hf_cache_repo(root)
     if cache is not None:
-        return hf_download_command(ckpt.source.repo, ckpt.source.revision, cache, files)
+        return hf_download_command(ckpt.source.repo, ckpt.source.revision, files, cache_dir=cache.parent)
+    try:
+        check_destination(root)
+    except OutputNotOwnedError:
+        if files:
+            return hf_download_command(ckpt.source.repo, ckpt.source.revision, files, local_dir=root)
+        return fetch_command(ckpt, new_output_dir(root, "fetched"), [])
     return fetch_command(ckpt, root, files)
 
 
