@@ -39,10 +39,9 @@ QUOTED = re.compile(r"`(k3ckpt [^`]+)`")
 
 
 @pytest.fixture(scope="module")
-def served(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dest = tmp_path_factory.mktemp("served") / "Kimi-K3"
-    shutil.copytree(k3_tiny, dest)
-    return dest
+def served(k3_tiny: Path) -> Path:
+    """What the module's loopback hub serves (``conftest.module_hub``): k3-tiny itself, which it only reads."""
+    return k3_tiny
 
 
 @pytest.fixture
