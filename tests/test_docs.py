@@ -385,6 +385,20 @@ def test_a_wrong_example_fails(tmp_path: Path) -> None:
     assert "exit code 0, the docs say 1" in results[3].problems(cwd)[0]
 
 
+KEY_ID = re.compile(r"ed25519:[0-9a-f]{16}")
+
+
+def test_a_page_names_each_key_it_makes_by_one_id() -> None:
+    """Key ids are masked when outputs are compared (each run makes a new key), so nothing else
+    sees a page whose verify line names another key than its keygen printed (issue #25): a page
+    shows at most one id per ``manifest keygen`` it runs."""
+    for path in PAGES:
+        commands = [c for b in parse(path).blocks if b.skip is None for c in b.commands]
+        keygens = sum("manifest keygen" in c.text for c in commands)
+        ids = {m for c in commands for line in c.output for m in KEY_ID.findall(line)}
+        assert len(ids) <= keygens, f"{_page_id(path)}: {len(ids)} key ids ({', '.join(sorted(ids))}) for {keygens} keygen(s)"
+
+
 def test_normalize_masks_only_what_varies() -> None:
     cwd = Path("/tmp/x/page")
     a = "ok: /tmp/x/page/K (full; reference: none): 15 files, 4 hashed (3.05 MB at 43.52 MB/s), 0.1 s"

@@ -115,3 +115,89 @@ def test_fetch_records_its_source_for_reshard_and_preflight(hub, tmp_path: Path,
     assert (topo["source"]["repo"], topo["source"]["revision"]) == (REPO, revision)
     # the record is not part of the checkpoint: a hub verify sees exactly the hub's files
     assert run("verify", str(dest), "--against", "modelscope", "--repo", REPO, "--endpoint", h.url).exit_code == 0
+
+
+def _help_examples(*command: str) -> list[list[str]]:
+    """The argv of each example in ``k3ckpt COMMAND --help`` (a trailing ``\\`` continues one)."""
+    import shlex
+
+    text = run(*command, "--help").output
+    body = text.split("Examples:", 1)[1].split("\nOptions:", 1)[0]
+    lines = " ".join(line.strip() for line in body.replace("\\\n", " ").splitlines() if line.strip())
+    return [shlex.split("k3ckpt " + ex.strip()) for ex in lines.split("k3ckpt ") if ex.strip()]
+
+
+@pytest.mark.usefixtures("isolated_hub_clients")
+def test_help_examples_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #25: ``fetch --help``'s ``--ep 8 --ranks 0 --manifest kimi-k3.json`` exited 2 ("no
+    tensor hashes") with the name the docs give a plain manifest. Every example runs here as
+    printed, in order, against the loopback hub serving k3-tiny with K3's TP 8-able heads
+    (``/nvme`` under the test's directory)."""
+    from k3ckpt.testing.hub import LoopbackHub
+    from k3ckpt.testing.synth import spec_from_preset, synthesize
+
+    served = tmp_path / "served"
+    synthesize(spec_from_preset("k3-tiny", num_attention_heads=8, kda_num_heads=8), served)
+    h = LoopbackHub({REPO: served}, cache_dir=tmp_path / "hub-cache").start()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_ENDPOINT", h.url)
+    monkeypatch.setenv("MODELSCOPE_ENDPOINT", h.url)
+    examples = _help_examples("fetch")
+    assert any("--manifest" in ex for ex in examples) and any(ex[1:3] == ["manifest", "pull"] for ex in examples)
+    try:
+        for argv in examples:
+            argv = [a.replace("/nvme/", f"{tmp_path}/nvme/") for a in argv]
+            res = run(*argv[1:])
+            assert res.exit_code == 0, (argv, res.output)
+    finally:
+        h.stop()
+
+
+_KILLED_FETCH = """
+import sys
+from k3ckpt.format.topology import RankSelection
+from k3ckpt.hub.fetch import plan_fetch, run_fetch
+from k3ckpt.hub.rankfetch import plan_rank_fetch, run_rank_fetch
+url, repo, dest, kind = sys.argv[1:5]
+if kind == "plain":
+    plan = plan_fetch("hf", repo, dest, endpoint=url, token="")
+    sys.exit(0 if run_fetch(plan, workers=2, chunk_size=65536, token="").ok else 1)
+plan = plan_rank_fetch("hf", repo, dest, RankSelection(ep=4, ranks="0-1"), endpoint=url, token="", chunk_size=65536)
+sys.exit(0 if run_rank_fetch(plan, workers=2, token="").ok else 1)
+"""
+
+
+@pytest.mark.parametrize("kind, point", [("plain", "after_chunk:12"), ("ranks", "after_piece:6")])
+def test_a_resumed_fetch_says_what_it_did(hub, tmp_path: Path, kind: str, point: str) -> None:
+    """Issue #25: a resumed fetch said "0 files fetched (503.64 MB ...)": the bytes sat beside a
+    count they did not belong to. The summary counts the files fetched, those resumed and those
+    already present, and gives this run's bytes apart."""
+    import re
+
+    from helpers import kill_at_pause
+
+    h, _ = hub
+    dest = tmp_path / "d"
+    kill_at_pause(_KILLED_FETCH, [h.url, REPO, str(dest), kind], point, tmp_path)
+    journaled = {p.name.removesuffix(".part.journal") for p in dest.glob("*.part.journal")
+                 if json.loads(p.read_text())["done"]}
+    assert journaled  # the killed run left files part-done
+    args = ["fetch", REPO, "--local-dir", str(dest), "--endpoint", h.url, "--chunk-size", "64KiB"]
+    args += ["--ep", "4", "--ranks", "0-1"] if kind == "ranks" else []
+    res = run(*args, "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert set(data["resumed"]) == journaled
+    if kind == "plain":  # the journaled chunks were not downloaded again
+        assert 0 < data["bytes_downloaded"] < sum(h.files(REPO)[f].size for f in data["fetched"])
+    # the same, in words (a re-run: nothing left to do, nothing downloaded)
+    line = run(*args).output.splitlines()[0]
+    counted = "node files written|shards rewritten|fetched"
+    assert re.search(rf": 0 ({counted}), .*already present.*, 0 failed; 0 B downloaded this run", line), line
+    dest2 = tmp_path / "d2"
+    (tmp_path / "again").mkdir()
+    kill_at_pause(_KILLED_FETCH, [h.url, REPO, str(dest2), kind], point, tmp_path / "again")
+    n = len({p.name for p in dest2.glob("*.part.journal") if json.loads(p.read_text())["done"]})
+    line = run(*[str(dest2) if a == str(dest) else a for a in args]).output.splitlines()[0]
+    assert n > 0
+    assert re.search(rf" \({n} resumed from an earlier run\), .*; [\d.]+ [KM]B downloaded this run", line), line

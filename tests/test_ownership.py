@@ -306,4 +306,4 @@ def test_fetch_resumes_a_destination_an_earlier_version_left(served_hub: Any, tm
     (dest / OWNER_RECORD).unlink()
     assert (dest / ".cache" / "k3ckpt" / "source.json").exists()
     res = run(*args)
-    assert res.exit_code == 0 and ": 0 fetched (0 B), " in res.output and " 0 failed" in res.output, res.output
+    assert res.exit_code == 0 and ": 0 fetched, " in res.output and " 0 failed; 0 B downloaded" in res.output, res.output

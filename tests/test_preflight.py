@@ -59,6 +59,23 @@ def layout(pristine: Path, tmp_path: Path) -> Path:
     return dest
 
 
+@pytest.fixture(autouse=True)
+def every_fail_has_a_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #25: a FAIL row without a fix line (an MXFP4 split, the launcher's variables, a GPU
+    too small...) leaves the operator with a reason and nothing to do. Every report the tests of
+    this module produce - through the library or the CLI, which calls the same function - is
+    walked: each FAIL row carries a fix."""
+    real = pf.preflight
+
+    def checked(*args, **kwargs):
+        rep = real(*args, **kwargs)
+        bare = [f"{c.name}: {c.reason}" for c in rep.checks if c.status == "FAIL" and not c.fix]
+        assert not bare, f"FAIL rows without a fix: {bare}"
+        return rep
+
+    monkeypatch.setattr(pf, "preflight", checked)
+
+
 def fake_tool(bin_dir: Path, name: str, args: str, output: str, code: int = 0) -> dict[str, str]:
     """An executable ``name`` that prints ``output`` when called with exactly ``args``; the
     environment to find it."""
@@ -234,11 +251,29 @@ def test_topology_mismatch(layout: Path, source: Path) -> None:
     assert r.fix == f"k3ckpt reshard {source} -o {layout}-ep4-tp2-round-robin --format rank --ep 4 --tp 2 --placement round_robin"
 
 
-def test_preflight_checks_one_rank_or_one_node(layout: Path) -> None:
+def test_ranks_means_what_it_means_in_the_other_commands(layout: Path, tmp_path: Path) -> None:
+    """Issue #25: ``--ranks`` was one rank in preflight and a list (``0-3,8``) everywhere else;
+    preflight reads it with the same parser, so a node's ranks (or any) can be checked."""
     assert pf.preflight(layout, RankSelection(ranks="1"), environ=NO_GPU).ranks == [1]
-    for ranks in ("0-1", [0, 1]):
-        with pytest.raises(pf.PreflightError, match="preflight checks one rank or one node"):
-            pf.preflight(layout, RankSelection(ranks=ranks), environ=NO_GPU)
+    for ranks in ("0-1", [0, 1], "1,0"):
+        rep = pf.preflight(layout, RankSelection(ranks=ranks), environ=NO_GPU)
+        assert rep.ok and rep.ranks == [0, 1] and rep.selection == "--ranks 0-1"
+        assert [c.name for c in rep.checks if c.name.startswith("rank ")] == ["rank 0", "rank 1"]
+    shutil.rmtree(layout / "rank-00003")
+    rep = pf.preflight(layout, RankSelection(ranks="0,2-3"), environ=NO_GPU)
+    assert rep.ranks == [0, 2, 3] and statuses(rep)["rank 3"] == "FAIL" and "rank 1" not in statuses(rep)
+    # the launcher's rank must be one of them
+    env = {**NO_GPU, "RANK": "1"}
+    assert "RANK=1 but --ranks 0,2-3" in rows(pf.preflight(layout, RankSelection(ranks="0,2-3"), environ=env))[
+        "environment"].reason
+    # the CLI: the same parser, the same one-line errors
+    res = run_cli("preflight", str(layout), "--ranks", "2-3", "--no-env", "--json", env=NO_GPU)
+    assert res.exit_code == 1 and json.loads(res.output)["ranks"] == [2, 3]
+    for spec, needle in (("0-x", "'0-x': '0-x' is not a rank or a range a-b"), ("3-1", "range 3-1 is reversed"),
+                         ("2-9", "rank 9 out of range 0..3")):
+        res = run_cli("preflight", str(layout), "--ranks", spec, env=NO_GPU)
+        lines = res.output.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
 
 
 @pytest.mark.parametrize("edit, needle", [
@@ -321,17 +356,73 @@ def test_ranks_from_the_environment(pristine: Path, env: dict[str, str], kwargs:
 
 
 def test_not_enough_disk(layout: Path) -> None:
+    """Loading writes nothing into the directory: free space below --min-free-disk is a WARN;
+    a FAIL only when ranks still to be written there (their fix rewrites them) do not fit."""
     rep = pf.preflight(layout, environ={**NO_GPU, pf.FREE_BYTES_HOOK: "1000"})
     r = rows(rep)["disk"]
-    assert r.status == "FAIL" and not rep.ok and "1.00 KB free (K3CKPT_PREFLIGHT_FREE_BYTES)" in r.reason
+    assert r.status == "WARN" and rep.ok and "1.00 KB free (K3CKPT_PREFLIGHT_FREE_BYTES)" in r.reason
+    assert "loading writes nothing here" in r.reason
     # the real statvfs number against a limit no disk meets
     r = rows(pf.preflight(layout, min_free_disk=10**18, environ=NO_GPU))["disk"]
-    assert r.status == "FAIL" and r.details["need_bytes"] == 10**18 and "(K3CKPT" not in r.reason
+    assert r.status == "WARN" and r.details["need_bytes"] == 10**18 and "(K3CKPT" not in r.reason
     # a rank still to be written counts: exactly enough for the limit alone is not enough then
     shutil.rmtree(layout / "rank-00000")
     limit = 10**6
     r = rows(pf.preflight(layout, min_free_disk=limit, environ={**NO_GPU, pf.FREE_BYTES_HOOK: str(limit)}))["disk"]
-    assert r.status == "FAIL" and "for ranks still to be written" in r.reason
+    assert r.status == "FAIL" and "for ranks still to be written" in r.reason and r.fix.startswith("free ")
+
+
+@pytest.fixture
+def read_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``make(src) -> path``: ``src`` seen through a read-only mount - a real read-only bind
+    mount where this process may mount (root), else a filesystem whose statvfs says ST_RDONLY."""
+    import subprocess
+
+    mounted: list[Path] = []
+
+    def make(src: Path) -> Path:
+        view = tmp_path / f"ro-{len(mounted)}"
+        view.mkdir()
+        binds = [["mount", "--bind", str(src), str(view)], ["mount", "-o", "remount,ro,bind", str(view)]]
+        if os.geteuid() == 0 and subprocess.run(binds[0], capture_output=True).returncode == 0:
+            mounted.append(view)
+            assert subprocess.run(binds[1], capture_output=True).returncode == 0
+            with pytest.raises(OSError):
+                (view / "probe").write_text("x")
+            return view
+        view.rmdir()
+        real = os.statvfs
+
+        def statvfs(path):
+            st = real(path)
+            if not Path(path).resolve().is_relative_to(src.resolve()):
+                return st
+            fields = list(st)
+            fields[8] |= os.ST_RDONLY  # f_flag
+            return os.statvfs_result(fields)
+
+        monkeypatch.setattr(os, "statvfs", statvfs)
+        return src
+
+    yield make
+    for view in mounted:
+        subprocess.run(["umount", str(view)], check=True)
+
+
+def test_weights_on_a_read_only_mount_pass_the_disk_check(layout: Path, nodes_pristine: Path, source: Path,
+                                                           read_only) -> None:
+    """Issue #25: weights on a read-only mount FAILed disk - free space on a filesystem neither
+    preflight nor the engine writes. Loading needs none: the row passes and says why; only ranks
+    still to be written there cannot be, and that FAILs with the way out."""
+    for d, sel in ((read_only(layout), RankSelection()), (read_only(nodes_pristine / "node-00000"), launch(0)),
+                   (read_only(source), RankSelection(tp=2, dp=2))):
+        rep = pf.preflight(d, sel, environ={**NO_GPU, pf.FREE_BYTES_HOOK: "0"})
+        r = rows(rep)["disk"]
+        assert r.status == "PASS" and "read-only mount" in r.reason and r.details["read_only"], r
+        assert rep.ok, pf.render_preflight(rep)
+    shutil.rmtree(layout / "rank-00001")
+    r = rows(pf.preflight(read_only(layout), environ=NO_GPU))["disk"]
+    assert r.status == "FAIL" and "read-only mount" in r.reason and "remount" in (r.fix or "")
 
 
 def test_host_memory_is_a_warning(layout: Path) -> None:
@@ -443,14 +534,14 @@ def test_hf_node_copy_covers_its_node_only(source: Path, clone_checkpoint) -> No
     rep = pf.preflight(node1, RankSelection(ep=4, tp=2, node=0, gpus_per_node=2), environ=NO_GPU)
     r = rows(rep)["experts"]
     assert r.status == "FAIL" and "lacks 8 expert(s) that ranks 0-1 needs: 0-7" in r.reason
-    # not a rank-aware fetch's directory: the fix fetches the checkpoint
-    assert r.fix == f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {node1}"
+    # not a rank-aware fetch's directory (and not k3ckpt's to write into): the fix fetches the
+    # checkpoint beside it
+    assert r.fix == f"k3ckpt fetch REPO --revision {COMMIT} --local-dir {node1}-fetched"
     assert rows(pf.preflight(node1, environ=NO_GPU))["experts"].status == "FAIL"
     # a rank-aware fetch's directory: the fix fetches exactly the share of the ranks asked for
     (node1 / "k3ckpt-partial.json").write_text(json.dumps({"experts": list(range(8, 16))}))
     r = rows(pf.preflight(node1, RankSelection(ep=4, tp=2, node=0, gpus_per_node=2), environ=NO_GPU))["experts"]
-    assert r.status == "FAIL" and r.fix == (f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {node1} "
-                                            f"--ep 4 --tp 2 --world-size 4 --placement linear --ranks 0-1")
+    assert r.status == "FAIL" and r.fix == f"k3ckpt fetch REPO --revision {COMMIT} --local-dir {node1} --ep 4 --tp 2 --ranks 0-1"
 
 
 def test_plain_checkpoint_missing_shard(source: Path, clone_checkpoint) -> None:
@@ -459,14 +550,33 @@ def test_plain_checkpoint_missing_shard(source: Path, clone_checkpoint) -> None:
     rep = pf.preflight(c, environ=NO_GPU)
     r = rows(rep)["structure"]
     assert r.status == "FAIL" and "model-00003-of-000008.safetensors" in r.reason
-    assert r.fix == (f"k3ckpt fetch --source hf --repo REPO --revision {COMMIT} --dest {c} "
-                     f"--include model-00003-of-000008.safetensors")
+    # hf download's directory (a copy of one): k3ckpt never writes into it, the client adds the file
+    assert r.fix == f"hf download REPO model-00003-of-000008.safetensors --revision {COMMIT} --local-dir {c}"
 
 
 def test_plain_stacked_experts(gptoss_tiny: Path) -> None:
     rep = pf.preflight(gptoss_tiny, RankSelection(ep=2), environ=NO_GPU)
     assert statuses(rep)["experts"] == "PASS" and statuses(rep)["structure"] == "PASS"
     assert statuses(rep)["license"] == "PASS" and "Apache" in rows(rep)["license"].reason
+
+
+def test_tp_and_dp_mean_vllms_expert_parallel_without_engine(source: Path) -> None:
+    """Issue #25: ``preflight DIR --tp 4 --dp 2 --node 0 --gpus-per-node 4`` without ``--engine``
+    read the flags as ep 1 (experts cut 8 ways) and FAILed on an MXFP4 split with no fix line.
+    --tp/--dp mean what they mean in plan and reshard: ep = tp x dp."""
+    args = ["--tp", "4", "--dp", "2", "--node", "0", "--gpus-per-node", "4", "--no-env"]
+    res = run_cli("preflight", str(source), *args, "--json", env=NO_GPU)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert (data["topology"]["ep"], data["topology"]["tp"], data["topology"]["world_size"]) == (8, 4, 8)
+    assert data["ranks"] == [0, 1, 2, 3]
+    # an --ep given is taken as given: the cut that cannot be made FAILs, and its fix is the check
+    # of vLLM's launch, which passes
+    rep = pf.preflight(source, RankSelection(ep=1, tp=4, dp=2, node=0, gpus_per_node=4), environ=NO_GPU)
+    r = rows(rep)["topology"]
+    assert r.status == "FAIL" and "does not split 8 ways" in r.reason and "ep = tp x dp" in r.reason
+    assert r.fix == f"k3ckpt preflight {source} --tp 4 --dp 2 --node 0 --gpus-per-node 4"
+    assert run_cli(*shlex.split(r.fix)[1:], "--no-env", env=NO_GPU).exit_code == 0
 
 
 def test_plain_checkpoint_needs_topology_for_a_rank(source: Path) -> None:
@@ -552,7 +662,7 @@ def test_cli_text_json_and_exit_codes(layout: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, needle", [
     (["--rank", "0", "--node", "0", "--gpus-per-node", "2"], "give --ranks or --node, not both"),
     (["--node", "0"], "--node needs --gpus-per-node"),
-    (["--rank", "9"], "--ranks 9 out of range 0..3"),
+    (["--rank", "9"], "--ranks '9': rank 9 out of range 0..3"),
     (["--node", "5", "--gpus-per-node", "2"], "--node 5 out of range"),
 ])
 def test_cli_cannot_run(pristine: Path, args: list[str], needle: str) -> None:
@@ -770,7 +880,10 @@ def test_sglang_refuses_uneven_experts(k3_tiny: Path, tmp_path: Path) -> None:
     assert pf.preflight(out / "node-00002", sel, engine="vllm", environ=NO_GPU).ok
     rep = pf.preflight(out / "node-00002", sel, engine="sglang", environ=NO_GPU)
     assert "16 experts do not divide by ep 6" in rows(rep)["sglang"].reason
-    assert rows(rep)["sglang"].fix is None  # no linear layout of 16 experts over 6 ranks for SGLang
+    # no linear layout of 16 experts over 6 ranks for SGLang: the fix is the check of vLLM's launch
+    fix = rows(rep)["sglang"].fix or ""
+    assert fix == f"k3ckpt preflight {out / 'node-00002'} --engine vllm --tp 2 --dp 3 --node 2 --gpus-per-node 2"
+    assert run_cli(*shlex.split(fix)[1:], "--no-env", env=NO_GPU).exit_code == 0
 
 
 def test_engine_launcher_disagreeing_with_the_node_fails(nodes_pristine: Path) -> None:
@@ -820,24 +933,54 @@ def test_engine_cli_json_text_and_exit_codes(nodes_pristine: Path, pristine: Pat
     assert res.exit_code == 0 and res.output.strip() == shlex.join(out["serve"])
 
 
-def test_engine_rank_aware_fetch_is_fixed_by_fetching_the_launchs_share(served_hub, tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("variable", ["MASTER_ADDR", "LWS_LEADER_ADDRESS"])
+def test_serve_command_and_preflight_read_the_leader_alike(nodes_pristine: Path, variable: str) -> None:
+    """Issue #25: with MASTER_ADDR set, serve-command printed the LEADER_ADDRESS placeholder while
+    preflight used the address; both take it from the launcher's variables (else the placeholder),
+    so both print the same line."""
+    d = nodes_pristine / "node-00001"
+    args = ["--tp", "2", "--dp", "2", "--node", "1", "--gpus-per-node", "2"]
+    for env in ({**NO_GPU, variable: "gpu07"}, NO_GPU):
+        served = run_cli("serve-command", str(d), *args, env=env)
+        checked = run_cli("preflight", str(d), *args, env=env)
+        assert served.exit_code == 0 and checked.exit_code == 0, checked.output
+        assert served.output.strip() == checked.output.splitlines()[-1].removeprefix("serve").strip()
+        assert ("--data-parallel-address gpu07" in served.output) == (variable in env)
+        assert ("LEADER_ADDRESS " in served.output) == (variable not in env)
+    # --leader-address wins over the variable, in both
+    served = run_cli("serve-command", str(d), *args, "--leader-address", "gpu01", env={**NO_GPU, variable: "gpu07"})
+    assert "--data-parallel-address gpu01" in served.output
+
+
+@pytest.mark.parametrize("with_manifest", [False, True])
+def test_engine_rank_aware_fetch_is_fixed_by_fetching_the_launchs_share(served_hub, k3_tiny_manifests, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         with_manifest: bool) -> None:
     """A `fetch --node` copy checked for another node: the fix is the rank-aware fetch of that
     node (from the hub its fetch recorded) into a new directory - never over node 0's share -
-    and that directory is exactly node 1's."""
+    in today's words (REPO_ID, --local-dir, --tp/--dp) and, when the first fetch verified its
+    tensors against a manifest, against that manifest too (issue #25: it was dropped); that
+    directory is exactly node 1's."""
     h, _ = served_hub
     monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    manifest = tmp_path / "kimi-k3.tensors.json"
+    shutil.copy(k3_tiny_manifests["tensors"], manifest)
     dest = tmp_path / "node"
-    res = run_cli("fetch", "--source", "hf", "--repo", "moonshotai/Kimi-K3", "--dest", str(dest), "--endpoint", h.url,
-                  "--ep", "4", "--tp", "2", "--node", "0", "--gpus-per-node", "2")
+    given = ["--manifest", manifest.name] if with_manifest else []  # relative, as typed
+    res = run_cli("fetch", "moonshotai/Kimi-K3", "--local-dir", str(dest), "--endpoint", h.url,
+                  "--tp", "2", "--dp", "2", "--node", "0", "--gpus-per-node", "2", *given)
     assert res.exit_code == 0, res.output
     assert pf.preflight(dest, launch(0), engine="vllm", environ=NO_GPU).ok
     rep = pf.preflight(dest, launch(1), engine="vllm", environ=NO_GPU)
     r = rows(rep)
     assert "--node 1 (k3ckpt-node.json has 0)" in r["launch"].reason
     fix = r["launch"].fix or ""
-    assert fix.startswith("k3ckpt fetch --source hf --repo moonshotai/Kimi-K3 --revision ")
-    assert fix.endswith(f"--dest {dest}-node1-tp2-dp2 --ep 4 --tp 2 --placement linear --node 1 --gpus-per-node 2")
-    run_fix(f"{fix} --endpoint {h.url}")
+    assert fix.startswith("k3ckpt fetch moonshotai/Kimi-K3 --revision ")
+    tail = f"--local-dir {dest}-node1-tp2-dp2 --tp 2 --dp 2 --node 1 --gpus-per-node 2"
+    assert fix.endswith(tail + (f" --manifest {manifest}" if with_manifest else "")), fix
+    res = run_cli(*shlex.split(fix)[1:], "--endpoint", h.url, "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["verification"] == ("tensor-sha256" if with_manifest else "structure-and-sizes")
     assert pf.preflight(Path(f"{dest}-node1-tp2-dp2"), launch(1), engine="vllm", environ=NO_GPU).ok
     assert pf.preflight(dest, launch(0), engine="vllm", environ=NO_GPU).ok

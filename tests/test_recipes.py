@@ -215,8 +215,8 @@ def test_slurm_single_node_serves_without_data_parallel_flags(served: Path, base
         res = node_init(env, "init")
         assert res.returncode == 0, res.stdout + res.stderr
         assert "ready to load" in res.stdout
-    assert re.search(r" 0 files fetched \(0 B; .*, [1-9]\d* already present, [\d,]+ tensors verified against the "
-                     r"manifest, 0 failed", res.stdout)
+    assert re.search(r" 0 node files written, 0 whole files fetched, [1-9]\d* already present, [\d,]+ tensors "
+                     r"verified against the manifest, 0 failed; 0 B downloaded this run", res.stdout)
     assert res.stdout.splitlines()[-1] == shlex.join(["vllm", *expected_serve(str(dest), 0, 1, 8, 8, None)])
     assert "--data-parallel" not in res.stdout.splitlines()[-1]
     assert_node_dir(dest, served, 0, 1, 8, 8)
@@ -234,8 +234,8 @@ def test_a_disk_that_held_another_node_is_turned_into_this_one(served: Path, bas
         res = node_init(env, "init")
         assert res.returncode == 0, res.stdout + res.stderr
         assert "ready to load" in res.stdout
-    assert re.search(r" 0 files fetched \(.*, [1-9]\d* already present, [\d,]+ tensors verified against the "
-                     r"manifest, 0 failed", res.stdout)
+    assert re.search(r" 0 whole files fetched, [1-9]\d* already present, [\d,]+ tensors verified against the "
+                     r"manifest, 0 failed; ", res.stdout)
     assert_node_dir(dest, served, 1, 2, 4, 4)
 
 
@@ -258,13 +258,24 @@ def test_without_a_manifest_the_recipe_refuses_before_any_byte_unless_told(hub: 
     assert "ready to load" not in res.stdout and res.stdout.splitlines()[-1].startswith("vllm serve ")
 
 
-def test_a_preflight_fail_stops_the_node_before_serving(base_env: dict[str, str], tmp_path: Path) -> None:
-    """preflight's exit 1 is the script's: the init container fails, no serve line is printed."""
+def small_gpus(stubs: Path) -> None:
+    """An ``nvidia-smi`` showing 8 GPUs of 15 GiB: the default 20 GiB KV budget does not fit, a
+    preflight FAIL."""
+    smi = stubs / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nfor i in 1 2 3 4 5 6 7 8; do echo 'Tesla T4, 15360, 0'; done\n")
+    smi.chmod(0o755)
+
+
+def test_a_preflight_fail_stops_the_node_before_serving(base_env: dict[str, str], stubs: Path,
+                                                         tmp_path: Path) -> None:
+    """preflight's exit 1 is the script's: the init container fails, no serve line is printed.
+    (GPUs too small for the KV budget: a full disk would not do, loading writes nothing there.)"""
+    small_gpus(stubs)
     env = dict(base_env, SLURM_NODEID="1", SLURM_NNODES="2", K3_LEADER_ADDRESS="gpu01",
-               K3_DEST=str(tmp_path / "nvme" / "kimi-k3"), K3CKPT_PREFLIGHT_FREE_BYTES="0")
+               K3_DEST=str(tmp_path / "nvme" / "kimi-k3"))
     res = node_init(env, "init")
     assert res.returncode == 1, res.stdout + res.stderr
-    assert re.search(r"^FAIL  disk", res.stdout, re.MULTILINE)
+    assert re.search(r"^FAIL  gpu .*Tesla T4", res.stdout, re.MULTILINE)
     assert "not ready" in res.stdout and "vllm serve" not in res.stdout
 
 
@@ -438,9 +449,10 @@ def test_sbatch_runs_node_init_on_every_node(served: Path, base_env: dict[str, s
         assert_node_dir(dest, served, i, nodes, 8, 8)
 
 
-def test_sbatch_stops_when_a_node_fails_preflight(base_env: dict[str, str], tmp_path: Path) -> None:
+def test_sbatch_stops_when_a_node_fails_preflight(base_env: dict[str, str], stubs: Path, tmp_path: Path) -> None:
+    small_gpus(stubs)
     env = dict(base_env, SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu[01-02]", SLURM_SUBMIT_DIR=str(ROOT),
-               NODE_DISKS=str(tmp_path), K3CKPT_PREFLIGHT_FREE_BYTES="0")
+               NODE_DISKS=str(tmp_path))
     res = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 1, res.stdout + res.stderr
     assert vllm_calls(env) == []

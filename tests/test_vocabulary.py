@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -233,6 +234,25 @@ def test_aliases_parse_to_the_same_value(k3_tiny: Path, tmp_path: Path) -> None:
     for flag in ("--ranks", "--rank"):
         res = run("preflight", str(k3_tiny), flag, "1", "--ep", "2", "--no-env", "--json")
         assert res.exit_code in (0, 1) and json.loads(res.output)["ranks"] == [1], res.output
+
+
+def test_value_aliases_are_accepted_and_not_shown(k3_tiny: Path, tmp_path: Path) -> None:
+    """Issue #25: ``--format hf-node`` and ``--scale-mode floor`` showed in ``--help``, though the
+    docs say the older spellings are hidden; they still work."""
+    for args, alias in ((["reshard"], "hf-node"), (["plan"], "hf-node"), (["mx", "error"], "floor"),
+                        (["mx", "quantize"], "floor")):
+        res = run(*args, "--help")
+        # (the word, not the OCP rule's floor(log2(amax)))
+        assert res.exit_code == 0 and not re.search(rf"\b{alias}\b(?!\()", res.output), (args, res.output)
+    res = run("reshard", str(k3_tiny), "-o", str(tmp_path / "o"), "--format", "hf-node", "--tp", "2", "--json")
+    assert res.exit_code == 0 and json.loads(res.output)["format"] == "node", res.output
+    res = run("plan", str(k3_tiny), "--format", "hf-node", "--tp", "2", "--json")
+    assert res.exit_code == 0, res.output
+    res = run("mx", "error", str(k3_tiny / "model-00002-of-000008.safetensors"), "--scale-mode", "floor", "--json")
+    assert res.exit_code in (0, 1) and json.loads(res.output)["scale_mode"] == "ocp", res.output
+    # an unknown value is still refused, naming only the shown choices
+    res = run("reshard", str(k3_tiny), "-o", str(tmp_path / "p"), "--format", "nodes")
+    assert_one_line_error(res, 2, "'nodes' is not one of 'node', 'rank'")
 
 
 # -- --debug anywhere, a closed pipe ----------------------------------------------------------------

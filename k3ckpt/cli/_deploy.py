@@ -11,6 +11,7 @@ from ..errors import EXIT_PROBLEMS
 from ..format.topology import RankSelection
 from ._options import (
     CONTEXT,
+    AliasedChoice,
     ByteRate,
     Decorator,
     handle_errors,
@@ -28,7 +29,9 @@ _PLACEMENT = "Expert placement: vLLM's linear rule or round robin."
 _KV_BUDGET = "KV cache (and other runtime) memory to reserve per GPU."
 _FORMAT = ("node: per node a checkpoint directory stock vLLM loads with --enable-expert-parallel "
            "--enable-ep-weight-filter (dense tensors whole, only the node's experts); rank: pre-split tensors "
-           "per rank, for custom loaders - no stock engine reads pre-split tensors. hf-node is another name for node.")
+           "per rank, for custom loaders - no stock engine reads pre-split tensors.")
+#: --format's values; ``hf-node`` (the node format's first name) is accepted and not shown
+_LAYOUTS = AliasedChoice(["node", "rank"], aliases=("hf-node",))
 
 
 def _engine_topology(**extra: str) -> Decorator:
@@ -52,7 +55,7 @@ def _engine_topology(**extra: str) -> Decorator:
 
 @click.command(context_settings=CONTEXT)
 @click.argument("source", type=click.Path(path_type=str))
-@click.option("--format", "layout", type=click.Choice(["node", "rank", "hf-node"]), default="node", show_default=True,
+@click.option("--format", "layout", type=_LAYOUTS, default="node", show_default=True,
               help=_FORMAT)
 @_engine_topology()
 @size_option("--kv-budget", default="20GiB", help=_KV_BUDGET)
@@ -110,7 +113,7 @@ def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, l
 @click.argument("source", type=click.Path(file_okay=False, path_type=str))
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Output directory (node-NNNNN/ or rank-NNNNN/ directories and topology.json).")
-@click.option("--format", "layout", type=click.Choice(["node", "rank", "hf-node"]), default="node", show_default=True,
+@click.option("--format", "layout", type=_LAYOUTS, default="node", show_default=True,
               help=_FORMAT)
 @_engine_topology(ranks="--format rank: only these ranks, e.g. 0-3,8.",
                   node="Only this node (needs --gpus-per-node with --format rank).")
@@ -224,7 +227,8 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
 
 @click.command(context_settings=CONTEXT)
 @click.argument("directory", type=click.Path(path_type=str))
-@topology_options(ranks="Check this global rank only (one rank).", node="Check the ranks of this node (needs --gpus-per-node).",
+@topology_options(ranks="Check these global ranks, e.g. 3 or 0-3,8 (as the other commands read --ranks).",
+                  node="Check the ranks of this node (needs --gpus-per-node).",
                   gpus_per_node="Ranks per node.", ep="Expert-parallel degree the launcher uses.",
                   tp="Tensor-parallel degree the launcher uses.",
                   dp="Data-parallel degree the launcher uses (--engine: ep = tp x dp).",
@@ -243,7 +247,9 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
 @click.option("--io-test", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="Measure read speed (O_DIRECT where possible) for up to this long.")
 @size_option("--kv-budget", default="20GiB", help=_KV_BUDGET)
-@size_option("--min-free-disk", default="1GiB", help="Free space the disk holding DIRECTORY must keep.")
+@size_option("--min-free-disk", default="1GiB",
+             help="Free space the disk holding DIRECTORY should keep: less is a WARN (loading writes nothing "
+                  "there; a FAIL only when ranks still to be written there do not fit; a read-only mount passes).")
 @click.option("--no-env", is_flag=True, help="Ignore the launcher's variables (RANK, SLURM_*, ...).")
 @click.option("--require-proof", is_flag=True,
               help="FAIL (exit 1) unless the bytes this node loads are proven (docs/trust.md); the init recipe's way.")
@@ -312,7 +318,9 @@ def preflight(directory: str, selection: RankSelection, full: bool, io_test: flo
               help="Expert placement the directory was written for.")
 @click.option("--node", type=click.IntRange(0), default=0, show_default=True, help="This node.")
 @click.option("--gpus-per-node", type=click.IntRange(1), help="Ranks per node [default: tp x dp, one node].")
-@click.option("--leader-address", metavar="HOST", help="The leader's address (multi-node) [default: LEADER_ADDRESS].")
+@click.option("--leader-address", metavar="HOST",
+              help="The leader's address (multi-node) [default: LWS_LEADER_ADDRESS / MASTER_ADDR, else the "
+                   "placeholder LEADER_ADDRESS, as preflight].")
 @click.option("--rpc-port", type=click.IntRange(1, 65535), default=13345, show_default=True,
               help="vLLM's --data-parallel-rpc-port (multi-node).")
 @click.option("--served-model-name", metavar="NAME", help="--served-model-name.")
@@ -326,20 +334,24 @@ def serve_command(directory: str, engine: str, tp: int, dp: int, placement: str,
     The line `k3ckpt preflight` prints as `serve` after checking the directory, without the
     check (DIRECTORY need not exist yet): vLLM's expert parallel over tp x dp ranks with the
     weight filter and the placement, and for several nodes the data-parallel flags (node 0
-    serves the API, the others run --headless from their first DP rank). Shell-quoted.
+    serves the API, the others run --headless from their first DP rank). The leader is
+    --leader-address, else LWS_LEADER_ADDRESS / MASTER_ADDR, else the placeholder
+    LEADER_ADDRESS - as preflight reads it. Shell-quoted.
 
     \b
     Examples:
       k3ckpt serve-command /nvme/k3 --tp 8
       k3ckpt serve-command /nvme/k3 --tp 8 --dp 2 --gpus-per-node 8 --node 1 --leader-address gpu01
     """
+    import os
     import shlex
 
+    from ..deploy.serve import leader_from_env
     from ..deploy.serve import serve_command as build
 
     argv = build(directory, tp=tp, dp=dp, placement=placement, node=node, gpus_per_node=gpus_per_node,
-                 leader_address=leader_address, rpc_port=rpc_port, served_model_name=served_model_name,
-                 engine=engine)
+                 leader_address=leader_address or leader_from_env(os.environ), rpc_port=rpc_port,
+                 served_model_name=served_model_name, engine=engine)
     if as_json:
         emit_json({"serve": argv})
     else:

@@ -114,9 +114,10 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
     --format partial (the default with --ranks) rewrites each hub shard with just the selected
     tensors under its own name, plus a matching index, the non-weight files and
     k3ckpt-partial.json (written last); reshard and verify accept it. The hub's sha256 covers
-    whole files, so new files are verified tensor by tensor against --manifest (from `k3ckpt
-    manifest pull --tensor-hashes`, before the download); without it only structure and sizes are checked, and it
-    says so.
+    whole files, so new files are verified tensor by tensor against --manifest (a tensor-hash
+    manifest: `k3ckpt manifest pull REPO_ID --tensor-hashes -o M`, before the download; a plain
+    manifest has no tensor hashes and is refused); without it only structure and sizes are
+    checked, and it says so.
 
     \b
     Examples:
@@ -126,8 +127,10 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
       k3ckpt fetch moonshotai/Kimi-K3 --source modelscope --local-dir /nvme/Kimi-K3 --max-workers 16
       k3ckpt fetch moonshotai/Kimi-K3 --local-dir ./k3 --include '*.json' --include 'tokenizer*'
       k3ckpt fetch moonshotai/Kimi-K3 --local-dir ./k3 --dry-run
-      k3ckpt fetch moonshotai/Kimi-K3 --local-dir /nvme/k3-node1 --tp 8 --dp 2 --node 1 --gpus-per-node 8
-      k3ckpt fetch moonshotai/Kimi-K3 --local-dir ./k3-r0 --ep 8 --ranks 0 --manifest kimi-k3.json
+      k3ckpt manifest pull moonshotai/Kimi-K3 --tensor-hashes -o kimi-k3.tensors.json
+      k3ckpt fetch moonshotai/Kimi-K3 --local-dir /nvme/k3-node1 --tp 8 --dp 2 --node 1 --gpus-per-node 8 \\
+          --manifest kimi-k3.tensors.json
+      k3ckpt fetch moonshotai/Kimi-K3 --local-dir ./k3-r0 --ep 8 --ranks 0 --manifest kimi-k3.tensors.json
     """
     from ..hub.fetch import check_destination, fetch_json, plan_fetch, render_fetch, render_fetch_plan, run_fetch
 
@@ -341,6 +344,10 @@ def _run_planned(r: _Run, plan: Any, render_plan: Callable[[Any], str], run: Cal
         return
     with ByteProgress(not r.as_json, "fetching") as bar:
         res = run(plan, workers=r.jobs, token=r.token, progress=bar, on_plan=bar.plan)
+    if res.ok and r.manifest_path is not None:
+        from ..hub.fetch import record_manifest
+
+        record_manifest(plan.dest, r.manifest_path)  # for the commands that fetch more of it
     if r.as_json:
         emit_json(to_json(plan, res))
     else:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ..errors import EXIT_PROBLEMS
-from ._options import CONTEXT, handle_errors, jobs_option, json_option
+from ._options import CONTEXT, AliasedChoice, handle_errors, jobs_option, json_option
 from ._output import ByteProgress, emit_json
 
 if TYPE_CHECKING:  # the mx modules (and numpy) are imported by the commands that use them
@@ -36,10 +36,10 @@ def mx() -> None:
 # The values are spelled out here (not imported from k3ckpt.mx.codec) so that `--help` does not
 # import numpy; tests/test_mxfp4_golden.py checks they are codec.SCALE_MODES plus the alias.
 _scale_mode_option = click.option(
-    "--scale-mode", type=click.Choice(["compressed-tensors", "ocp", "floor", "ceil", "even"]),
+    "--scale-mode", type=AliasedChoice(["compressed-tensors", "ocp", "ceil", "even"], aliases=("floor",)),
     default="compressed-tensors", show_default=True,
     help="Shared-exponent rule: compressed-tensors (what made K3's experts: amax rounded to one mantissa "
-         "bit); ocp (OCP MX floor(log2(amax)) - 2; floor is an alias); ceil (never saturates); even "
+         "bit); ocp (OCP MX floor(log2(amax)) - 2); ceil (never saturates); even "
          "(compressed-tensors' exponent, -0.0 kept as -0).")
 
 

@@ -187,6 +187,21 @@ class AliasedOption(click.Option):
         return " / ".join(f"'{o}'" for o in self._shown())
 
 
+class AliasedChoice(click.Choice):
+    """A ``click.Choice`` with other accepted spellings (``aliases``) that ``--help``, the error
+    hint and shell completion leave out, as :class:`AliasedOption` does for option names: an
+    alias is passed on as given (the library reads it: ``hf-node``, ``floor``)."""
+
+    def __init__(self, choices: list[str], aliases: tuple[str, ...]) -> None:
+        super().__init__(choices)
+        self.aliases = aliases
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value in self.aliases:
+            return value
+        return super().convert(value, param, ctx)
+
+
 def aliased_option(*decls: str, aliases: tuple[str, ...] = (), **kwargs: Any) -> Decorator:
     """``click.option(*decls, *aliases)``: the aliases are accepted and not shown."""
     return click.option(*decls[:1], *aliases, *decls[1:], cls=AliasedOption, aliases=aliases, **kwargs)
@@ -251,7 +266,7 @@ def token_option() -> Decorator:
 
 def _topology_options() -> dict[str, tuple[str, click.ParamType]]:
     """parameter -> (option, type); the parameter names are RankSelection's fields. Ranks are
-    selected by --ranks in every command (preflight: one rank); --rank is the same option.
+    selected by --ranks in every command (one rank or a list, 0-3,8); --rank is the same option.
     (Built when a command declares them: the topology math is imported by the commands that
     use it, not by every command.)"""
     from ..format.topology import PLACEMENTS

@@ -33,6 +33,7 @@ from ._preflight_report import (
     new_output_dir,
     node_fetch_command,
     node_reshard_command,
+    preflight_command,
 )
 from .serve import serve_command
 
@@ -64,7 +65,7 @@ class EngineNodeDir(PlainCheckpoint):
         # A hub download records where it came from (``fetch``'s source record); a reshard output
         # does not: that decides whether the fix is a fetch or a reshard.
         src = ckpt.source
-        self.fetched_from = ({"hub": src.hub, "repo": src.repo, "revision": src.revision}
+        self.fetched_from = ({"hub": src.hub, "repo": src.repo, "revision": src.revision, "manifest": src.manifest}
                              if src.hub and src.repo else None)
         topo = self._launch(ckpt)
         per_node, node, how = self._node(topo)
@@ -139,7 +140,7 @@ class EngineNodeDir(PlainCheckpoint):
         """(GPUs per node, this node, how it was chosen): the options, else the launcher's
         variables, else the marker's node."""
         ask, sel, env = self.ask, self.ask.selection, self.ask.env
-        if ask.rank is not None:
+        if ask.asks_ranks:
             raise PreflightError("--engine checks one node: give --node, not --ranks")
         marked = self.marker or {}
         per_node = sel.gpus_per_node or env.local_world_size or _int(marked.get("gpus_per_node")) or topo.world_size
@@ -258,12 +259,22 @@ class EngineNodeDir(PlainCheckpoint):
         return Check("dense", PASS, f"all {len(want)} non-expert tensors {NODE_MARKER} lists are present")
 
     def _sglang(self, topo: Topology, node: int, per_node: int) -> Check:
-        """:func:`sglang_check`; its fix, when the expert count divides: the linear node."""
+        """:func:`sglang_check`; its fix, when the expert count divides: the linear node; else
+        the check of the launch vLLM serves."""
         check = sglang_check(topo)
         if check.status == FAIL and topo.num_experts % topo.world_size == 0:
             linear = Topology.make(topo.ep, topo.tp, topo.world_size, "linear", num_experts=topo.num_experts)
             check.fix = self._fix(linear, node, per_node)
+        elif check.status == FAIL:
+            check.fix = preflight_command(self.root, topo, engine="vllm", node=node, gpus_per_node=per_node)
         return check
+
+    def _structure_fix(self, ckpt: Checkpoint, issues: list[Any]) -> str:
+        """A node's weight files are rewritten as the node (its index and marker with them); the
+        other files restored as for any checkpoint."""
+        if any(i.file is None or i.file in ckpt.shards or i.file.endswith(".safetensors") for i in issues):
+            return self._fix(None, None, None)
+        return super()._structure_fix(ckpt, issues)
 
     # -- the fix ------------------------------------------------------------------------------------
 
@@ -283,6 +294,8 @@ class EngineNodeDir(PlainCheckpoint):
         own = self._is_recorded_launch(topo, node, per_node)
         suffix = f"tp{topo.tp}-dp{topo.dp}" + (f"-{topo.placement.replace('_', '-')}" if topo.placement != "linear" else "")
         source = marker.get("source") if isinstance(marker.get("source"), dict) else None
+        if source is not None and self.fetched_from is not None:
+            source = {**source, "manifest": self.fetched_from.get("manifest")}
         if not self.node_marker and source is not None:
             return node_fetch_command(source, self.root if own else new_output_dir(self.root, f"node{node}-{suffix}"),
                                       topo, node, per_node)
@@ -356,11 +369,3 @@ def _describe(topo: Topology, node: int, per_node: int) -> str:
 
 def _int(x: Any) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) else None
-
-
-#: Where the launchers put the leader's address: LeaderWorkerSet's, then the torchrun/SLURM convention.
-LEADER_VARIABLES = ("LWS_LEADER_ADDRESS", "MASTER_ADDR")
-
-
-def leader_from_env(environ: Any) -> str | None:
-    return next((environ[v].strip() for v in LEADER_VARIABLES if environ.get(v, "").strip()), None)

@@ -62,21 +62,38 @@ MXFP4_WEIGHT_ONLY = ("H100", "H200", "H800", "H20", "GH200")
 
 
 def disk_check(root: Path, min_free: int, still_to_write: int, environ: Mapping[str, str]) -> Check:
-    """Free space on the filesystem of ``root``: ``min_free`` plus what incomplete ranks need."""
+    """Free space on the filesystem of ``root``, which preflight and the engine only read: it
+    matters for what is still to be written there (``still_to_write``: a layout's incomplete
+    ranks, which their fix rewrites in place) - a FAIL when that does not fit, or cannot be
+    written at all (a read-only mount). ``min_free`` (``--min-free-disk``) is a margin for the
+    other writers sharing the filesystem: below it is a WARN, since loading needs no space."""
+    st = os.statvfs(root)
     free = K3CKPT_PREFLIGHT_FREE_BYTES.get(environ)  # the hooks live where the launcher variables do
-    hooked = free is not None
-    if free is None:
-        st = os.statvfs(root)
-        free = st.f_bavail * st.f_frsize
-    need = min_free + still_to_write
+    via = f" ({FREE_BYTES_HOOK})" if free is not None else ""
+    free = st.f_bavail * st.f_frsize if free is None else free
+    details: dict[str, Any] = {"free_bytes": free, "need_bytes": min_free + still_to_write,
+                               "read_only": bool(st.f_flag & os.ST_RDONLY)}
+    if details["read_only"]:
+        if still_to_write:
+            return Check("disk", FAIL, f"{root} is on a read-only mount: the {human_bytes(still_to_write)} of ranks "
+                                       f"still to be written cannot be written here",
+                         fix=f"remount the filesystem of {root} read-write, or write the layout where it is "
+                             f"(the rank rows' fix with another -o)", details=details)
+        return Check("disk", PASS, f"read-only mount: preflight and the engine only read {root}, so no free "
+                                   f"space is needed", details=details)
+    if still_to_write and free < min_free + still_to_write:
+        need = min_free + still_to_write
+        return Check("disk", FAIL, f"{human_bytes(free)} free{via} on {root}, need {human_bytes(need)} "
+                                   f"({human_bytes(still_to_write)} for ranks still to be written + "
+                                   f"{human_bytes(min_free)} to keep free)",
+                     fix=f"free {human_bytes(need - free)} on the filesystem of {root}", details=details)
     what = f"{human_bytes(min_free)} to keep free" + (
         f" + {human_bytes(still_to_write)} for ranks still to be written" if still_to_write else "")
-    via = f" ({FREE_BYTES_HOOK})" if hooked else ""
-    details = {"free_bytes": free, "need_bytes": need}
-    if free < need:
-        return Check("disk", FAIL, f"{human_bytes(free)} free{via} on {root}, need {human_bytes(need)} ({what})",
-                     fix=f"free {human_bytes(need - free)} on the filesystem of {root}", details=details)
-    return Check("disk", PASS, f"{human_bytes(free)} free{via}, need {human_bytes(need)} ({what})", details=details)
+    if free < min_free:
+        return Check("disk", WARN, f"{human_bytes(free)} free{via} on {root}, below the {what}: loading writes "
+                                   f"nothing here, but other writers on this filesystem may fail", details=details)
+    return Check("disk", PASS, f"{human_bytes(free)} free{via}, need {human_bytes(min_free + still_to_write)} "
+                               f"({what})", details=details)
 
 
 def _mem_available(environ: Mapping[str, str]) -> tuple[int | None, str]:
@@ -207,26 +224,33 @@ def gpu_checks(need: Mapping[int, int | None] | None, slots: Mapping[int, int], 
         what = "GPU memory and MXFP4 support" if mxfp4 else "GPU memory"
         return [Check("gpu", WARN, f"{what} not checked: {devices}")]
     out = []
-    short, unknown = [], []
+    short, unknown, fixes = [], [], []
     for r, weights in sorted((need or {}).items()):
         slot = slots.get(r, 0)
         if slot >= len(devices):
             short.append(f"rank {r} needs device {slot} but {tool} shows {len(devices)}")
+            fixes.append(f"run on a node with {slot + 1} GPUs visible (CUDA_VISIBLE_DEVICES), or give "
+                         f"--gpus-per-node the number it has")
             continue
         if weights is None:
             unknown.append(r)
             continue
-        want = int(weights * WEIGHT_OVERHEAD) + kv_budget
+        loaded = int(weights * WEIGHT_OVERHEAD)
+        want = loaded + kv_budget
         d = devices[slot]
         if want > d.free:
             short.append(f"rank {r} needs {human_bytes(want)} ({human_bytes(weights)} x {WEIGHT_OVERHEAD} + "
                          f"{human_bytes(kv_budget)} KV) but GPU {slot} ({d.name}) has {human_bytes(d.free)} free")
+            fixes.append(f"--kv-budget {(d.free - loaded) >> 20}MiB at most fits rank {r} on GPU {slot}, or free its "
+                         f"{human_bytes(d.used)} in use" if loaded < d.free else
+                         f"rank {r}'s weights alone need {human_bytes(loaded)} of GPU {slot}'s "
+                         f"{human_bytes(d.free)} free: spread them over more GPUs (a larger --tp/--dp)")
     names = sorted({d.name for d in devices})
     seen = f"{len(devices)} x {' / '.join(names)} ({tool})"
     details = {"devices": [d.__dict__ | {"free": d.free} for d in devices], "kv_budget": kv_budget}
     if short:
         more = f" (+{len(short) - 1} more)" if len(short) > 1 else ""
-        out.append(Check("gpu", FAIL, short[0] + more, details={**details, "problems": short}))
+        out.append(Check("gpu", FAIL, short[0] + more, fix=fixes[0], details={**details, "problems": short}))
     elif unknown:
         out.append(Check("gpu", WARN, f"{seen}; weights of ranks {format_ranges(unknown)} unknown (no manifest yet)",
                          details=details))
@@ -347,6 +371,8 @@ def quant_check(cfg: ModelConfig | None, mx: int, fp8: int) -> Check:
           and (not (declared or "").startswith("fp8") or fp8 > 0))
     if not ok:
         return Check("quantization", FAIL, f"config.json says {says} but the tensors have {found}",
+                     fix="compare config.json's quantization_config with the checkpoint's source and restore "
+                         "whichever was changed (the config, or the weights)",
                      details={"declared": declared, "mxfp4_tensors": mx, "fp8_tensors": fp8})
     return Check("quantization", PASS, f"config.json says {says}; {found}",
                  details={"declared": declared, "mxfp4_tensors": mx, "fp8_tensors": fp8})
@@ -458,7 +484,9 @@ def io_check(report: PreflightReport, seconds: float) -> None:
     try:
         rs = measure_read_speed(files, seconds, readers=max(1, min(len(report.ranks) or 1, 8)))
     except OSError as e:
-        report.checks.append(Check("read speed", FAIL, f"{e.filename or ''}: read failed ({e.strerror or e})"))
+        report.checks.append(Check("read speed", FAIL, f"{e.filename or ''}: read failed ({e.strerror or e})",
+                                   fix="the engine's load would fail the same way: check the device (dmesg, "
+                                       "smartctl) and write the file again"))
         return
     report.read_speed = rs
     rate = rs.bytes_per_second

@@ -27,6 +27,7 @@ from ..format.topology import (
     Topology,
     TopologyError,
     is_mxfp4,
+    parse_ranks,
     rank_from_env,
     ranks_of_node,
     tensors_for_ranks,
@@ -49,29 +50,18 @@ from ._preflight_report import (
     PreflightReport,
     copy_command,
     describe_topology,
+    environment_fix,
     fetch_command,
     new_output_dir,
+    preflight_command,
     reshard_command,
     restore_command,
     topology_suffix,
 )
 
 
-def one_rank(ranks: str | Sequence[int] | None) -> int | None:
-    """The one rank a selection names (preflight checks one rank or one node), if any."""
-    if ranks is None:
-        return None
-    if isinstance(ranks, str):
-        if ranks.strip().isdigit():
-            return int(ranks)
-    elif len(ranks) == 1:
-        return ranks[0]
-    raise PreflightError(f"preflight checks one rank or one node, not ranks {ranks!r}")
-
-
 @dataclass
 class Request:
-    rank: int | None  # the selection's one rank
     selection: RankSelection
     full: bool
     kv_budget: int
@@ -92,15 +82,31 @@ class Request:
         """Ranks per node: ``--gpus-per-node``, else the launcher's."""
         return self.selection.gpus_per_node or self.env.local_world_size
 
+    @property
+    def asks_ranks(self) -> bool:
+        """``--ranks`` was given."""
+        return self.selection.ranks is not None
+
     def select(self, world_size: int) -> tuple[list[int], str]:
         """This node's ranks of a world of ``world_size`` and how they were chosen."""
-        return select_ranks(world_size, rank=self.rank, node=self.selection.node,
+        asked = None if self.selection.ranks is None else ranks_of_spec(self.selection.ranks, world_size)
+        return select_ranks(world_size, rank=asked, node=self.selection.node,
                             gpus_per_node=self.selection.gpus_per_node, env=self.env)
 
     def check_environment(self, world_size: int | None, ranks: list[int]) -> Check:
         """:func:`check_environment` with this request's options."""
-        return check_environment(self.env, world_size, ranks, rank=self.rank, node=self.selection.node,
-                                 gpus_per_node=self.selection.gpus_per_node)
+        return check_environment(self.env, world_size, ranks, rank=ranks if self.asks_ranks else None,
+                                 node=self.selection.node, gpus_per_node=self.selection.gpus_per_node)
+
+
+def ranks_of_spec(spec: str | Sequence[int], world_size: int) -> list[int]:
+    """``--ranks`` as every command reads it (:func:`~k3ckpt.format.topology.parse_ranks`:
+    ``3``, ``0-3,8``): sorted, without duplicates, each in ``0..world_size-1``.
+
+    Raises:
+        TopologyError: not ranks, or a rank outside the world.
+    """
+    return parse_ranks(spec if isinstance(spec, str) else ",".join(map(str, spec)), world_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,18 +114,18 @@ class Request:
 
 
 def select_ranks(
-    world_size: int, *, rank: int | None, node: int | None, gpus_per_node: int | None, env: RankEnv,
+    world_size: int, *, rank: int | Sequence[int] | None, node: int | None, gpus_per_node: int | None, env: RankEnv,
 ) -> tuple[list[int], str]:
     """This node's ranks and how they were chosen (see the module docstring for the order).
+    ``rank``: the ranks ``--ranks`` names (one, or a list).
 
     Raises:
         TopologyError: ``rank`` or ``node`` is outside the topology (an explicit option; an
             out-of-range launcher variable is reported by the environment check instead).
     """
     if rank is not None:
-        if not 0 <= rank < world_size:
-            raise TopologyError(f"--ranks {rank} out of range 0..{world_size - 1} (world size {world_size})")
-        return [rank], f"--ranks {rank}"
+        asked = ranks_of_spec([rank] if isinstance(rank, int) else rank, world_size)
+        return asked, f"--ranks {format_ranges(asked)}"
     if node is not None:
         assert gpus_per_node is not None
         return ranks_of_node(node, gpus_per_node, world_size), f"--node {node} ({gpus_per_node} GPUs per node)"
@@ -175,9 +181,11 @@ def _with(env: RankEnv, fld: str, var: str | None, environ: Mapping[str, str]) -
     return replace(env, **fields)
 
 
-def check_environment(env: RankEnv, world_size: int | None, ranks: list[int], *, rank: int | None,
+def check_environment(env: RankEnv, world_size: int | None, ranks: list[int], *, rank: int | Sequence[int] | None,
                       node: int | None, gpus_per_node: int | None) -> Check:
-    """The launcher's variables against the topology, the options and each other."""
+    """The launcher's variables against the topology, the options (``rank``: the ranks
+    ``--ranks`` names) and each other."""
+    rank = [rank] if isinstance(rank, int) else (None if rank is None else list(rank))
     if not env.found and not env.problems:
         return Check("environment", PASS, "no launcher variables set (RANK, WORLD_SIZE, SLURM_*, "
                                           "JOB_COMPLETION_INDEX...): nothing to compare")
@@ -190,7 +198,7 @@ def check_environment(env: RankEnv, world_size: int | None, ranks: list[int], *,
     seen = ", ".join(f"{src[k]}={getattr(env, k)}" for k in ("rank", "world_size", "local_rank",
                                                               "local_world_size", "node") if k in src)
     if bad:
-        return Check("environment", FAIL, "; ".join(bad), details={"variables": seen})
+        return Check("environment", FAIL, "; ".join(bad), fix=environment_fix(bad[0]), details={"variables": seen})
     return Check("environment", PASS, f"{seen} agree with the topology", details={"variables": seen})
 
 
@@ -210,12 +218,12 @@ def _env_vs_topology(env: RankEnv, world_size: int | None, per_node: int | None)
     return bad
 
 
-def _env_vs_options(env: RankEnv, ranks: list[int], rank: int | None, node: int | None,
+def _env_vs_options(env: RankEnv, ranks: list[int], rank: list[int] | None, node: int | None,
                     gpus_per_node: int | None) -> list[str]:
     src, bad = env.sources, []
     if env.rank is not None:
-        if rank is not None and env.rank != rank:
-            bad.append(f"{src['rank']}={env.rank} but --ranks {rank}")
+        if rank is not None and env.rank not in rank:
+            bad.append(f"{src['rank']}={env.rank} but --ranks {format_ranges(rank)}")
         elif rank is None and env.rank not in ranks and (node is not None or env.node is not None):
             bad.append(f"{src['rank']}={env.rank} is not one of this node's ranks {format_ranges(ranks)}")
     if node is not None and env.node is not None and env.node != node:
@@ -225,11 +233,11 @@ def _env_vs_options(env: RankEnv, ranks: list[int], rank: int | None, node: int 
     return bad
 
 
-def _env_vs_node_size(env: RankEnv, rank: int | None, per_node: int) -> list[str]:
+def _env_vs_node_size(env: RankEnv, rank: list[int] | None, per_node: int) -> list[str]:
     """Local rank and node index must be what the global rank implies with ``per_node`` ranks
     per node (torchrun and srun number ranks node by node)."""
     src, bad = env.sources, []
-    me = env.rank if env.rank is not None else rank
+    me = env.rank if env.rank is not None else (rank[0] if rank is not None and len(rank) == 1 else None)
     if me is not None and env.local_rank is not None and me % per_node != env.local_rank:
         who = f"{src['rank']}={me}" if env.rank is not None else f"--ranks {me}"
         bad.append(f"{src['local_rank']}={env.local_rank} but {who} is local rank {me % per_node} "
@@ -571,7 +579,7 @@ class PlainCheckpoint:
         topo = self._topology(ckpt)
         ranks: list[int]
         if topo is None:
-            if ask.rank is not None or ask.selection.node is not None:
+            if ask.asks_ranks or ask.selection.node is not None:
                 raise PreflightError("--ranks/--node need --ep/--tp for a plain checkpoint (it has no topology.json)")
             ranks, how = [], "none: no --ep/--tp, every expert is needed"
         else:
@@ -601,7 +609,9 @@ class PlainCheckpoint:
         cfg = ckpt.config
         found = max((e for _, e in ckpt.stats.expert_parts), default=-1) + 1
         num_experts = (cfg.num_experts if cfg and cfg.num_experts else 0) or found or 1
-        return ask.selection.topology(num_experts)
+        # --tp/--dp mean what plan and reshard make of them, vLLM's expert parallel (ep = tp x dp):
+        # an engine loads this directory; an --ep given is taken as given
+        return ask.selection.topology(num_experts, engine=ask.selection.ep is None)
 
     def _structure(self, ckpt: Checkpoint) -> Check:
         from ..integrity.verify import scale_spans, scan_files, structure_issues
@@ -625,11 +635,16 @@ class PlainCheckpoint:
             f"headers and index agree ({CONFIG_NAME} missing or unreadable: not compared)"
         if not issues:
             return Check("structure", PASS, f"{n}: {agree}{scanned} ({verify_advice(ckpt.root)})")
-        missing = sorted(i.file for i in issues if i.kind == "missing-file" and i.file)
-        fix = restore_command(ckpt, ckpt.root, missing) if missing else None
         first = str(issues[0])
         more = f" (+{len(issues) - 1} more)" if len(issues) > 1 else ""
-        return Check("structure", FAIL, first + more, fix=fix, details={"issues": [str(i) for i in issues]})
+        return Check("structure", FAIL, first + more, fix=self._structure_fix(ckpt, issues),
+                     details={"issues": [str(i) for i in issues]})
+
+    def _structure_fix(self, ckpt: Checkpoint, issues: list[Any]) -> str:
+        """Fetch the files the issues name again (a fetch replaces what does not verify and adds
+        what is missing); every file when an issue names none."""
+        named = {i.file for i in issues if i.file}
+        return restore_command(ckpt, ckpt.root, sorted(named) if all(i.file for i in issues) else [])
 
     def _coverage(self, ckpt: Checkpoint, topo: Topology | None, ranks: list[int]) -> Check:
         cfg = ckpt.config
@@ -681,7 +696,17 @@ class PlainCheckpoint:
         try:
             per_rank = tensors_for_ranks(ckpt, topo, ranks)
         except TopologyError as e:
-            self.checks.append(Check("topology", FAIL, str(e)))
+            sel, why = self.ask.selection, str(e)
+            if topo.ep != topo.world_size and topo.world_size % topo.tp == 0:  # experts cut: vLLM keeps them whole
+                whole = Topology.make(topo.world_size, topo.tp, topo.world_size, topo.placement,
+                                      num_experts=topo.num_experts)
+                why += (f" (--ep {topo.ep} cuts experts {topo.world_size // topo.ep} ways; vLLM's expert parallel "
+                        f"keeps them whole: ep = tp x dp)")
+                fix = preflight_command(self.root, whole, node=sel.node, gpus_per_node=sel.gpus_per_node,
+                                        ranks=ranks if self.ask.asks_ranks else None)
+            else:
+                fix = "give a --tp whose split every tensor allows (plan refuses the others, naming the tensor)"
+            self.checks.append(Check("topology", FAIL, why, fix=fix))
             return None
         return {r: rt.total_bytes for r, rt in per_rank.items()}
 

@@ -136,18 +136,38 @@ def reshard_command(src: str | None, out: Path, topo: Topology | None, ranks: li
     return " ".join(a if a in placeholders else shlex.quote(a) for a in args)
 
 
+def _fetch_head(hub: str | None, repo: str | None, revision: str | None, dest: Path) -> list[str]:
+    """``k3ckpt fetch REPO_ID [--source S] [--revision R] --local-dir DEST``, in today's words
+    (the positional repo, ``--local-dir``; ``--source`` only when it is not the default)."""
+    args = ["k3ckpt", "fetch", repo or "REPO"]
+    if hub and hub != "hf":
+        args += ["--source", hub]
+    if revision:
+        args += ["--revision", revision]
+    return args + ["--local-dir", str(dest)]
+
+
+def _manifest_args(manifest: str | None) -> list[str]:
+    """``--manifest M`` when the directory's last fetch verified against ``M`` and it is still
+    there: the fix proves its bytes as that fetch did."""
+    return ["--manifest", manifest] if manifest and Path(manifest).is_file() else []
+
+
 def fetch_command(ckpt: Checkpoint, dest: Path, files: list[str], topo: Topology | None = None,
                   ranks: list[int] | None = None) -> str:
     """The ``k3ckpt fetch`` that restores ``files`` (every file when empty) of ``ckpt`` into
-    ``dest`` - with ``topo`` and ``ranks``, the rank-aware fetch of just those ranks' tensors;
-    ``REPO`` stands for the repository when the layout does not say."""
-    args = ["k3ckpt", "fetch", "--source", ckpt.source.hub or "hf", "--repo", ckpt.source.repo or "REPO"]
-    if ckpt.source.revision:
-        args += ["--revision", ckpt.source.revision]
-    args += ["--dest", str(dest)]
+    ``dest`` - with ``topo`` and ``ranks``, the rank-aware fetch of just those ranks' tensors
+    (with the manifest its last fetch used); ``REPO`` stands for the repository when the layout
+    does not say."""
+    src = ckpt.source
+    args = _fetch_head(src.hub, src.repo, src.revision, dest)
     if topo is not None and ranks:
-        args += ["--ep", str(topo.ep), "--tp", str(topo.tp), "--world-size", str(topo.world_size),
-                 "--placement", topo.placement, "--ranks", format_ranges(ranks)]
+        args += ["--ep", str(topo.ep), "--tp", str(topo.tp)]
+        if topo.world_size != max(topo.ep, topo.tp):
+            args += ["--world-size", str(topo.world_size)]
+        if topo.placement != "linear":
+            args += ["--placement", topo.placement]
+        args += ["--ranks", format_ranges(ranks), *_manifest_args(src.manifest)]
     for f in files:
         args += ["--include", f]
     return " ".join(a if a == "REPO" else shlex.quote(a) for a in args)
@@ -194,24 +214,38 @@ def topology_suffix(topo: Topology) -> str:
     return "-".join(parts)
 
 
-def hf_download_command(repo: str | None, revision: str | None, cache_repo: Path, files: list[str]) -> str:
+def hf_download_command(repo: str | None, revision: str | None, files: list[str], *, cache_dir: Path | None = None,
+                        local_dir: Path | None = None) -> str:
     """The Hugging Face client's own command that adds ``files`` (every missing file when empty)
-    to the snapshot of a cache repo folder: it writes blobs and symlinks the cache's way and
-    never replaces a file it has (k3ckpt never writes into a cache)."""
+    to a cache (``cache_dir``: it writes blobs and symlinks the cache's way and never replaces a
+    file it has) or to a directory the client downloaded, or k3ckpt did not write
+    (``local_dir``: only the named files, which are missing): k3ckpt writes into neither."""
     args = ["hf", "download", repo or "REPO", *files]
     if revision:
         args += ["--revision", revision]
-    args += ["--cache-dir", str(cache_repo.parent)]
+    args += ["--cache-dir", str(cache_dir)] if cache_dir is not None else ["--local-dir", str(local_dir)]
     return " ".join(a if a == "REPO" else shlex.quote(a) for a in args)
 
 
 def restore_command(ckpt: Checkpoint, root: Path, files: list[str]) -> str:
     """The command that adds the missing ``files`` (every missing file when empty) to the
-    checkpoint at ``root``: ``hf download`` into a Hugging Face cache, else :func:`fetch_command`
-    into ``root`` (a fetch adds what is missing and keeps what verifies)."""
+    checkpoint at ``root``: ``hf download`` into a Hugging Face cache; :func:`fetch_command` into
+    a directory k3ckpt fetched (a fetch adds what is missing and keeps what verifies); into any
+    other directory (``hf download --local-dir``'s, a copy), which k3ckpt never writes, the
+    client's ``hf download`` of just those files - or, for the whole checkpoint, a fetch into a
+    new directory beside it."""
+    from ..errors import OutputNotOwnedError
+    from ..hub.fetch import check_destination
+
     cache = hf_cache_repo(root)
     if cache is not None:
-        return hf_download_command(ckpt.source.repo, ckpt.source.revision, cache, files)
+        return hf_download_command(ckpt.source.repo, ckpt.source.revision, files, cache_dir=cache.parent)
+    try:
+        check_destination(root)
+    except OutputNotOwnedError:
+        if files:
+            return hf_download_command(ckpt.source.repo, ckpt.source.revision, files, local_dir=root)
+        return fetch_command(ckpt, new_output_dir(root, "fetched"), [])
     return fetch_command(ckpt, root, files)
 
 
@@ -239,15 +273,42 @@ def node_reshard_command(src: str | None, out: Path, topo: Topology, node: int, 
 
 
 def node_fetch_command(source: dict[str, Any], dest: Path, topo: Topology, node: int, gpus_per_node: int) -> str:
-    """The rank-aware ``k3ckpt fetch`` that turns ``dest`` into node ``node``'s share of ``topo``
-    (it rewrites the shards that differ and keeps the rest); ``REPO`` stands for the repository
-    when ``source`` does not name it."""
-    args = ["k3ckpt", "fetch", "--source", str(source.get("hub") or "hf"), "--repo", str(source.get("repo") or "REPO")]
-    if source.get("revision"):
-        args += ["--revision", str(source["revision"])]
-    args += ["--dest", str(dest), "--ep", str(topo.ep), "--tp", str(topo.tp), "--placement", topo.placement,
-             "--node", str(node), "--gpus-per-node", str(gpus_per_node)]
+    """The rank-aware ``k3ckpt fetch --node`` that turns ``dest`` into node ``node``'s share of
+    ``topo``, in the node format's words (``--tp/--dp``: ep = tp x dp), verified against the
+    manifest ``source`` records (it rewrites the files that differ and keeps the rest); ``REPO``
+    stands for the repository when ``source`` does not name it."""
+    def text(key: str) -> str | None:
+        value = source.get(key)
+        return value if isinstance(value, str) and value else None
+
+    args = _fetch_head(text("hub"), text("repo"), text("revision"), dest)
+    args += ["--tp", str(topo.tp), "--dp", str(topo.world_size // topo.tp)]
+    if topo.placement != "linear":
+        args += ["--placement", topo.placement]
+    args += ["--node", str(node), "--gpus-per-node", str(gpus_per_node), *_manifest_args(text("manifest"))]
     return " ".join(a if a == "REPO" else shlex.quote(a) for a in args)
+
+
+def preflight_command(root: Path, topo: Topology, *, engine: str | None = None, node: int | None = None,
+                      gpus_per_node: int | None = None, ranks: list[int] | None = None) -> str:
+    """The ``k3ckpt preflight`` of ``root`` for vLLM's expert-parallel launch of ``topo``
+    (``--tp/--dp``: ep = tp x dp) - the check to run instead of one the launch cannot be."""
+    args = ["k3ckpt", "preflight", str(root)] + (["--engine", engine] if engine else [])
+    args += ["--tp", str(topo.tp), "--dp", str(topo.world_size // topo.tp)]
+    if topo.placement != "linear":
+        args += ["--placement", topo.placement]
+    if node is not None and gpus_per_node is not None:
+        args += ["--node", str(node), "--gpus-per-node", str(gpus_per_node)]
+    elif ranks:
+        args += ["--ranks", format_ranges(ranks)]
+    return shlex.join(args)
+
+
+def environment_fix(problem: str) -> str:
+    """What to do about a launcher variable that disagrees (``problem`` starts with its name)."""
+    var = problem.split("=", 1)[0].split()[0]
+    return (f"correct {var} (the launcher's) or the option or directory it contradicts - the engine will follow "
+            f"the launcher; --no-env only if these variables describe the allocation, not this job")
 
 
 # ---------------------------------------------------------------------------------------------

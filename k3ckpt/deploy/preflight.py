@@ -6,7 +6,8 @@ checkpoint (a full download or an ``hf-node`` copy that holds only the node's ex
 check ends as a row ``PASS`` / ``WARN`` / ``FAIL`` with a one-line reason and, for a FAIL, the
 command that fixes it. Only a FAIL makes the run exit 1.
 
-Which ranks are "this node's", in order: ``--ranks R``; ``--node N --gpus-per-node G``; the
+Which ranks are "this node's", in order: ``--ranks`` (one rank, or several: ``0-3,8``, read
+as every command reads it); ``--node N --gpus-per-node G``; the
 launcher's node index (``GROUP_RANK``, ``SLURM_NODEID``, ``JOB_COMPLETION_INDEX``) with the
 ranks per node (``--gpus-per-node`` or ``LOCAL_WORLD_SIZE`` / ``SLURM_NTASKS_PER_NODE``); the
 launcher's global rank (``RANK``, ``SLURM_PROCID``); otherwise every rank of the topology.
@@ -36,8 +37,10 @@ Decisions the issue leaves open:
 - capacity: the GPU need of a rank is
  :func:`k3ckpt.plan` 's rule (weights x 1.15 + KV budget)
   against the device's free memory (total - used); host RAM is checked against one weight
-  file per local rank (loaders stage a file at a time) and only WARNs; the disk must keep
-  ``--min-free-disk`` free plus whatever the node's incomplete ranks still need;
+  file per local rank (loaders stage a file at a time) and only WARNs; the directory is read,
+  never written, by preflight and the engine: a read-only mount PASSes the disk check, free
+  space below ``--min-free-disk`` only WARNs, and a FAIL is for the node's incomplete ranks
+  when what they still need does not fit (or the mount is read-only);
 - the environment is compared by its highest-priority variable per field (see
   :func:`k3ckpt.topology.rank_from_env`); ``--no-env`` skips it for a prolog whose variables
   describe the allocation rather than the job.
@@ -73,7 +76,7 @@ from ..errors import PreflightError
 from ..format.checkpoint import resolve_root
 from ..format.layout import NODE_MARKER, TOPOLOGY_NAME
 from ..format.topology import RankEnv, RankSelection
-from ._preflight_engine import EngineNodeDir, leader_from_env
+from ._preflight_engine import EngineNodeDir
 from ._preflight_host import (
     DEFAULT_MIN_FREE_DISK,
     FREE_BYTES_HOOK,
@@ -90,7 +93,7 @@ from ._preflight_ranks import (
     Request,
     check_environment,
     launcher_env,
-    one_rank,
+    ranks_of_spec,
     select_ranks,
 )
 from ._preflight_report import (
@@ -106,7 +109,7 @@ from ._preflight_report import (
     reshard_command,
 )
 from .plan import DEFAULT_KV_BUDGET
-from .serve import DEFAULT_RPC_PORT, ENGINES, serve_command
+from .serve import DEFAULT_RPC_PORT, ENGINES, leader_from_env, serve_command
 
 __all__ = [
     "DEFAULT_MIN_FREE_DISK",
@@ -135,6 +138,9 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # The entry point
 
+#: A world larger than any: ``--ranks`` is checked for its form before the topology is known.
+_ANY_WORLD = 1 << 40
+
 
 def preflight(
     path: str | os.PathLike[str],
@@ -158,14 +164,14 @@ def preflight(
     """Check that the directory ``path`` is ready for this node to load.
 
     Args:
-        selection: this node's ranks - one rank (``ranks=[R]``) or ``node`` + ``gpus_per_node``
+        selection: this node's ranks - ``ranks`` (``"3"``, ``"0-3,8"`` or a list) or ``node`` + ``gpus_per_node``
             (default: from the launcher's environment, else every rank) - and the topology the
             launcher will use (``ep`` / ``tp`` / ``world_size`` / ``placement``): compared with
             ``topology.json``, or (plain checkpoint) the one whose experts must be present.
         full: compare sha256 of every rank file instead of sizes.
         io_test: seconds to spend measuring the read speed of this node's weight files.
         kv_budget: per-GPU memory to reserve beyond the weights x 1.15.
-        min_free_disk: free bytes the disk holding ``path`` must keep.
+        min_free_disk: free bytes the disk holding ``path`` should keep (less is a WARN: loading writes nothing there).
         use_env: compare with (and select ranks from) the launcher's variables.
         environ: the environment to read (default ``os.environ``); the test hooks
             :data:`FREE_BYTES_HOOK` and :data:`MEM_BYTES_HOOK` are read from it too.
@@ -194,12 +200,13 @@ def preflight(
     # must name the folder holding config.json, not the cache's bookkeeping around it.
     root, _ = resolve_root(root)
     env = os.environ if environ is None else environ
-    rank = one_rank(selection.ranks)
-    if rank is not None and selection.node is not None:
-        raise PreflightError("give --ranks or --node, not both")
+    if selection.ranks is not None:
+        if selection.node is not None:
+            raise PreflightError("give --ranks or --node, not both")
+        ranks_of_spec(selection.ranks, _ANY_WORLD)  # not ranks at all: before anything is read
     if selection.node is not None and selection.gpus_per_node is None:
         raise PreflightError("--node needs --gpus-per-node")
-    ask = Request(rank, selection, full, kv_budget, min_free_disk, jobs,
+    ask = Request(selection, full, kv_budget, min_free_disk, jobs,
                    launcher_env(env) if use_env else RankEnv(), env, progress, on_plan)
     rank_layout = (root / TOPOLOGY_NAME).exists() or any(root.glob("rank-[0-9]*"))
     if engine is None and not rank_layout and (root / NODE_MARKER).is_file():

@@ -20,16 +20,26 @@ across nodes.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from ..errors import TopologyError
 
 ENGINES = ("vllm", "sglang")
 #: Printed instead of the leader's address when neither ``--leader-address`` nor the launcher says it.
 LEADER_PLACEHOLDER = "LEADER_ADDRESS"
+#: Where the launchers put the leader's address: LeaderWorkerSet's, then the torchrun/SLURM convention.
+LEADER_VARIABLES = ("LWS_LEADER_ADDRESS", "MASTER_ADDR")
 #: vLLM's ``--data-parallel-rpc-port`` default is 29550; node-init.sh has always used this one.
 DEFAULT_RPC_PORT = 13345
 #: The port in SGLang's ``--dist-init-addr HOST:PORT``.
 DEFAULT_SGLANG_PORT = 5000
+
+
+def leader_from_env(environ: Mapping[str, str]) -> str | None:
+    """The leader's address the launcher set (:data:`LEADER_VARIABLES`, first found), else None:
+    the default of ``--leader-address`` in ``preflight`` and ``serve-command`` alike, so both
+    print the same line."""
+    return next((environ[v].strip() for v in LEADER_VARIABLES if environ.get(v, "").strip()), None)
 
 
 def serve_command(

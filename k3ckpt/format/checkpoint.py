@@ -66,6 +66,9 @@ class Source:
     repo: str | None = None
     revision: str | None = None
     hub: str | None = None
+    #: The tensor-hash manifest the last rank-aware fetch into the directory verified against
+    #: (its path, as recorded), so that a fix re-fetching from the same source proves as much.
+    manifest: str | None = None
 
 
 Signature = tuple  # (layer, kind, part, proj, dtype, shape, nbytes)
@@ -257,7 +260,9 @@ def _local_dir_source(root: Path) -> Source:
     except (OSError, ValueError):
         rec = None
     if isinstance(rec, dict) and all(isinstance(rec.get(k), str) and rec[k] for k in ("hub", "repo", "revision")):
-        return Source("local-dir", repo=rec["repo"], revision=rec["revision"], hub=rec["hub"])
+        manifest = rec.get("manifest")
+        return Source("local-dir", repo=rec["repo"], revision=rec["revision"], hub=rec["hub"],
+                      manifest=manifest if isinstance(manifest, str) and manifest else None)
     return Source("local-dir", revision=_local_dir_revision(root))
 
 

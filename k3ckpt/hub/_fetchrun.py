@@ -42,6 +42,8 @@ class FetchResult:
     Attributes:
         dest: The destination directory.
         fetched: Paths downloaded (fully or resumed) and verified this run.
+        resumed: Of ``fetched``, those continued from an earlier run's journaled chunks (only the
+            chunks it had not finished were downloaded).
         skipped: Paths already present with matching size and sha256 (or git blob id).
         failed: Path -> one-line reason, for every file that could not be fetched.
         notes: One line per thing the user should know that is not a failure (a server that
@@ -59,6 +61,7 @@ class FetchResult:
     bytes_total: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    resumed: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -71,6 +74,7 @@ class FetchResult:
             "dest": str(self.dest),
             "ok": self.ok,
             "fetched": sorted(self.fetched),
+            "resumed": sorted(self.resumed),
             "skipped": sorted(self.skipped),
             "failed": dict(sorted(self.failed.items())),
             "bytes_downloaded": self.bytes_downloaded,

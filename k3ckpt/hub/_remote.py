@@ -31,7 +31,7 @@ from ..integrity.manifest import Manifest, tensors_from_headers
 from . import _dest
 from . import client as hubclient
 from .client import HubListing
-from .fetch import select_paths, source_text
+from .fetch import pull_command, select_paths, source_text
 
 
 def _read_small(listing: HubListing, path: str, token: str | None) -> bytes:
@@ -102,8 +102,8 @@ def check_manifest(manifest: Manifest, label: str, headers: list[ShardHeader], w
     """The manifest must describe the hub's headers exactly and hash every wanted tensor."""
     where = f"manifest {label}"
     if not manifest.tensor_hashes:
-        raise RankFetchError(f"{where} has no tensor hashes; pull one with `k3ckpt manifest pull --tensor-hashes` "
-                             "(or build it from a full copy with `k3ckpt manifest build --tensor-hashes`)")
+        raise RankFetchError(f"{where} has no tensor hashes (a plain manifest); pull one with `{pull_command(listing)}` "
+                             "(or build it from a full copy with `k3ckpt manifest build DIR --tensor-hashes -o M`)")
     unhashed = next((n for n in sorted(wanted) if n in manifest.tensors and not manifest.tensors[n].sha256), None)
     if unhashed is not None:
         raise RankFetchError(f"{where}: tensor {unhashed!r} has no sha256")

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from ..utils import human_bytes
 from .client import HubListing
-from .fetch import source_text
+from .fetch import moved_text, pull_command, resumed_text, source_text
 
 #: ``verification`` values of the result and the marker: every rewritten shard's tensors were
 #: checked against a manifest; or only their structure and sizes; or no shard was rewritten (every
@@ -27,8 +27,13 @@ VERIFIED_STRUCTURE = "structure-and-sizes"
 VERIFIED_FILES = "file-sha256"
 #: Said plainly whenever no manifest was given.
 STRUCTURE_ONLY_NOTE = ("no --manifest: the files assembled from tensors were checked for structure and sizes only (the hub's "
-                       "sha256 covers whole files); pass a tensor-hash manifest (k3ckpt manifest pull "
-                       "--tensor-hashes, before the download, or manifest build --tensor-hashes) to verify every tensor")
+                       "sha256 covers whole files); pass a tensor-hash manifest as --manifest to verify every tensor")
+
+
+def structure_only_note(source: HubListing | str) -> str:
+    """:data:`STRUCTURE_ONLY_NOTE`, with the command that pulls the manifest of this very commit
+    (``source``: the listing or its ``hub:repo@revision``)."""
+    return f"{STRUCTURE_ONLY_NOTE} (`{pull_command(source)}`, before the download)"
 
 
 @dataclass
@@ -38,6 +43,7 @@ class RankFetchResult:
     Attributes:
         dest: The destination directory.
         written: Rewritten shards downloaded (fully or resumed) and checked this run.
+        resumed: Of ``written``, those continued from an earlier run's journaled pieces.
         skipped: Rewritten shards already complete (size, header and, with a manifest, tensor hashes).
         fetched: Whole files (non-weight files and whole shards) downloaded and sha256-verified.
         files_skipped: Whole files already present and verified.
@@ -60,6 +66,7 @@ class RankFetchResult:
     bytes_total: int = 0
     tensors_verified: int = 0
     seconds: float = 0.0
+    resumed: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -80,6 +87,7 @@ class RankFetchResult:
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "dest": str(self.dest), "ok": self.ok, "proven": self.proven, "written": sorted(self.written),
+            "resumed": sorted(self.resumed),
             "skipped": sorted(self.skipped),
             "fetched": sorted(self.fetched), "files_skipped": sorted(self.files_skipped),
             "failed": dict(sorted(self.failed.items())), "bytes_downloaded": self.bytes_downloaded,
@@ -120,7 +128,7 @@ def dry_run_total(plan: FetchPlanTotals, selection: str, written: str) -> list[s
              f"from {source_text(plan.listing)} into {plan.dest} for {selection}: {plan.tensors:,} tensors "
              f"in {written} and {len(plan.files)} other files; headers read: {human_bytes(plan.header_bytes)}"]
     if plan.verification == VERIFIED_STRUCTURE:
-        lines.append(f"note: {STRUCTURE_ONLY_NOTE}")
+        lines.append(f"note: {structure_only_note(plan.listing)}")
     return lines
 
 
@@ -134,14 +142,14 @@ def fetch_summary(res: RankFetchResult, *, source: str, dest: Path, selection: s
         lines += [f"wrote    {p}{wrote_note}" for p in res.written]
         lines += [f"fetched  {p}" for p in res.fetched]
         lines += [f"verified {p} (already present)" for p in res.skipped + res.files_skipped]
-    rate = f" at {human_bytes(res.bytes_downloaded / res.seconds)}/s" if res.seconds and res.bytes_downloaded else ""
     checked = f", {res.tensors_verified:,} tensors verified against the manifest" if manifest else ""
+    resumed = sorted(set(res.resumed) & set(res.written))
     lines.append(f"{res.verdict}: {source} -> {dest}: {selection}: "
-                 f"{len(res.written)} {written}, {len(res.fetched)} files fetched "
-                 f"({human_bytes(res.bytes_downloaded)}{rate}; {whole} is {human_bytes(bytes_total)} of "
-                 f"{human_bytes(source_bytes)}), {len(res.skipped) + len(res.files_skipped)} already present"
-                 f"{checked}, {len(res.failed)} failed")
+                 f"{len(res.written)} {written}{resumed_text(resumed)}, {len(res.fetched)} whole files fetched, "
+                 f"{len(res.skipped) + len(res.files_skipped)} already present{checked}, {len(res.failed)} failed; "
+                 f"{moved_text(res.bytes_downloaded, res.seconds)} ({whole} is {human_bytes(bytes_total)} of "
+                 f"{human_bytes(source_bytes)})")
     lines += [f"  could not fetch {p}: {why}" for p, why in sorted(res.failed.items())]
     if res.verification == VERIFIED_STRUCTURE:
-        lines.append(f"not proven: {STRUCTURE_ONLY_NOTE}")
+        lines.append(f"not proven: {structure_only_note(source)}")
     return "\n".join(lines)

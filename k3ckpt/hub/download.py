@@ -202,6 +202,7 @@ def fetch_files(
             job.load_resume()
             jobs.append(job)
 
+        resumed = {job.entry.path for job in jobs if job.done}  # an earlier run's journaled chunks adopted
         # From the journaled chunks, not by walking every chunk: a hostile listing's size of
         # 2**60 bytes must reach the space check below, not spin through 2**34 chunks first.
         to_download = sum(job.entry.size - sum(job.chunk(i)[1] for i in job.done) for job in jobs)
@@ -226,6 +227,7 @@ def fetch_files(
         for job in jobs:  # belt and braces: nothing may end neither fetched nor failed
             if job.entry.path not in result.fetched and job.entry.path not in result.failed:
                 result.failed[job.entry.path] = "not completed"
+        result.resumed = sorted(resumed & set(result.fetched))
     finally:
         lock.release()
     result.fetched.sort()

@@ -137,6 +137,20 @@ def hub_origin(listing: HubListing) -> str:
     return f"hub sha256 of {source_text(listing)}"
 
 
+def pull_command(source: HubListing | str) -> str:
+    """The ``k3ckpt manifest pull`` of the tensor-hash manifest of exactly this commit (a listing,
+    or its :func:`source_text`), as messages suggest it: its file named after the repo
+    (``kimi-k3.tensors.json``)."""
+    import shlex
+
+    text = source if isinstance(source, str) else source_text(source)
+    hub, _, rest = text.partition(":")
+    repo, _, revision = rest.rpartition("@")
+    args = ["k3ckpt", "manifest", "pull", repo] + (["--source", hub] if hub != "hf" else [])
+    name = repo.rsplit("/", 1)[-1].lower()
+    return shlex.join([*args, "--revision", revision, "--tensor-hashes", "-o", f"{name}.tensors.json"])
+
+
 def plan_fetch(
     hub: str,
     repo: str,
@@ -246,19 +260,30 @@ def render_fetch_plan(plan: FetchPlan) -> str:
 def render_fetch(plan: FetchPlan, result: Any, *, verbose: bool = False) -> str:
     """The summary of a fetch (``result`` from :func:`run_fetch`); ``verbose`` names every file
     first. The result's ``notes`` are not part of it: the CLI prints them on stderr."""
-    from ..utils import human_bytes
-
     lines = []
     if verbose:
         lines += [f"fetched  {p}" for p in result.fetched]
         lines += [f"verified {p} (already present)" for p in result.skipped]
-    rate = (f" at {human_bytes(result.bytes_downloaded / result.seconds)}/s"
-            if result.seconds and result.bytes_downloaded else "")
     lines.append(f"{'ok' if result.ok else 'FAILED'}: {plan.listing.hub}:{plan.listing.repo}@{plan.listing.revision} "
-                 f"-> {plan.dest}: {len(result.fetched)} fetched ({human_bytes(result.bytes_downloaded)}{rate}), "
-                 f"{len(result.skipped)} already present and verified, {len(result.failed)} failed")
+                 f"-> {plan.dest}: {len(result.fetched)} fetched{resumed_text(result.resumed)}, "
+                 f"{len(result.skipped)} already present and verified, {len(result.failed)} failed; "
+                 f"{moved_text(result.bytes_downloaded, result.seconds)}")
     lines += [f"  could not fetch {p}: {why}" for p, why in sorted(result.failed.items())]
     return "\n".join(lines)
+
+
+def resumed_text(resumed: list[str]) -> str:
+    """`` (N resumed)`` after a count of files, when some continued an earlier run's ``.part``."""
+    return f" ({len(resumed)} resumed from an earlier run)" if resumed else ""
+
+
+def moved_text(nbytes: int, seconds: float) -> str:
+    """What a run moved: ``6.25 MB downloaded at 37.99 MB/s`` - this run's bytes, apart from
+    the file counts (a resumed or already present file moves few or none)."""
+    from ..utils import human_bytes
+
+    rate = f" at {human_bytes(nbytes / seconds)}/s" if seconds and nbytes else ""
+    return f"{human_bytes(nbytes)} downloaded this run{rate}"
 
 
 def fetch_json(plan: FetchPlan, result: Any) -> dict[str, Any]:
@@ -280,7 +305,7 @@ def _forget_partial(plan: FetchPlan) -> None:
     if shards & set(plan.paths) and (plan.dest / NODE_MARKER).exists():
         # a node directory's files are not the hub's shards: mixing both would leave tensors twice
         raise LayoutError(f"{plan.dest} is a node directory ({NODE_MARKER}); a whole fetch would add the hub's "
-                          "shards to it: fetch into another --dest")
+                          "shards to it: fetch into another --local-dir")
     marker = plan.dest / PARTIAL_MARKER
     if shards and shards <= set(plan.paths) and marker.is_file():
         marker.unlink()
@@ -296,6 +321,24 @@ def record_source(dest: str | os.PathLike[str], listing: HubListing) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"hub": listing.hub, "repo": listing.repo, "revision": listing.revision}
     write_atomic(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+
+
+def record_manifest(dest: str | os.PathLike[str], manifest: str | os.PathLike[str]) -> None:
+    """Add to ``dest``'s source record (:func:`record_source`, written by the fetch that just
+    finished) the tensor-hash manifest it verified against, as an absolute path: a command
+    that fetches more of the same source (preflight's fix) carries it as ``--manifest``. The
+    next fetch's record replaces it (a fetch without one leaves none)."""
+    from ..format.checkpoint import SOURCE_RECORD
+    from ..utils import write_atomic
+
+    path = Path(dest) / SOURCE_RECORD
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # no record: nothing says where the files came from, so nothing to add to
+    if isinstance(doc, dict):
+        doc["manifest"] = os.path.abspath(manifest)
+        write_atomic(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,7 +414,7 @@ def _fetch_blobs(plan: FetchPlan, layout: CacheLayout, **kw: Any) -> Any:
             why = link_snapshot(layout, files[p])
             if why is not None:
                 result.failed[p] = why
-                for done in (result.fetched, result.skipped):
+                for done in (result.fetched, result.skipped, result.resumed):
                     if p in done:
                         done.remove(p)
     result.fetched.sort()

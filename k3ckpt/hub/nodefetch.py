@@ -334,7 +334,7 @@ def _prepare_dest(dest_real: str, plan: NodeFetchPlan) -> None:
     if os.path.lexists(os.path.join(dest_real, PARTIAL_MARKER)) or (
             has_index and not os.path.lexists(os.path.join(dest_real, NODE_MARKER))):
         raise RankFetchError(f"{dest_real} holds a checkpoint that is not a node directory ({INDEX_NAME} without "
-                             f"{NODE_MARKER}, or a {PARTIAL_MARKER}); fetch into another --dest")
+                             f"{NODE_MARKER}, or a {PARTIAL_MARKER}); fetch into another --local-dir")
     planned = {o.path for o in plan.outputs}
     try:
         old = json.loads(Path(dest_real, NODE_MARKER).read_bytes()).get("files", {})

@@ -169,13 +169,14 @@ def run_rank_fetch(
             # an index without our marker: a whole checkpoint (or another tool's), whose shards
             # this run would replace with subsets
             raise RankFetchError(f"{dest_real} holds a checkpoint that is not a rank-aware fetch ({INDEX_NAME} and no "
-                                 f"{PARTIAL_NAME}); its shards would be replaced by subsets: fetch into another --dest")
+                                 f"{PARTIAL_NAME}); its shards would be replaced by subsets: fetch into another --local-dir")
         # Until this run succeeds the destination must not look like a complete checkpoint.
         for name in (PARTIAL_NAME, INDEX_NAME):
             _dest.unlink(os.path.join(dest_real, name))
         record = load_shard_record(dest_real)
         jobs, _ = open_jobs(dest_real, (sp for sp in plan.shards if not sp.whole),
                             lambda sp, final: _complete(sp, final, plan.manifest, record.get(sp.path)), result, workers)
+        result.resumed = sorted(job.plan.path for job in jobs if job.done)  # (written ones are reported)
         fetch_outputs(plan, result, dest_real, jobs, plan.files + [sp.path for sp in plan.shards if sp.whole],
                       "rewritten shard(s)", workers=workers, token=token, progress=progress, on_plan=on_plan,
                       policy=policy, check_space=check_space)

@@ -163,8 +163,9 @@ def manifest_digests(ckpt: Checkpoint, manifest: Manifest, cache_directory: Path
     from ...integrity.verify import StatCache
 
     if not manifest.tensor_hashes:
-        raise ReshardError("the --manifest has no tensor hashes (build one with `k3ckpt manifest build "
-                           "--tensor-hashes`)")
+        name = ckpt.root.name.lower()
+        raise ReshardError(f"the --manifest has no tensor hashes (build one with `k3ckpt manifest build {ckpt.root} "
+                           f"--tensor-hashes -o {name}.tensors.json`)")
     cache = StatCache(ckpt.root, cache_directory)
     trusted: set[str] = set()
     for f in ckpt.shards:
