@@ -14,9 +14,11 @@ digest of named origin vouches for is "loadable, not proven" - and, with ``--req
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from ..errors import K3ckptError
+from ..format.checkpoint import resolve_root
 from ..integrity.statcache import recorded_proofs
 from ..integrity.verify import verify_checkpoint
 from ._preflight_report import FAIL, PASS, WARN, Check
@@ -34,14 +36,14 @@ def checkpoint_proof(root: Path, *, full: bool, require: bool, jobs: int | None,
         rep = verify_checkpoint(root, quick=not full, scan=False, jobs=jobs,
                                 progress=progress if callable(progress) else None)
     except K3ckptError as e:  # e.g. a share a manifest cannot check: say so, never a traceback
-        return _unproven(f"not checked: {e}", require, root)
+        return _unproven(f"not checked: {e}", require)
     content = [i for i in rep.problems if i.kind in CONTENT_KINDS]
     if content:  # bytes that are not what was proven (or recorded): this row's own finding
         more = f" (+{len(content) - 1} more)" if len(content) > 1 else ""
         return Check(PROOF, FAIL, f"{content[0]}{more}", fix=f"k3ckpt verify {root}",
                      details={"issues": [str(i) for i in content]})
     # (other problems are the structure rows' findings: here they only leave files unproven)
-    return _verdict(rep.origins, rep.unproven, require, root, full)
+    return _verdict(rep.origins, rep.unproven, require, root, full, fix=_against_hub(root))
 
 
 def layout_proof(root: Path, rank_dirs: dict[int, Path], *, require: bool) -> Check:
@@ -56,15 +58,30 @@ def layout_proof(root: Path, rank_dirs: dict[int, Path], *, require: bool) -> Ch
     return _verdict(origins, sorted(f for f, o in proofs.items() if o is None), require, root, full=False)
 
 
-def _verdict(origins: list[str], unproven: list[str], require: bool, root: Path, full: bool) -> Check:
+def _against_hub(root: Path) -> str | None:
+    """The verify that proves ``root`` against the hub it came from, when it says which (a
+    fetch's source record, an HF cache snapshot): the files' digests, or for a node directory
+    exactly its tensors by ranged reads. Else none: the source's own proof is what is missing."""
+    try:
+        _, src = resolve_root(root)
+    except K3ckptError:
+        return None
+    if not (src.hub and src.repo and src.revision):
+        return None
+    return shlex.join(["k3ckpt", "verify", str(root), "--against", src.hub, "--repo", src.repo,
+                       "--revision", src.revision])
+
+
+def _verdict(origins: list[str], unproven: list[str], require: bool, root: Path, full: bool,
+             fix: str | None = None) -> Check:
     if not unproven:
         how = "every byte hashed now" if full else "recorded when they were checked or written, unchanged since"
         return Check(PROOF, PASS, f"proven by {'; '.join(origins) or 'nothing to prove'} ({how})")
     shown = ", ".join(unproven[:3]) + (f" and {len(unproven) - 3} more" if len(unproven) > 3 else "")
     return _unproven(f"not proven: {len(unproven)} file{'s' if len(unproven) != 1 else ''} ({shown}): no digest "
                      "of named origin vouches for their bytes here (docs/trust.md); verify them against a pinned "
-                     "or signed manifest (a node directory: one with tensor hashes)", require, root)
+                     "or signed manifest (a node directory: one with tensor hashes) or the hub", require, fix)
 
 
-def _unproven(reason: str, require: bool, root: Path) -> Check:
-    return Check(PROOF, FAIL if require else WARN, reason, fix=f"k3ckpt verify {root} --manifest MANIFEST")
+def _unproven(reason: str, require: bool, fix: str | None = None) -> Check:
+    return Check(PROOF, FAIL if require else WARN, reason, fix=fix)
