@@ -249,7 +249,7 @@ def _fix_outputs(rep: pf.PreflightReport) -> list[Path]:
     outs = []
     for fix in [c.fix for c in rep.checks if c.fix] + ([rep.fix_all] if rep.fix_all else []):
         argv = shlex.split(fix)
-        for flag in ("-o", "--dest"):
+        for flag in ("-o", "--local-dir"):
             if argv[0] == "k3ckpt" and flag in argv:
                 outs.append(Path(argv[argv.index(flag) + 1]))
     return outs
@@ -285,7 +285,7 @@ def test_fixes_never_write_into_the_cache(hf_cache: tuple[Path, Path, str], whic
     assert rows(engine)["exact"].status == "WARN"  # a full download holds other nodes' experts
     outs = _fix_outputs(rep) + _fix_outputs(engine)
     assert outs and all(not is_within(o, repo_dir) and not o.exists() for o in outs), outs
-    assert rows(engine)["exact"].fix.split("--dest ")[1].startswith(f"{repo_dir.parent}-Kimi-K3-node1-tp2-dp2 ")
+    assert rows(engine)["exact"].fix.split("--local-dir ")[1].startswith(f"{repo_dir.parent}-Kimi-K3-node1-tp2-dp2 ")
     # the hub client's fix repairs the cache its own way: the snapshot loads again
     for fix in (r["license"].fix, r["structure"].fix):
         hf = Path(sys.executable).with_name("hf")

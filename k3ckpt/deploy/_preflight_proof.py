@@ -83,5 +83,10 @@ def _verdict(origins: list[str], unproven: list[str], require: bool, root: Path,
                      "or signed manifest (a node directory: one with tensor hashes) or the hub", require, fix)
 
 
+#: What proves bytes whose source says nothing of a hub (a local reshard, a copy).
+PROVE_SOURCE = ("verify the checkpoint they came from against a pinned or signed manifest (k3ckpt verify SRC "
+                "--manifest M), then write them again from it (reshard, or fetch --manifest)")
+
+
 def _unproven(reason: str, require: bool, fix: str | None = None) -> Check:
-    return Check(PROOF, FAIL if require else WARN, reason, fix=fix)
+    return Check(PROOF, FAIL if require else WARN, reason, fix=fix or PROVE_SOURCE)
