@@ -96,13 +96,16 @@ def test_fetch_node_equals_reshard_node(case: int, served_hub: Any, resharded: d
     # every check says the same, except that the fetched node knows its hub revision (PASS, not
     # WARN; and a fix names it)
 
+    # (fixes that name where the bytes came from: a fetch's hub, or nothing for a local reshard)
+    FETCH_OR_PROOF_FIXES = ("fix: k3ckpt fetch", "fix: k3ckpt verify", "fix: verify the")
+
     def checks(out: str, d: Path) -> list[str]:
         # (and free disk changes between runs; the proof row names what proved which files: the
         # fetch's other files the hub's sha256, the reshard's nothing - its source was not verified)
         machine = (["source"], ["disk"], ["host", "memory"], ["gpu"], ["proof"])
         return [x for x in out.replace(str(d), "DIR").splitlines() if not any(x.split()[1:1 + len(m)] == m
                                                                              for m in machine)
-                and not x.startswith("result") and not x.lstrip().startswith(("fix: k3ckpt fetch", "fix: k3ckpt verify"))]
+                and not x.startswith("result") and not x.lstrip().startswith(FETCH_OR_PROOF_FIXES)]
 
     assert checks(a.output, dest) == checks(b.output, ref)
     assert {"structure", "experts"} <= {x.split()[1] for x in checks(a.output, dest) if x[:4] in ("PASS", "FAIL")}
