@@ -23,7 +23,10 @@ client's own are ``<etag>.incomplete``). Crash safety is the downloader's (journ
 sha256 checked before a blob takes its name); then each snapshot link is made under a temporary
 name and renamed over (never a half-made link); the ref is moved last, and only when every file
 is in place, so a failed fetch of a new commit never takes ``main`` away from a complete snapshot
-of the previous one. A foreign regular file with other content is never replaced.
+of the previous one. A blob already there is verified like any file present; one whose bytes are
+not its name's (damaged: content-addressed, it serves no snapshot) is replaced the way every blob
+is written, a verified ``.part`` renamed over it, and the result's notes say so. A foreign
+regular file in a snapshot, where the client puts a link, with other content is never replaced.
 
 A rank-aware fetch's rewritten shards are not the hub's files: they are published as a snapshot
 of their own under the ref ``k3ckpt-partial-<key>`` with blobs named by their own sha256

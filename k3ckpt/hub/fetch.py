@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -361,8 +362,12 @@ def _run_cache_fetch(plan: FetchPlan, layout: CacheLayout, *, workers: int, chun
             result = _fetch_blobs(plan, layout, workers=workers, chunk_size=chunk_size, token=token,
                                   progress=progress, on_plan=on_plan)
         else:
+            # snapshots/<revision>/ is named by the branch: a new commit's files replace the old ones
+            was = {p: _other_content(layout.snapshot / p, plan.listing.files[p]) for p in plan.paths}
             result = fetch_files(plan.listing, layout.snapshot, plan.paths, workers=workers, chunk_size=chunk_size,
                                  token=token, progress=progress, on_plan=on_plan, take_lock=False)
+            result.notes += [f"replaced {layout.snapshot.name}/{p}, whose content was not the listed one ({was[p]})"
+                             for p in result.fetched if was[p] is not None]
             legacy = layout.legacy_dir()
             if legacy is not None:
                 result.notes.append(f"the ModelScope client returns the older SDK's folder {legacy} before this "
@@ -400,8 +405,16 @@ def _fetch_blobs(plan: FetchPlan, layout: CacheLayout, **kw: Any) -> Any:
     def place(entry: HubFile) -> str:
         return f"blobs/{blob_name(entry)}"
 
+    # A blob is named by its content and shared by every snapshot linking it: one whose bytes are
+    # not its name's (huggingface_hub never checks a blob it finds) serves no snapshot. It is
+    # replaced as any blob is written - a verified .part renamed over the name, never written in
+    # place (a hard link to the old bytes keeps them) - and the result says so.
+    damaged = {blob: _other_content(layout.repo_dir / place(files[ps[0]]), files[ps[0]]) for blob, ps in groups.items()}
     result = fetch_files(plan.listing, layout.repo_dir, [ps[0] for ps in groups.values()], place=place,
                          take_lock=False, **kw)
+    result.notes += [f"replaced damaged blob blobs/{blob} ({damaged[blob]}) with the hub's verified bytes "
+                     f"(the content of {', '.join(ps)})"
+                     for blob, ps in groups.items() if damaged[blob] is not None and ps[0] in result.fetched]
     result.failed.update(unnamed)
     write_tree_cache(layout, plan.listing)
     for paths in groups.values():
@@ -420,6 +433,21 @@ def _fetch_blobs(plan: FetchPlan, layout: CacheLayout, **kw: Any) -> Any:
     result.fetched.sort()
     result.skipped.sort()
     return result
+
+
+def _other_content(path: Path, entry: HubFile) -> str | None:
+    """Why the file at ``path`` is not ``entry``'s content if it holds something under that name
+    (what a fetch that then downloads it replaced), or None when nothing is there; read before
+    the fetch verifies it (a file of the listed size then differs in its digest)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_size != entry.size:
+        return f"size {st.st_size} != listed {entry.size}"
+    return "sha256 mismatch" if entry.sha256 is not None else "git blob id mismatch"
 
 
 # ----------------------------------------------------------------------------------------------
