@@ -14,6 +14,7 @@ import pytest
 
 from ckpt_edit import tree_digests
 from helpers import REPO, kill_at_pause, run
+from helpers import hub_offline as _offline_hf
 from k3ckpt.hub.cache import RECORDS_DIR
 
 
@@ -28,14 +29,6 @@ def _fetch(h: Any, *args: str) -> Any:
 
 def _snapshot_digests(snapshot: str | Path) -> dict[str, str]:
     return tree_digests(Path(snapshot))
-
-
-def _offline_hf(monkeypatch: pytest.MonkeyPatch) -> None:
-    """HF_HUB_OFFLINE=1 as the client sees it (it reads the variable at import)."""
-    import huggingface_hub.constants as hfc
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(hfc, "HF_HUB_OFFLINE", True)
 
 
 def test_hf_cache_layout_is_what_the_client_returns_offline(hub, tmp_path: Path,
