@@ -404,8 +404,9 @@ class EmptySelectionError(K3ckptError):
 
 class OfflineNoRecordError(K3ckptError):
     """``fetch`` under ``HF_HUB_OFFLINE=1`` found no record of an earlier fetch of that repo (and
-    revision) where it was pointed: there is nothing to verify against, and the hub may not be
-    asked (the message names the directory)."""
+    revision) where it was pointed, or the record of another kind of fetch (a node fetch checked
+    as a whole one), or a node directory or partial checkpoint of another node or ranks: there
+    is nothing to verify against, and the hub may not be asked (the message names the directory)."""
 
 
 # -- MX (microscaling) tensors -----------------------------------------------------------------

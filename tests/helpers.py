@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 from click.testing import CliRunner, Result
@@ -28,6 +29,15 @@ REPO = "moonshotai/Kimi-K3"
 def run(*args: str, env: dict[str, str] | None = None) -> Result:
     """Run ``k3ckpt ARGS...`` in-process; an unexpected exception propagates (with its traceback)."""
     return CliRunner().invoke(main, list(args), catch_exceptions=False, env=env)
+
+
+def hub_offline(monkeypatch: Any) -> None:
+    """``HF_HUB_OFFLINE=1`` as the Hugging Face client (and so ``k3ckpt fetch``) sees it: the
+    client reads the variable at import, so its constant is set too (``monkeypatch`` undoes both)."""
+    import huggingface_hub.constants as hfc
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hfc, "HF_HUB_OFFLINE", True)
 
 
 def assert_one_line_error(res: Result, code: int, *needles: str) -> None:

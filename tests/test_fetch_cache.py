@@ -14,6 +14,7 @@ import pytest
 
 from ckpt_edit import tree_digests
 from helpers import REPO, kill_at_pause, run
+from helpers import hub_offline as _offline_hf
 from k3ckpt.hub.cache import RECORDS_DIR
 
 
@@ -28,14 +29,6 @@ def _fetch(h: Any, *args: str) -> Any:
 
 def _snapshot_digests(snapshot: str | Path) -> dict[str, str]:
     return tree_digests(Path(snapshot))
-
-
-def _offline_hf(monkeypatch: pytest.MonkeyPatch) -> None:
-    """HF_HUB_OFFLINE=1 as the client sees it (it reads the variable at import)."""
-    import huggingface_hub.constants as hfc
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(hfc, "HF_HUB_OFFLINE", True)
 
 
 def test_hf_cache_layout_is_what_the_client_returns_offline(hub, tmp_path: Path,
@@ -233,6 +226,54 @@ def test_rank_aware_fetch_publishes_its_own_snapshot(hub, tmp_path: Path, monkey
     again = _fetch(h, "--source", source, "--cache-dir", str(cache), "--ep", "8", "--ranks", "0", "--json")
     assert again.exit_code == 0 and json.loads(again.output)["bytes_downloaded"] == 0
     assert json.loads(again.output)["snapshot"] == str(snap)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_blob_is_replaced_and_said(hub, tmp_path: Path, damage: str) -> None:
+    """A blob is named by its content and shared by every snapshot linking it: one whose bytes
+    are not its name's serves none, so a re-fetch replaces it - a new file renamed over the name,
+    never a write into the old one (a hard link to it keeps its bytes) - and says so."""
+    from ckpt_edit import flip_byte
+
+    h, served = hub
+    cache = tmp_path / "hf-cache"
+    assert _fetch(h, "--source", "hf", "--cache-dir", str(cache)).exit_code == 0
+    snap = cache / "models--moonshotai--Kimi-K3" / "snapshots" / h.commit(REPO)
+    victim = "model-00002-of-000008.safetensors"
+    blob = (snap / victim).resolve()
+    elsewhere = tmp_path / "hard-link"
+    os.link(blob, elsewhere)
+    if damage == "flip":
+        flip_byte(blob, 5000)
+        why = "sha256 mismatch"
+    else:
+        os.truncate(blob, 100)
+        why = f"size 100 != listed {h.files(REPO)[victim].size}"
+    damaged = elsewhere.read_bytes()
+    res = _fetch(h, "--source", "hf", "--cache-dir", str(cache), "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["fetched"] == [victim]
+    assert doc["notes"] == [f"replaced damaged blob blobs/{blob.name} ({why}) with the hub's verified bytes "
+                            f"(the content of {victim})"]
+    assert (snap / victim).read_bytes() == (served / victim).read_bytes()
+    assert elsewhere.read_bytes() == damaged and not os.path.samefile(elsewhere, blob)  # renamed over, not rewritten
+
+
+def test_a_modelscope_snapshot_file_of_other_content_is_replaced_and_said(hub, tmp_path: Path) -> None:
+    """ModelScope's snapshot is named by the branch, not the commit: a file there with other
+    content than the listed one (a former commit's, or damaged) is replaced, and a note says so."""
+    h, served = hub
+    cache = tmp_path / "ms-cache"
+    assert _fetch(h, "--source", "modelscope", "--cache-dir", str(cache)).exit_code == 0
+    snap = cache / "models" / "moonshotai--Kimi-K3" / "snapshots" / "master"
+    (snap / "LICENSE").write_text("an older licence\n")
+    res = _fetch(h, "--source", "modelscope", "--cache-dir", str(cache), "--json")
+    assert res.exit_code == 0, res.output
+    size = (served / "LICENSE").stat().st_size
+    assert json.loads(res.stdout)["notes"] == [
+        f"replaced master/LICENSE, whose content was not the listed one (size 17 != listed {size})"]
+    assert (snap / "LICENSE").read_bytes() == (served / "LICENSE").read_bytes()
 
 
 # ----------------------------------------------------------------------------------------------

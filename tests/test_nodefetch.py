@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from helpers import REPO, kill_at_pause, run
+from ckpt_edit import flip_byte
+from helpers import REPO, assert_one_line_error, hub_offline, kill_at_pause, run
 from k3ckpt.format.checkpoint import INDEX_NAME, iter_checkpoint_files, open_checkpoint
 from k3ckpt.format.header import read_header
 from k3ckpt.hub import download
-from k3ckpt.integrity.manifest import build_manifest
+from k3ckpt.integrity.manifest import Manifest, build_manifest
 
 CHUNK = 16 * 1024  # several requests per file, and large tensors cut into several pieces
 
@@ -263,8 +266,6 @@ def test_other_families_fetch_the_reshard_node(family: str, request: pytest.Fixt
 def test_a_single_file_checkpoint_fetches_the_reshard_node(k3_tiny: Path, tmp_path: Path) -> None:
     """Without an index the marker's ``source_index_sha256`` is the sha256 of the file's header,
     for both producers."""
-    import shutil
-
     from k3ckpt.format.header import TensorSpec, build_header
     from k3ckpt.testing.hub import LoopbackHub
 
@@ -292,3 +293,109 @@ def test_a_single_file_checkpoint_fetches_the_reshard_node(k3_tiny: Path, tmp_pa
     header = read_header(src / "model.safetensors").data_start
     digest = hashlib.sha256((src / "model.safetensors").read_bytes()[:header]).hexdigest()
     assert json.loads((ref / "k3ckpt-node.json").read_text())["source_index_sha256"] == digest
+
+
+# ----------------------------------------------------------------------------------------------
+# HF_HUB_OFFLINE=1: a restarted air-gapped pod re-runs the same fetch (examples/node-init.sh)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_offline_rerun_checks_the_node_without_the_hub(served_hub: Any, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node-init re-run under HF_HUB_OFFLINE=1: exit 0 for the complete, unchanged node
+    (without --manifest: node files trusted by their stat-cache entry, else hashed against the
+    marker - not proven, as online; the other files hashed against the recorded listing), not
+    one request - the hub is even stopped; a changed node file or a missing file: exit 1 naming
+    each; another node: one line, exit 2."""
+    h, _ = served_hub
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    topo, node, sizes, _ = CASES[1]
+    dest = tmp_path / "node"
+    assert fetch_node(h, dest, topo, node, *sizes, "--revision", "main").exit_code == 0
+    want = tree(dest)
+    node_files = sorted(f for f in want if f.endswith(".safetensors"))
+    hub_offline(monkeypatch)
+    h.reset_counters()
+    res = fetch_node(h, dest, topo, node, *sizes, "--revision", "main")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("not proven (offline, HF_HUB_OFFLINE is set): ") and "hub was not contacted" in res.stdout
+    assert f"node {node} (ranks 4-7 of ep 8 = tp 2 x dp 4, round_robin placement)" in res.stdout
+    assert res.stdout.splitlines()[-1].startswith("not proven: no --manifest: ")
+    assert h.request_log == []
+    gone = SimpleNamespace(url=h.url)
+    h.stop()  # nothing to ask now: a request would fail the run
+    doc = json.loads(fetch_node(gone, dest, topo, node, *sizes, "--json").stdout)
+    assert doc["ok"] and not doc["proven"] and doc["offline"] and doc["format"] == "node" and doc["failed"] == {}
+    assert doc["trusted"] == node_files  # not read again: their stat is the one recorded when written
+    assert sorted(doc["verified"]) == sorted(f for f in want if f not in ("READY", "k3ckpt-node.json", INDEX_NAME))
+    assert tree(dest) == want  # an offline check writes nothing
+
+    # a copy's files have other stats: hashed, and still ok
+    shutil.copytree(dest, tmp_path / "copy")
+    doc = json.loads(fetch_node(gone, tmp_path / "copy", topo, node, *sizes, "--json").stdout)
+    assert doc["ok"] and doc["trusted"] == []
+
+    victim = node_files[-1]
+    flip_byte(dest / victim, (dest / victim).stat().st_size - 3)
+    (dest / "tiktoken.model").unlink()
+    res = fetch_node(gone, dest, topo, node, *sizes)
+    assert res.exit_code == 1, res.output
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("FAILED (offline") and "2 missing or damaged" in lines[0]
+    assert f"  {victim}: sha256 mismatch: k3ckpt-node.json records " in res.stdout
+    assert "  tiktoken.model: missing" in res.stdout
+    assert lines[-1].startswith("  fix: unset HF_HUB_OFFLINE")
+
+    res = fetch_node(gone, dest, topo, 0, *sizes)
+    assert_one_line_error(res, 2, "HF_HUB_OFFLINE is set", "is for node 1 (", "not node 0 (")
+    # a whole fetch's offline check is not a node's: it says which options fetched the directory
+    res = run("fetch", REPO, "--local-dir", str(dest), "--endpoint", gone.url)
+    assert_one_line_error(res, 2, "holds a node fetch (--node")
+
+
+def test_offline_rerun_with_a_manifest_proves_the_node(served_hub: Any, k3_tiny_manifests: dict[str, Path],
+                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --manifest every tensor is hashed against it, as a re-run online does: ok, proven,
+    and recorded as such in the stat cache - so the preflight after it, in a restarted pod whose
+    stat cache is gone, finds the node proven. A flipped byte, or a marker whose digests are not
+    its files': exit 1 naming the file; a manifest without tensor hashes: exit 2, as online."""
+    h, _ = served_hub
+    topo, node, sizes, _ = CASES[0]
+    dest = tmp_path / "node"
+    manifest = k3_tiny_manifests["tensors"]
+    assert fetch_node(h, dest, topo, node, "--manifest", str(manifest)).exit_code == 0
+    monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "restarted"))  # a fresh container: no stat cache
+    assert not json.loads(run("verify", str(dest), "--quick", "--json").stdout)["proven"]
+    hub_offline(monkeypatch)
+    res = fetch_node(h, dest, topo, node, "--manifest", str(manifest))
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("ok (offline") and "every tensor hashed against the manifest" in res.stdout
+    assert json.loads(run("verify", str(dest), "--quick", "--json").stdout)["proven"]
+    assert_one_line_error(fetch_node(h, dest, topo, node, "--manifest", str(k3_tiny_manifests["files"])), 2,
+                          "no tensor hashes")
+
+    marker = json.loads((dest / "k3ckpt-node.json").read_text())
+    name, t = sorted(marker["tensors"].items())[0]
+    right, t["sha256"] = t["sha256"], "0" * 64
+    (dest / "k3ckpt-node.json").write_text(json.dumps(marker))
+    res = fetch_node(h, dest, topo, node, "--manifest", str(manifest), "--json")
+    assert res.exit_code == 1
+    assert json.loads(res.stdout)["failed"] == {
+        t["file"]: f"tensor {name!r}: sha256 {right}, k3ckpt-node.json records {'0' * 64}"}
+    assert Manifest.load(manifest).tensors[name].sha256 == right
+
+
+def test_offline_check_of_an_interrupted_node_fetch(served_hub: Any, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node fetch that did not finish (no READY) recorded its listing first: the offline check
+    says what is wrong (exit 1), not that there is nothing to check."""
+    h, _ = served_hub
+    topo, node, sizes, _ = CASES[0]
+    dest = tmp_path / "node"
+    h.inject("corrupt_byte", "LICENSE", times=None, offset=3)
+    assert fetch_node(h, dest, topo, node).exit_code == 1
+    hub_offline(monkeypatch)
+    res = fetch_node(h, dest, topo, node, "--json")
+    assert res.exit_code == 1, res.output
+    failed = json.loads(res.stdout)["failed"]
+    assert sorted(failed) == ["LICENSE", "READY"] and failed["LICENSE"] == "missing", failed

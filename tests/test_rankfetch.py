@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from ckpt_edit import tree_digests
-from helpers import REPO, kill_at_pause, run
+from ckpt_edit import flip_byte, tree_digests
+from helpers import REPO, assert_one_line_error, hub_offline, kill_at_pause, run
 from k3ckpt.cli import main
 from k3ckpt.deploy.reshard import reshard
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
@@ -648,3 +648,65 @@ def test_files_left_out_by_exclude_are_not_missing_to_verify(served_hub: Any, te
     assert bad.exit_code == 1
     issues = json.loads(bad.output)["issues"]
     assert list(issues) == ["missing-file"] and [i["file"] for i in issues["missing-file"]] == ["generation_config.json"]
+
+
+# ----------------------------------------------------------------------------------------------
+# HF_HUB_OFFLINE=1: the same fetch re-run where the hub cannot be reached
+# ----------------------------------------------------------------------------------------------
+
+
+def test_offline_rerun_checks_the_partial_without_the_hub(served_hub: Any, tensor_manifest: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit 0 and not one request for the complete partial checkpoint; what a re-run online
+    checks, minus the hub: the rewritten shards' size, header and record (with --manifest every
+    tensor), the files fetched whole against the recorded listing; exit 1 naming what is
+    missing or damaged; other ranks: one line, exit 2."""
+    h, _ = served_hub
+    dest = tmp_path / "d"
+    assert fetch(h, dest, "--manifest", str(tensor_manifest)).exit_code == 0
+    hub_offline(monkeypatch)
+    h.reset_counters()
+    res = fetch(h, dest)
+    assert res.exit_code == 0, res.output
+    # without --manifest, as online: not proven, and it says why
+    assert res.stdout.startswith("not proven (offline, HF_HUB_OFFLINE is set): ") and "ranks 0-3 of ep 8 x tp 2" in res.stdout
+    assert res.stdout.splitlines()[-1].startswith("not proven: no --manifest: the rewritten shards were checked for")
+    res = fetch(h, dest, "--manifest", str(tensor_manifest))
+    assert res.exit_code == 0 and res.stdout.startswith("ok (offline") and "not proven" not in res.stdout
+    assert h.request_log == []
+
+    shard = "model-00005-of-000008.safetensors"
+    hdr = read_header(dest / shard)
+    name = next(n for n in hdr.tensors if ".experts.6.w3.weight_packed" in n)
+    flip_byte(dest / shard, hdr.absolute_range(name)[0] + 3)
+    assert fetch(h, dest).exit_code == 0  # as online: size and header cannot see it (the note says so)
+    doc = json.loads(fetch(h, dest, "--manifest", str(tensor_manifest), "--json").stdout)
+    assert not doc["ok"] and list(doc["failed"]) == [shard]
+    assert doc["failed"][shard].startswith(f"tensor {name!r}: sha256 ")
+    (dest / "tiktoken.model").unlink()
+    res = fetch(h, dest, "--json")
+    assert res.exit_code == 1 and json.loads(res.stdout)["failed"] == {"tiktoken.model": "missing"}
+    assert_one_line_error(run("fetch", "--repo", REPO, "--dest", str(dest), "--endpoint", h.url, "--ep", "8",
+                              "--tp", "2", "--ranks", "4-7"), 2, "is for ranks 0-3 of ep 8 x tp 2", "not ranks 4-7")
+    assert h.request_log == []
+
+
+def test_offline_rerun_of_a_partial_published_in_the_cache(served_hub: Any, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Into a cache: the staged partial checkpoint of this very selection is found by its key
+    and checked, then its snapshot must serve the staged files."""
+    h, _ = served_hub
+    cache = tmp_path / "hf-cache"
+    args = ("fetch", REPO, "--cache-dir", str(cache), "--endpoint", h.url, "--ep", "8", "--tp", "2", "--ranks", "0-3")
+    assert run(*args).exit_code == 0
+    hub_offline(monkeypatch)
+    h.reset_counters()
+    res = run(*args)
+    assert res.exit_code == 0, res.output
+    assert "not proven (offline" in res.stdout and "note: snapshot: " in res.stderr and "k3ckpt-partial-" in res.stderr
+    assert h.request_log == []
+    snapshot = Path(res.stderr.split("note: snapshot: ")[1].split(" (revision")[0])
+    (snapshot / "config.json").unlink()
+    doc = json.loads(run(*args, "--json").stdout)
+    assert not doc["ok"] and list(doc["failed"]) == ["snapshot config.json"]
+    assert_one_line_error(run(*args[:-1], "0-1"), 2, "HF_HUB_OFFLINE is set", "no complete rank-aware fetch")

@@ -100,8 +100,10 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
     models/org--name/snapshots/<revision>/), so that the hub's client - and vLLM, SGLang and
     transformers through it - finds the files offline; --cache-dir names another cache;
     --local-dir (alias --dest) writes a plain directory instead. With HF_HUB_OFFLINE=1 nothing
-    is fetched: what an earlier fetch put there is verified against the listing it recorded
-    (exit 0 when complete, 1 when files are missing or damaged).
+    is fetched: what an earlier run of the same fetch put there is verified against what it
+    recorded - the hub's listing; for --node, k3ckpt-node.json too; for --ranks, the rewritten
+    shards' records - without contacting the hub (exit 0 when complete, 1 naming what is
+    missing or damaged, 2 when there is no such record).
 
     Rank-aware (--node or --ranks with --tp/--dp/--ep; --ranks or --node without a topology
     is refused, not read as one rank holding everything): reads every shard's header, then
@@ -142,9 +144,10 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
     rank_aware = sel.names_topology or sel.ranks is not None or sel.node is not None
     if dest is not None and cache_dir is not None:
         raise click.UsageError("--local-dir and --cache-dir name two destinations: give one")
-    if _offline():
+    offline = _offline()
+    if offline and not rank_aware:
         # FILES select as patterns do here: the recorded listing is checked, not the hub asked
-        _check_offline(hub, repo, revision, dest, cache_dir, include or files, exclude, jobs, rank_aware, as_json)
+        _check_offline(hub, repo, revision, dest, cache_dir, include or files, exclude, jobs, as_json)
         return
     if rank_aware and require_proof and manifest_path is None:
         raise click.UsageError("--require-proof: a rank-aware fetch without --manifest checks the files it assembles "
@@ -169,12 +172,17 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
                 raise click.UsageError("a node directory (--format node) is not a snapshot of the repo, so it is not "
                                        "written into a hub cache: give --local-dir DIR, or --format partial to "
                                        "publish the ranks' share in the cache under a k3ckpt revision")
-            _fetch_node(run, max_shard_size)
+            if offline:
+                _check_share_offline(run, "node", None)
+            else:
+                _fetch_node(run, max_shard_size)
             return
-        if dest is None:
+        if offline:
+            _check_share_offline(run, "partial", cache_dir)
+        elif dest is None:
             _fetch_ranks_to_cache(run, cache_dir)
-            return
-        _fetch_ranks(run)
+        else:
+            _fetch_ranks(run)
         return
     for flag, given in (("--placement", sel.placement), ("--gpus-per-node", sel.gpus_per_node),
                         ("--manifest", manifest_path), ("--format", layout)):
@@ -217,24 +225,46 @@ def _offline() -> bool:
 
 
 def _check_offline(hub: str, repo: str, revision: str | None, dest: str | None, cache_dir: str | None,
-                   include: tuple[str, ...], exclude: tuple[str, ...], workers: int, rank_aware: bool,
-                   as_json: bool) -> None:
+                   include: tuple[str, ...], exclude: tuple[str, ...], workers: int, as_json: bool) -> None:
     """``fetch`` under ``HF_HUB_OFFLINE=1``: verify what is there against the recorded listing,
     never contacting the hub; exit 1 when a file is missing or damaged."""
     from ..hub.cache import default_cache_dir
     from ..hub.fetch import check_offline
 
-    if rank_aware:
-        raise click.UsageError("HF_HUB_OFFLINE is set: a rank-aware fetch's files are not the hub's, so there is no "
-                               "hub listing to check them against offline; check them with `k3ckpt verify DIR`")
     if dest is None and cache_dir is None:
         cache_dir = str(default_cache_dir(hub))
-    res = check_offline(hub, repo, local_dir=dest, cache_dir=cache_dir, revision=revision, include=include,
-                        exclude=exclude, jobs=workers)
+    _emit_offline(check_offline(hub, repo, local_dir=dest, cache_dir=cache_dir, revision=revision, include=include,
+                                exclude=exclude, jobs=workers), as_json)
+
+
+def _check_share_offline(r: _Run, layout: str, cache_dir: str | None) -> None:
+    """A rank-aware ``fetch`` under ``HF_HUB_OFFLINE=1``: check the node directory or partial
+    checkpoint an earlier run of the same command wrote (:func:`k3ckpt.hub.nodefetch.check_node_offline`,
+    :func:`k3ckpt.hub.rankfetch.check_rank_offline`), never contacting the hub."""
+    kw: dict[str, Any] = dict(revision=r.revision, manifest=r.manifest_path, include=r.include, exclude=r.exclude,
+                              jobs=r.jobs)
+    if layout == "node":
+        from ..hub.nodefetch import check_node_offline
+
+        assert r.dest is not None
+        res = check_node_offline(r.hub, r.repo, r.dest, r.selection, **kw)
+    else:
+        from ..hub.cache import default_cache_dir
+        from ..hub.rankfetch import check_rank_offline
+
+        root = cache_dir if cache_dir is not None or r.dest is not None else str(default_cache_dir(r.hub))
+        res = check_rank_offline(r.hub, r.repo, r.dest, r.selection, cache_dir=root, **kw)
+    _emit_offline(res, r.as_json)
+
+
+def _emit_offline(res: Any, as_json: bool) -> None:
+    """An offline check's result (text or JSON; its notes on stderr); exit 1 when it failed."""
     if as_json:
         emit_json(res.to_json())
     else:
         click.echo(res.render())
+        for note in res.notes:
+            click.echo(f"  note: {note}", err=True)
     if not res.ok:
         sys.exit(EXIT_PROBLEMS)
 

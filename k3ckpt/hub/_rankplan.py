@@ -135,6 +135,8 @@ class RankFetchPlan:
         source_index_sha256: sha256 of the source's index file (``None`` for a single file).
         manifest: The tensor-hash manifest to verify against, if any.
         manifest_label: How to name it in messages.
+        revision: The revision as requested (None: the hub's default branch), for the record an
+            offline re-run checks against.
     """
 
     listing: HubListing
@@ -153,6 +155,7 @@ class RankFetchPlan:
     source_index_sha256: str | None
     manifest: Manifest | None = None
     manifest_label: str | None = None
+    revision: str | None = None
 
     @property
     def bytes_total(self) -> int:
@@ -279,5 +282,5 @@ def plan_rank_fetch(
         experts=sorted(experts),
         header_bytes=sum(h.data_start for h in headers),
         source_bytes=sum(listing.files[p].size for p in shard_paths + files + excluded + ([INDEX_NAME] if weight_map else [])),
-        source_index_sha256=index_sha, manifest=manifest, manifest_label=label,
+        source_index_sha256=index_sha, manifest=manifest, manifest_label=label, revision=revision,
     )

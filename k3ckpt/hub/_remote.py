@@ -101,9 +101,7 @@ def check_manifest(manifest: Manifest, label: str, headers: list[ShardHeader], w
                     listing: HubListing) -> None:
     """The manifest must describe the hub's headers exactly and hash every wanted tensor."""
     where = f"manifest {label}"
-    if not manifest.tensor_hashes:
-        raise RankFetchError(f"{where} has no tensor hashes (a plain manifest); pull one with `{pull_command(listing)}` "
-                             "(or build it from a full copy with `k3ckpt manifest build DIR --tensor-hashes -o M`)")
+    require_tensor_hashes(manifest, label, listing)
     unhashed = next((n for n in sorted(wanted) if n in manifest.tensors and not manifest.tensors[n].sha256), None)
     if unhashed is not None:
         raise RankFetchError(f"{where}: tensor {unhashed!r} has no sha256")
@@ -123,6 +121,17 @@ def check_manifest(manifest: Manifest, label: str, headers: list[ShardHeader], w
     missing = sorted(manifest.tensors.keys() - actual.keys())
     raise RankFetchError(f"{where}: tensor {missing[0]!r} is in no shard header on {hub} "
                          f"({len(missing)} such); it describes another checkpoint or revision")
+
+
+def require_tensor_hashes(manifest: Manifest, label: str, source: HubListing | str) -> None:
+    """Raises:
+        RankFetchError: ``manifest`` (named ``label``) has no tensor hashes: it cannot check a
+            file assembled from tensors (the message names the pull of ``source``'s).
+    """
+    if not manifest.tensor_hashes:
+        raise RankFetchError(f"manifest {label} has no tensor hashes (a plain manifest); pull one with "
+                             f"`{pull_command(source)}` (or build it from a full copy with `k3ckpt manifest build "
+                             "DIR --tensor-hashes -o M`)")
 
 
 def check_manifest_files(manifest: Manifest, label: str, listing: HubListing, whole: list[str]) -> None:

@@ -23,7 +23,10 @@ client's own are ``<etag>.incomplete``). Crash safety is the downloader's (journ
 sha256 checked before a blob takes its name); then each snapshot link is made under a temporary
 name and renamed over (never a half-made link); the ref is moved last, and only when every file
 is in place, so a failed fetch of a new commit never takes ``main`` away from a complete snapshot
-of the previous one. A foreign regular file with other content is never replaced.
+of the previous one. A blob already there is verified like any file present; one whose bytes are
+not its name's (damaged: content-addressed, it serves no snapshot) is replaced the way every blob
+is written, a verified ``.part`` renamed over it, and the result's notes say so. A foreign
+regular file in a snapshot, where the client puts a link, with other content is never replaced.
 
 A rank-aware fetch's rewritten shards are not the hub's files: they are published as a snapshot
 of their own under the ref ``k3ckpt-partial-<key>`` with blobs named by their own sha256
@@ -44,7 +47,8 @@ from ..utils import fsync_dir, write_atomic
 from .client import HubFile, HubListing
 
 __all__ = ["PARTIAL_REF_PREFIX", "RECORDS_DIR", "CacheLayout", "blob_name", "default_cache_dir", "link_snapshot",
-           "partial_key", "partial_staging", "publish_partial", "repo_dir", "write_ref", "write_tree_cache"]
+           "partial_key", "partial_layout", "partial_staging", "publish_partial", "repo_dir", "unpublished",
+           "write_ref", "write_tree_cache"]
 
 #: k3ckpt's own folder inside a cached repo's folder (lock, fetch records): no client reads it.
 RECORDS_DIR = ".k3ckpt"
@@ -248,12 +252,7 @@ def publish_partial(hub: str, root: Path, repo: str, commit: str, key: str, stag
     """
     from ..integrity.hashing import HashError, hash_file
 
-    ref = PARTIAL_REF_PREFIX + key
-    if hub == "hf":
-        pseudo = hashlib.sha1(f"k3ckpt-partial\0{commit}\0{key}".encode()).hexdigest()
-        layout = CacheLayout(hub, root, repo, ref, pseudo)
-    else:
-        layout = CacheLayout(hub, root, repo, ref, commit)
+    layout = partial_layout(hub, root, repo, commit, key)
     failed: dict[str, str] = {}
     tree: dict[str, Any] = {}
     for p in paths:
@@ -274,6 +273,37 @@ def publish_partial(hub: str, root: Path, repo: str, commit: str, key: str, stag
         _write_tree(layout, tree)
         write_ref(layout)
     return layout, failed
+
+
+def partial_layout(hub: str, root: Path, repo: str, commit: str, key: str) -> CacheLayout:
+    """Where :func:`publish_partial` publishes the selection ``key`` of ``commit``: the ref
+    ``k3ckpt-partial-<key>``, and on Hugging Face a snapshot id derived from both."""
+    ref = PARTIAL_REF_PREFIX + key
+    if hub == "hf":
+        return CacheLayout(hub, root, repo, ref, hashlib.sha1(f"k3ckpt-partial\0{commit}\0{key}".encode()).hexdigest())
+    return CacheLayout(hub, root, repo, ref, commit)
+
+
+def unpublished(layout: CacheLayout, staging: Path, paths: list[str]) -> dict[str, str]:
+    """Path -> why, for each of ``paths`` that the snapshot of ``layout`` does not serve as the
+    very file staged in ``staging`` (:func:`publish_partial` links each one), and for a missing ref;
+    what ``fetch`` checks offline of a published partial checkpoint, reading no bytes."""
+    out: dict[str, str] = {}
+    if layout.hub == "hf":
+        try:
+            ok = (layout.repo_dir / "refs" / layout.revision).read_text() == layout.commit
+        except OSError:
+            ok = False
+        if not ok:
+            out[f"refs/{layout.revision}"] = f"missing or not {layout.commit}: the snapshot was not published"
+    for p in paths:
+        try:
+            same = os.path.samefile(layout.snapshot / p, staging / p)
+        except OSError:
+            same = False
+        if not same:
+            out[f"snapshot {p}"] = f"{layout.snapshot / p} is not the file fetched into {staging}"
+    return out
 
 
 def _hard_link(src: Path, dst: Path, *, replace: bool = False) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -361,8 +362,12 @@ def _run_cache_fetch(plan: FetchPlan, layout: CacheLayout, *, workers: int, chun
             result = _fetch_blobs(plan, layout, workers=workers, chunk_size=chunk_size, token=token,
                                   progress=progress, on_plan=on_plan)
         else:
+            # snapshots/<revision>/ is named by the branch: a new commit's files replace the old ones
+            was = {p: _other_content(layout.snapshot / p, plan.listing.files[p]) for p in plan.paths}
             result = fetch_files(plan.listing, layout.snapshot, plan.paths, workers=workers, chunk_size=chunk_size,
                                  token=token, progress=progress, on_plan=on_plan, take_lock=False)
+            result.notes += [f"replaced {layout.snapshot.name}/{p}, whose content was not the listed one ({was[p]})"
+                             for p in result.fetched if was[p] is not None]
             legacy = layout.legacy_dir()
             if legacy is not None:
                 result.notes.append(f"the ModelScope client returns the older SDK's folder {legacy} before this "
@@ -400,8 +405,16 @@ def _fetch_blobs(plan: FetchPlan, layout: CacheLayout, **kw: Any) -> Any:
     def place(entry: HubFile) -> str:
         return f"blobs/{blob_name(entry)}"
 
+    # A blob is named by its content and shared by every snapshot linking it: one whose bytes are
+    # not its name's (huggingface_hub never checks a blob it finds) serves no snapshot. It is
+    # replaced as any blob is written - a verified .part renamed over the name, never written in
+    # place (a hard link to the old bytes keeps them) - and the result says so.
+    damaged = {blob: _other_content(layout.repo_dir / place(files[ps[0]]), files[ps[0]]) for blob, ps in groups.items()}
     result = fetch_files(plan.listing, layout.repo_dir, [ps[0] for ps in groups.values()], place=place,
                          take_lock=False, **kw)
+    result.notes += [f"replaced damaged blob blobs/{blob} ({damaged[blob]}) with the hub's verified bytes "
+                     f"(the content of {', '.join(ps)})"
+                     for blob, ps in groups.items() if damaged[blob] is not None and ps[0] in result.fetched]
     result.failed.update(unnamed)
     write_tree_cache(layout, plan.listing)
     for paths in groups.values():
@@ -422,6 +435,21 @@ def _fetch_blobs(plan: FetchPlan, layout: CacheLayout, **kw: Any) -> Any:
     return result
 
 
+def _other_content(path: Path, entry: HubFile) -> str | None:
+    """Why the file at ``path`` is not ``entry``'s content if it holds something under that name
+    (what a fetch that then downloads it replaced), or None when nothing is there; read before
+    the fetch verifies it (a file of the listed size then differs in its digest)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_size != entry.size:
+        return f"size {st.st_size} != listed {entry.size}"
+    return "sha256 mismatch" if entry.sha256 is not None else "git blob id mismatch"
+
+
 # ----------------------------------------------------------------------------------------------
 # The listing record, and the offline check against it
 # ----------------------------------------------------------------------------------------------
@@ -431,20 +459,88 @@ def write_listing_record(path: Path, plan: FetchPlan) -> None:
     """Record the listing ``plan`` fetches against (every file's size and digests, and which
     were selected), before the first byte: an interrupted fetch's record then lets the offline
     check say which files are still missing."""
+    write_fetch_record(path, plan.listing, plan.revision, plan.paths)
+
+
+def write_fetch_record(path: Path, listing: HubListing, revision: str | None, selected: list[str], *,
+                       layout: str | None = None, extra: dict[str, Any] | None = None) -> None:
+    """The record :func:`write_listing_record` writes, for any fetch: ``selected`` are the files
+    fetched whole (checked offline against the listing's digests), ``layout`` the rank-aware
+    fetch that wrote the rest (``"node"``, ``"partial"``; None for a whole fetch), whose offline
+    check reads what it adds in ``extra``."""
     from ..utils import write_atomic
 
-    lst = plan.listing
-    doc = {"format": _RECORD_FORMAT, "version": 1, "hub": lst.hub, "repo": lst.repo, "revision": plan.revision,
-           "commit": lst.revision, "selected": plan.paths,
-           "files": {p: {"size": f.size, "sha256": f.sha256, "git_sha1": f.git_sha1} for p, f in lst.files.items()}}
+    doc: dict[str, Any] = {
+        "format": _RECORD_FORMAT, "version": 1, "hub": listing.hub, "repo": listing.repo, "revision": revision,
+        "commit": listing.revision, "selected": selected,
+        "files": {p: {"size": f.size, "sha256": f.sha256, "git_sha1": f.git_sha1} for p, f in listing.files.items()}}
+    if layout is not None:
+        doc["layout"] = layout
+    doc.update(extra or {})
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+
+
+#: How the offline check names what a record's ``layout`` says was fetched.
+_LAYOUT_TEXT = {None: "a whole fetch", "node": "a node fetch (--node, --format node)",
+                "partial": "a rank-aware fetch (--ranks, --format partial)"}
+
+
+def read_fetch_record(dest: Path, record: Path, hub: str, repo: str, revision: str | None, *,
+                      layout: str | None = None) -> dict[str, Any]:
+    """The record of an earlier fetch of ``repo`` into ``dest`` (:func:`write_fetch_record`),
+    for the offline check: of this ``layout``, and of ``revision`` (as requested, or its commit)
+    when one is given.
+
+    Raises:
+        OfflineNoRecordError: No such record, one of another repo, revision or layout.
+    """
+    from ..errors import OfflineNoRecordError
+
+    doc = _read_record(record)
+    if doc is None or doc.get("hub") != hub or doc.get("repo") != repo:
+        raise OfflineNoRecordError(f"HF_HUB_OFFLINE is set and {dest} holds no record of a k3ckpt fetch of "
+                                   f"{hub}:{repo}: nothing to verify against (unset HF_HUB_OFFLINE to fetch)",
+                                   path=record)
+    if doc.get("layout") != layout:
+        raise OfflineNoRecordError(f"HF_HUB_OFFLINE is set and {dest} holds {_LAYOUT_TEXT.get(doc.get('layout'))} of "
+                                   f"{hub}:{repo}, not {_LAYOUT_TEXT[layout]}: check it offline with the options "
+                                   "that fetched it (unset HF_HUB_OFFLINE to fetch this one)", path=record)
+    if revision is not None and revision not in (doc["revision"], doc["commit"]):
+        raise OfflineNoRecordError(f"HF_HUB_OFFLINE is set and {dest} holds {hub}:{repo}@{doc['commit']} "
+                                   f"(fetched as {doc['revision'] or 'the default branch'}), not {revision}",
+                                   path=record)
+    return doc
+
+
+def recorded_files(doc: dict[str, Any]) -> dict[str, HubFile]:
+    """The listing a fetch record holds, path -> entry."""
+    return {p: HubFile(p, f["size"], f["sha256"], f["git_sha1"]) for p, f in doc["files"].items()}
+
+
+def check_whole(out: OfflineCheck, files: dict[str, HubFile], paths: list[str], jobs: int) -> None:
+    """Add each of ``paths`` to ``out.verified`` when ``out.dest/<path>`` holds its entry in
+    ``files`` (size and digest, hashed in parallel), else to ``out.failed`` with why not."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        problems = list(pool.map(lambda p: _offline_problem(out.dest, files[p]), paths))
+    for p, why in zip(paths, problems):
+        if why is None:
+            out.verified.append(p)
+        else:
+            out.failed[p] = why
 
 
 @dataclass
 class OfflineCheck:
     """What ``fetch`` found under ``HF_HUB_OFFLINE=1``: the recorded source and, for each
-    selected file, whether the copy there matches it."""
+    selected file, whether the copy there matches it. A rank-aware fetch's check names its
+    ``selection``, what its files were checked ``against`` (its marker) and how (``detail``);
+    ``trusted`` are the verified files whose bytes were not read (a stat unchanged since k3ckpt
+    hashed them, or a rewritten shard's size and header); ``unproven`` why not every file was
+    found equal to a digest of named origin (docs/trust.md: the hub's sha256, a tensor-hash
+    manifest), None when each was; ``notes``, anything else to know."""
 
     hub: str
     repo: str
@@ -452,20 +548,46 @@ class OfflineCheck:
     dest: Path
     verified: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    layout: str | None = None
+    selection: str | None = None
+    against: str = "the recorded listing"
+    trusted: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    detail: str | None = None
+    unproven: str | None = None
 
     @property
     def ok(self) -> bool:
         return not self.failed
 
+    @property
+    def proven(self) -> bool:
+        return self.ok and self.unproven is None
+
+    @property
+    def verdict(self) -> str:
+        return "FAILED" if not self.ok else "ok" if self.proven else "not proven"
+
     def render(self) -> str:
-        head = (f"{'ok' if self.ok else 'FAILED'} (offline, HF_HUB_OFFLINE is set): {self.hub}:{self.repo}@{self.commit}"
-                f" -> {self.dest}: {len(self.verified)} verified against the recorded listing, "
-                f"{len(self.failed)} missing or damaged; the hub was not contacted")
-        return "\n".join([head] + [f"  {p}: {why}" for p, why in sorted(self.failed.items())])
+        how = f" ({self.detail})" if self.detail else ""
+        head = (f"{self.verdict} (offline, HF_HUB_OFFLINE is set): {self.hub}:{self.repo}@{self.commit}"
+                f" -> {self.dest}: {self.selection + ': ' if self.selection else ''}{len(self.verified)} verified "
+                f"against {self.against}{how}, {len(self.failed)} missing or damaged; the hub was not contacted")
+        lines = [head] + [f"  {p}: {why}" for p, why in sorted(self.failed.items())]
+        if self.failed:
+            lines.append("  fix: unset HF_HUB_OFFLINE and run the same fetch again (nothing is fetched offline)")
+        elif self.unproven is not None:
+            lines.append(f"not proven: {self.unproven}")
+        return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "offline": True, "hub": self.hub, "repo": self.repo, "revision": self.commit,
-                "dest": str(self.dest), "verified": sorted(self.verified), "failed": dict(sorted(self.failed.items()))}
+        d = {"ok": self.ok, "proven": self.proven, "offline": True, "hub": self.hub, "repo": self.repo,
+             "revision": self.commit, "dest": str(self.dest), "verified": sorted(self.verified),
+             "failed": dict(sorted(self.failed.items()))}
+        if self.layout is not None:
+            d.update(format=self.layout, selection=self.selection, trusted=sorted(self.trusted),
+                     unproven=self.unproven, notes=self.notes)
+        return d
 
 
 def check_offline(hub: str, repo: str, *, local_dir: str | os.PathLike[str] | None = None,
@@ -477,13 +599,10 @@ def check_offline(hub: str, repo: str, *, local_dir: str | os.PathLike[str] | No
     recorded size and digest (in a cache: as the snapshot the client would return).
 
     Raises:
-        OfflineNoRecordError: No record of an earlier fetch of ``repo`` (at ``revision``) there.
+        OfflineNoRecordError: No record of an earlier fetch of ``repo`` (at ``revision``) there,
+            or the record of a rank-aware fetch (checked by its own offline check).
         EmptySelectionError: ``include``/``exclude`` leave no recorded file.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..errors import OfflineNoRecordError
-
     wanted = revision or ("main" if hub == "hf" else "master")
     if local_dir is not None:
         dest = Path(local_dir)
@@ -492,26 +611,19 @@ def check_offline(hub: str, repo: str, *, local_dir: str | os.PathLike[str] | No
         assert cache_dir is not None
         layout = CacheLayout(hub, Path(cache_dir), repo, wanted, _cached_commit(hub, Path(cache_dir), repo, wanted))
         dest, record = layout.snapshot, layout.records / f"{layout.snapshot.name}.json"
-    doc = _read_record(record)
-    if doc is None or doc.get("hub") != hub or doc.get("repo") != repo:
-        raise OfflineNoRecordError(f"HF_HUB_OFFLINE is set and {dest} holds no record of a k3ckpt fetch of "
-                                   f"{hub}:{repo}: nothing to verify against (unset HF_HUB_OFFLINE to fetch)",
-                                   path=record)
-    if revision is not None and local_dir is not None and revision not in (doc["revision"], doc["commit"]):
-        raise OfflineNoRecordError(f"HF_HUB_OFFLINE is set and {dest} holds {hub}:{repo}@{doc['commit']} "
-                                   f"(fetched as {doc['revision'] or 'the default branch'}), not {revision}",
-                                   path=record)
-    files = {p: HubFile(p, f["size"], f["sha256"], f["git_sha1"]) for p, f in doc["files"].items()}
+    # in a cache the revision picked the snapshot (and its record) already
+    doc = read_fetch_record(dest, record, hub, repo, revision if local_dir is not None else None)
+    files = recorded_files(doc)
     paths = (select_paths(list(files), include, exclude, what=f"recorded files of {hub}:{repo}@{doc['commit']}")[0]
              if include or exclude else list(doc["selected"]))
     out = OfflineCheck(hub, repo, doc["commit"], dest)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        problems = list(pool.map(lambda p: _offline_problem(dest, files[p]), paths))
-    for p, why in zip(paths, problems):
-        if why is None:
-            out.verified.append(p)
-        else:
-            out.failed[p] = why
+    check_whole(out, files, paths, jobs)
+    # what proved them, in the stat cache (outside the checkpoint), as the fetch records it
+    from ..integrity.verify import record_verified
+
+    if out.verified:
+        record_verified(dest, {p: (files[p].sha256, files[p].git_sha1) for p in out.verified},
+                        origin=hub_origin(HubListing(hub, repo, doc["commit"], "", files)))
     return out
 
 

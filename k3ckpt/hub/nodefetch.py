@@ -33,20 +33,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import RankFetchError
+from ..errors import K3ckptError, RankFetchError
 from ..format.checkpoint import INDEX_NAME, SINGLE_NAME, bulk_allocation
+from ..format.header import read_header
 from ..format.layout import NODE_MARKER, PARTIAL_MARKER, READY_NAME
 from ..format.nodedir import NODE_ALIGN, NODE_MAX_FILE_SIZE, NodeDir, NodeFile, plan_node_dir
-from ..format.topology import RankSelection, Topology, build_index, fp8_block_of
+from ..format.topology import RankSelection, Topology, build_index, fp8_block_of, ranks_of_node
 from ..integrity.hashing import HashError, Span, hash_file
 from ..integrity.manifest import Manifest
 from ..integrity.share import share_reference_key
-from ..integrity.statcache import record_written
+from ..integrity.statcache import StatCache, record_written
 from ..utils import format_ranges, human_bytes, write_atomic
 from . import _dest, download
 from . import client as hubclient
@@ -55,12 +57,13 @@ from ._remote import check_manifest, check_manifest_files, load_manifest, other_
 from ._result import VERIFIED_STRUCTURE, VERIFIED_TENSORS, RankFetchResult, dry_run_total, fetch_summary
 from ._workers import fetch_outputs, fetch_run, open_jobs
 from .client import HubFile, HubListing, RetryPolicy
-from .fetch import hub_origin, record_source, source_text
+from .fetch import LISTING_RECORD, OfflineCheck, hub_origin, record_source, source_text, write_fetch_record
 
 __all__ = [
     "DIGEST_DIR",
     "NodeFetchPlan",
     "NodeFilePlan",
+    "check_node_offline",
     "node_fetch_json",
     "plan_node_fetch",
     "render_node_fetch",
@@ -152,6 +155,8 @@ class NodeFetchPlan:
         source_bytes: Bytes a full fetch would move.
         source_index_sha256: What the marker records as ``source_index_sha256``.
         manifest, manifest_label: The tensor-hash manifest to verify against, if any.
+        revision: The revision as requested (None: the hub's default branch), for the record an
+            offline re-run checks against.
     """
 
     listing: HubListing
@@ -166,6 +171,7 @@ class NodeFetchPlan:
     source_index_sha256: str
     manifest: Manifest | None = None
     manifest_label: str | None = None
+    revision: str | None = None
 
     @property
     def topology(self) -> Topology:
@@ -256,7 +262,7 @@ def plan_node_fetch(
         chunk_size=chunk_size, header_bytes=sum(h.data_start for h in src.headers),
         source_bytes=sum(listing.files[p].size for p in src.shard_paths + files + excluded
                          + ([INDEX_NAME] if src.weight_map else [])),
-        source_index_sha256=index_sha, manifest=manifest, manifest_label=label)
+        source_index_sha256=index_sha, manifest=manifest, manifest_label=label, revision=revision)
 
 
 def _single_header_sha(listing: HubListing, data_start: int, token: str | None) -> str:
@@ -372,6 +378,8 @@ def run_node_fetch(
     names = [o.path for o in plan.outputs] + list(plan.files) + [NODE_MARKER, INDEX_NAME, READY_NAME]
     with fetch_run(plan, workers, retry, names) as (result, dest_real, policy):
         _prepare_dest(dest_real, plan)
+        # what an offline re-run checks the non-weight files against (the marker has the rest)
+        write_fetch_record(Path(dest_real, LISTING_RECORD), plan.listing, plan.revision, plan.files, layout="node")
         digests = _fetch_node_files(plan, result, dest_real, workers, token, progress, on_plan, policy, check_space)
         if result.ok:
             _finish_node(plan, dest_real, digests)
@@ -420,22 +428,172 @@ def _finish_node(plan: NodeFetchPlan, dest_real: str, digests: dict[str, dict[st
         record_source(dest_real, plan.listing)
     except OSError:
         pass  # provenance only
-    _record_proofs(plan, dest_real, digests, len(tensor_sha))
-
-
-def _record_proofs(plan: NodeFetchPlan, dest_real: str, digests: dict[str, dict[str, Any]], tensors: int) -> None:
-    """Tell the directory's stat cache what proved its bytes (docs/trust.md): the files fetched
-    whole, the hub's sha256; the node files, the tensor-hash manifest every tensor was checked
-    against while it streamed - or nothing, without one (their structure and sizes only)."""
-    key = share_reference_key(tensors)
     origin = f"manifest {plan.manifest_label or '(given)'}" if plan.manifest is not None else None
+    record_proofs(dest_real, file_sha, len(tensor_sha), origin, plan.listing, plan.files)
+
+
+def record_proofs(dest_real: str, file_sha: dict[str, str], tensors: int, origin: str | None, listing: HubListing,
+                  whole: list[str]) -> None:
+    """Tell the directory's stat cache what proved its bytes (docs/trust.md): the files fetched
+    whole (``whole``), the hub's sha256 in ``listing``; the node files (``file_sha``, holding
+    ``tensors`` tensors), ``origin`` - the tensor-hash manifest every tensor was checked against
+    - or nothing, without one (their structure and sizes only). After a fetch, and after an
+    offline check that hashed them."""
+    key = share_reference_key(tensors)
     entries: dict[str, dict[str, Any]] = {
-        name: {"sha256": rec["sha256"], "share_ref": key, "share_issues": [], "proven": origin}
-        for name, rec in digests.items()}
-    files = plan.listing.files
-    entries.update({f: {"sha256": files[f].sha256, "git_sha1": files[f].git_sha1, "proven": hub_origin(plan.listing)}
-                    for f in plan.files if f in files})
+        name: {"sha256": sha, "share_ref": key, "share_issues": [], "proven": origin} for name, sha in file_sha.items()}
+    files = listing.files
+    entries.update({f: {"sha256": files[f].sha256, "git_sha1": files[f].git_sha1, "proven": hub_origin(listing)}
+                    for f in whole if f in files})
     record_written(dest_real, entries)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline (``HF_HUB_OFFLINE=1 k3ckpt fetch --node``)
+
+
+def check_node_offline(hub: str, repo: str, dest: str | os.PathLike[str], selection: RankSelection, *,
+                       revision: str | None = None, manifest: Manifest | str | os.PathLike[str] | None = None,
+                       include: tuple[str, ...] = (), exclude: tuple[str, ...] = (), jobs: int = 8) -> OfflineCheck:
+    """Check, without contacting the hub, the node directory an earlier ``fetch --node`` wrote in
+    ``dest`` for ``selection``: ``READY`` there, ``k3ckpt-node.json`` written for this very node
+    and topology, every node file of its size and of the sha256 it records (trusted without a
+    read while its stat is the one recorded right after k3ckpt hashed it, else hashed now), the
+    index listing its tensors, the non-weight files of the sha256 the hub's listing gave (the
+    record the fetch wrote before its first byte); with ``manifest`` the marker's tensor digests
+    must be the manifest's. What a re-run online would skip, minus the hub.
+
+    Returns:
+        `OfflineCheck`: ``ok`` when all of it holds; else what is missing or damaged, by file.
+
+    Raises:
+        OfflineNoRecordError: No record of a node fetch of ``repo`` (at ``revision``) in
+            ``dest``, or its marker is of another node or topology.
+        TopologyError: ``selection`` means no topology (as online).
+        ManifestError, RankFetchError: ``manifest`` unreadable, or without tensor hashes.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from . import _offline
+
+    sc = _offline.start_check(hub, repo, Path(dest), revision, layout="node", marker_name=NODE_MARKER,
+                              done_name=READY_NAME, marker_keys={"files": dict, "tensors": dict, "topology": dict},
+                              selected=lambda m: (_requested_node(selection, m), _marker_node(m)),
+                              other="another node", manifest=manifest, include=include, exclude=exclude, jobs=jobs)
+    out, marker = sc.out, sc.marker
+    if marker is None:
+        return out
+    if sc.manifest is None:
+        out.unproven = (f"no --manifest: the node files were checked against the sha256 {NODE_MARKER} recorded when "
+                        "they were written, from bytes checked for structure and sizes only (docs/trust.md); pass "
+                        "--manifest to hash every tensor against a tensor-hash manifest")
+    tensors_of: dict[str, dict[str, str | None]] = {}
+    for name, t in marker["tensors"].items():
+        if isinstance(t, dict):
+            tensors_of.setdefault(str(t.get("file")), {})[name] = t.get("sha256")
+    node_files = {n: f for n, f in marker["files"].items() if isinstance(f, dict)}
+    real = os.path.realpath(out.dest)
+    cache = StatCache(Path(real))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        found = list(pool.map(lambda n: _offline_node_file(real, n, node_files[n], tensors_of.get(n, {}), cache,
+                                                           sc.manifest, sc.label), sorted(node_files)))
+    for name, (why, trusted) in zip(sorted(node_files), found):
+        if why is not None:
+            out.failed[name] = why
+        else:
+            out.verified.append(name)
+            if trusted:
+                out.trusted.append(name)
+    how = "every tensor hashed against the manifest" if sc.manifest is not None else (
+        f"{len(out.trusted)} of them not read, unchanged since k3ckpt recorded their sha256 in the stat cache")
+    out.detail = f"{len(node_files)} node files, {how}"
+    index_why = _offline_index(out.dest, marker)
+    if index_why is not None:
+        out.failed[INDEX_NAME] = index_why
+    sc.check_whole(jobs)
+    if out.ok:
+        origin = f"manifest {sc.label}" if sc.manifest is not None else None
+        file_sha = {n: str(node_files[n]["sha256"]) for n in node_files}
+        record_proofs(real, file_sha, sum(map(len, tensors_of.values())), origin, sc.listing, sc.whole)
+    return out
+
+
+def _requested_node(selection: RankSelection, marker: dict[str, Any]) -> str:
+    """The node ``selection`` names, over the marker's expert count, in the words of :func:`node_text`
+    (the topology, placement and GPUs per node all show in it)."""
+    selection.check(engine=True)
+    topo = selection.topology(int(marker["topology"].get("num_experts") or 1), engine=True)
+    gpn = selection.gpus_per_node if selection.gpus_per_node is not None else topo.world_size
+    node = selection.node if selection.node is not None else 0
+    return node_text(node, ranks_of_node(node, gpn, topo.world_size), topo.ep, topo.tp, topo.placement)
+
+
+def _marker_node(marker: dict[str, Any]) -> str:
+    t = marker["topology"]
+    try:
+        return node_text(int(marker["node"]), [int(r) for r in marker["ranks"]], int(t["ep"]), int(t["tp"]),
+                         str(t["expert_placement"]))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return "a node directory whose marker names no topology"
+
+
+def _offline_node_file(dest_real: str, name: str, want: dict[str, Any], tensors: dict[str, str | None],
+                       cache: StatCache, manifest: Manifest | None, label: str) -> tuple[str | None, bool]:
+    """``(why not, trusted)`` for the node file ``name`` against its marker entry ``want`` and
+    its ``tensors`` (name -> the marker's sha256): a regular file of its size and sha256. With a
+    manifest every tensor its header lists (exactly the marker's) is hashed against the manifest
+    too; without one a file the stat cache holds with the marker's sha256 and its current stat
+    is trusted without being read (``trusted``)."""
+    path = os.path.join(dest_real, name)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing", False
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})", False
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file" + (" (a symlink)" if stat.S_ISLNK(st.st_mode) else ""), False
+    if st.st_size != want.get("size"):
+        return f"size {st.st_size} != {want.get('size')} in {NODE_MARKER}", False
+    if manifest is None:
+        hit = cache.lookup(name, st)
+        if hit is not None and hit.get("sha256") == want.get("sha256"):
+            return None, True
+    try:
+        spans: list[Span] = []
+        if manifest is not None:
+            header = read_header(path, name)
+            if set(header.tensors) != set(tensors):
+                return f"its header does not hold the tensors {NODE_MARKER} lists for it", False
+            spans = [Span(t, *header.absolute_range(t)) for t in header.tensors]
+        digest = hash_file(path, spans=spans)
+    except (HashError, K3ckptError, OSError) as e:
+        return f"unreadable ({e})", False
+    if digest.sha256 != want.get("sha256"):
+        return f"sha256 mismatch: {NODE_MARKER} records {want.get('sha256')}, found {digest.sha256}", False
+    if manifest is not None:
+        got = dict(digest.spans or {})
+        for t in sorted(tensors):
+            m = manifest.tensors.get(t)
+            sha = got.get(t, hashlib.sha256().hexdigest())  # a zero-byte tensor: no span bytes
+            if tensors[t] != sha:
+                return f"tensor {t!r}: sha256 {sha}, {NODE_MARKER} records {tensors[t]}", False
+            if m is None or m.sha256 != sha:
+                return (f"tensor {t!r} is not in the manifest {label}" if m is None else
+                        f"tensor {t!r}: sha256 {sha}, the manifest {label} says {m.sha256}"), False
+    return None, False
+
+
+def _offline_index(dest: Path, marker: dict[str, Any]) -> str | None:
+    """Why the index does not map the marker's tensors to their files, or None."""
+    try:
+        weight_map = json.loads((dest / INDEX_NAME).read_bytes()).get("weight_map")
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError, AttributeError) as e:
+        return f"unreadable ({e})"
+    want = {n: t.get("file") for n, t in marker["tensors"].items() if isinstance(t, dict)}
+    return None if weight_map == want else f"does not list the tensors {NODE_MARKER} records, in their files"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,9 +601,14 @@ def _record_proofs(plan: NodeFetchPlan, dest_real: str, digests: dict[str, dict[
 
 
 def _selection_text(plan: NodeFetchPlan) -> str:
-    t, nd = plan.topology, plan.nd
-    return (f"node {nd.node} (rank{'s' if len(nd.ranks) > 1 else ''} {format_ranges(list(nd.ranks))} of ep {t.ep} = "
-            f"tp {t.tp} x dp {t.dp}, {t.placement} placement)")
+    t = plan.topology
+    return node_text(plan.nd.node, list(plan.nd.ranks), t.ep, t.tp, t.placement)
+
+
+def node_text(node: int, ranks: list[int], ep: int, tp: int, placement: str) -> str:
+    """``node N (ranks A-B of ep E = tp T x dp D, P placement)``, as the summaries name a node."""
+    return (f"node {node} (rank{'s' if len(ranks) > 1 else ''} {format_ranges(ranks)} of ep {ep} = "
+            f"tp {tp} x dp {ep // tp}, {placement} placement)")
 
 
 def render_node_fetch_plan(plan: NodeFetchPlan) -> str:

@@ -51,15 +51,18 @@ when everything succeeded. The destination lock is the downloader's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from ..errors import RankFetchError
+from ..errors import K3ckptError, RankFetchError
 from ..format.checkpoint import INDEX_NAME
 from ..format.layout import PARTIAL_MARKER
-from ..integrity.hashing import HashError, hash_file
+from ..format.topology import RankSelection
+from ..integrity.hashing import HashError, Span, hash_file
 from ..integrity.manifest import Manifest
 from ..integrity.statcache import record_verified
 from ..utils import format_ranges, human_bytes, write_atomic
@@ -69,7 +72,7 @@ from ._rankplan import RankFetchPlan, ShardPlan, plan_rank_fetch, plan_shard, se
 from ._result import RankFetchResult, dry_run_total, fetch_summary
 from ._workers import fetch_outputs, fetch_run, load_shard_record, open_jobs
 from .client import RetryPolicy
-from .fetch import hub_origin, record_source, source_text
+from .fetch import LISTING_RECORD, OfflineCheck, hub_origin, record_source, source_text, write_fetch_record
 
 __all__ = [
     "PARTIAL_NAME",
@@ -77,6 +80,7 @@ __all__ = [
     "RankFetchPlan",
     "RankFetchResult",
     "ShardPlan",
+    "check_rank_offline",
     "plan_rank_fetch",
     "plan_shard",
     "rank_fetch_json",
@@ -90,6 +94,8 @@ __all__ = [
 PARTIAL_NAME = PARTIAL_MARKER
 PARTIAL_FORMAT = "k3ckpt-partial"
 PARTIAL_VERSION = 1
+#: What the offline check needs of a partial marker.
+_PARTIAL_KEYS: dict[str, type] = {"topology": dict, "ranks": list}
 
 
 def _complete(sp: ShardPlan, final: str, manifest: Manifest | None, written_from: str | None) -> bool:
@@ -173,6 +179,7 @@ def run_rank_fetch(
         # Until this run succeeds the destination must not look like a complete checkpoint.
         for name in (PARTIAL_NAME, INDEX_NAME):
             _dest.unlink(os.path.join(dest_real, name))
+        _write_record(plan, dest_real)
         record = load_shard_record(dest_real)
         jobs, _ = open_jobs(dest_real, (sp for sp in plan.shards if not sp.whole),
                             lambda sp, final: _complete(sp, final, plan.manifest, record.get(sp.path)), result, workers)
@@ -196,14 +203,205 @@ def run_rank_fetch(
     return result
 
 
+def _write_record(plan: RankFetchPlan, dest_real: str) -> None:
+    """The record an offline re-run checks against: the files fetched whole (the hub's sha256),
+    and per rewritten shard what a re-run online checks of it - its size, the sha256 of its
+    header bytes and the content key :data:`SHARD_RECORD` holds once it is written."""
+    rewritten = {sp.path: {"size": sp.size, "header_size": len(sp.prefix), "key": sp.content_key(),
+                           "header_sha256": hashlib.sha256(sp.prefix).hexdigest()}
+                 for sp in plan.shards if not sp.whole}
+    write_fetch_record(Path(dest_real, LISTING_RECORD), plan.listing, plan.revision,
+                       plan.files + [sp.path for sp in plan.shards if sp.whole], layout="partial",
+                       extra={"rewritten": rewritten})
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline (``HF_HUB_OFFLINE=1 k3ckpt fetch --ranks``)
+
+
+def check_rank_offline(hub: str, repo: str, dest: str | os.PathLike[str] | None, selection: RankSelection, *,
+                       cache_dir: str | os.PathLike[str] | None = None, revision: str | None = None,
+                       manifest: Manifest | str | os.PathLike[str] | None = None, include: tuple[str, ...] = (),
+                       exclude: tuple[str, ...] = (), jobs: int = 8) -> OfflineCheck:
+    """Check, without contacting the hub, the partial checkpoint an earlier ``fetch --ranks``
+    wrote in ``dest`` for ``selection``: :data:`PARTIAL_NAME` there and written for these ranks of
+    this topology, the files fetched whole of the hub's sha256 (the record the fetch wrote before
+    its first byte), each rewritten shard of its size and header and recorded as written from the
+    source content it was planned from - with ``manifest``, every tensor of it hashed against the
+    manifest instead - and the index listing the tensors of the shards. What a re-run online
+    would skip, minus the hub. ``dest`` None: the fetch into the hub cache at ``cache_dir``,
+    whose partial checkpoint is found by its selection and must be published
+    (:func:`k3ckpt.hub.cache.unpublished`).
+
+    Raises:
+        OfflineNoRecordError: No record of a rank-aware fetch of ``repo`` (at ``revision``) in
+            ``dest``, or its marker is of other ranks or another topology.
+        TopologyError: ``selection`` means no topology (as online).
+        ManifestError, RankFetchError: ``manifest`` unreadable, or without tensor hashes.
+    """
+    if dest is None:
+        assert cache_dir is not None
+        return _check_cached_offline(hub, repo, Path(cache_dir), selection, revision=revision, manifest=manifest,
+                                     include=include, exclude=exclude, jobs=jobs)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from . import _offline
+    from .fetch import recorded_files
+
+    sc = _offline.start_check(hub, repo, Path(dest), revision, layout="partial", marker_name=PARTIAL_NAME,
+                              done_name=PARTIAL_NAME, marker_keys=_PARTIAL_KEYS,
+                              selected=lambda m: (_requested_ranks(selection, m), _marker_ranks(m)),
+                              other="other ranks", manifest=manifest, include=include, exclude=exclude, jobs=jobs)
+    out, doc, man, label = sc.out, sc.doc, sc.manifest, sc.label
+    if sc.marker is None:
+        return out
+    rewritten = {p: r for p, r in (doc.get("rewritten") or {}).items() if isinstance(r, dict)}
+    real = os.path.realpath(out.dest)
+    shard_record = load_shard_record(real)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        found = list(pool.map(lambda p: _offline_shard(real, p, rewritten[p], shard_record.get(p), man, label),
+                              sorted(rewritten)))
+    for p, why in zip(sorted(rewritten), found):
+        if why is None:
+            out.verified.append(p)
+            if man is None:
+                out.trusted.append(p)
+        else:
+            out.failed[p] = why
+    if rewritten:
+        out.detail = (f"{len(rewritten)} rewritten shards: " + ("every tensor hashed against the manifest"
+                      if man is not None else "size, header and the record of what they were written from"))
+        if man is None:
+            out.unproven = ("no --manifest: the rewritten shards were checked for size, header and the record of the "
+                            "source content they were written from, as a re-run online checks them, not read "
+                            "(docs/trust.md); pass --manifest to hash every tensor")
+    index_why = _offline_index(real, sorted(rewritten) + [p for p in sc.whole if p.endswith(".safetensors")])
+    if index_why is not None:
+        out.failed[INDEX_NAME] = index_why
+    sc.check_whole(jobs)
+    if out.ok:  # what proved the files fetched whole, as the fetch records it
+        files = recorded_files(doc)
+        record_verified(real, {f: (files[f].sha256, files[f].git_sha1) for f in sc.whole if f in files},
+                        origin=hub_origin(sc.listing))
+    return out
+
+
+def _check_cached_offline(hub: str, repo: str, root: Path, selection: RankSelection, **kw: Any) -> OfflineCheck:
+    """:func:`check_rank_offline` of a fetch into the cache at ``root``: the staged partial
+    checkpoint of this selection (the staging folder is named by its key, which needs the
+    expert count: each staged marker gives one), then its published snapshot."""
+    from ..errors import OfflineNoRecordError
+    from . import cache as hc
+    from ._offline import read_marker
+
+    include, exclude = kw["include"], kw["exclude"]
+    staged = hc.repo_dir(hub, root, repo) / hc.RECORDS_DIR / "partial"  # partial_staging's folders
+    for folder in sorted(staged.iterdir()) if staged.is_dir() else []:
+        marker = read_marker(folder / PARTIAL_NAME, _PARTIAL_KEYS)
+        if marker is None:
+            continue
+        selection.check()
+        topo = selection.topology(int(marker["topology"].get("num_experts") or 1))
+        if hc.partial_key(topo.to_json(), selection.select(topo), include, exclude) == folder.name:
+            break
+    else:
+        raise OfflineNoRecordError(f"HF_HUB_OFFLINE is set and {hc.repo_dir(hub, root, repo)} holds no complete "
+                                   f"rank-aware fetch of {hub}:{repo} for this selection (under {staged}): nothing to "
+                                   "verify against (unset HF_HUB_OFFLINE to fetch)", path=staged)
+    out = check_rank_offline(hub, repo, folder, selection, **kw)
+    layout = hc.partial_layout(hub, root, repo, out.commit, folder.name)
+    paths = sorted({*out.verified, *out.failed, PARTIAL_NAME} | ({INDEX_NAME} if (folder / INDEX_NAME).is_file() else set()))
+    out.failed.update(hc.unpublished(layout, folder, paths))
+    out.notes.append(f"snapshot: {layout.snapshot} (revision {layout.revision})")
+    return out
+
+
+def _requested_ranks(selection: RankSelection, marker: dict[str, Any]) -> str:
+    """The ranks ``selection`` names, over the marker's expert count, in the words of :func:`ranks_text`."""
+    selection.check()
+    topo = selection.topology(int(marker["topology"].get("num_experts") or 1))
+    return ranks_text(selection.select(topo), topo.ep, topo.tp, topo.world_size, topo.placement)
+
+
+def _marker_ranks(marker: dict[str, Any]) -> str:
+    t = marker["topology"]
+    try:
+        return ranks_text([int(r) for r in marker["ranks"]], int(t["ep"]), int(t["tp"]), int(t["world_size"]),
+                          str(t["expert_placement"]))
+    except (KeyError, TypeError, ValueError):
+        return "a partial checkpoint whose marker names no topology"
+
+
+def _offline_shard(dest_real: str, path: str, rec: dict[str, Any], written_from: str | None,
+                   manifest: Manifest | None, label: str | None) -> str | None:
+    """Why the rewritten shard ``path`` is not the one recorded, or None: a regular file of the
+    recorded size and header bytes, recorded in :data:`SHARD_RECORD` as written from the planned
+    source content; with a manifest, every tensor its header lists hashed to the manifest's."""
+    final = os.path.join(dest_real, path)
+    if not os.path.lexists(final):
+        return "missing"
+    if os.path.islink(final) or not os.path.isfile(final):
+        return "not a regular file"
+    try:
+        size = os.path.getsize(final)
+        with open(final, "rb") as f:
+            head = f.read(int(rec.get("header_size") or 0))
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    if size != rec.get("size"):
+        return f"size {size} != recorded {rec.get('size')}"
+    if hashlib.sha256(head).hexdigest() != rec.get("header_sha256"):
+        return "its header is not the one the fetch wrote"
+    if manifest is None:
+        return None if written_from == rec.get("key") else "not recorded as complete (the fetch did not finish it)"
+    from ..format.header import read_header
+
+    try:
+        header = read_header(final, path)
+        spans = [Span(name, *header.absolute_range(name)) for name in header.tensors]
+        digest = hash_file(final, spans=spans)
+    except (HashError, K3ckptError, OSError) as e:
+        return f"unreadable ({e})"
+    for name, got in sorted((digest.spans or {}).items()):
+        m = manifest.tensors.get(name)
+        if m is None or m.sha256 != got:
+            return (f"tensor {name!r} is not in the manifest {label}" if m is None else
+                    f"tensor {name!r}: sha256 {got}, the manifest {label} says {m.sha256}")
+    return None
+
+
+def _offline_index(dest_real: str, shards: list[str]) -> str | None:
+    """Why the index does not list exactly the tensors of ``shards`` (their headers), or None."""
+    from ..format.header import read_header
+
+    try:
+        weight_map = json.loads(Path(dest_real, INDEX_NAME).read_bytes()).get("weight_map")
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError, AttributeError) as e:
+        return f"unreadable ({e})"
+    want: dict[str, str] = {}
+    for p in shards:
+        try:
+            want.update(dict.fromkeys(read_header(Path(dest_real, p), p).tensors, p))
+        except (K3ckptError, OSError):
+            return None  # the shard itself is reported
+    return None if weight_map == want else "does not list exactly the tensors of the shards"
+
+
 # ---------------------------------------------------------------------------------------------
 # Rendering (``k3ckpt fetch`` with --ranks or --node)
 
 
 def _selection_text(plan: RankFetchPlan) -> str:
     t = plan.topology
-    return (f"rank{'s' if len(plan.ranks) > 1 else ''} {format_ranges(plan.ranks)} of ep {t.ep} x tp {t.tp} "
-            f"(world size {t.world_size}, {t.placement} placement)")
+    return ranks_text(plan.ranks, t.ep, t.tp, t.world_size, t.placement)
+
+
+def ranks_text(ranks: list[int], ep: int, tp: int, world_size: int, placement: str) -> str:
+    """``ranks A-B of ep E x tp T (world size W, P placement)``, as the summaries name ranks."""
+    return (f"rank{'s' if len(ranks) > 1 else ''} {format_ranges(ranks)} of ep {ep} x tp {tp} "
+            f"(world size {world_size}, {placement} placement)")
 
 
 def render_rank_fetch_plan(plan: RankFetchPlan) -> str:
