@@ -11,7 +11,9 @@ import resource
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -179,22 +181,48 @@ def temporaries(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob(".*.tmp"))
 
 
-@pytest.mark.parametrize("command", ["reshard", "unshard"])
+#: every writing command with an up-front space check, its argv for a source and an output path
+#: (``hub``: the loopback hub serving k3-tiny, for the fetches)
+REFUSED_FOR_SPACE: dict[str, Callable[[Path, Path, Any], list[str]]] = {
+    "reshard --format rank": lambda src, out, hub: ["reshard", str(src), "-o", str(out), "--format", "rank",
+                                                    "--ep", "2"],
+    "reshard": lambda src, out, hub: ["reshard", str(src), "-o", str(out), "--tp", "2"],
+    "unshard": lambda src, out, hub: ["unshard", str(src), "-o", str(out)],
+    "fetch": lambda src, out, hub: ["fetch", REPO, "--local-dir", str(out), "--endpoint", hub.url],
+    "fetch --node": lambda src, out, hub: ["fetch", REPO, "--local-dir", str(out), "--endpoint", hub.url,
+                                           "--tp", "2", "--node", "0"],
+    "fetch --ranks": lambda src, out, hub: ["fetch", REPO, "--local-dir", str(out), "--endpoint", hub.url,
+                                            "--ep", "2", "--ranks", "0"],
+    "fetch --cache-dir": lambda src, out, hub: ["fetch", REPO, "--cache-dir", str(out), "--endpoint", hub.url],
+}
+
+
+@pytest.mark.parametrize("where", ["new", "empty"])
+@pytest.mark.parametrize("command", list(REFUSED_FOR_SPACE))
 def test_too_small_a_disk_is_refused_before_any_byte(k3_tiny: Path, tmp_path: Path, small_tmpfs,
-                                                     command: str) -> None:
-    """Up front: one line naming the path, the bytes needed and the bytes free; no output file."""
-    src = k3_tiny
+                                                     request: pytest.FixtureRequest, command: str,
+                                                     where: str) -> None:
+    """Up front: one line naming the path, the bytes needed and the bytes free; and nothing left
+    (issue #25: the directory used to stay behind holding the ownership record). An output the
+    run created goes again with the parents it created; an empty one the user made stays, empty."""
+    src, hub, env = k3_tiny, None, None
     if command == "unshard":
         src = tmp_path / "lay"
         assert k3ckpt(["reshard", str(k3_tiny), "-o", str(src), "--format", "rank", "--ep", "2"]).returncode == 0
-    out = small_tmpfs.mount(4 << 20) / "out"
-    extra = ["--format", "rank", "--ep", "2"] if command == "reshard" else []
-    res = k3ckpt([command, str(src), "-o", str(out), *extra])
+    if command.startswith("fetch"):
+        hub, _served, env = request.getfixturevalue("hub_env")
+    mnt = small_tmpfs.mount(4 << 20)
+    out = mnt / "new" / "out" if where == "new" else mnt / "empty"
+    if where == "empty":
+        out.mkdir()
+    res = k3ckpt(REFUSED_FOR_SPACE[command](src, out, hub), env=env)
     assert res.returncode == 2, res.stdout + res.stderr
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"k3ckpt: error: {out}: not enough free space "), res.stderr
-    assert " bytes (" in lines[0] and "need " in lines[0] and " free" in lines[0]
-    assert sorted(p.name for p in out.iterdir()) == [".cache"]  # only the ownership record
+    assert len(lines) == 1 and lines[0].startswith(f"k3ckpt: error: {out}"), res.stderr
+    assert ": not enough free space " in lines[0] and " bytes (" in lines[0] and "need " in lines[0], lines[0]
+    assert " free" in lines[0]
+    assert [p.name for p in mnt.iterdir()] == ([] if where == "new" else ["empty"])
+    assert where == "new" or list(out.iterdir()) == []
 
 
 @pytest.mark.parametrize("layout", ["rank", "node"])

@@ -3,7 +3,8 @@ a fatal error prints the JSON error object (issue 14, observation 7; ``docs/erro
 
 Table-driven: each class of bad input (a path that does not exist, a directory that is not a
 checkpoint, a truncated safetensors header, an index naming a missing shard, a bad option value,
-an unreachable hub) is run through every command that takes such an input. The rule: exit 2
+an unreachable hub; issue #25's topology the engine cannot serve and MoE config without its
+expert count) is run through every command that takes such an input. The rule: exit 2
 ("could not run") everywhere, except that the checkers - ``verify`` and ``preflight``, whose job
 is to find damage - report a damaged checkpoint as a finding (exit 1, their report). Then the
 same run with ``--json``: exit code unchanged; an error prints exactly one JSON object
@@ -17,19 +18,24 @@ import json
 import re
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from click.testing import Result
 
-from helpers import run, shard_of
+from helpers import REPO, run, shard_of
 from k3ckpt.errors import K3ckptError
 
 #: commands whose job is to find damage: a damaged checkpoint is their finding (exit 1)
 CHECKERS = {"verify", "preflight"}
-#: classes of input that are a damaged checkpoint (rather than no checkpoint at all)
-DAMAGE = {"truncated header", "index names a missing shard", "a shard is a symlink loop", "a shard is a directory"}
+#: the classes of issue #25 that no command may write (UNSERVABLE below)
+UNSERVABLE_TOPOLOGY = "a topology the engine cannot serve"
+UNCOUNTED = "a MoE config without its expert count"
+#: classes of input that are a damaged checkpoint (rather than no checkpoint at all), or one no
+#: engine can serve as asked: a checker's finding
+DAMAGE = {"truncated header", "index names a missing shard", "a shard is a symlink loop", "a shard is a directory",
+          UNSERVABLE_TOPOLOGY, UNCOUNTED}
 EMBED = "language_model.model.embed_tokens.weight"
 
 
@@ -86,6 +92,20 @@ class Inputs:
             self.layout[case] = copy
         self.file = {"path does not exist": root / "missing.safetensors", "not a checkpoint": root / "empty",
                      "truncated header": trunc / first}
+        # issue #25: what the engine format cannot serve. A config without its expert count (the
+        # headers show 16 routed experts), here and on a hub (url set by the fixture); a node
+        # directory to preflight for a launch with a TP group across nodes.
+        uncounted = root / "uncounted"
+        shutil.copytree(k3_tiny, uncounted)
+        config = json.loads((uncounted / "config.json").read_text())
+        del config["text_config"]["num_experts"]
+        (uncounted / "config.json").write_text(json.dumps(config, indent=2))
+        self.ckpt[UNCOUNTED] = uncounted
+        self.hub_url = ""
+        nodes = root / "nodes"
+        assert run("reshard", str(k3_tiny), "-o", str(nodes), "--tp", "4", "--dp", "2", "--gpus-per-node", "4",
+                   "--node", "0").exit_code == 0
+        self.node_dir = nodes / "node-00000"
 
     def out(self, name: str) -> str:
         """A fresh output path (never created by a failing command)."""
@@ -94,8 +114,13 @@ class Inputs:
 
 
 @pytest.fixture(scope="module")
-def inputs(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Inputs:
-    return Inputs(tmp_path_factory.mktemp("bad-inputs"), k3_tiny)
+def inputs(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Inputs]:
+    from k3ckpt.testing.hub import LoopbackHub
+
+    i = Inputs(tmp_path_factory.mktemp("bad-inputs"), k3_tiny)
+    with LoopbackHub({REPO: i.ckpt[UNCOUNTED]}, cache_dir=tmp_path_factory.mktemp("bad-inputs-hub")) as hub:
+        i.hub_url = hub.url
+        yield i
 
 
 # command -> argv for a local input; each takes the Inputs and the case
@@ -159,13 +184,38 @@ UNREACHABLE: dict[str, Argv] = {
     "verify --against": lambda i, c: ["verify", str(i.good), "--against", "hf", "--repo", "o/r", "--endpoint", c],
 }
 
+#: issue #25: what the engine format cannot serve is refused by every command that would write it,
+#: before the first byte (exit 2; fetch --node before any request: its endpoint does not even
+#: listen), and reported by the checkers (exit 1)
+ACROSS = ("--tp", "4", "--dp", "2", "--gpus-per-node", "3")
+UNSERVABLE: dict[str, dict[str, Argv]] = {
+    UNSERVABLE_TOPOLOGY: {
+        "plan": lambda i, c: ["plan", str(i.good), *ACROSS],
+        "reshard": lambda i, c: ["reshard", str(i.good), "-o", i.out("reshard"), *ACROSS],
+        "fetch --node": lambda i, c: ["fetch", REPO, "--local-dir", i.out("f"), "--endpoint", c, *ACROSS,
+                                      "--node", "0"],
+        "preflight": lambda i, c: ["preflight", str(i.node_dir), "--engine", "vllm", *ACROSS, "--node", "0",
+                                   "--no-env"],
+    },
+    UNCOUNTED: {
+        "plan": lambda i, c: ["plan", str(i.ckpt[UNCOUNTED]), "--tp", "2"],
+        "reshard": lambda i, c: ["reshard", str(i.ckpt[UNCOUNTED]), "-o", i.out("reshard"), "--tp", "2"],
+        "fetch --node": lambda i, c: ["fetch", REPO, "--local-dir", i.out("f"), "--endpoint", i.hub_url, "--tp", "2",
+                                      "--node", "0"],
+        "verify": lambda i, c: ["verify", str(i.ckpt[UNCOUNTED])],
+        "preflight": lambda i, c: ["preflight", str(i.ckpt[UNCOUNTED]), "--no-env"],
+    },
+}
+
 CASES = [(case, command) for case in ("path does not exist", "not a checkpoint", "truncated header",
                                       "index names a missing shard", "a shard is a symlink loop",
                                       "a shard is a directory") for command in LOCAL]
 CASES += [("bad option value", command) for command in BAD_OPTION]
 CASES += [("unreachable hub", command) for command in UNREACHABLE]
+CASES += [(case, command) for case, commands in UNSERVABLE.items() for command in commands]
 #: the kind every command gives for a class, where the class decides it
-KINDS = {"bad option value": "usage", "unreachable hub": "hub_unreachable"}
+KINDS = {"bad option value": "usage", "unreachable hub": "hub_unreachable", UNSERVABLE_TOPOLOGY: "topology",
+         UNCOUNTED: "config"}
 
 
 def _argv(inputs: Inputs, case: str, command: str) -> list[str] | None:
@@ -173,6 +223,8 @@ def _argv(inputs: Inputs, case: str, command: str) -> list[str] | None:
         return BAD_OPTION[command](inputs, case)
     if case == "unreachable hub":
         return UNREACHABLE[command](inputs, f"http://127.0.0.1:{_closed_port()}")
+    if case in UNSERVABLE:
+        return UNSERVABLE[case][command](inputs, f"http://127.0.0.1:{_closed_port()}")
     return LOCAL[command](inputs, case)
 
 

@@ -121,9 +121,9 @@ def test_a_huge_lying_size_is_refused_by_the_space_check(hub: LoopbackHub, box: 
     assert res.exit_code == 2 and res.output.startswith("k3ckpt: error: ") and "not enough free space" in res.output
     assert len(res.output.strip().splitlines()) == 1
     assert hub.total_bytes_sent() == 0
-    # the lock is released; nothing was preallocated (only the ownership record and the record of
-    # the listing, which the offline check reads, were written)
-    assert sorted(tree(dest)) == [".cache", ".cache/k3ckpt", ".cache/k3ckpt/listing.json", ".cache/k3ckpt/owner.json"]
+    # nothing was preallocated, and the destination the refused run created is gone again, with
+    # the records it had written (ownership, listing) and its lock (issue #25)
+    assert not dest.exists()
 
 
 # -- bodies ------------------------------------------------------------------------------------

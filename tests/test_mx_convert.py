@@ -616,6 +616,27 @@ def test_quantize_checkpoint_config_is_compressed_tensors_own(k3_tiny: Path, tmp
     assert not any("norm" in m.rsplit(".", 1)[-1] or "embed" in m for m in quant["ignore"])
 
 
+@pytest.mark.parametrize("where", ["new", "empty"])
+def test_a_failed_checkpoint_quantize_leaves_no_directory_it_made(k3_tiny: Path, tmp_path: Path, where: str) -> None:
+    """Issue #25: a NaN in a late shard stops mx quantize DIR after other shards and files were
+    written; the output directory it created goes again, parents included, and an empty one
+    the user made is left empty (nothing of a half-quantized checkpoint stays)."""
+    src = float_checkpoint(k3_tiny, tmp_path / "bf16")
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    name, last = max(((n, f) for n, f in index.items() if ".experts." in n and n.endswith(".weight")),
+                     key=lambda nf: (nf[1], nf[0]))  # an expert weight of the last shard holding some
+    assert last != min(index.values())  # earlier shards are written before it
+    meta, tensors = read_all(src / last)
+    tensors[name] = tensors[name].copy()
+    tensors[name][0, 0] = np.nan
+    write_st(src / last, tensors, meta)
+    out = tmp_path / "new" / "q" if where == "new" else tmp_path / "empty"
+    if where == "empty":
+        out.mkdir()
+    assert_one_line_error(run("mx", "quantize", str(src), "-o", str(out)), 2, name, "NaN/Inf")
+    assert not (tmp_path / "new").exists() if where == "new" else listing(out) == set()
+
+
 def test_quantize_checkpoint_output_rules(k3_tiny: Path, tmp_path: Path) -> None:
     src = float_checkpoint(k3_tiny, tmp_path / "bf16")
     # an already quantized checkpoint is refused, naming its config

@@ -27,14 +27,14 @@ CHUNK = 16 * 1024  # several requests per file, and large tensors cut into sever
 
 #: (topology flags, node, file size flags, the same topology in preflight's flags): one node
 #: holding the whole world (default file size); node 1 of 2 x 4 GPUs with round_robin placement
-#: and small files (several files per rank); node 1 of an uneven split (16 experts over 6 ranks:
-#: ranks 0-3 hold 3 each, ranks 4-5 hold 2).
+#: and small files (several files per rank); the last node of an uneven split (16 experts over 6
+#: ranks: ranks 0-3 hold 3 each, ranks 4-5, node 2, hold 2).
 CASES = [
     (("--tp", "2", "--dp", "4"), 0, (), ("--ep", "8", "--tp", "2", "--gpus-per-node", "8")),
     (("--tp", "2", "--dp", "4", "--gpus-per-node", "4", "--placement", "round_robin"), 1,
      ("--max-file-size", "300000"), ("--ep", "8", "--tp", "2", "--gpus-per-node", "4")),
-    (("--ep", "6", "--tp", "2", "--gpus-per-node", "4"), 1, ("--max-file-size", "1MiB"),
-     ("--ep", "6", "--tp", "2", "--gpus-per-node", "4")),
+    (("--ep", "6", "--tp", "2", "--gpus-per-node", "2"), 2, ("--max-file-size", "1MiB"),
+     ("--ep", "6", "--tp", "2", "--gpus-per-node", "2")),
 ]
 
 
@@ -196,6 +196,63 @@ def test_engine_topology_refused_in_one_line(served_hub: Any, tmp_path: Path) ->
     assert res.exit_code == 2 and res.output.count("\n") == 1
     assert "the engine format needs --ep equal to the world size" in res.output
     assert not (tmp_path / "d").exists()
+
+
+def _error_line(res: Any) -> str:
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("k3ckpt: error: "), res.output
+    return lines[0].removeprefix("k3ckpt: error: ")
+
+
+@pytest.mark.parametrize(("topo", "fix"), [
+    (("--tp", "4", "--dp", "2", "--gpus-per-node", "3"), ("--tp", "4", "--dp", "2", "--gpus-per-node", "4")),
+    (("--tp", "2", "--dp", "3", "--gpus-per-node", "4"), ("--tp", "2", "--dp", "3", "--gpus-per-node", "2")),
+], ids=["tp-group-across-nodes", "partial-last-node"])
+def test_nodes_the_engine_cannot_launch_are_refused_before_the_first_byte(
+        served_hub: Any, k3_tiny: Path, tmp_path: Path, topo: tuple[str, ...], fix: tuple[str, ...]) -> None:
+    """Issue #25: --tp 4 --dp 2 --gpus-per-node 3 wrote three node directories that only preflight
+    then called unservable. plan, reshard and fetch --node now refuse it with one rule, in one
+    line naming the command that works (the same options, GPUs per node that fit), before any
+    byte (fetch: before any request); preflight's serve row says the same words."""
+    h, _ = served_hub
+    h.reset_counters()
+    out, dest = tmp_path / "out", tmp_path / "new" / "node"
+    lines = {_error_line(run("plan", str(k3_tiny), *topo)),
+             _error_line(run("reshard", str(k3_tiny), "-o", str(out), *topo)),
+             _error_line(fetch_node(h, dest, topo, 0))}
+    assert len(lines) == 1, lines  # one rule, one message
+    line = lines.pop()
+    assert line.startswith(f"--gpus-per-node {topo[-1]} with {' '.join(topo[:4])}: ") and "vLLM" in line, line
+    assert f"; use {' '.join(fix)}" in line, line
+    assert not out.exists() and not dest.parent.exists() and h.request_log == []
+    # the command it names runs; preflight of that node for the refused launch: the same reason
+    assert run("reshard", str(k3_tiny), "-o", str(out), *fix).exit_code == 0
+    pre = run("preflight", str(out / "node-00000"), "--engine", "vllm", *topo, "--node", "0", "--no-env")
+    assert pre.exit_code == 1 and f"FAIL  serve         no vllm command for this launch: {line}" in pre.output
+
+
+def test_a_moe_config_without_its_expert_count_is_refused_before_the_first_byte(
+        served_hub: Any, tmp_path: Path) -> None:
+    """Issue #25: a config.json without text_config.num_experts over tensors holding experts was
+    copied into every output, which inspect, verify and preflight then read as a dense model.
+    plan, reshard and fetch --node refuse it, naming config.json, the key and what the headers
+    show, before writing anything."""
+    h, served = served_hub
+    config = json.loads((served / "config.json").read_text())
+    del config["text_config"]["num_experts"]
+    (served / "config.json").write_text(json.dumps(config, indent=2))
+    h.rescan()
+    topo = ("--tp", "2", "--dp", "2")
+    out, dest = tmp_path / "out", tmp_path / "node"
+    local = _error_line(run("plan", str(served), *topo))
+    assert local == _error_line(run("reshard", str(served), "-o", str(out), *topo))
+    want = (": text_config.num_experts is missing, but the tensors hold 16 routed experts (0-15, e.g. "
+            "language_model.model.layers.1.block_sparse_moe.experts.0.")
+    assert local.startswith(f"{served / 'config.json'}{want}") and local.endswith(
+        "set text_config.num_experts to 16"), local
+    hub = _error_line(fetch_node(h, dest, topo, 0))
+    assert "config.json" in hub.split(": ")[0] and want in hub, hub
+    assert not out.exists() and not dest.exists()
 
 
 def test_dry_run_lists_node_files_and_reads_only_headers(served_hub: Any, resharded: dict[int, Path],

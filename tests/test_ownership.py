@@ -21,8 +21,8 @@ from helpers import REPO, assert_one_line_error, run
 from k3ckpt.deploy import reshard as rs
 from k3ckpt.errors import OutputNotOwnedError
 from k3ckpt.format.topology import RankSelection
-from k3ckpt.utils.lock import OUTPUT_LOCK_NAME
-from k3ckpt.utils.ownership import OWNER_RECORD, check_output_dir, claim_output_dir
+from k3ckpt.utils.lock import OUTPUT_LOCK_NAME, DirLock
+from k3ckpt.utils.ownership import OWNER_RECORD, check_output_dir, claim_output_dir, locked_output_dir
 
 #: Small files: several per rank, so that a run can be held after its first.
 RANK_ARGS = ["--format", "rank", "--ep", "2", "--max-file-size", "256KiB"]
@@ -139,6 +139,63 @@ def test_claim_accepts_only_empty_or_own(tmp_path: Path) -> None:
     (tmp_path / "h" / ".cache" / "huggingface").mkdir(parents=True)
     with pytest.raises(OutputNotOwnedError, match=r"\.cache\)"):
         claim_output_dir(tmp_path / "h", "reshard", [])
+
+
+class Refused(Exception):
+    pass
+
+
+def _refused_run(out: Path, *, write: str | None = None, resumable: bool = True) -> None:
+    """A run into ``out`` that claims it, maybe writes ``write`` (a relative path), then is refused."""
+    with pytest.raises(Refused), locked_output_dir(out, DirLock(out, OUTPUT_LOCK_NAME), resumable=resumable):
+        claim_output_dir(out, "reshard", ["topology.json"])
+        if write is not None:
+            (out / write).parent.mkdir(parents=True, exist_ok=True)
+            (out / write).write_text("data")
+        raise Refused
+
+
+def test_a_refused_run_leaves_no_directory_it_made(tmp_path: Path) -> None:
+    """Issue #25: exactly what the run created goes again - the output and the parents it made,
+    with its ownership record and lock - and nothing that existed before."""
+    _refused_run(tmp_path / "a" / "b" / "out")
+    assert list(tmp_path.iterdir()) == []
+    user = tmp_path / "mine"
+    user.mkdir()
+    _refused_run(user / "out")  # a parent the user made: kept, as it was
+    _refused_run(user)  # an empty output the user made: kept, empty
+    assert user.is_dir() and list(user.iterdir()) == []
+    # data written (a resumable .part, say): kept, the parents with it
+    _refused_run(tmp_path / "p" / "out", write="x.safetensors.part")
+    assert sorted(p.name for p in (tmp_path / "p" / "out").iterdir()) == [".cache", "x.safetensors.part"]
+    # ... unless the command resumes nothing: then everything it wrote goes
+    _refused_run(tmp_path / "q" / "out", write="sub/shard.safetensors", resumable=False)
+    assert not (tmp_path / "q").exists()
+    # a directory that held anything before is never touched
+    own = tmp_path / "own"
+    claim_output_dir(own, "reshard", ["topology.json"])
+    _refused_run(own)
+    assert (own / OWNER_RECORD).is_file()
+    # another run's lock in it (a fetch racing into the new directory): nothing is removed
+    racing = tmp_path / "racing"
+    with pytest.raises(Refused), locked_output_dir(racing, DirLock(racing, OUTPUT_LOCK_NAME)):
+        (racing / ".k3ckpt-fetch.lock").write_text("{}")
+        raise Refused
+    assert sorted(p.name for p in racing.iterdir()) == [".k3ckpt-fetch.lock"]
+    # a symlink is never followed: the file it points to stays
+    target = tmp_path / "target"
+    target.write_text("keep")
+    with pytest.raises(Refused), locked_output_dir(tmp_path / "s", DirLock(tmp_path / "s", OUTPUT_LOCK_NAME),
+                                                   resumable=False):
+        (tmp_path / "s" / "link").symlink_to(target)
+        raise Refused
+    assert target.read_text() == "keep" and not (tmp_path / "s").exists()
+
+
+def test_a_refused_synth_makes_no_directory(tmp_path: Path) -> None:
+    # synth's refusals (a spec it cannot write) all come before it creates anything
+    assert_one_line_error(run("synth", str(tmp_path / "a" / "b"), "--moe-intermediate", "33"), 2, "33")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_check_refuses_what_claim_refuses_and_writes_nothing(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from k3ckpt.format.topology import (
     parse_ranks,
     rank_from_env,
     ranks_of_node,
+    require_engine_nodes,
     split_range,
     tensor_split,
     tensors_for_rank,
@@ -426,6 +427,7 @@ def test_rank_selection_errors(sel: RankSelection, message: str) -> None:
     (RankSelection(ep=8, tp=3), False, "--tp 3 does not divide world size 8"),
     (RankSelection(ep=4, tp=2, ranks="0", node=0), False, "give --ranks or --node, not both"),
     (RankSelection(ep=2, tp=2, world_size=4), True, "the engine format needs --ep equal to the world size"),
+    (RankSelection(tp=4, dp=2, node=0, gpus_per_node=3), True, "a tensor-parallel group would span two nodes"),
 ])
 def test_check_refuses_before_the_checkpoint_is_read(sel: RankSelection, engine: bool, message: str) -> None:
     # check() needs no expert count: fetch calls it before its first request
@@ -441,6 +443,8 @@ def test_check_refuses_before_the_checkpoint_is_read(sel: RankSelection, engine:
     (RankSelection(tp=2, dp=2, node=0), True),
     (RankSelection(tp=2, dp=4, node=1, gpus_per_node=4), True),
     (RankSelection(ep=8, tp=2, node=1, gpus_per_node=4), False),
+    (RankSelection(ep=8, tp=4, node=1, gpus_per_node=3), False),  # the rank layout's custom loaders: any grouping
+    (RankSelection(tp=4, dp=1, node=0, gpus_per_node=8), True),  # one node, partly used: always runs
     (RankSelection(ep=1 << 20), False),  # more ep ranks than any real model's experts: checked later
 ])
 def test_check_accepts_what_can_work(sel: RankSelection, engine: bool) -> None:
@@ -479,6 +483,32 @@ def test_dp_and_the_engine_reading(sel: RankSelection, rank_layout: tuple, engin
 def test_engine_refusals_name_the_nearest_valid_command(sel: RankSelection, message: str) -> None:
     with pytest.raises(TopologyError, match=re.escape(message).replace(r"\$", "$")):
         sel.topology(16, engine=True)
+
+
+@pytest.mark.parametrize(("tp", "world", "gpus", "message"), [
+    (4, 8, 3, "--gpus-per-node 3 with L: a tensor-parallel group would span two nodes (3 is not a multiple of --tp 4), "
+              "which vLLM cannot launch; use L --gpus-per-node 4 (or 8)"),
+    (4, 12, 8, "--gpus-per-node 8 with L: the last node would run 4 of its 8 GPUs, and vLLM runs the same number of "
+               "data-parallel ranks on every node (--data-parallel-size-local); use L --gpus-per-node 4 (or 12)"),
+    (2, 16, 6, "use L --gpus-per-node 4 (or 2, 8, 16)"),  # the largest that fits in the nodes given
+    (8, 16, 4, "use L --gpus-per-node 8 (or 16)"),  # none that small: the smallest that works
+    (4, 8, 4, None), (4, 8, 8, None), (4, 8, 16, None), (4, 4, 6, None), (1, 3, 1, None), (2, 6, 2, None),
+])
+def test_the_nodes_an_engine_launch_can_run(tp: int, world: int, gpus: int, message: str | None) -> None:
+    """Issue #25: one rule (require_engine_nodes) for plan, reshard, fetch --node and serve-command:
+    one node always runs; over several, GPUs per node a multiple of --tp dividing the world size."""
+    if message is None:
+        require_engine_nodes(tp, world, gpus, "L")
+    else:
+        with pytest.raises(TopologyError, match=re.escape(message) + "$"):
+            require_engine_nodes(tp, world, gpus, "L")
+    sel = RankSelection(tp=tp, dp=world // tp, gpus_per_node=gpus)
+    for engine, refused in ((True, message is not None), (False, False)):
+        if refused:
+            with pytest.raises(TopologyError, match=f"--gpus-per-node {gpus} with --tp {tp} --dp {world // tp}: "):
+                sel.check(engine=engine)
+        else:
+            sel.check(engine=engine)
 
 
 # -- launcher environments ----------------------------------------------------------------------

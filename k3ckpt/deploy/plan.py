@@ -26,7 +26,6 @@ from ..format.topology import (
     TopologyError,
     check_heads,
     index_of,
-    num_experts_of,
     num_nodes,
     ranks_of_node,
     tensors_for_ranks,
@@ -160,7 +159,9 @@ def plan_topology(
     if limits is not None and layout != "node":
         raise TopologyError("the time to ready (--link, --disk, --cores) is estimated for the node format's "
                             "routes: drop --format rank")
-    topo = selection.topology(num_experts_of(idx, cfg.num_experts if cfg else None), engine=layout == "node")
+    # the rules every writer applies (plan says before a byte is written what reshard and fetch
+    # --node would refuse): experts the config does not count, nodes the engine cannot launch
+    topo = selection.topology_for(idx, cfg, engine=layout == "node")
     check_heads(cfg, topo.tp, notes) if ckpt is not None else notes.append(
         "no config.json in a manifest: attention-head divisibility by --tp was not checked")
     per_rank = tensors_for_ranks(idx, topo, gpus_per_node=selection.gpus_per_node)

@@ -23,6 +23,7 @@ import os
 from collections.abc import Mapping
 
 from ..errors import TopologyError
+from ..format.topology import require_engine_nodes
 
 ENGINES = ("vllm", "sglang")
 #: Printed instead of the leader's address when neither ``--leader-address`` nor the launcher says it.
@@ -64,9 +65,9 @@ def serve_command(
         ['vllm', 'serve', '/nvme/k3', '--trust-remote-code']
 
     Raises:
-        TopologyError: ``tp`` does not divide the GPUs of a node when there are several nodes
-            (a tensor-parallel group must fit on one node), the node is out of range, an engine
-            other than :data:`ENGINES`.
+        TopologyError: several nodes that the node format's launch cannot run
+            (:func:`~k3ckpt.format.topology.require_engine_nodes`: a TP group across two nodes, a
+            partial last node), the node is out of range, an engine other than :data:`ENGINES`.
     """
     if engine not in ENGINES:
         raise TopologyError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
@@ -75,9 +76,7 @@ def serve_command(
     nodes = -(-world // per_node)
     if not 0 <= node < nodes:
         raise TopologyError(f"node {node} out of range 0..{nodes - 1} ({world} ranks, {per_node} per node)")
-    if nodes > 1 and per_node % tp:
-        raise TopologyError(f"--tp {tp} does not divide {per_node} GPUs per node: a tensor-parallel group must "
-                            f"fit on one node")
+    require_engine_nodes(tp, world, per_node, f"--tp {tp} --dp {dp}")  # the rule plan, reshard and fetch apply
     leader = leader_address or LEADER_PLACEHOLDER
     if engine == "sglang":
         return _sglang(str(path), tp, dp, node, nodes, leader, served_model_name)

@@ -61,7 +61,7 @@ from ..format.loadable import require_config
 from ..format.roles import classify
 from ..format.topology import Topology, TopologyError
 from ..utils import copy_files, fsync_dir, human_bytes, is_within, load_json, write_atomic
-from ..utils.ownership import claim_output_dir
+from ..utils.ownership import claim_output_dir, locked_output_dir
 from ..utils.space import free_bytes, require_free_space, space_margin
 from .bytecopy import NO_SPACE, Copier, FdCache, output_lock, tmp_name
 
@@ -623,8 +623,7 @@ def run_unshard(
     if outp.exists() and not outp.is_dir():
         raise UnshardError(f"{outp}: exists and is not a directory")
     shards = _pack(plan, max_shard_size)
-    outp.mkdir(parents=True, exist_ok=True)
-    with output_lock(outp, "unshard"):
+    with locked_output_dir(outp, output_lock(outp, "unshard")):  # a refusal leaves no directory it made
         claim_output_dir(outp, "unshard", [INDEX_NAME, *(s.name for s in shards), *plan.extra_files])
         needed = sum(s.size for s in shards) + sum((plan.root / f).stat().st_size for f in plan.extra_files)
         _prepare_out(outp, plan.root, force, check_space, needed)

@@ -20,6 +20,8 @@ from ..utils import load_json
 MAX_LAYERS = 100_000
 #: Bound for sizes and counts (hidden size, vocabulary, experts, ...).
 MAX_SIZE = 1 << 40
+#: The keys that count the routed experts, across the families (K3, K2/DeepSeek-V3, gpt-oss).
+EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 
 
 def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -83,6 +85,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     has_vision: bool
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    #: where it was read (a path, or a hub file's label), for messages
+    source: str = field(repr=False, default="config.json")
 
     @property
     def moe_layers(self) -> list[int]:
@@ -93,6 +97,18 @@ class ModelConfig:
             for i in range(self.num_layers)
             if i >= self.first_k_dense and (i - self.first_k_dense) % max(self.moe_layer_freq, 1) == 0
         ]
+
+    @property
+    def experts_key(self) -> str:
+        """The key that counts the routed experts, as this config spells it: the one present,
+        else the one its family uses, under ``text_config.`` when the text model is nested
+        there (``text_config.num_experts`` for K3, ``n_routed_experts`` for K2)."""
+        nested = isinstance(self.raw.get("text_config"), dict)
+        text: dict[str, Any] = self.raw["text_config"] if nested else self.raw
+        key = next((k for k in EXPERT_KEYS if text.get(k) is not None), None)
+        if key is None:
+            key = {"deepseek_v3": "n_routed_experts", "gpt_oss": "num_local_experts"}.get(self.family, "num_experts")
+        return f"text_config.{key}" if nested else key
 
     @property
     def quant_format(self) -> str | None:
@@ -174,7 +190,7 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
     def count(*keys: str, default: Any = 0) -> Any:
         return _int_field(text, *keys, source=source, default=default)
 
-    num_experts = count("num_experts", "n_routed_experts", "num_local_experts")
+    num_experts = count(*EXPERT_KEYS)
     quant = _first(raw, "quantization_config", default=None) or _first(text, "quantization_config", default={}) or {}
     return ModelConfig(
         family=family,
@@ -198,6 +214,7 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         tie_word_embeddings=bool(_first(text, "tie_word_embeddings", default=_first(raw, "tie_word_embeddings", default=False))),
         has_vision=isinstance(raw.get("vision_config"), dict),
         raw=raw,
+        source=source,
     )
 
 

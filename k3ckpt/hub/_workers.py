@@ -36,6 +36,7 @@ from ..faults import pause_point
 from ..format.header import parse_header_bytes
 from ..integrity.manifest import Manifest
 from ..utils import fsync_dir, write_atomic
+from ..utils.ownership import locked_output_dir
 from ..utils.space import require_free_space
 from . import _dest, _http, _transfer, download
 from . import client as hubclient
@@ -324,15 +325,10 @@ def fetch_run(plan: RunPlan, workers: int, retry: RetryPolicy | None,
     t0 = time.monotonic()
     policy = retry or download.FETCH_RETRY
     result = RankFetchResult(dest=plan.dest, verification=plan.verification, bytes_total=plan.bytes_total)
-    os.makedirs(plan.dest, exist_ok=True)
     dest_real = os.path.realpath(plan.dest)
-    lock = _dest.DestLock(dest_real)
-    lock.acquire()
-    try:
+    with locked_output_dir(plan.dest, _dest.DestLock(dest_real)):  # a refusal leaves no directory it made
         _dest.claim_dest(dest_real, names)
         yield result, dest_real, policy
-    finally:
-        lock.release()
     result.written.sort()
     result.skipped.sort()
     result.seconds = time.monotonic() - t0

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from ..env import K3CKPT_DIRECT_IO
 from ..errors import DiskSpaceError, FetchLockedError
+from ..utils.ownership import locked_output_dir
 from ..utils.space import require_free_space
 from . import _dest, _transfer
 from . import client as hubclient
@@ -122,7 +123,9 @@ def fetch_files(
 
     Args:
         listing: The hub listing (its revision pins every URL).
-        dest: Destination directory (created if missing); files land at ``dest/<path>``.
+        dest: Destination directory (created if missing, and removed again with the parents
+            this run created when it is refused before its first byte); files land at
+            ``dest/<path>``.
         paths: Repo-relative paths to fetch; ``None`` fetches the whole listing.  A path not in
             the listing is reported in ``failed``.
         workers: Parallel requests (threads).
@@ -153,6 +156,11 @@ def fetch_files(
         raise ValueError("workers must be >= 1")
     if chunk_size < 1:
         raise ValueError("chunk_size must be >= 1")
+    if take_lock:  # a refusal (disk space) leaves no directory it made
+        with locked_output_dir(dest, _dest.DestLock(os.path.realpath(dest))):
+            return fetch_files(listing, dest, paths, workers=workers, chunk_size=chunk_size, token=token,
+                               progress=progress, on_plan=on_plan, retry=retry, check_space=check_space,
+                               take_lock=False, place=place)
     t0 = time.monotonic()
     policy = retry or FETCH_RETRY
     dest_path = Path(dest)
@@ -163,73 +171,67 @@ def fetch_files(
 
     # read here, not in a worker: a bad value is the run's error
     direct = K3CKPT_DIRECT_IO.get() and filesystem_of(dest_real) in DIRECT_IO_FILESYSTEMS
-    lock = _dest.DestLock(dest_real)
-    if take_lock:
-        lock.acquire()
-    try:
-        entries: list[tuple[HubFile, str]] = []
-        for rel in wanted:
-            entry = listing.files.get(rel)
-            if entry is None:
-                result.failed[rel] = "not in the listing"
-                continue
-            # Check the listing's own name too: a hand-built listing skips hubclient's validation.
-            try:
-                final = _dest.target(dest_real, rel if place is None else place(entry))
-                if entry.path != rel:
-                    raise ValueError(f"listing key {rel!r} names the file {entry.path!r}")
-            except ValueError as e:
-                result.failed[rel] = str(e)
-                continue
-            result.bytes_total += entry.size
-            entries.append((entry, final))
+    entries: list[tuple[HubFile, str]] = []
+    for rel in wanted:
+        entry = listing.files.get(rel)
+        if entry is None:
+            result.failed[rel] = "not in the listing"
+            continue
+        # Check the listing's own name too: a hand-built listing skips hubclient's validation.
+        try:
+            final = _dest.target(dest_real, rel if place is None else place(entry))
+            if entry.path != rel:
+                raise ValueError(f"listing key {rel!r} names the file {entry.path!r}")
+        except ValueError as e:
+            result.failed[rel] = str(e)
+            continue
+        result.bytes_total += entry.size
+        entries.append((entry, final))
 
-        # Skip check: size, then the full digest (that is the contract), hashed in parallel.
-        from concurrent.futures import ThreadPoolExecutor
+    # Skip check: size, then the full digest (that is the contract), hashed in parallel.
+    from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            present = list(pool.map(lambda ef: already_present(*ef), entries))
-        jobs: list[FileJob] = []
-        for (entry, final), is_there in zip(entries, present):
-            if is_there:
-                result.skipped.append(entry.path)
-                # Leftovers of a run killed between its rename and its journal removal.
-                _dest.unlink(final + ".part.journal")
-                if os.path.isfile(final + ".part") and not os.path.islink(final + ".part"):
-                    _dest.unlink(final + ".part")
-                continue
-            job = FileJob(entry, final, chunk_size, dest_real, direct)
-            job.load_resume()
-            jobs.append(job)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        present = list(pool.map(lambda ef: already_present(*ef), entries))
+    jobs: list[FileJob] = []
+    for (entry, final), is_there in zip(entries, present):
+        if is_there:
+            result.skipped.append(entry.path)
+            # Leftovers of a run killed between its rename and its journal removal.
+            _dest.unlink(final + ".part.journal")
+            if os.path.isfile(final + ".part") and not os.path.islink(final + ".part"):
+                _dest.unlink(final + ".part")
+            continue
+        job = FileJob(entry, final, chunk_size, dest_real, direct)
+        job.load_resume()
+        jobs.append(job)
 
-        resumed = {job.entry.path for job in jobs if job.done}  # an earlier run's journaled chunks adopted
-        # From the journaled chunks, not by walking every chunk: a hostile listing's size of
-        # 2**60 bytes must reach the space check below, not spin through 2**34 chunks first.
-        to_download = sum(job.entry.size - sum(job.chunk(i)[1] for i in job.done) for job in jobs)
-        if check_space and jobs:
-            needed = sum(job.entry.size - job.resumable_bytes() for job in jobs)
-            require_free_space(dest_real, needed, f"to fetch {len(jobs)} file(s)")
-        if on_plan is not None:
-            on_plan(to_download)
+    resumed = {job.entry.path for job in jobs if job.done}  # an earlier run's journaled chunks adopted
+    # From the journaled chunks, not by walking every chunk: a hostile listing's size of
+    # 2**60 bytes must reach the space check below, not spin through 2**34 chunks first.
+    to_download = sum(job.entry.size - sum(job.chunk(i)[1] for i in job.done) for job in jobs)
+    if check_space and jobs:
+        needed = sum(job.entry.size - job.resumable_bytes() for job in jobs)
+        require_free_space(dest_real, needed, f"to fetch {len(jobs)} file(s)")
+    if on_plan is not None:
+        on_plan(to_download)
 
-        hubclient.load_client(listing.hub)  # before the workers: see load_client
-        run = FetchRun(listing, hubclient.auth_headers(listing, token), policy, workers, progress, result,
-                       timeout=TIMEOUT, piece=PIECE)
-        for job in jobs:
-            todo = [i for i in range(job.nchunks) if i not in job.done] if job.entry.size else []
-            if todo:
-                for i in todo:
-                    run.submit(job, i)
-            else:
-                run.submit(job, None)  # empty file, or complete .part left before its rename
-        if jobs:
-            run.run()
-        for job in jobs:  # belt and braces: nothing may end neither fetched nor failed
-            if job.entry.path not in result.fetched and job.entry.path not in result.failed:
-                result.failed[job.entry.path] = "not completed"
-        result.resumed = sorted(resumed & set(result.fetched))
-    finally:
-        lock.release()
+    hubclient.load_client(listing.hub)  # before the workers: see load_client
+    run = FetchRun(listing, hubclient.auth_headers(listing, token), policy, workers, progress, result,
+                   timeout=TIMEOUT, piece=PIECE)
+    for job in jobs:
+        todo = [i for i in range(job.nchunks) if i not in job.done] if job.entry.size else []
+        if todo:
+            for i in todo:
+                run.submit(job, i)
+        else:
+            run.submit(job, None)  # empty file, or complete .part left before its rename
+    if jobs:
+        run.run()
+    for job in jobs:  # belt and braces: nothing may end neither fetched nor failed
+        if job.entry.path not in result.fetched and job.entry.path not in result.failed:
+            result.failed[job.entry.path] = "not completed"
+    result.resumed = sorted(resumed & set(result.fetched))
     result.fetched.sort()
     result.skipped.sort()
     result.seconds = time.monotonic() - t0

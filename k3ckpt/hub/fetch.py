@@ -201,14 +201,15 @@ def run_fetch(
 ) -> Any:
     """Download ``plan`` (see :func:`k3ckpt.download.fetch_files`); returns its ``FetchResult``."""
     from ..integrity.verify import record_verified
+    from ..utils.ownership import locked_output_dir
     from . import _dest
     from .download import DEFAULT_CHUNK, fetch_files
 
     if plan.cache is not None:
         return _run_cache_fetch(plan, plan.cache, workers=workers, chunk_size=chunk_size or DEFAULT_CHUNK,
                                 token=token, progress=progress, on_plan=on_plan)
-    os.makedirs(plan.dest, exist_ok=True)
-    with _dest.DestLock(os.path.realpath(plan.dest)) as lock:
+    lock = _dest.DestLock(os.path.realpath(plan.dest))
+    with locked_output_dir(plan.dest, lock):  # a refusal (disk space) leaves no directory it made
         # never into a directory holding files k3ckpt did not write (fetch would replace
         # same-named ones); a resumed fetch's own destination is accepted
         _dest.claim_dest(os.path.dirname(lock.path), plan.paths)
@@ -352,11 +353,13 @@ def _run_cache_fetch(plan: FetchPlan, layout: CacheLayout, *, workers: int, chun
     """``run_fetch`` into a hub cache (see :mod:`k3ckpt.hub.cache`), under k3ckpt's own lock in
     the repo folder's ``.k3ckpt/``; no ownership claim: the cache is shared with the clients."""
     from ..integrity.verify import record_verified
+    from ..utils.ownership import locked_output_dir
     from . import _dest
+    from .cache import RECORDS_DIR
     from .download import fetch_files
 
-    os.makedirs(layout.records, exist_ok=True)
-    with _dest.DestLock(os.path.realpath(layout.records)):
+    # a refusal (disk space) leaves no folder it made in the cache
+    with locked_output_dir(layout.repo_dir, _dest.DestLock(os.path.realpath(layout.records)), records=RECORDS_DIR):
         write_listing_record(layout.records / f"{layout.snapshot.name}.json", plan)
         if layout.hub == "hf":
             result = _fetch_blobs(plan, layout, workers=workers, chunk_size=chunk_size, token=token,

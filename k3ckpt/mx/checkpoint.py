@@ -35,7 +35,7 @@ from ..format.header import read_header
 from ..format.roles import Kind, classify
 from ..utils import copy_files, is_within, load_json, write_atomic
 from ..utils.lock import OUTPUT_LOCK_NAME, DirLock
-from ..utils.ownership import claim_output_dir
+from ..utils.ownership import claim_output_dir, locked_output_dir
 from .codec import ScaleMode, normalize_scale_mode
 from .convert import _quantize_into
 
@@ -144,8 +144,9 @@ def quantize_checkpoint(
         on_plan(sum(h.data_len for h in headers.values()))
     chunk = chunk_bytes if chunk_bytes is not None else K3CKPT_MX_CHUNK_BYTES.get()
 
-    outp.mkdir(parents=True, exist_ok=True)
-    with DirLock(outp, OUTPUT_LOCK_NAME, command=OWNER_COMMAND, stale_seconds=K3CKPT_LOCK_STALE_SECONDS.get()):
+    lock = DirLock(outp, OUTPUT_LOCK_NAME, command=OWNER_COMMAND, stale_seconds=K3CKPT_LOCK_STALE_SECONDS.get())
+    # a failure leaves no directory it made (nothing here resumes: a re-run rewrites every file)
+    with locked_output_dir(outp, lock, resumable=False):
         claim_output_dir(outp, OWNER_COMMAND, [*shards, *([INDEX_NAME] if indexed else []), CONFIG_NAME, *files])
         copy_files(root, files, outp)
         quantized: set[str] = set()

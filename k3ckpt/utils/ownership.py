@@ -23,6 +23,14 @@ that checkpoint walks already skip, so it changes no checkpoint's or layout's co
 Never foreign: k3ckpt's lock files (:func:`k3ckpt.utils.lock.is_lock_file`), and, in a
 directory with a record, the hidden temporary files of recorded names (``.<entry>.<...>.tmp``)
 that a killed run left.
+
+A refused run leaves no directory behind (:func:`locked_output_dir`): a command creates its
+output directory (and the parents it lacks) and takes its lock there through it, and when the
+run raises before writing anything but its records - a refusal for disk space, another
+topology, a manifest - what it created goes again: its records, then, lock released, each
+directory it made, deepest first, each only while empty. A directory that existed before is
+never removed (an empty one is left empty), and neither is anything another run or the user put
+there.
 """
 
 from __future__ import annotations
@@ -30,15 +38,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ..errors import OutputNotOwnedError
 from ._fs import fsync_dir, temp_name, write_atomic
-from .lock import is_lock_file
+from .lock import DirLock, is_lock_file
 
-__all__ = ["OWNER_RECORD", "RECORD_FORMAT", "OwnedDir", "check_output_dir", "claim_output_dir", "refuse_foreign_file"]
+__all__ = ["OWNER_RECORD", "RECORD_FORMAT", "OwnedDir", "check_output_dir", "claim_output_dir", "locked_output_dir",
+           "refuse_foreign_file"]
 
 #: Where the record lives, relative to the directory it describes.
 OWNER_RECORD = ".cache/k3ckpt/owner.json"
@@ -217,3 +226,100 @@ def refuse_foreign_file(path: str | os.PathLike[str], is_own: bool, kind: str) -
     if (p.exists() or p.is_symlink()) and not is_own:
         raise OutputNotOwnedError(f"{p}: exists and is not a {kind} k3ckpt wrote; choose a new file name "
                                   "(k3ckpt replaces only its own output)", path=p)
+
+
+@contextlib.contextmanager
+def locked_output_dir(path: str | os.PathLike[str], lock: DirLock, *, resumable: bool = True,
+                      records: str = _CACHE) -> Iterator[None]:
+    """Create the output directory ``path`` (and its missing parents, and the directory of
+    ``lock``, a lock inside it) and hold ``lock`` for the body of a run.
+
+    When the body raises in a ``path`` that was new or empty, what the run wrote there goes again
+    while the lock is held - its records (the top-level directory ``records``) when that is all
+    it holds besides empty directories; everything, when the command is not ``resumable`` (a
+    re-run rewrites it all anyway) - and then, the lock released, the directories left and every
+    directory this run created, deepest first, each only while empty (``rmdir``): an empty
+    directory the user made stays, empty. Nothing is removed while another run holds a lock there
+    (at its top level), nor from a directory that held anything before, nor through a symlink: a
+    run refused before its first byte leaves nothing behind, and a resumable one that failed
+    later keeps what a re-run resumes from.
+
+    Raises:
+        whatever ``lock`` or the body raises (``OSError`` when ``path`` cannot be created).
+    """
+    out = Path(path)
+    created = _missing_dirs(out)
+    cleared = fresh = False
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with os.scandir(out) as it:
+            fresh = next(it, None) is None  # new or empty: all it will hold is this run's
+        Path(lock.path).parent.mkdir(parents=True, exist_ok=True)
+        with lock:
+            try:
+                yield
+            except BaseException:
+                if fresh and _only_ours(out, lock, records if resumable else None):
+                    _clear(out)
+                    cleared = True
+                raise
+    except BaseException:
+        if cleared:
+            _remove_empty_dirs(out)
+        for d in created:  # deepest first; the first one that is not empty keeps its parents
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+        raise
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist, deepest first."""
+    out = []
+    p = Path(os.path.abspath(path))
+    while not os.path.lexists(p) and p.parent != p:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+def _only_ours(out: Path, lock: DirLock, records: str | None) -> bool:
+    """No other run's lock at ``out``'s top level, and (``records`` given) nothing in ``out`` but
+    that records directory, ``lock``'s files and empty directories: no file a run wrote, no
+    symlink."""
+    own = os.path.basename(lock.path)
+    for entry in os.scandir(out):
+        if is_lock_file(entry.name):
+            if not entry.name.startswith(own):
+                return False  # another command's run is in here
+        elif records is not None and (entry.is_symlink() or not entry.is_dir()
+                                      or (entry.name != records and not _holds_no_file(Path(entry.path)))):
+            return False
+    return True
+
+
+def _holds_no_file(d: Path) -> bool:
+    return all(e.is_dir() and not e.is_symlink() and _holds_no_file(Path(e.path)) for e in os.scandir(d))
+
+
+def _clear(out: Path) -> None:
+    """Remove every file, symlink and directory under ``out`` but lock files (the lock's release
+    removes its own) and the directories holding them; never through a symlink."""
+    for dirpath, dirs, files in os.walk(out, topdown=False):
+        for name in files:
+            if not is_lock_file(name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(dirpath, name))
+        for name in dirs:
+            p = os.path.join(dirpath, name)
+            with contextlib.suppress(OSError):
+                os.unlink(p) if os.path.islink(p) else os.rmdir(p)
+
+
+def _remove_empty_dirs(out: Path) -> None:
+    """``rmdir`` every directory under ``out``, deepest first, that is empty by now."""
+    for dirpath, dirs, _files in os.walk(out, topdown=False):
+        for name in dirs:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(dirpath, name))

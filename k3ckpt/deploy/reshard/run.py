@@ -27,7 +27,7 @@ from ...format.checkpoint import Checkpoint
 from ...format.layout import READY_NAME, TOPOLOGY_NAME
 from ...format.topology import RankSelection
 from ...utils import copy_files, fsync_dir, human_bytes, is_within, write_atomic
-from ...utils.ownership import claim_output_dir
+from ...utils.ownership import claim_output_dir, locked_output_dir
 from ...utils.space import free_bytes, require_free_space, space_margin
 from ..bytecopy import NO_SPACE, output_lock, tmp_name
 from .plan import ALIGN, DEFAULT_MAX_FILE_SIZE, NodePlan, RankPlan, ReshardPlan, plan_reshard
@@ -81,8 +81,8 @@ def run_reshard(
         raise ReshardError(f"{outp}: the output directory contains the source checkpoint {src}")
     if outp.exists() and not outp.is_dir():
         raise ReshardError(f"{outp}: exists and is not a directory")
-    outp.mkdir(parents=True, exist_ok=True)
-    with output_lock(outp, "reshard"), _gc_frozen():
+    # (a refusal before the first byte - disk space, another topology - leaves no directory it made)
+    with locked_output_dir(outp, output_lock(outp, "reshard")), _gc_frozen():
         entries = [TOPOLOGY_NAME, *(rp.dir_name for rp in plan.units)]
         if plan.layout == "rank":
             entries += plan.extra_files

@@ -16,7 +16,9 @@ Decisions this module makes (and the contract leaves open):
 - ``ep > num_experts`` is an error, not a warning: the ep_ranks past the last expert would hold
   no experts and a reshard would write empty expert shards that no engine expects.
 - ``--gpus-per-node G`` need not divide ``W``: the last node is then partial (``--tp 4`` on one
-  8-GPU box is normal). A node index past the last rank is an error.
+  8-GPU box is normal). A node index past the last rank is an error. The node format's engine
+  launch is stricter over several nodes (:func:`require_engine_nodes`): ``G`` a multiple of
+  ``T`` that divides ``W``.
 - Stacked expert tensors (gpt-oss ``mlp.experts.*`` with all experts in dim 0) are described by
   :class:`ExpertSlice`: the rank's experts along dim 0 (contiguous only for ``linear``
   placement) plus, when ``moe_tp > 1``, a :class:`Split` of each expert. The contract's manifest
@@ -45,8 +47,8 @@ from ._index import (
     tensors_for_rank,
     tensors_for_ranks,
 )
-from ._ranks import PLACEMENTS, RankInfo, Topology, num_nodes, ranks_of_node
-from ._selection import RankSelection, check_heads, num_experts_of, parse_ranks, select_ranks
+from ._ranks import PLACEMENTS, RankInfo, Topology, num_nodes, ranks_of_node, require_engine_nodes
+from ._selection import RankSelection, check_heads, num_experts_of, parse_ranks, require_expert_count, select_ranks
 from ._splits import MX_BLOCK, ExpertSlice, Placement, Split, is_mxfp4, split_range, tensor_split
 
 __all__ = [
@@ -75,6 +77,8 @@ __all__ = [
     "parse_ranks",
     "rank_from_env",
     "ranks_of_node",
+    "require_engine_nodes",
+    "require_expert_count",
     "select_ranks",
     "split_range",
     "tensor_split",

@@ -1,7 +1,8 @@
 """The topology itself: (ep, tp, world size, placement) over the routed experts, validated so
 that an invalid :class:`Topology` cannot exist, where each global rank sits in it
 (:class:`RankInfo`: ep/moe_tp/tp/dp rank, node, experts), the expert placements
-(:data:`PLACEMENTS`), and how ranks group into nodes (:func:`num_nodes`, :func:`ranks_of_node`).
+(:data:`PLACEMENTS`), how ranks group into nodes (:func:`num_nodes`, :func:`ranks_of_node`), and
+which groupings an engine launch of the node format can run (:func:`require_engine_nodes`).
 """
 
 from __future__ import annotations
@@ -198,3 +199,36 @@ def ranks_of_node(node: int, gpus_per_node: int, world_size: int) -> list[int]:
         )
     return list(range(node * gpus_per_node, min((node + 1) * gpus_per_node, world_size)))
 
+
+def require_engine_nodes(tp: int, world_size: int, gpus_per_node: int, launch: str) -> None:
+    """Refuse nodes the node format's engine launch cannot run - the one rule ``plan``,
+    ``reshard``, ``fetch --node`` and ``preflight`` (through :func:`k3ckpt.deploy.serve.serve_command`)
+    share, so that nothing is written for a launch that cannot start.
+
+    One node holding the whole world (``gpus_per_node >= world_size``; ``--tp 4`` on an 8-GPU
+    box) always runs. Over several nodes, vLLM's multi-node data parallelism runs the same whole
+    number of TP groups on every node (``--data-parallel-size-local``): ``gpus_per_node`` must be
+    a multiple of ``tp`` (a tensor-parallel group never spans two nodes) and divide the world
+    size (no partial last node). ``launch`` is the topology's options as the user gave them
+    (``--tp 4 --dp 2``): the refusal names the nearest command that runs - the same options with
+    the largest GPUs per node that works and is no more than the given one (else the smallest).
+
+    Raises:
+        TopologyError: with the reason and that command.
+    """
+    _check_gpus_per_node(gpus_per_node)
+    if num_nodes(gpus_per_node, world_size) == 1:
+        return
+    fits = [g for g in range(tp, world_size + 1, tp) if world_size % g == 0]  # world_size itself: one node
+    if gpus_per_node in fits:
+        return
+    best = max((g for g in fits if g <= gpus_per_node), default=fits[0])
+    others = [str(g) for g in fits if g != best]
+    if gpus_per_node % tp:
+        why = (f"a tensor-parallel group would span two nodes ({gpus_per_node} is not a multiple of --tp {tp}), "
+               f"which vLLM cannot launch")
+    else:
+        why = (f"the last node would run {world_size % gpus_per_node} of its {gpus_per_node} GPUs, and vLLM runs "
+               f"the same number of data-parallel ranks on every node (--data-parallel-size-local)")
+    raise TopologyError(f"--gpus-per-node {gpus_per_node} with {launch}: {why}; use {launch} --gpus-per-node {best}"
+                        + (f" (or {', '.join(others)})" if others else ""))

@@ -1,7 +1,8 @@
 """Which ranks an operation works on: :class:`RankSelection` (the ``--ep/--tp/--dp/--world-size/
 --placement/--ranks/--node/--gpus-per-node`` options as given, before they meet a checkpoint),
 ``--ranks`` parsing (:func:`parse_ranks`, :func:`select_ranks`), the expert count a topology
-places (:func:`num_experts_of`) and the attention-head check of ``--tp`` (:func:`check_heads`).
+places (:func:`num_experts_of`, :func:`require_expert_count`) and the attention-head check of
+``--tp`` (:func:`check_heads`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ...errors import TopologyError
-from ._ranks import Topology, is_int, ranks_of_node
+from ...errors import ConfigError, TopologyError
+from ...utils import format_ranges
+from ._ranks import Topology, is_int, ranks_of_node, require_engine_nodes
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -105,6 +107,29 @@ def num_experts_of(idx: InventoryIndex, config_experts: int | None) -> int:
     return num_experts
 
 
+def require_expert_count(idx: InventoryIndex, cfg: ModelConfig | None) -> None:
+    """Refuse a config that does not say how many routed experts there are while the tensors
+    hold some: written with it, every output reads as a dense model (``inspect``, ``verify`` and
+    ``preflight`` flag each MoE layer, an engine builds none), so a command that would copy it
+    refuses before writing anything. No config (a plan from a manifest) is not this case.
+
+    Raises:
+        ConfigError: naming the config, the key it lacks (``text_config.num_experts`` for K3)
+            and what the tensors show.
+    """
+    if cfg is None or cfg.num_experts or idx.max_expert < 0:
+        return
+    key = cfg.experts_key
+    section = cfg.raw.get("text_config") if key.startswith("text_config.") else cfg.raw
+    present = isinstance(section, dict) and section.get(key.rsplit(".", 1)[-1]) is not None
+    found = sorted(idx.expert_names)
+    example = idx.expert_names[found[0]][0]
+    raise ConfigError(f"{cfg.source}: {key} is {'0' if present else 'missing'}, but the tensors hold "
+                      f"{len(found)} routed experts ({format_ranges(found)}, e.g. {example}): written with this "
+                      f"config every output would read as a dense model; set {key} to {idx.max_expert + 1}",
+                      path=cfg.source)
+
+
 # more routed experts than any topology places: lets RankSelection.check validate the options
 # before the checkpoint (and its expert count) is read
 _ANY_EXPERTS = 1 << 40
@@ -171,6 +196,8 @@ class RankSelection:
         # The expert count is not known before the checkpoint is: with "more than any topology
         # places", only the checks that do not depend on it run (no placement is computed).
         topo = self.topology(_ANY_EXPERTS, engine=engine)
+        if engine:
+            self._check_nodes(topo)
         if engine and self.node is not None and self.gpus_per_node is None:
             ranks_of_node(self.node, topo.world_size, topo.world_size)
         else:
@@ -246,17 +273,37 @@ class RankSelection:
                 f"ep = tp x dp = {world_size}, not {ep}); use {fix}{other}")
 
     def topology_for(self, idx: InventoryIndex, cfg: ModelConfig | None, *, engine: bool = False) -> Topology:
-        """The topology over an inventory's routed experts (:func:`num_experts_of`), its ``tp``
-        checked against the config's attention heads (:func:`check_heads`); ``engine``: see
-        :meth:`topology`.
+        """The topology over an inventory's routed experts (:func:`num_experts_of`; a config that
+        does not count the experts the tensors hold is refused, :func:`require_expert_count`),
+        its ``tp`` checked against the config's attention heads (:func:`check_heads`); ``engine``:
+        see :meth:`topology`, and the nodes of ``gpus_per_node`` GPUs must be ones its launch
+        runs (:func:`~k3ckpt.format.topology.require_engine_nodes`). What every command that
+        writes a topology's files (``plan``, ``reshard``, a rank-aware ``fetch``) asks first.
 
         Raises:
-            TopologyError: an impossible topology, or experts beyond the config's count.
+            TopologyError: an impossible topology, experts beyond the config's count, or nodes
+                the engine launch cannot run.
+            ConfigError: a config without the count of the routed experts the tensors hold.
         """
+        require_expert_count(idx, cfg)
         topo = self.topology(num_experts_of(idx, cfg.num_experts if cfg else None), engine=engine)
         if cfg is not None:
             check_heads(cfg, topo.tp, [])
+        if engine:
+            self._check_nodes(topo)
         return topo
+
+    def _check_nodes(self, topo: Topology) -> None:
+        """:func:`~k3ckpt.format.topology.require_engine_nodes` for ``gpus_per_node`` (not given:
+        one node, which always runs), naming the topology in the options the user gave."""
+        if self.gpus_per_node is None:
+            return
+        if self.dp is not None:
+            launch = f"--tp {topo.tp} --dp {topo.dp}"
+        else:
+            launch = " ".join(f"{flag} {v}" for flag, v in (("--ep", self.ep), ("--tp", self.tp),
+                                                            ("--world-size", self.world_size)) if v is not None)
+        require_engine_nodes(topo.tp, topo.world_size, self.gpus_per_node, launch)
 
     def select(self, topo: Topology) -> list[int]:
         """The selected ranks of ``topo``: see :func:`select_ranks`."""
