@@ -7,14 +7,15 @@
 # tests ("test,plot") alike: asking for fewer extras than installed reinstalls nothing; asking for
 # more, or a changed pyproject.toml, installs the union of the old and the new.
 
-# find_python: print the first interpreter >= 3.10 (only $PYTHON when set). Probed silently: with pyenv,
-# `command -v python3.13` finds a shim that prints "pyenv: python3.13: command not found" when run.
+# find_python [MINOR]: print the first interpreter >= 3.MINOR (default 10; scripts/engine_env.sh asks
+# for 11), only $PYTHON when set. Probed silently: with pyenv, `command -v python3.13` finds a shim
+# that prints "pyenv: python3.13: command not found" when run.
 find_python() {
-  local cand cands="python3.13 python3.12 python3.11 python3.10 python3"
+  local cand min="${1:-10}" cands="python3.13 python3.12 python3.11 python3.10 python3"
   [ -z "${PYTHON:-}" ] || cands="$PYTHON"  # an explicit choice is the only candidate
   for cand in $cands; do
     if command -v "$cand" >/dev/null 2>&1 \
-        && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; then
+        && "$cand" -c "import sys; sys.exit(sys.version_info < (3, $min))" >/dev/null 2>&1; then
       echo "$cand"; return 0
     fi
   done

@@ -65,7 +65,8 @@ def inspect(path: str, show_layers: bool, as_json: bool, jobs: int | None) -> No
 @click.command(context_settings=CONTEXT)
 @click.argument("dest", type=click.Path(path_type=str))
 @click.option("--preset", default="k3-tiny", show_default=True,
-              type=click.Choice(["k3-tiny", "k3-small", "k3-full", "gptoss-tiny", "k2-tiny"]),
+              type=click.Choice(["k3-tiny", "k3-small", "k3-full", "gptoss-tiny", "k2-tiny", "k2-engine", "k2-engine-fp32",
+                                 "qwen3-moe-engine", "qwen3-moe-engine-fp32"]),
               help="Starting shape; the options below override it.")
 @click.option("--layers", "num_layers", type=click.IntRange(1), help="Number of layers.")
 @click.option("--experts", "num_experts", type=click.IntRange(1), help="Routed experts per MoE layer.")
@@ -99,6 +100,10 @@ def synth(dest: str, preset: str, jobs: int | None, force: bool, as_json: bool, 
                    ~1.56 TB apparent) with --headers-only: sparse files, ~130 MB on disk
       gptoss-tiny  gpt-oss layout (stacked MXFP4 experts, zero-based shard names)
       k2-tiny      Kimi-K2 / DeepSeek-V3 layout (per-expert block FP8)
+      k2-engine    Kimi-K2's architecture (DeepseekV3ForCausalLM) in BF16, a few MB, that
+                   vLLM's CPU backend runs, with a real tokenizer.json (-fp32: in F32)
+      qwen3-moe-engine
+                   the same for Qwen3MoeForCausalLM (-fp32: in F32)
 
     \b
     Examples:

@@ -8,7 +8,7 @@ import json
 
 from ...errors import SynthError
 from ._plan import Planner, Unit
-from ._spec import SynthSpec
+from ._spec import ENGINE_FAMILIES, SynthSpec
 
 
 def shard_name(family: str, i: int, n: int) -> str:
@@ -17,6 +17,8 @@ def shard_name(family: str, i: int, n: int) -> str:
         return f"model-{i + 1:05d}-of-{n:06d}.safetensors"
     if family == "gpt_oss":
         return f"model-{i:05d}-of-{n - 1:05d}.safetensors"
+    if family == "qwen3_moe":
+        return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
     return f"model-{i + 1}-of-{n}.safetensors"  # Kimi-K2-Instruct style, unpadded
 
 
@@ -79,6 +81,8 @@ def make_config(spec: SynthSpec) -> dict:
             "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                     "weight_block_size": [128, 128]},
         }
+    if s.family in ENGINE_FAMILIES:
+        return _engine_config(s)
     full = Planner(s).k3_full_attn_layers()
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
@@ -119,6 +123,40 @@ def make_config(spec: SynthSpec) -> dict:
                        "re:.*routed_expert_(down|up)_proj$", "re:.*mlp\\.(gate|up|down)_proj$",
                        "re:vision_tower.*", "re:mm_projector.*", "language_model.lm_head"],
         },
+    }
+
+
+def _engine_config(s: SynthSpec) -> dict:
+    """config.json of an engine family, with the fields of the published checkpoints'
+    (Kimi-K2-Instruct's for deepseek_v3, less its FP8 ``quantization_config``, its YaRN
+    ``rope_scaling`` and its remote code; Qwen3-30B-A3B's for qwen3_moe), at this spec's sizes."""
+    dtype = {"BF16": "bfloat16", "F32": "float32"}[s.dtype]
+    bos, eos = s.vocab_size - 2, s.vocab_size - 1  # the tokenizer's two special tokens
+    common = {
+        "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
+        "moe_intermediate_size": s.moe_intermediate_size, "num_hidden_layers": s.num_layers,
+        "num_attention_heads": s.num_attention_heads, "num_experts_per_tok": s.experts_per_token,
+        "vocab_size": s.vocab_size, "max_position_embeddings": 4096, "hidden_act": "silu",
+        "rms_norm_eps": 1e-06, "attention_bias": False, "attention_dropout": 0.0, "norm_topk_prob": True,
+        "tie_word_embeddings": False, "initializer_range": 0.02, "use_cache": True,
+        "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype,
+    }
+    if s.family == "qwen3_moe":
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **common,
+            "head_dim": s.kda_head_dim, "num_key_value_heads": max(1, s.num_attention_heads // 4),
+            "num_experts": s.num_experts, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "rope_theta": 1000000.0, "rope_scaling": None, "sliding_window": None, "use_sliding_window": False,
+            "max_window_layers": s.num_layers, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+        }
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **common,
+        "num_key_value_heads": s.num_attention_heads, "n_routed_experts": s.num_experts,
+        "n_shared_experts": s.num_shared_experts, "first_k_dense_replace": s.first_k_dense, "moe_layer_freq": 1,
+        "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "routed_scaling_factor": 2.827, "q_lora_rank": s.q_lora_rank, "kv_lora_rank": s.kv_lora_rank,
+        "qk_nope_head_dim": s.qk_nope_head_dim, "qk_rope_head_dim": s.qk_rope_head_dim,
+        "v_head_dim": s.v_head_dim, "rope_theta": 50000.0, "rope_scaling": None, "num_nextn_predict_layers": 0,
     }
 
 
@@ -166,9 +204,66 @@ def _tokenizer_json() -> str:
                                  "vocab": vocab, "merges": []}}, indent=2) + "\n"
 
 
+def _byte_unicode() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte 0-255."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+#: The special tokens of the engine families' tokenizer: the vocabulary's last two ids.
+ENGINE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>")
+
+
+def engine_tokenizer_json(vocab_size: int) -> str:
+    """A byte-level BPE ``tokenizer.json`` of exactly ``vocab_size`` tokens - so that every id
+    the model can emit decodes: the 256 bytes, merges (a space with a lowercase letter, then
+    letter pairs, then space-letter-letter) up to ``vocab_size - 2``, and the two special tokens.
+    Written by hand (the tokenizers library's format), it loads in transformers' AutoTokenizer and
+    in vLLM; text prompts encode to real ids."""
+    alphabet = _byte_unicode()
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    space, letters = alphabet[ord(" ")], "etaoinshrdlucmfwypvbgkjqxz"
+    merges: list[list[str]] = []
+    candidates = [(space, c) for c in letters] + [(a, b) for a in letters for b in letters] \
+        + [(space + a, b) for a in letters for b in letters]
+    for left, right in candidates:
+        if len(vocab) >= vocab_size - len(ENGINE_SPECIAL_TOKENS):
+            break
+        vocab[left + right] = len(vocab)
+        merges.append([left, right])
+    added = []
+    for tok in ENGINE_SPECIAL_TOKENS:
+        added.append({"id": len(vocab), "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+                      "normalized": False, "special": True})
+        vocab[tok] = len(vocab)
+    return json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": merges},
+    }, indent=1, ensure_ascii=False) + "\n"
+
+
 def _tokenizer_files(spec: SynthSpec) -> dict[str, str]:
     """The tokenizer each family ships: Kimi (K3, K2) a tiktoken tokenizer as remote code, gpt-oss
-    a tokenizers ``tokenizer.json`` (what :mod:`k3ckpt.format.loadable` requires)."""
+    a tokenizers ``tokenizer.json`` (what :mod:`k3ckpt.format.loadable` requires); the engine
+    families one an engine really tokenizes with (:func:`engine_tokenizer_json`)."""
+    if spec.engine_family:
+        bos, eos = ENGINE_SPECIAL_TOKENS
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
+                  "bos_token": bos, "eos_token": eos, "clean_up_tokenization_spaces": False}
+        return {"tokenizer_config.json": json.dumps(config, indent=2) + "\n",
+                "tokenizer.json": engine_tokenizer_json(spec.vocab_size)}
     if spec.family == "gpt_oss":
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072}
         return {"tokenizer_config.json": json.dumps(config, indent=2) + "\n", "tokenizer.json": _tokenizer_json()}
@@ -179,6 +274,15 @@ def _tokenizer_files(spec: SynthSpec) -> dict[str, str]:
 
 
 def side_files(spec: SynthSpec) -> dict[str, str]:
+    if spec.engine_family:
+        bos, eos = ENGINE_SPECIAL_TOKENS
+        ids = {"bos_token_id": spec.vocab_size - 2, "eos_token_id": spec.vocab_size - 1}
+        return {
+            "generation_config.json": json.dumps(ids, indent=2) + "\n",
+            **_tokenizer_files(spec),
+            "special_tokens_map.json": json.dumps({"bos_token": bos, "eos_token": eos}, indent=2) + "\n",
+            "LICENSE": "Apache License\nVersion 2.0, January 2004\n(synthetic fixture generated by k3ckpt)\n",
+        }
     files = {
         "generation_config.json": json.dumps({"max_length": 1048576, "eos_token_id": 163586}, indent=2) + "\n",
         **_tokenizer_files(spec),

@@ -3,7 +3,8 @@
 lazily, so a shard is generated only when it is written.
 
 MXFP4 experts are quantized from seeded random weights with compressed-tensors' MXFP4 rule
-(``quantize_mxfp4``); Kimi-K2 weights are DeepSeek-V3 block FP8.
+(``quantize_mxfp4``); Kimi-K2 weights are DeepSeek-V3 block FP8; the engine families
+(``deepseek_v3``, ``qwen3_moe``) are plain BF16 or F32 drawn with :data:`ENGINE_STD`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from ...format.header import TensorSpec
 from ._spec import SynthSpec
 
 Maker = Callable[[], np.ndarray]
+
+#: The standard deviation of the engine families' weights and embeddings. Large enough that the
+#: tiny random model's logits have clear winners, so greedy tokens do not flip on float rounding:
+#: with it fp32 vLLM equals transformers token for token (#26).
+ENGINE_STD = 0.08
 
 
 @dataclass
@@ -65,6 +71,8 @@ class Planner:
                 x = np.log(rng.uniform(1.0, 16.0, ts.shape)).astype(np.float32)
             elif kind == "zeros_bias":
                 x = 0.01 * rng.standard_normal(ts.shape, dtype=np.float32)
+            elif kind == "engine":
+                x = rng.standard_normal(ts.shape, dtype=np.float32) * np.float32(ENGINE_STD)
             else:
                 fan_in = ts.shape[-1] if len(ts.shape) > 1 else 1
                 x = rng.standard_normal(ts.shape, dtype=np.float32) * np.float32(1.0 / math.sqrt(fan_in))
@@ -314,10 +322,79 @@ class Planner:
                                    *self._fp8_pair(q + "up_proj", inter, h)])
         yield Unit("head", [t("model.norm.weight", "BF16", (h,), "norm"), t("lm_head.weight", "BF16", (s.vocab_size, h))])
 
+    # -- the engine families: DeepSeek-V3 / Kimi-K2 and Qwen3-MoE, BF16 or F32 ------------------
+
+    def _w(self, name: str, shape: tuple[int, ...], kind: str = "engine") -> PlannedTensor:
+        return self._t(name, self.spec.dtype, shape, kind)
+
+    def _engine_mlp(self, prefix: str, inter: int) -> list[PlannedTensor]:
+        h = self.spec.hidden_size
+        return [self._w(prefix + "gate_proj.weight", (inter, h)), self._w(prefix + "up_proj.weight", (inter, h)),
+                self._w(prefix + "down_proj.weight", (h, inter))]
+
+    def deepseek_units(self) -> Iterator[Unit]:
+        """Names of vLLM's ``DeepseekV2Model.load_weights`` (``deepseek_v2.py``) and of the
+        published Kimi-K2 / DeepSeek-V3, whose FP8 ``weight_scale_inv`` tensors are absent here."""
+        s, w = self.spec, self._w
+        h, nh = s.hidden_size, s.num_attention_heads
+        yield Unit("embed", [w("model.embed_tokens.weight", (s.vocab_size, h))])
+        for layer in range(s.num_layers):
+            p = f"model.layers.{layer}."
+            a = p + "self_attn."
+            ts = [
+                w(p + "input_layernorm.weight", (h,), "norm"),
+                w(p + "post_attention_layernorm.weight", (h,), "norm"),
+                w(a + "q_a_proj.weight", (s.q_lora_rank, h)),
+                w(a + "q_a_layernorm.weight", (s.q_lora_rank,), "norm"),
+                w(a + "q_b_proj.weight", (nh * (s.qk_nope_head_dim + s.qk_rope_head_dim), s.q_lora_rank)),
+                w(a + "kv_a_proj_with_mqa.weight", (s.kv_lora_rank + s.qk_rope_head_dim, h)),
+                w(a + "kv_a_layernorm.weight", (s.kv_lora_rank,), "norm"),
+                w(a + "kv_b_proj.weight", (nh * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)),
+                w(a + "o_proj.weight", (h, nh * s.v_head_dim)),
+            ]
+            group, m = f"layer.{layer}", p + "mlp."
+            if layer < s.first_k_dense:
+                yield Unit(group, _dtype_ordered(ts + self._engine_mlp(m, s.intermediate_size)))
+                continue
+            # The gate's correction bias is F32 in the published checkpoints (and in vLLM's module).
+            ts += [w(m + "gate.weight", (s.num_experts, h)),
+                   self._t(m + "gate.e_score_correction_bias", "F32", (s.num_experts,), "zeros_bias")]
+            if s.num_shared_experts:
+                ts += self._engine_mlp(m + "shared_experts.", s.moe_intermediate_size * s.num_shared_experts)
+            yield Unit(group, _dtype_ordered(ts))
+            for ex in range(s.num_experts):
+                yield Unit(group, self._engine_mlp(f"{m}experts.{ex}.", s.moe_intermediate_size))
+        yield Unit("head", [w("model.norm.weight", (h,), "norm"), w("lm_head.weight", (s.vocab_size, h))])
+
+    def qwen3moe_units(self) -> Iterator[Unit]:
+        """Names of vLLM's ``Qwen3MoeModel.load_weights`` (``qwen3_moe.py``) and of the published
+        Qwen3-MoE checkpoints: q/k/v/o projections, per-head ``q_norm``/``k_norm``, ``mlp.gate``
+        and ``mlp.experts.E.{gate,up,down}_proj``."""
+        s, w = self.spec, self._w
+        h, nh, hd = s.hidden_size, s.num_attention_heads, s.kda_head_dim
+        kvh = max(1, nh // 4)
+        yield Unit("embed", [w("model.embed_tokens.weight", (s.vocab_size, h))])
+        for layer in range(s.num_layers):
+            p = f"model.layers.{layer}."
+            a, m = p + "self_attn.", p + "mlp."
+            yield Unit(f"layer.{layer}", [
+                w(p + "input_layernorm.weight", (h,), "norm"),
+                w(p + "post_attention_layernorm.weight", (h,), "norm"),
+                w(a + "q_proj.weight", (nh * hd, h)), w(a + "k_proj.weight", (kvh * hd, h)),
+                w(a + "v_proj.weight", (kvh * hd, h)), w(a + "o_proj.weight", (h, nh * hd)),
+                w(a + "q_norm.weight", (hd,), "norm"), w(a + "k_norm.weight", (hd,), "norm"),
+                w(m + "gate.weight", (s.num_experts, h)),
+            ])
+            for ex in range(s.num_experts):
+                yield Unit(f"layer.{layer}", self._engine_mlp(f"{m}experts.{ex}.", s.moe_intermediate_size))
+        yield Unit("head", [w("model.norm.weight", (h,), "norm"), w("lm_head.weight", (s.vocab_size, h))])
+
     def units(self) -> list[Unit]:
-        gen = {"kimi_k3": self.k3_units, "gpt_oss": self.gptoss_units, "kimi_k2": self.k2_units}.get(self.spec.family)
+        gen = {"kimi_k3": self.k3_units, "gpt_oss": self.gptoss_units, "kimi_k2": self.k2_units,
+               "deepseek_v3": self.deepseek_units, "qwen3_moe": self.qwen3moe_units}.get(self.spec.family)
         if gen is None:
-            raise SynthError(f"unknown family {self.spec.family!r}; choose kimi_k3, gpt_oss or kimi_k2")
+            raise SynthError(f"unknown family {self.spec.family!r}; choose kimi_k3, gpt_oss, kimi_k2, deepseek_v3 "
+                             "or qwen3_moe")
         return list(gen())
 
 
