@@ -142,7 +142,7 @@ def test_claim_accepts_only_empty_or_own(tmp_path: Path) -> None:
 
 
 class Refused(Exception):
-    pass
+    """What a refused run raises in these tests (after making what it makes)."""
 
 
 def _refused_run(out: Path, *, write: str | None = None, resumable: bool = True) -> None:

@@ -21,6 +21,7 @@ from ..errors import K3ckptError
 from ..format.checkpoint import resolve_root
 from ..integrity.statcache import recorded_proofs
 from ..integrity.verify import verify_checkpoint
+from ..utils import format_some
 from ._preflight_report import FAIL, PASS, WARN, Check
 
 #: The row's name.
@@ -77,7 +78,7 @@ def _verdict(origins: list[str], unproven: list[str], require: bool, root: Path,
     if not unproven:
         how = "every byte hashed now" if full else "recorded when they were checked or written, unchanged since"
         return Check(PROOF, PASS, f"proven by {'; '.join(origins) or 'nothing to prove'} ({how})")
-    shown = ", ".join(unproven[:3]) + (f" and {len(unproven) - 3} more" if len(unproven) > 3 else "")
+    shown = format_some(unproven)
     return _unproven(f"not proven: {len(unproven)} file{'s' if len(unproven) != 1 else ''} ({shown}): no digest "
                      "of named origin vouches for their bytes here (docs/trust.md); verify them against a pinned "
                      "or signed manifest (a node directory: one with tensor hashes) or the hub", require, fix)

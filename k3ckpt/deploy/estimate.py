@@ -26,7 +26,7 @@ moves them twice through the disk. The routes:
 The load is vLLM's with ``--enable-expert-parallel --enable-ep-weight-filter``: every rank of the
 node reads every dense tensor, every expert tensor its directory holds except the heavy weights
 (``.weight``/``.weight_packed``) of other ranks' experts - so from the original layout all 896
-experts' scales - and its own experts whole (BENCHMARKS.md, "What each rank reads at load under
+experts' scales - and its own experts whole (BENCHMARKS-history.md, "What each rank reads at load under
 vLLM's weight filter"; docs/engines.md). Ranks read separately: no page-cache sharing is counted.
 The load's CPU and the engine's start-up after it are not counted.
 """

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..utils import format_ranges
+from ..utils import format_ranges, format_some
 
 #: Order in which kinds are reported (most fundamental first).
 KINDS = (
@@ -212,7 +212,7 @@ def proof_lines(rep: VerifyReport) -> list[str]:
     if rep.proven:
         return [f"proven by {'; '.join(rep.origins)}"] if rep.origins else []
     files = rep.unproven
-    shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    shown = format_some(files)
     referenced = rep.reference.startswith(("manifest ", "hf:", "ms:", "hub "))
     if rep.files_size_only and referenced:
         how = "run verify without --quick"

@@ -91,16 +91,8 @@ def record_verified(path: str | os.PathLike[str], digests: dict[str, tuple[str |
     against (``hub sha256 of hf:REPO@REV``). A later ``verify --quick`` then trusts them while
     their stat is unchanged, exactly as after a full ``verify``, and takes the proof along."""
     root, _ = resolve_root(path)
-    cache = StatCache(root, cache_directory)
-    for rel, (sha256, git_sha1) in digests.items():
-        try:
-            st = os.stat(root / rel)
-        except OSError:
-            continue
-        facts: dict[str, Any] = {k: v for k, v in (("sha256", sha256), ("git_sha1", git_sha1)) if v}
-        if facts:
-            cache.record(rel, st, **facts, **({"proven": origin} if origin else {}))
-    cache.save()
+    record_written(root, {rel: {"sha256": sha256, "git_sha1": git_sha1, "proven": origin}
+                          for rel, (sha256, git_sha1) in digests.items() if sha256 or git_sha1}, cache_directory)
 
 
 def record_written(path: str | os.PathLike[str], entries: dict[str, dict[str, Any]],
@@ -116,7 +108,7 @@ def record_written(path: str | os.PathLike[str], entries: dict[str, dict[str, An
             st = os.stat(root / rel)
         except OSError:
             continue
-        cache.record(rel, st, **{k: v for k, v in facts.items() if v is not None})
+        cache.record(rel, st, **{k: v for k, v in facts.items() if v})
     cache.save()
 
 

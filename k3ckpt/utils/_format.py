@@ -1,4 +1,4 @@
-"""How sizes, counts, fractions and integer sets are written for people to read."""
+"""How sizes, counts, fractions, integer sets and lists of names are written for people to read."""
 
 from __future__ import annotations
 
@@ -38,3 +38,9 @@ def format_percent(frac: float) -> str:
     if frac == 0:
         return "0%"
     return f"{frac * 100:.2f}%" if frac >= 1e-4 else f"{frac * 100:.1e}%"
+
+
+def format_some(names: list[str], shown: int = 3) -> str:
+    """The first ``shown`` names and how many more: ``"a, b, c and 14 more"``."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
