@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -254,6 +255,31 @@ def test_manifest_verifies_every_tensor_and_refetches_a_corrupt_range_once(
     text = fetch(h, tmp_path / "d2", "--manifest", str(tensor_manifest))
     assert text.exit_code == 0 and "tensors verified against the manifest" in text.output
     assert "structure and sizes only" not in text.output
+
+
+def test_a_partial_fetched_with_a_manifest_is_proven_until_its_bytes_change(
+        served_hub: Any, tensor_manifest: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """#25: every tensor of the rewritten shards was hashed against the manifest as it arrived, so
+    ``verify --quick`` and ``preflight`` say proven by that manifest (not "checked by size only");
+    a shard touched since carries no proof, and an offline re-run with --manifest proves it again."""
+    h, _ = served_hub
+    dest = tmp_path / "d"
+    assert fetch(h, dest, "--manifest", str(tensor_manifest)).exit_code == 0
+    res = run("verify", str(dest), "--quick")
+    proof = res.output.splitlines()[-1]  # the files fetched whole by the hub's sha256, the rest by the manifest
+    assert res.exit_code == 0 and res.output.startswith("ok: ") and proof.startswith("proven by hub sha256 of hf:")
+    assert proof.endswith(f"; manifest {tensor_manifest}"), proof
+    pre = run("preflight", str(dest), *NODE0, "--require-proof")
+    assert pre.exit_code == 0 and "ready to load" in pre.output, pre.output
+    shard = next(sp.path for sp in _plan(h, dest, tensor_manifest).shards if not sp.whole)
+    os.utime(dest / shard)  # same bytes, but nothing vouches for what is there now
+    res = run("verify", str(dest), "--quick")
+    assert res.output.startswith("not proven: ") and shard in res.output, res.output
+    assert run("preflight", str(dest), *NODE0, "--require-proof").exit_code == 1
+    hub_offline(monkeypatch)
+    assert fetch(h, dest, "--manifest", str(tensor_manifest)).exit_code == 0
+    res = run("verify", str(dest), "--quick")
+    assert res.exit_code == 0 and res.output.splitlines()[-1] == proof, res.output
 
 
 def _plan(h: Any, dest: Path, manifest: Path | None = None) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import signal
@@ -472,3 +473,32 @@ def test_manifest_file_names_stay_in_the_rank_directory(layout: Path, tmp_path: 
     p.write_text(json.dumps(m))
     with pytest.raises(UnshardError, match=r"refuses file name '\.\./x'"):
         plan_unshard(lay)
+
+
+def test_unshard_output_carries_the_proof_of_the_layout_it_was_read_from(k3_tiny: Path, tmp_path: Path) -> None:
+    """#25 (docs/trust.md): a layout ``reshard`` wrote from a proven source gives an unshard
+    output proven by the same origin (every slice hashed as it is copied, against the digest
+    recorded from proven bytes); a rank part touched since, or a source nothing proved, leaves
+    the output "not proven"."""
+    from helpers import run
+
+    src = tmp_path / "src"
+    shutil.copytree(k3_tiny, src)
+    manifest = tmp_path / "m.json"
+    assert run("manifest", "build", str(src), "-o", str(manifest)).exit_code == 0
+    assert run("verify", str(src), "--manifest", str(manifest)).exit_code == 0
+    assert run("reshard", str(src), "-o", str(tmp_path / "ranks"), "--format", "rank", "--ep", "4", "--tp", "2").exit_code == 0
+    assert run("unshard", str(tmp_path / "ranks"), "-o", str(tmp_path / "back")).exit_code == 0
+    res = run("verify", str(tmp_path / "back"), "--quick")
+    assert res.exit_code == 0 and res.output.splitlines()[-1] == f"proven by manifest {manifest}", res.output
+    assert run("preflight", str(tmp_path / "back"), "--require-proof").exit_code == 0
+
+    # rank 3's experts (its dense part is rank 1's, read from there): the same bytes, but nothing
+    # vouches for them now
+    part = max((tmp_path / "ranks" / "rank-00003").glob("*.safetensors"))
+    assert any(".experts." in n for n in read_header(part).tensors)
+    os.utime(part)
+    assert run("unshard", str(tmp_path / "ranks"), "-o", str(tmp_path / "back2")).exit_code == 0
+    res = run("verify", str(tmp_path / "back2"), "--quick")
+    assert res.output.startswith("not proven: "), res.output
+    assert run("preflight", str(tmp_path / "back2"), "--require-proof").exit_code == 1

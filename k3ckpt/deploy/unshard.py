@@ -60,6 +60,7 @@ from ..format.layout import FORMAT, MANIFEST_NAME, READY_NAME, TOPOLOGY_NAME, hf
 from ..format.loadable import require_config
 from ..format.roles import classify
 from ..format.topology import Topology, TopologyError
+from ..integrity.statcache import joined_origin, record_written, recorded_proofs
 from ..utils import copy_files, fsync_dir, human_bytes, is_within, load_json, write_atomic
 from ..utils.ownership import claim_output_dir, locked_output_dir
 from ..utils.space import free_bytes, require_free_space, space_margin
@@ -629,6 +630,7 @@ def run_unshard(
         _prepare_out(outp, plan.root, force, check_space, needed)
         if on_plan is not None:
             on_plan(plan.total_size)
+        proofs = _source_proofs(plan)  # before the first read: what vouches for the bytes to be read
         try:
             _write_all(plan, outp, shards, jobs, mode, progress)
         except _OutOfSpace as e:
@@ -637,8 +639,39 @@ def run_unshard(
             if e.errno not in NO_SPACE:
                 raise
             raise _no_space_error(outp, Path(e.filename or outp), e.strerror or str(e), needed) from None
+        _record_proofs(plan, outp, shards, proofs)
     return UnshardResult(outp, [s.name for s in shards], len(plan.tensors), plan.total_size,
                          time.perf_counter() - t0, list(plan.extra_files))
+
+
+def _source_proofs(plan: UnshardPlan) -> dict[str, str | None]:
+    """The layout's file (relative to its root) -> the origin that proved its bytes, as ``reshard``
+    recorded it (docs/trust.md; None: never proven, or changed since): a rank's parts in its
+    directory's stat cache, the non-weight files in the layout root's."""
+    by_dir: dict[str, set[str]] = {}
+    for g in plan.tensors.values():
+        for s in g.slices.values():
+            rank_dir, _, name = s.file.partition("/")
+            by_dir.setdefault(rank_dir, set()).add(name)
+    proofs = recorded_proofs(plan.root, list(plan.extra_files))
+    for rank_dir, names in by_dir.items():
+        proofs.update({f"{rank_dir}/{n}": o for n, o in recorded_proofs(plan.root / rank_dir, sorted(names)).items()})
+    return proofs
+
+
+def _record_proofs(plan: UnshardPlan, outp: Path, shards: list[_OutShard], proofs: dict[str, str | None]) -> None:
+    """Tell the output's stat cache what vouches for what was just written: a shard is proven by
+    the origins of every rank part it was read from - each slice was hashed as it was copied and
+    matched the digest ``reshard`` recorded from those proven bytes -, a non-weight file by its
+    source's. A part nothing proved leaves its shards unproven (verify and preflight say so)."""
+    shard_proofs = {s.name: joined_origin([proofs.get(sl.file) for n in s.tensors for sl in plan.tensors[n].slices.values()])
+                    for s in shards}
+    entries: dict[str, dict[str, Any]] = {name: {"proven": o} for name, o in shard_proofs.items()}
+    entries.update({rel: {"proven": proofs.get(rel)} for rel in plan.extra_files})
+    # the index lists exactly the shards' tensors (verify's structure checks hold it to their
+    # headers): proven as they are
+    entries[INDEX_NAME] = {"proven": joined_origin(list(shard_proofs.values()))}
+    record_written(outp, entries)
 
 
 def _no_space_error(outp: Path, where: Path, why: str, needed: int) -> UnshardError:

@@ -64,7 +64,8 @@ from ..format.layout import PARTIAL_MARKER
 from ..format.topology import RankSelection
 from ..integrity.hashing import HashError, Span, hash_file
 from ..integrity.manifest import Manifest
-from ..integrity.statcache import record_verified
+from ..integrity.share import partial_reference_key
+from ..integrity.statcache import record_verified, record_written
 from ..utils import format_ranges, human_bytes, write_atomic
 from . import _dest
 from ._pieces import looks_complete, tensor_spans
@@ -195,12 +196,25 @@ def run_rank_fetch(
             except OSError:
                 pass  # provenance only: the marker names the source revision too
             # what proved the files fetched whole (the hub's sha256: docs/trust.md); a rewritten
-            # shard is proven once verify checks it against a tensor-hash manifest
+            # shard, the manifest each of its tensors was hashed against as it arrived (without
+            # one, nothing: verify against a tensor-hash manifest or the hub proves it later)
             files = plan.listing.files
             whole = [f for f in plan.files + [sp.path for sp in plan.shards if sp.whole] if f in files]
             record_verified(dest_real, {f: (files[f].sha256, files[f].git_sha1) for f in whole},
                             origin=hub_origin(plan.listing))
+            if plan.manifest is not None:
+                record_rewritten_proofs(dest_real, [sp.path for sp in plan.shards if not sp.whole],
+                                        plan.manifest_label)
     return result
+
+
+def record_rewritten_proofs(dest_real: str, shards: list[str], manifest_label: str | None) -> None:
+    """Tell the stat cache that the rewritten ``shards`` of the partial copy at ``dest_real`` were
+    just checked tensor by tensor against the manifest named ``manifest_label``: ``verify --quick``
+    and ``preflight`` then carry that proof while their stat is unchanged (docs/trust.md)."""
+    key = partial_reference_key()
+    origin = f"manifest {manifest_label or '(given)'}"
+    record_written(dest_real, {p: {"share_ref": key, "share_issues": [], "proven": origin} for p in shards})
 
 
 def _write_record(plan: RankFetchPlan, dest_real: str) -> None:
@@ -283,6 +297,8 @@ def check_rank_offline(hub: str, repo: str, dest: str | os.PathLike[str] | None,
         files = recorded_files(doc)
         record_verified(real, {f: (files[f].sha256, files[f].git_sha1) for f in sc.whole if f in files},
                         origin=hub_origin(sc.listing))
+        if man is not None:  # every tensor of the rewritten shards was hashed against it just now
+            record_rewritten_proofs(real, sorted(rewritten), label)
     return out
 
 

@@ -248,6 +248,13 @@ def share_reference_key(tensors: int) -> str:
     return _reference_key(None, tensors)
 
 
+def partial_reference_key() -> str:
+    """The key under which ``verify --quick`` finds a rewritten shard of a rank-aware fetch's
+    partial copy (whose marker records no digests) checked when it was written: what ``fetch
+    --ranks --manifest`` records for the shards it hashed tensor by tensor against the manifest."""
+    return _reference_key(None, 0)
+
+
 def _marker_map(marker: dict[str, Any], marker_name: str, key: str) -> dict[str, Any]:
     """A node marker's ``files`` or ``tensors`` (name -> entry with its sha256); a partial
     fetch's marker records no digests."""

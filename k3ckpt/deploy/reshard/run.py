@@ -26,6 +26,7 @@ from ...errors import ReshardError
 from ...format.checkpoint import Checkpoint
 from ...format.layout import READY_NAME, TOPOLOGY_NAME
 from ...format.topology import RankSelection
+from ...integrity.statcache import record_written, recorded_proofs
 from ...utils import copy_files, fsync_dir, human_bytes, is_within, write_atomic
 from ...utils.ownership import claim_output_dir, locked_output_dir
 from ...utils.space import free_bytes, require_free_space, space_margin
@@ -169,6 +170,8 @@ def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, f
         write_atomic(tpath, (json.dumps(topo_json, indent=2) + "\n").encode())
         if plan.layout == "rank":  # (in OUT itself, which a re-run does not clear: before any writer)
             copy_files(plan.ckpt.root, plan.extra_files, outp)
+            # each copy carries its source's proof (a node directory's copies get theirs with the unit)
+            record_written(outp, {rel: {"proven": o} for rel, o in recorded_proofs(plan.ckpt.root, plan.extra_files).items()})
         for rp in todo:
             rdir = outp / rp.dir_name
             if rdir.exists():
