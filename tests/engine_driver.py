@@ -7,9 +7,18 @@ of k3ckpt (which is not installed there). The caller sets the CPU backend's vari
 
 Usage: python engine_driver.py REQUEST.json OUT.json, where REQUEST holds ``model`` (a directory),
 ``prompts`` (text), ``max_tokens``, ``logprobs`` (top-k per step), ``tensor_parallel_size`` and,
-optionally, ``engine`` (more keyword arguments for ``LLM``). OUT gets, per prompt, its prompt
-token ids, the generated token ids and text, and each step's top-k logprobs; plus the load and
-generation times.
+optionally, ``engine`` (more keyword arguments for ``LLM``) and ``inspect_experts`` (true: ask
+every worker, once the model is loaded, what its MoE layers hold - below). OUT gets, per prompt,
+its prompt token ids, the generated token ids and text, and each step's top-k logprobs; plus the
+load and generation times.
+
+With ``inspect_experts``, ``OUT.load.json`` is written as soon as the load has completed (before
+any forward pass, which may crash: vLLM issue 57837), holding per worker (``LLM.collective_rpc``,
+vLLM's public way to run a function in every worker): its EP rank and size, the placement its
+MoE layers use, the global expert ids of each MoE layer's local slots (from the layer's own
+expert map), and the experts the loader's EP weight filter kept - vLLM's own
+``compute_local_expert_ids`` called with the inputs ``DefaultModelLoader`` gives it (the parallel
+config's ``expert_placement_strategy``; only local rank 0 logs the filter's line).
 """
 
 from __future__ import annotations
@@ -17,6 +26,29 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
+
+
+def experts_of_worker(worker: Any) -> dict:
+    """What one worker's MoE layers hold (run in the worker by ``collective_rpc``)."""
+    from vllm.model_executor.model_loader.ep_weight_filter import compute_local_expert_ids
+
+    layers: dict[str, list[int]] = {}
+    out: dict[str, Any] = {"layers": layers}
+    for name, module in worker.model_runner.get_model().named_modules():
+        emap = getattr(module, "_expert_map", None)
+        if emap is None or not hasattr(module, "moe_config"):
+            continue
+        pc = module.moe_config.moe_parallel_config
+        out.update(ep_rank=pc.ep_rank, ep_size=pc.ep_size, placement=module.expert_placement_strategy,
+                   num_experts=len(emap))
+        slots = {int(local): g for g, local in enumerate(emap.tolist()) if local >= 0}
+        layers[name] = [slots[i] for i in sorted(slots)]  # global id of local slot 0, 1, ...
+    if layers:
+        strategy = worker.vllm_config.parallel_config.expert_placement_strategy
+        kept = compute_local_expert_ids(out["num_experts"], out["ep_size"], out["ep_rank"], placement=strategy)
+        out.update(filter_placement=strategy, filter_kept=None if kept is None else sorted(kept))
+    return out
 
 
 def main() -> None:
@@ -28,6 +60,9 @@ def main() -> None:
     llm = LLM(model=request["model"], tensor_parallel_size=request.get("tensor_parallel_size", 1),
               enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0, **request.get("engine", {}))
     t_load = time.monotonic()
+    if request.get("inspect_experts"):
+        with open(sys.argv[2] + ".load.json", "w") as f:
+            json.dump({"workers": llm.collective_rpc(experts_of_worker)}, f, indent=1)
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True,
                             logprobs=request.get("logprobs", 0))
     outputs = llm.generate(request["prompts"], params, use_tqdm=False)

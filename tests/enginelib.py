@@ -49,7 +49,7 @@ class Engine:
 
     python: Path
     work: Path
-    runs: dict[str, dict] = field(default_factory=dict)
+    runs: dict[str, Run] = field(default_factory=dict)
 
     def generate(self, model: Path | str, *, tp: int = 1, dtype: str = "auto", engine_args: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None) -> dict:
@@ -65,14 +65,22 @@ class Engine:
     def attempt(self, model: Path | str, *, tp: int = 1, dtype: str = "auto", engine_args: dict[str, Any] | None = None,
                 env: dict[str, str] | None = None) -> tuple[int, dict | None, Path]:
         """``(exit code, report or None, log path)`` of one run, which may fail (a refused load)."""
+        r = self.run(model, tp=tp, dtype=dtype, engine_args=engine_args, env=env)
+        return r.code, r.report, r.log
+
+    def run(self, model: Path | str, *, tp: int = 1, dtype: str = "auto", engine_args: dict[str, Any] | None = None,
+            env: dict[str, str] | None = None, inspect_experts: bool = False) -> Run:
+        """One run (remembered per arguments), which may fail. ``inspect_experts``: the driver asks
+        every worker what its MoE layers hold once the load completes (:attr:`Run.load`), before
+        the first forward pass - which may crash."""
         args = {"dtype": dtype, **(engine_args or {})}
-        key = json.dumps([str(model), tp, args, env or {}], sort_keys=True)
-        n = len(self.runs)
-        request, out, log = (self.work / f"run-{n}.{ext}" for ext in ("request.json", "out.json", "log"))
+        key = json.dumps([str(model), tp, args, env or {}, inspect_experts], sort_keys=True)
         if key in self.runs:
-            return self.runs[key]["code"], self.runs[key]["report"], Path(self.runs[key]["log"])
+            return self.runs[key]
+        request, out, log = (self.work / f"run-{len(self.runs)}.{ext}" for ext in ("request.json", "out.json", "log"))
         request.write_text(json.dumps({"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                                       "logprobs": LOGPROBS, "tensor_parallel_size": tp, "engine": args}))
+                                       "logprobs": LOGPROBS, "tensor_parallel_size": tp, "engine": args,
+                                       "inspect_experts": inspect_experts}))
         run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         run_env.update({
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the driver's process
@@ -85,9 +93,25 @@ class Engine:
         with open(log, "w") as f:
             res = subprocess.run([str(self.python), str(DRIVER), str(request), str(out)], stdout=f,
                                  stderr=subprocess.STDOUT, env=run_env, cwd=self.work, timeout=RUN_TIMEOUT)
-        report = json.loads(out.read_text()) if res.returncode == 0 else None
-        self.runs[key] = {"code": res.returncode, "report": report, "log": str(log)}
-        return res.returncode, report, log
+        loaded = Path(f"{out}.load.json")
+        self.runs[key] = Run(res.returncode, json.loads(out.read_text()) if res.returncode == 0 else None,
+                             json.loads(loaded.read_text()) if loaded.exists() else None, log)
+        return self.runs[key]
+
+
+@dataclass
+class Run:
+    """One engine run: its exit code, the driver's report (None when the run failed), what the
+    workers said once the load completed (``inspect_experts``; None if the load did not) and the
+    engine's log."""
+
+    code: int
+    report: dict | None
+    load: dict | None
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
 
 
 @pytest.fixture(scope="session")
