@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, LayoutError, PreflightError
 from ..format.checkpoint import Checkpoint, open_checkpoint
+from ..format.config import ModelConfig
 from ..format.layout import NODE_LAYOUT_FORMAT, NODE_MARKER, TOPOLOGY_NAME, read_node_marker
 from ..format.loadable import CONFIG_NAME
 from ..format.roles import Kind, classify
@@ -81,6 +82,11 @@ class EngineNodeDir(PlainCheckpoint):
         self.checks.append(self._recorded(topo, node, per_node))
         if self.engine == "sglang":
             self.checks.append(self._sglang(topo, node, per_node))
+        elif (placed := vllm_placement_check(ckpt.config, topo, self.expert_parallel)) is not None:
+            if placed.status == FAIL:
+                placed.fix = self._fix(Topology.make(topo.ep, topo.tp, topo.world_size, "linear",
+                                                     num_experts=topo.num_experts), node, per_node)
+            self.checks.append(placed)
         self.checks.append(self._structure(ckpt))
         self.checks += self._exact(ckpt, topo, node, per_node, ranks)
         need = self._rank_bytes(ckpt, topo, ranks)
@@ -377,6 +383,27 @@ class EngineNodeDir(PlainCheckpoint):
             return None
         src = tj["source"].get("path")
         return src if isinstance(src, str) else None
+
+
+def vllm_placement_check(cfg: ModelConfig | None, topo: Topology, expert_parallel: bool = True) -> Check | None:
+    """vLLM 0.32.0 and 0.33.0 place experts round_robin only for a model with several expert
+    groups (``determine_expert_placement_strategy``); with one, its MoE layers fall back to
+    linear while the EP weight filter keeps round_robin's experts, so half of each rank's
+    local experts are never loaded - silently (``tests/test_engine_run.py`` pins it). None when
+    the launch is not round_robin expert parallelism."""
+    if topo.placement != "round_robin" or topo.world_size < 2 or not expert_parallel or cfg is None:
+        return None
+    text = cfg.raw["text_config"] if isinstance(cfg.raw.get("text_config"), dict) else cfg.raw
+    key = next((k for k in ("n_group", "num_expert_group") if text.get(k) is not None), None)
+    groups = text.get(key) if key else None
+    if isinstance(groups, int) and not isinstance(groups, bool) and groups > 1:
+        return Check("placement", PASS, f"round_robin with {groups} expert groups ({CONFIG_NAME} {key}): vLLM "
+                                        f"places experts as the directory does")
+    has = f"{key} {groups}" if key else "no n_group or num_expert_group (vLLM reads 1)"
+    return Check("placement", FAIL, f"round_robin, but {CONFIG_NAME} has {has}: vLLM then places experts linearly "
+                                    f"(\"Falling back to linear expert placement\") while its weight filter keeps "
+                                    f"round_robin's, so half of each rank's experts are never loaded, with no error; "
+                                    f"write the node for linear placement")
 
 
 def sglang_check(topo: Topology) -> Check:

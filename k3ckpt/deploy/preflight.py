@@ -56,6 +56,9 @@ A node directory and an engine (``--engine vllm|sglang``; :mod:`._preflight_engi
   would be equal, e.g. tp 1 x dp 4 for tp 2 x dp 2: the marker would misdescribe the directory);
   experts other nodes own FAIL a node directory but only WARN a full download (vLLM's filter
   skips them; they cost disk and scale reads, not correctness);
+- ``--engine vllm`` FAILs round_robin over several ranks for a model without several expert
+  groups (``n_group``/``num_expert_group``): vLLM's layers then place linearly while its filter
+  keeps round_robin's experts, and half the local experts are never loaded, silently;
 - ``--no-expert-parallel``: the launch has no expert parallelism, so every rank reads every
   expert (cut by TP) and a directory lacking any FAILs - the launch vLLM itself loads without an
   error and answers wrong from; the fix is the expert-parallel launch the marker records;
