@@ -370,6 +370,15 @@ def _damage_reshard(out: Path, rng: random.Random, stats: CrashStats) -> bool:
     return True
 
 
+def _renamed_parts(out: Path) -> int:
+    """How many rank files the running reshard has renamed into place (0 while it clears a
+    stale rank: a directory may vanish between listing and reading it)."""
+    try:
+        return len(list(out.glob("rank-*/[!.]*.safetensors")))
+    except FileNotFoundError:
+        return 0
+
+
 def reshard_campaign(source: Path, work: Path, *, kills: int, seed: int, power_loss: float = 0.3) -> CrashStats:
     """Reshard ``source`` into ``work/out`` with ``kills`` SIGKILLs at seeded random points
     (a random number of bytes allocated in the output, or just after the K-th rank file is
@@ -401,7 +410,7 @@ def reshard_campaign(source: Path, work: Path, *, kills: int, seed: int, power_l
         at_point = rng.random() < 0.5
         if at_point:
             k = rng.randrange(1, max(2, parts))
-            ready = lambda k=k: out.exists() and len(list(out.glob("rank-*/[!.]*.safetensors"))) >= k  # noqa: E731
+            ready = lambda k=k: _renamed_parts(out) >= k  # noqa: E731
         else:
             threshold = rng.randrange(1, max(2, total))
             ready = lambda threshold=threshold: out.exists() and _allocated(out) >= threshold  # noqa: E731
