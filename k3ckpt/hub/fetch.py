@@ -138,6 +138,11 @@ def hub_origin(listing: HubListing) -> str:
     return f"hub sha256 of {source_text(listing)}"
 
 
+def manifest_origin(label: str | None) -> str:
+    """The named origin of tensor digests a fetch checked against a manifest (docs/trust.md)."""
+    return f"manifest {label or '(given)'}"
+
+
 def pull_command(source: HubListing | str) -> str:
     """The ``k3ckpt manifest pull`` of the tensor-hash manifest of exactly this commit (a listing,
     or its :func:`source_text`), as messages suggest it: its file named after the repo

@@ -57,7 +57,7 @@ from ._remote import check_manifest, check_manifest_files, load_manifest, other_
 from ._result import VERIFIED_STRUCTURE, VERIFIED_TENSORS, RankFetchResult, dry_run_total, fetch_summary
 from ._workers import fetch_outputs, fetch_run, open_jobs
 from .client import HubFile, HubListing, RetryPolicy
-from .fetch import LISTING_RECORD, OfflineCheck, hub_origin, record_source, source_text, write_fetch_record
+from .fetch import LISTING_RECORD, OfflineCheck, hub_origin, manifest_origin, record_source, source_text, write_fetch_record
 
 __all__ = [
     "DIGEST_DIR",
@@ -428,7 +428,7 @@ def _finish_node(plan: NodeFetchPlan, dest_real: str, digests: dict[str, dict[st
         record_source(dest_real, plan.listing)
     except OSError:
         pass  # provenance only
-    origin = f"manifest {plan.manifest_label or '(given)'}" if plan.manifest is not None else None
+    origin = manifest_origin(plan.manifest_label) if plan.manifest is not None else None
     record_proofs(dest_real, file_sha, len(tensor_sha), origin, plan.listing, plan.files)
 
 

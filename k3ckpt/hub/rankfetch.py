@@ -73,7 +73,7 @@ from ._rankplan import RankFetchPlan, ShardPlan, plan_rank_fetch, plan_shard, se
 from ._result import RankFetchResult, dry_run_total, fetch_summary
 from ._workers import fetch_outputs, fetch_run, load_shard_record, open_jobs
 from .client import RetryPolicy
-from .fetch import LISTING_RECORD, OfflineCheck, hub_origin, record_source, source_text, write_fetch_record
+from .fetch import LISTING_RECORD, OfflineCheck, hub_origin, manifest_origin, record_source, source_text, write_fetch_record
 
 __all__ = [
     "PARTIAL_NAME",
@@ -213,8 +213,8 @@ def record_rewritten_proofs(dest_real: str, shards: list[str], manifest_label: s
     just checked tensor by tensor against the manifest named ``manifest_label``: ``verify --quick``
     and ``preflight`` then carry that proof while their stat is unchanged (docs/trust.md)."""
     key = partial_reference_key()
-    origin = f"manifest {manifest_label or '(given)'}"
-    record_written(dest_real, {p: {"share_ref": key, "share_issues": [], "proven": origin} for p in shards})
+    record_written(dest_real, {p: {"share_ref": key, "share_issues": [], "proven": manifest_origin(manifest_label)}
+                               for p in shards})
 
 
 def _write_record(plan: RankFetchPlan, dest_real: str) -> None:
