@@ -6,10 +6,18 @@
 # node's init container would run it before the engine boots.
 #
 # Usage: scripts/demo.sh [WORK_DIR]        (default: work/demo; re-runs reuse what is there)
+#        scripts/demo.sh --serve [WORK_DIR]  hub to first token with a real vllm serve (vLLM CPU):
+#          scripts/serve_demo.py, k3ckpt's route and the naive one side by side (default WORK_DIR
+#          work/serve-demo); creates the engine env first when missing (scripts/engine_env.sh,
+#          ~2 minutes and 3.4 GB once), then ~4 minutes
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
 ensure_venv ""
+if [ "${1:-}" = "--serve" ]; then
+  bash scripts/engine_env.sh >/dev/null  # creates or reuses the engine env; a failed install stops here
+  exec .venv/bin/python scripts/serve_demo.py --work "${2:-work/serve-demo}"
+fi
 # vLLM's pinned wheel, read (never installed) by the last step to check the node directories with
 # vLLM's own functions; a cache outside the repository, instant once there.
 bash scripts/engines.sh .venv/bin/python
