@@ -10,6 +10,7 @@ gets on ``PYTHONPATH``: the shared engine environment is never changed.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -111,3 +112,54 @@ def test_a_flipped_byte_in_an_expert_is_refused_naming_file_and_tensor(
     assert lines == [f"k3ckpt: refused: {file}: tensor {name}: bytes differ from the sha256 in "
                      f"{bad}/k3ckpt-node.json; the engine refused to serve them"], log.read_text(errors="replace")[-3000:]
     assert shard_tensors(bad / file)  # the file itself is still a valid shard: only the digest catches it
+
+
+EP_TP2 = {**GUARDED, "enable_expert_parallel": True, "enable_ep_weight_filter": True}
+
+
+def guard_lines(log: str, what: str) -> list[str]:
+    """Each ``k3ckpt: WHAT (ep rank R/2): ...`` line of a TP 2 run with EP."""
+    return [ln for ln in log.splitlines() if re.match(rf"k3ckpt: {what} \(ep rank [01]/2\): ", ln)]
+
+
+def test_tp2_with_the_ep_filter_each_rank_verifies_exactly_what_it_reads(
+        engine: Engine, ckpts: Path, plugin: dict[str, str]) -> None:
+    """``reshard --tp 2`` served at TP 2 with EP and the weight filter: each rank checks the dense
+    tensors and its own experts, no more (the other rank's are skipped by vLLM's filter before
+    they are read, and excused). The forward pass then crashes on the CPU backend (vLLM issue
+    57837), so this asserts on the loader's lines, not on tokens."""
+    src = synth(ckpts, "k2-engine")
+    node = reshard(src, "tp2", "--tp", "2") / "node-00000"
+    marker = json.loads((node / "k3ckpt-node.json").read_text())
+    r = engine.run(node, tp=2, engine_args=EP_TP2, env=plugin)
+    log = r.log_text()
+    assert "k3ckpt: refused" not in log, log[-3000:]
+    by_rank = marker["experts_by_rank"]
+    want = []
+    for rank in (0, 1):
+        own = {n for n, t in marker["tensors"].items()
+               if t["file"].startswith("model-dense") or f"rank-{rank:05d}" in t["file"]}
+        assert len(own) < len(marker["tensors"]) and by_rank[str(rank)]
+        want.append(f"k3ckpt: checked (ep rank {rank}/2): {node}: {len(own)} tensors read, each matches its sha256 in "
+                    f"{node}/k3ckpt-node.json")
+    assert sorted(guard_lines(log, "checked")) == want, log[-3000:]
+
+
+def test_tp2_a_flipped_byte_in_rank_1_s_expert_is_refused_by_rank_1_only(
+        engine: Engine, ckpts: Path, plugin: dict[str, str], tmp_path: Path) -> None:
+    """The same launch on a copy whose rank 1 expert file has one flipped byte: rank 1 refuses,
+    naming file and tensor; rank 0 never reads that tensor and does not refuse."""
+    src = synth(ckpts, "k2-engine")
+    node = reshard(src, "tp2", "--tp", "2") / "node-00000"
+    bad = tmp_path / "tp2-flipped"
+    shutil.copytree(node, bad)
+    marker = json.loads((bad / "k3ckpt-node.json").read_text())
+    name = an_expert_tensor(bad, marker["experts_by_rank"]["1"][0])
+    file = flip_byte(bad, name)
+    assert "rank-00001" in file
+    r = engine.run(bad, tp=2, engine_args=EP_TP2, env=plugin)
+    log = r.log_text()
+    assert r.code != 0 and r.report is None
+    assert guard_lines(log, "refused") == [
+        f"k3ckpt: refused (ep rank 1/2): {file}: tensor {name}: bytes differ from the sha256 in {bad}/k3ckpt-node.json; "
+        "the engine refused to serve them"], log[-3000:]

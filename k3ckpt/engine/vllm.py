@@ -70,9 +70,16 @@ def parallel_state(model: Any) -> dict[str, Any]:
     return state
 
 
-def refuse(error: K3ckptError) -> None:
+def say(what: str, line: str, state: dict[str, Any]) -> None:
+    """One line of the engine's log, ``k3ckpt: WHAT: LINE``; under expert parallelism it says
+    which rank: ``k3ckpt: WHAT (ep rank R/N): LINE`` (the workers' stderr is not prefixed)."""
+    who = f" (ep rank {state['ep_rank']}/{state['ep_size']})" if state.get("ep_size", 1) > 1 else ""
+    print(f"k3ckpt: {what}{who}: {line}", file=sys.stderr, flush=True)
+
+
+def refuse(error: K3ckptError, state: dict[str, Any]) -> None:
     """Say the refusal on one line of the engine's log (its traceback follows), then raise it."""
-    print(f"k3ckpt: refused: {error}", file=sys.stderr, flush=True)
+    say("refused", str(error), state)
     raise error
 
 
@@ -99,20 +106,21 @@ def loader_class() -> type:
             if not root.is_dir():  # a hub id: no marker; vLLM's own loading, digests not known
                 super().load_weights(model, model_config)
                 return
+            state = parallel_state(model)
             try:
-                check_topology(root, **parallel_state(model))
+                check_topology(root, **state)
                 self.k3ckpt_digests = TensorDigests.for_directory(root, self.k3ckpt_extra)
             except K3ckptError as e:
-                refuse(e)
+                refuse(e, state)
             super().load_weights(model, model_config)
             if self.k3ckpt_digests is not None:
                 ids = self.local_expert_ids  # set by the default loader's EP weight filter, None without
                 try:
                     self.k3ckpt_digests.finish(skipped=lambda name: should_skip_weight(name, ids))
                 except K3ckptError as e:
-                    refuse(e)
-                print(f"k3ckpt: checked: {root}: {len(self.k3ckpt_digests.seen)} tensors read, each matches its "
-                      f"sha256 in {self.k3ckpt_digests.source}", file=sys.stderr, flush=True)
+                    refuse(e, state)
+                say("checked", f"{root}: {len(self.k3ckpt_digests.seen)} tensors read, each matches its sha256 in "
+                               f"{self.k3ckpt_digests.source}", state)
 
         def get_all_weights(self, model_config: Any, model: Any) -> Generator[tuple[str, Any], None, None]:
             digests = self.k3ckpt_digests
