@@ -49,6 +49,8 @@ the ``exit_code`` the CLI exits with when it reaches the command line: the CLI p
     ├── ReshardError                   the source or output cannot be resharded as asked
     ├── UnshardError                   a rank layout is incomplete, or the output unwritable
     ├── PreflightError                 preflight cannot run (no such directory, bad options)
+    ├── EngineTopologyError            the engine's parallel state does not fit the node directory
+    ├── TensorDigestError              a tensor the engine read differs from its digest (exit 1)
     └── SynthError                     a synthetic checkpoint cannot be made as requested
 
 The modules that raise these re-export them (``from k3ckpt.hub.client import HubError`` works),
@@ -76,6 +78,7 @@ __all__ = [
     "DiskSpaceError",
     "EmptySelectionError",
     "EngineFilesError",
+    "EngineTopologyError",
     "EntryNotFoundError",
     "EnvError",
     "FetchLockedError",
@@ -112,6 +115,7 @@ __all__ = [
     "SourceShortReadError",
     "SplitError",
     "SynthError",
+    "TensorDigestError",
     "TopologyError",
     "UnsafePathError",
     "UnshardError",
@@ -448,6 +452,22 @@ class PreflightError(K3ckptError):
     """Preflight cannot run: no such directory, not a layout nor a checkpoint, bad options."""
 
     exit_code = EXIT_CANNOT_RUN
+
+
+# -- engine ------------------------------------------------------------------------------------
+
+
+class EngineTopologyError(K3ckptError):
+    """The engine (``--load-format k3ckpt``) runs with a parallel state the node directory was not
+    written for: one line naming the mismatch and the launch that fits."""
+
+    exit_code = EXIT_CANNOT_RUN
+
+
+class TensorDigestError(K3ckptError):
+    """A tensor the engine read differs from its digest, or one it had to read never came."""
+
+    exit_code = EXIT_PROBLEMS
 
 
 # -- testing -----------------------------------------------------------------------------------

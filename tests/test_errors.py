@@ -22,7 +22,8 @@ from k3ckpt.errors import EXIT_CANNOT_RUN, EXIT_PROBLEMS, K3ckptError
 NOT_USER_VISIBLE = {"k3ckpt.testing.crash.InvariantViolation"}
 
 #: Exit codes other than "could not run" (2). Pinned: changing one changes the CLI's contract.
-EXIT_CODES = {"SignatureError": EXIT_PROBLEMS, "HubDigestMismatchError": EXIT_PROBLEMS}
+EXIT_CODES = {"SignatureError": EXIT_PROBLEMS, "HubDigestMismatchError": EXIT_PROBLEMS,
+              "TensorDigestError": EXIT_PROBLEMS}
 
 
 def _package_exceptions() -> dict[str, type[BaseException]]:

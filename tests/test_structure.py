@@ -7,7 +7,7 @@
 - The tests and ``scripts/*.py`` are outside every package: they use public names only, and
   patch none by string (``monkeypatch.setattr("k3ckpt.x._y", ...)``, ``setattr(mod, "_y", ...)``).
 - Data flows downward: ``errors`` <- ``utils`` <- ``env`` <- ``faults`` <- ``format`` <-
-  ``integrity`` <- ``hub`` <- ``mx`` <- ``deploy`` <- ``testing`` <- ``cli``. No package imports
+  ``integrity`` <- ``hub`` <- ``mx`` <- ``deploy`` <- ``engine`` <- ``testing`` <- ``cli``. No package imports
   from one to its right, and the packages' import graph has no cycle.
 - No module inside the package imports the lazy top-level ``k3ckpt`` namespace (except
   ``__version__``): that is the facade for users, and importing it from inside invites cycles.
@@ -38,7 +38,7 @@ PKG_DIR = ROOT / "k3ckpt"
 # Lower rank = lower layer; a package may import from its own rank or below. The facade ("")
 # is imported from only for ``__version__``.
 RANK: dict[str, int] = {"": 0, "errors": 0, "utils": 1, "env": 2, "faults": 3, "format": 4, "integrity": 5, "hub": 6,
-                        "mx": 7, "deploy": 8, "testing": 9, "cli": 10}
+                        "mx": 7, "deploy": 8, "engine": 9, "testing": 10, "cli": 11}
 # The entry points above everything: the lazy facade (its eager imports are under TYPE_CHECKING)
 # and ``python -m k3ckpt``.
 FACADES = {"k3ckpt", "k3ckpt.__main__"}

@@ -1,0 +1,165 @@
+"""The ``k3ckpt`` load format inside the running engine (#27): vLLM CPU 0.32.0 loads the plugin the
+way a user installs it (a wheel of this tree, its ``vllm.general_plugins`` entry point), serves a
+fitting launch as the default loader does, and refuses before the first token a launch without
+expert parallelism on node 0 of two and a flipped byte in a tensor it reads.
+
+The wheel is installed with ``--no-deps --target`` into a temporary directory the engine process
+gets on ``PYTHONPATH``: the shared engine environment is never changed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt_edit import shard_tensors
+from enginelib import Engine, assert_a_real_answer, assert_same_answers, reshard, synth
+from k3ckpt.format.checkpoint import INDEX_NAME
+from k3ckpt.format.header import read_header
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[1]
+GUARDED = {"load_format": "k3ckpt"}
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory: pytest.TempPathFactory, engine: Engine) -> dict[str, str]:
+    """``PYTHONPATH`` for the engine process: this tree's wheel, installed apart from every env."""
+    tmp = tmp_path_factory.mktemp("k3ckpt-plugin")
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run([*pip, "wheel", "--no-deps", "-q", "-w", str(tmp / "wheel"), str(ROOT)],
+                   check=True, capture_output=True, cwd=tmp)
+    wheel = next((tmp / "wheel").glob("k3ckpt-*.whl"))
+    subprocess.run([*pip, "install", "--no-deps", "-q", "--target", str(tmp / "site"), str(wheel)],
+                   check=True, capture_output=True, cwd=tmp)
+    assert (tmp / "site" / "k3ckpt" / "engine" / "vllm.py").is_file()
+    return {"PYTHONPATH": str(tmp / "site")}
+
+
+def flip_byte(root: Path, name: str) -> str:
+    """Flip one byte in the middle of tensor ``name``'s data; the file it is in."""
+    file = json.loads((root / INDEX_NAME).read_text())["weight_map"][name]
+    path = root / file
+    h = read_header(path)
+    t = h.tensors[name]
+    offset = h.data_start + (t.begin + t.end) // 2
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+    return file
+
+
+def an_expert_tensor(root: Path, expert: int) -> str:
+    names = json.loads((root / INDEX_NAME).read_text())["weight_map"]
+    return sorted(n for n in names if f".experts.{expert}." in n and n.endswith(".weight"))[0]
+
+
+def test_the_fitting_launch_loads_through_the_guard_and_answers_as_the_original(
+        engine: Engine, ckpts: Path, plugin: dict[str, str]) -> None:
+    """A one-node directory served with ``--load-format k3ckpt``: every digest checks, and the
+    tokens and logprobs are the original's."""
+    src = synth(ckpts, "k2-engine")
+    node = reshard(src, "tp1", "--tp", "1") / "node-00000"
+    original = engine.generate(src)
+    assert_a_real_answer(original)
+    guarded = engine.run(node, engine_args=GUARDED, env=plugin)
+    assert guarded.report is not None, guarded.log_text()[-3000:]
+    assert_same_answers(original, guarded.report, "the one-node directory through the k3ckpt load format")
+    checked = [ln for ln in guarded.log_text().splitlines() if ln.startswith("k3ckpt: checked: ")]
+    held = len(json.loads((node / "k3ckpt-node.json").read_text())["tensors"])
+    assert checked == [f"k3ckpt: checked: {node}: {held} tensors read, each matches its sha256 in "
+                       f"{node}/k3ckpt-node.json"], guarded.log_text()[-3000:]
+
+
+def test_node_0_of_two_without_expert_parallelism_is_refused_naming_the_launch(
+        engine: Engine, ckpts: Path, plugin: dict[str, str]) -> None:
+    """The launch the issue measured serving wrong tokens (#27): refused before the first token,
+    on one line that names expert parallelism and the serve line that fits."""
+    src = synth(ckpts, "k2-engine")
+    node0 = reshard(src, "2nodes", "--tp", "1", "--dp", "2", "--gpus-per-node", "1") / "node-00000"
+    code, report, log = engine.attempt(node0, engine_args=GUARDED, env=plugin)
+    assert code != 0 and report is None
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("k3ckpt: refused: ")]
+    assert len(lines) == 1, log.read_text(errors="replace")[-3000:]
+    line = lines[0]
+    assert "without expert parallelism" in line and "experts 0-7 of 16" in line, line
+    assert f"serve it with: vllm serve {node0} " in line and "--enable-expert-parallel" in line, line
+    assert "--data-parallel-size 2" in line and "--load-format k3ckpt" in line, line
+
+
+def test_a_flipped_byte_in_an_expert_is_refused_naming_file_and_tensor(
+        engine: Engine, ckpts: Path, plugin: dict[str, str], tmp_path: Path) -> None:
+    """A copy of the one-node directory with one byte of one expert's weight flipped: the engine
+    process hashes what it reads and refuses, naming the file and the tensor."""
+    src = synth(ckpts, "k2-engine")
+    node = reshard(src, "tp1", "--tp", "1") / "node-00000"
+    bad = tmp_path / "flipped"
+    shutil.copytree(node, bad)
+    name = an_expert_tensor(bad, 3)
+    file = flip_byte(bad, name)
+    code, report, log = engine.attempt(bad, engine_args=GUARDED, env=plugin)
+    assert code != 0 and report is None
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("k3ckpt: refused: ")]
+    assert lines == [f"k3ckpt: refused: {file}: tensor {name}: bytes differ from the sha256 in "
+                     f"{bad}/k3ckpt-node.json; the engine refused to serve them"], log.read_text(errors="replace")[-3000:]
+    assert shard_tensors(bad / file)  # the file itself is still a valid shard: only the digest catches it
+
+
+EP_TP2 = {**GUARDED, "enable_expert_parallel": True, "enable_ep_weight_filter": True}
+
+
+def guard_lines(log: str, what: str) -> list[str]:
+    """Each ``k3ckpt: WHAT (ep rank R/2): ...`` line of a TP 2 run with EP."""
+    return [ln for ln in log.splitlines() if re.match(rf"k3ckpt: {what} \(ep rank [01]/2\): ", ln)]
+
+
+def test_tp2_with_the_ep_filter_each_rank_verifies_exactly_what_it_reads(
+        engine: Engine, ckpts: Path, plugin: dict[str, str]) -> None:
+    """``reshard --tp 2`` served at TP 2 with EP and the weight filter: each rank checks the dense
+    tensors and its own experts, no more (the other rank's are skipped by vLLM's filter before
+    they are read, and excused). The forward pass then crashes on the CPU backend (vLLM issue
+    57837), so this asserts on the loader's lines, not on tokens."""
+    src = synth(ckpts, "k2-engine")
+    node = reshard(src, "tp2", "--tp", "2") / "node-00000"
+    marker = json.loads((node / "k3ckpt-node.json").read_text())
+    r = engine.run(node, tp=2, engine_args=EP_TP2, env=plugin)
+    log = r.log_text()
+    assert "k3ckpt: refused" not in log, log[-3000:]
+    by_rank = marker["experts_by_rank"]
+    want = []
+    for rank in (0, 1):
+        own = {n for n, t in marker["tensors"].items()
+               if t["file"].startswith("model-dense") or f"rank-{rank:05d}" in t["file"]}
+        assert len(own) < len(marker["tensors"]) and by_rank[str(rank)]
+        want.append(f"k3ckpt: checked (ep rank {rank}/2): {node}: {len(own)} tensors read, each matches its sha256 in "
+                    f"{node}/k3ckpt-node.json")
+    assert sorted(guard_lines(log, "checked")) == want, log[-3000:]
+
+
+def test_tp2_a_flipped_byte_in_rank_1_s_expert_is_refused_by_rank_1_only(
+        engine: Engine, ckpts: Path, plugin: dict[str, str], tmp_path: Path) -> None:
+    """The same launch on a copy whose rank 1 expert file has one flipped byte: rank 1 refuses,
+    naming file and tensor; rank 0 never reads that tensor and does not refuse."""
+    src = synth(ckpts, "k2-engine")
+    node = reshard(src, "tp2", "--tp", "2") / "node-00000"
+    bad = tmp_path / "tp2-flipped"
+    shutil.copytree(node, bad)
+    marker = json.loads((bad / "k3ckpt-node.json").read_text())
+    name = an_expert_tensor(bad, marker["experts_by_rank"]["1"][0])
+    file = flip_byte(bad, name)
+    assert "rank-00001" in file
+    r = engine.run(bad, tp=2, engine_args=EP_TP2, env=plugin)
+    log = r.log_text()
+    assert r.code != 0 and r.report is None
+    assert guard_lines(log, "refused") == [
+        f"k3ckpt: refused (ep rank 1/2): {file}: tensor {name}: bytes differ from the sha256 in {bad}/k3ckpt-node.json; "
+        "the engine refused to serve them"], log[-3000:]
