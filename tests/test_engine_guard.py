@@ -4,7 +4,7 @@ fitting launch as the default loader does, and refuses before the first token a 
 expert parallelism on node 0 of two and a flipped byte in a tensor it reads.
 
 The wheel is installed with ``--no-deps --target`` into a temporary directory the engine process
-gets on ``PYTHONPATH``: the shared engine environment is never changed.
+gets on ``PYTHONPATH`` (the ``plugin`` fixture): the shared engine environment is never changed.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,20 +25,6 @@ pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[1]
 GUARDED = {"load_format": "k3ckpt"}
-
-
-@pytest.fixture(scope="module")
-def plugin(tmp_path_factory: pytest.TempPathFactory, engine: Engine) -> dict[str, str]:
-    """``PYTHONPATH`` for the engine process: this tree's wheel, installed apart from every env."""
-    tmp = tmp_path_factory.mktemp("k3ckpt-plugin")
-    pip = [sys.executable, "-m", "pip"]
-    subprocess.run([*pip, "wheel", "--no-deps", "-q", "-w", str(tmp / "wheel"), str(ROOT)],
-                   check=True, capture_output=True, cwd=tmp)
-    wheel = next((tmp / "wheel").glob("k3ckpt-*.whl"))
-    subprocess.run([*pip, "install", "--no-deps", "-q", "--target", str(tmp / "site"), str(wheel)],
-                   check=True, capture_output=True, cwd=tmp)
-    assert (tmp / "site" / "k3ckpt" / "engine" / "vllm.py").is_file()
-    return {"PYTHONPATH": str(tmp / "site")}
 
 
 def flip_byte(root: Path, name: str) -> str:
@@ -163,3 +147,44 @@ def test_tp2_a_flipped_byte_in_rank_1_s_expert_is_refused_by_rank_1_only(
     assert guard_lines(log, "refused") == [
         f"k3ckpt: refused (ep rank 1/2): {file}: tensor {name}: bytes differ from the sha256 in {bad}/k3ckpt-node.json; "
         "the engine refused to serve them"], log[-3000:]
+
+
+def test_another_node_s_directory_is_refused_by_the_rank_it_does_not_fit(
+        engine: Engine, ckpts: Path, plugin: dict[str, str]) -> None:
+    """Node 1's directory of ``--tp 1 --dp 2 --gpus-per-node 1`` (experts 8-15) served by one host
+    at TP 2 with EP (the same ep size 2): ep rank 0 is given experts 0-7, which the directory does
+    not hold, and refuses before reading a byte; ep rank 1's experts are there (not its refusal)."""
+    src = synth(ckpts, "k2-engine")
+    node1 = reshard(src, "2nodes", "--tp", "1", "--dp", "2", "--gpus-per-node", "1") / "node-00001"
+    r = engine.run(node1, tp=2, engine_args=EP_TP2, env=plugin)
+    log = r.log_text()
+    assert r.code != 0 and r.report is None
+    lines = guard_lines(log, "refused")
+    assert len(lines) == 1 and lines[0].startswith(f"k3ckpt: refused (ep rank 0/2): {node1}: node 1 of a 2-rank "
+                                                   "expert-parallel topology holds experts 8-15 of 16; "), log[-3000:]
+    assert "the engine gives ep rank 0 experts 0-7 (wrong placement or another node's directory)" in lines[0]
+    assert f"serve it with: vllm serve {node1} " in lines[0] and "--headless" in lines[0], lines[0]
+    # rank 1's experts are here: it may read and check them before rank 0's refusal stops the engine
+    assert not any("(ep rank 0/2)" in ln for ln in guard_lines(log, "checked")), log[-3000:]
+
+
+def test_a_placement_the_engine_does_not_use_is_refused(engine: Engine, ckpts: Path, plugin: dict[str, str]) -> None:
+    """Node 0 of a round_robin ``--dp 2`` topology (experts 0,2,..,14) served at TP 2 with EP and
+    ``--expert-placement-strategy round_robin``: this model has one expert group, so vLLM places
+    its experts linearly (``docs/engines.md``), and the guard sees the engine's own map - each
+    rank given experts the directory does not hold refuses, naming the placement."""
+    src = synth(ckpts, "k2-engine")
+    node0 = reshard(src, "rr-2nodes", "--tp", "1", "--dp", "2", "--gpus-per-node", "1",
+                    "--placement", "round_robin") / "node-00000"
+    held = json.loads((node0 / "k3ckpt-node.json").read_text())["experts"]
+    assert held == list(range(0, 16, 2))
+    r = engine.run(node0, tp=2, engine_args={**EP_TP2, "expert_placement_strategy": "round_robin"}, env=plugin)
+    log = r.log_text()
+    assert r.code != 0 and r.report is None
+    lines = guard_lines(log, "refused")
+    assert lines, log[-3000:]
+    for line in lines:
+        assert "holds experts 0,2,4,6,8,10,12,14 of 16; the engine gives ep rank " in line, line
+        assert "(wrong placement or another node's directory)" in line and "--expert-placement-strategy round_robin" \
+            in line, line
+    assert not guard_lines(log, "checked"), log[-3000:]

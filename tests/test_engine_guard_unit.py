@@ -168,3 +168,82 @@ def test_a_tensor_hash_manifest_is_a_source_and_names_this_directory_s_file(k2: 
     with pytest.raises(ManifestError, match="no tensor digests"):
         TensorDigests.for_directory(node, {"manifest": str(plain)})
     assert json.loads(manifest.read_text())["tensor_hashes"] is True
+
+
+# -- the serve lines: --load-format k3ckpt where the plugin is, a note where it is not ------------
+
+
+def test_the_entry_point_vllm_loads_is_the_one_serve_lines_look_for() -> None:
+    """pyproject's plugin entry point is what :func:`guard_installed` finds, and it names the
+    function that registers :data:`LOAD_FORMAT`."""
+    import tomllib
+
+    from k3ckpt.deploy import serve
+    from k3ckpt.engine import vllm
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    (name, value), = project["entry-points"][serve.PLUGIN_GROUP].items()
+    assert value == serve.PLUGIN_ENTRY == f"{vllm.__name__}:{vllm.register.__name__}"
+    assert vllm.LOAD_FORMAT == serve.LOAD_FORMAT == "k3ckpt"
+
+
+def test_guard_installed_needs_vllm_here_and_k3ckpt_s_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib.metadata import EntryPoint
+
+    from k3ckpt.deploy import serve
+
+    ours = EntryPoint("k3ckpt", serve.PLUGIN_ENTRY, serve.PLUGIN_GROUP)
+    other = EntryPoint("lora", "someone.else:register", serve.PLUGIN_GROUP)
+    for vllm_here, points, want in [(True, [other, ours], True), (True, [other], False), (False, [ours], False)]:
+        monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name, v=vllm_here: object() if v else None)
+        monkeypatch.setattr(serve, "entry_points", lambda group, p=points: [e for e in p if e.group == group])
+        assert serve.guard_installed() is want
+        assert serve.resolve_guard(None, "vllm") is want and serve.resolve_guard(None, "sglang") is False
+    assert serve.resolve_guard(True, "vllm") and not serve.resolve_guard(False, "vllm")
+
+
+def test_serve_command_with_and_without_the_guard(k2: Path) -> None:
+    from k3ckpt.errors import TopologyError
+
+    d = k2 / "dp2" / "node-00000"
+    plain = serve_command(d, tp=1, dp=2, gpus_per_node=1, leader_address="gpu01")
+    assert serve_command(d, tp=1, dp=2, gpus_per_node=1, leader_address="gpu01", guard=True) == \
+        [*plain, "--load-format", "k3ckpt"]
+    with pytest.raises(TopologyError, match="vLLM plugin"):
+        serve_command(d, tp=1, dp=2, gpus_per_node=1, engine="sglang", guard=True)
+
+    # this venv has no vLLM: the line goes without it and stderr says what that loses
+    args = ["serve-command", str(d), "--tp", "1", "--dp", "2", "--gpus-per-node", "1", "--leader-address", "gpu01"]
+    res = run(*args)
+    assert res.exit_code == 0 and res.stdout.strip() == shlex.join(plain)
+    assert res.stderr.startswith("note: without --load-format k3ckpt vLLM checks neither"), res.stderr
+    res = run(*args, "--guard")
+    assert res.exit_code == 0 and res.stdout.strip().endswith(" --load-format k3ckpt") and not res.stderr
+    assert json.loads(run(*args, "--guard", "--json").stdout) == {"serve": [*plain, "--load-format", "k3ckpt"],
+                                                                   "guarded": True}
+    res = run(*args, "--guard", "--engine", "sglang")
+    assert res.exit_code == 2 and "sglang has no guarded load" in res.stderr
+    assert not run(*args, "--engine", "sglang").stderr  # no load format to miss
+
+
+def test_preflight_serve_lines_carry_the_guard_or_say_what_is_missing(k2: Path) -> None:
+    d = k2 / "dp2" / "node-00000"
+    args = ["preflight", str(d), "--no-env", "--leader-address", "gpu01"]
+    env = {"PATH": "/usr/bin:/bin"}  # no nvidia-smi
+    lines = run(*args, env=env).stdout.splitlines()
+    assert lines[-2].startswith("note       without --load-format k3ckpt") and "--load-format" not in lines[-1]
+    res = run(*args, "--guard", env=env)
+    assert res.exit_code == 0, res.output
+    last = res.stdout.splitlines()
+    assert last[-1].endswith(" --load-format k3ckpt") and not any(x.startswith("note ") for x in last)
+    out = json.loads(run(*args, "--guard", "--json", env=env).stdout)
+    assert out["guarded"] and out["serve"][-2:] == ["--load-format", "k3ckpt"]
+    # the fix of a launch without EP is the guarded expert-parallel launch too
+    res = run(*args, "--guard", "--no-expert-parallel", env=env)
+    assert res.exit_code == 1 and "fix: vllm serve" in res.stdout
+    fix = next(x for x in res.stdout.splitlines() if "fix: vllm serve" in x)
+    assert fix.endswith("--load-format k3ckpt"), fix
+    res = run("preflight", str(k2 / "tp1" / "node-00000"), "--guard", "--no-env", env=env)  # vllm by default
+    assert res.exit_code == 0, res.output
+    res = run("preflight", str(k2 / "k2"), "--guard", "--no-env", env=env)  # a plain checkpoint: no engine
+    assert res.exit_code == 2 and "give --engine" in res.stderr

@@ -1,9 +1,11 @@
-"""Hub to first token, served (#26 item 5): ``scripts/serve_demo.py`` goes from an empty disk to a
-completion twice - k3ckpt's route (``manifest pull`` -> ``fetch --node`` -> ``verify`` -> ``preflight
---engine vllm`` -> the serve line preflight printed) and the naive one (``hf download`` -> ``hf cache
-verify`` -> ``vllm serve REPO`` offline) - against the loopback hub serving ``k2-engine``, with the
-real ``vllm serve`` of the engine environment. Both greedy completions must be real and equal; the
-times are printed, never asserted. (~3.5 minutes: each route's server compiles the model once.)
+"""Hub to first token, served (#26 item 5, #27): ``scripts/serve_demo.py`` goes from an empty disk
+to a completion twice - k3ckpt's route (``manifest pull`` -> ``fetch --node`` -> ``verify`` ->
+``preflight --engine vllm --guard`` -> the serve line preflight printed, through ``--load-format
+k3ckpt``) and the naive one (``hf download`` -> ``hf cache verify`` -> ``vllm serve REPO``
+offline) - against the loopback hub serving ``k2-engine``, with the real ``vllm serve`` of the
+engine environment. Both greedy completions must be real and equal, and the guarded load must
+have checked every tensor of the node directory; the times are printed, never asserted. (~3.5
+minutes: each route's server compiles the model once.)
 """
 
 from __future__ import annotations
@@ -32,11 +34,17 @@ def test_both_routes_serve_the_same_completion(engine: Engine, tmp_path: Path) -
     got = json.loads(out.read_text())
     k3, naive = got["k3ckpt"], got["naive"]
     assert [s for s, _ in k3["steps"]] == ["manifest pull --tensor-hashes", "fetch --node 0", "verify --manifest",
-                                           "preflight --engine vllm", "vllm serve until /health",
+                                           "preflight --engine vllm --guard", "vllm serve until /health",
                                            "POST /v1/completions"], k3["steps"]
     assert [s for s, _ in naive["steps"]] == ["hf download", "hf cache verify", "vllm serve until /health",
                                               "POST /v1/completions"], naive["steps"]
     assert k3["text"].strip() and len(set(k3["text"])) >= 3, k3["text"]
     assert k3["text"] == naive["text"] and got["same"], (k3["text"], naive["text"])
     assert k3["ttft"] > 0 and naive["ttft"] > 0
+    # the served line is preflight's, through the k3ckpt load format: the engine checked every tensor
+    assert k3["serve"][:2] == ["vllm", "serve"] and k3["serve"][-2:] == ["--load-format", "k3ckpt"], k3["serve"]
+    node = k3["serve"][2]
+    held = len(json.loads(Path(node, "k3ckpt-node.json").read_text())["tensors"])
+    assert k3["checked"] == [f"k3ckpt: checked: {node}: {held} tensors read, each matches its sha256 in "
+                             f"{node}/k3ckpt-node.json"], k3["checked"]
     assert "time to first token: k3ckpt" in res.stdout

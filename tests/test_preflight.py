@@ -932,7 +932,7 @@ def test_engine_cli_json_text_and_exit_codes(nodes_pristine: Path, pristine: Pat
     assert res.exit_code == 2 and "rank layout" in res.output and len(res.output.strip().splitlines()) == 1
     res = run_cli("serve-command", str(d), "--tp", "2", "--dp", "2", "--node", "1", "--gpus-per-node", "2",
                   "--leader-address", "gpu01")
-    assert res.exit_code == 0 and res.output.strip() == shlex.join(out["serve"])
+    assert res.exit_code == 0 and res.stdout.strip() == shlex.join(out["serve"])
 
 
 @pytest.mark.parametrize("variable", ["MASTER_ADDR", "LWS_LEADER_ADDRESS"])
@@ -946,7 +946,7 @@ def test_serve_command_and_preflight_read_the_leader_alike(nodes_pristine: Path,
         served = run_cli("serve-command", str(d), *args, env=env)
         checked = run_cli("preflight", str(d), *args, env=env)
         assert served.exit_code == 0 and checked.exit_code == 0, checked.output
-        assert served.output.strip() == checked.output.splitlines()[-1].removeprefix("serve").strip()
+        assert served.stdout.strip() == checked.output.splitlines()[-1].removeprefix("serve").strip()
         assert ("--data-parallel-address gpu07" in served.output) == (variable in env)
         assert ("LEADER_ADDRESS " in served.output) == (variable not in env)
     # --leader-address wins over the variable, in both

@@ -222,6 +222,24 @@ def test_slurm_single_node_serves_without_data_parallel_flags(served: Path, base
     assert_node_dir(dest, served, 0, 1, 8, 8)
 
 
+def test_k3_guard_puts_the_k3ckpt_load_format_in_the_recorded_line(served: Path, base_env: dict[str, str],
+                                                                     tmp_path: Path) -> None:
+    """K3_GUARD=1: the line init records (and serve execs) loads with ``--load-format k3ckpt``;
+    0 or unset in an environment without vLLM: without it, and the report says what that loses;
+    anything else is a one-line error before any byte."""
+    dest = tmp_path / "nvme" / "kimi-k3"
+    env = dict(base_env, SLURM_NODEID="0", SLURM_NNODES="1", K3_DEST=str(dest))
+    plain = ["vllm", *expected_serve(str(dest), 0, 1, 8, 8, None)]
+    for guard, want in (("1", [*plain, "--load-format", "k3ckpt"]), ("0", plain), (None, plain)):
+        res = node_init(env if guard is None else dict(env, K3_GUARD=guard), "init")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.stdout.splitlines()[-1] == shlex.join(want)
+        assert ("note       without --load-format k3ckpt" in res.stdout) == (guard != "1")
+        assert node_init(dict(env, K3_GUARD=guard or ""), "serve").returncode == 0
+        assert vllm_calls(env)[-1]["argv"] == want[1:]
+    assert_one_line_error(node_init(dict(env, K3_GUARD="yes"), "init"), 2, "K3_GUARD=yes is not 0 or 1")
+
+
 def test_a_disk_that_held_another_node_is_turned_into_this_one(served: Path, base_env: dict[str, str],
                                                              tmp_path: Path) -> None:
     """LWS with a hostPath: a rescheduled group can give a node's disk another worker index. The
@@ -528,7 +546,10 @@ def test_every_flag_serve_command_emits_is_declared_by_vllm(tp: int, dp: int, gp
     for node in range(nodes):
         argv = serve_command("/d", tp=tp, dp=dp, placement=placement, node=node, gpus_per_node=gpus,
                              leader_address="leader", served_model_name=REPO)
-        assert {a for a in argv if a.startswith("--")} - declared == set()
+        guarded = serve_command("/d", tp=tp, dp=dp, placement=placement, node=node, gpus_per_node=gpus,
+                                leader_address="leader", served_model_name=REPO, guard=True)
+        assert guarded == [*argv, "--load-format", "k3ckpt"]
+        assert {a for a in guarded if a.startswith("--")} - declared == set()
         if placement == "linear":
             assert argv == ["vllm", *expected_serve("/d", node, nodes, gpus, tp, "leader")]
         assert argv[argv.index("--expert-placement-strategy") + 1] == placement

@@ -26,6 +26,11 @@ from ._output import ByteProgress, emit_json
 # help texts plan and reshard share
 _TP = "Tensor-parallel degree of dense weights."
 _PLACEMENT = "Expert placement: vLLM's linear rule or round robin."
+_guard_option = click.option(
+    "--guard/--no-guard", default=None,
+    help="Serve with --load-format k3ckpt (vLLM refuses a launch that does not fit the directory and bytes that "
+         "differ from their digests) [default: when k3ckpt's vLLM plugin is installed here; else the line goes "
+         "without it, and a note says what that loses].")
 _KV_BUDGET = "KV cache (and other runtime) memory to reserve per GPU."
 _FORMAT = ("node: per node a checkpoint directory stock vLLM loads with --enable-expert-parallel "
            "--enable-ep-weight-filter (dense tensors whole, only the node's experts); rank: pre-split tensors "
@@ -246,6 +251,7 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
 @click.option("--rpc-port", type=click.IntRange(1, 65535), default=13345, show_default=True,
               help="vLLM's --data-parallel-rpc-port in the serve command (multi-node).")
 @click.option("--served-model-name", metavar="NAME", help="The serve command's --served-model-name.")
+@_guard_option
 @click.option("--full", is_flag=True, help="Compare every rank file's sha256 (in parallel), not just sizes.")
 @click.option("--io-test", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="Measure read speed (O_DIRECT where possible) for up to this long.")
@@ -262,7 +268,7 @@ def unshard(layout: str, dest: str, max_shard_size: int, jobs: int | None, force
 def preflight(directory: str, selection: RankSelection, full: bool, io_test: float | None, kv_budget: int,
               min_free_disk: int, no_env: bool, require_proof: bool, jobs: int | None, as_json: bool, engine: str | None,
               leader_address: str | None, rpc_port: int, served_model_name: str | None,
-              no_expert_parallel: bool) -> None:
+              no_expert_parallel: bool, guard: bool | None) -> None:
     """Check, in seconds, that this node can load DIRECTORY before the engine boots.
 
     DIRECTORY is a per-rank layout written by `k3ckpt reshard` or a plain checkpoint (a full
@@ -302,7 +308,7 @@ def preflight(directory: str, selection: RankSelection, full: bool, io_test: flo
                             min_free_disk=min_free_disk, use_env=not no_env, jobs=jobs, engine=engine,
                             leader_address=leader_address, rpc_port=rpc_port, served_model_name=served_model_name,
                             progress=bar, on_plan=bar.plan, require_proof=require_proof,
-                            expert_parallel=not no_expert_parallel)
+                            expert_parallel=not no_expert_parallel, guard=guard)
     if as_json:
         emit_json(rep.to_json())
     else:
@@ -331,11 +337,12 @@ def preflight(directory: str, selection: RankSelection, full: bool, io_test: flo
 @click.option("--rpc-port", type=click.IntRange(1, 65535), default=13345, show_default=True,
               help="vLLM's --data-parallel-rpc-port (multi-node).")
 @click.option("--served-model-name", metavar="NAME", help="--served-model-name.")
+@_guard_option
 @json_option("The argv as a JSON list.")
 @handle_errors
 def serve_command(directory: str, engine: str, tp: int, dp: int, placement: str, node: int,
                   gpus_per_node: int | None, leader_address: str | None, rpc_port: int,
-                  served_model_name: str | None, as_json: bool) -> None:
+                  served_model_name: str | None, guard: bool | None, as_json: bool) -> None:
     """Print the engine command that serves node directory DIRECTORY on this node.
 
     The line `k3ckpt preflight` prints as `serve` after checking the directory, without the
@@ -343,7 +350,9 @@ def serve_command(directory: str, engine: str, tp: int, dp: int, placement: str,
     weight filter and the placement, and for several nodes the data-parallel flags (node 0
     serves the API, the others run --headless from their first DP rank). The leader is
     --leader-address, else LWS_LEADER_ADDRESS / MASTER_ADDR, else the placeholder
-    LEADER_ADDRESS - as preflight reads it. Shell-quoted.
+    LEADER_ADDRESS - as preflight reads it. With --load-format k3ckpt when k3ckpt's vLLM
+    plugin is installed here (--guard / --no-guard decide); without it a note on stderr says
+    what the line lacks. Shell-quoted.
 
     \b
     Examples:
@@ -353,16 +362,19 @@ def serve_command(directory: str, engine: str, tp: int, dp: int, placement: str,
     import os
     import shlex
 
-    from ..deploy.serve import leader_from_env
+    from ..deploy.serve import UNGUARDED, leader_from_env, resolve_guard
     from ..deploy.serve import serve_command as build
 
+    guarded = resolve_guard(guard, engine)
     argv = build(directory, tp=tp, dp=dp, placement=placement, node=node, gpus_per_node=gpus_per_node,
                  leader_address=leader_address or leader_from_env(os.environ), rpc_port=rpc_port,
-                 served_model_name=served_model_name, engine=engine)
+                 served_model_name=served_model_name, engine=engine, guard=guarded)
     if as_json:
-        emit_json({"serve": argv})
-    else:
-        click.echo(shlex.join(argv))
+        emit_json({"serve": argv, "guarded": guarded})
+        return
+    click.echo(shlex.join(argv))
+    if engine == "vllm" and not guarded:  # on stderr: $(k3ckpt serve-command ...) takes the line alone
+        click.echo(f"note: {UNGUARDED}", err=True)
 
 
 COMMANDS = [plan, reshard, unshard, preflight, serve_command]

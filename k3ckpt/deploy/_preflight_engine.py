@@ -50,9 +50,10 @@ class EngineNodeDir(PlainCheckpoint):
     download) checked against one node of an engine launch."""
 
     def __init__(self, root: Path, ask: Request, engine: str, leader_address: str | None, rpc_port: int,
-                 served_model_name: str | None, expert_parallel: bool = True) -> None:
+                 served_model_name: str | None, expert_parallel: bool = True, guard: bool = False) -> None:
         super().__init__(root, ask)
         self.engine = engine
+        self.guard = guard  # the serve lines carry --load-format k3ckpt
         self.expert_parallel = expert_parallel
         self.leader = leader_address
         self.rpc_port = rpc_port
@@ -106,13 +107,13 @@ class EngineNodeDir(PlainCheckpoint):
         return PreflightReport(str(self.root), layout, summary, ranks, how, self.checks,
                                load_files=[ckpt.path_of(f) for f in sorted(ckpt.shards)],
                                node_bytes=sum(ckpt.tensors[n].nbytes for n in ckpt.tensors),
-                               engine=self.engine, serve=serve)
+                               engine=self.engine, serve=serve, guarded=self.guard)
 
     def _serve(self, topo: Topology, node: int, per_node: int) -> list[str] | None:
         try:
             return serve_command(self.root, tp=topo.tp, dp=topo.dp, placement=topo.placement, node=node,
                                  gpus_per_node=per_node, leader_address=self.leader, rpc_port=self.rpc_port,
-                                 served_model_name=self.served_model_name, engine=self.engine)
+                                 served_model_name=self.served_model_name, engine=self.engine, guard=self.guard)
         except TopologyError as e:  # e.g. a TP group wider than a node: no command to print
             self.checks.append(Check("serve", FAIL, f"no {self.engine} command for this launch: {e}"))
             return None
@@ -277,7 +278,7 @@ class EngineNodeDir(PlainCheckpoint):
             argv = serve_command(self.root, tp=rec.tp, dp=rec.dp, placement=rec.placement,
                                  node=_int(m.get("node")) or 0, gpus_per_node=_int(m.get("gpus_per_node")),
                                  leader_address=self.leader, rpc_port=self.rpc_port,
-                                 served_model_name=self.served_model_name, engine=self.engine)
+                                 served_model_name=self.served_model_name, engine=self.engine, guard=self.guard)
         except TopologyError:
             return None
         return shlex.join(argv)

@@ -13,6 +13,7 @@ from ..format.topology import (
     Topology,
 )
 from ..utils import format_ranges
+from .serve import UNGUARDED
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 
@@ -79,6 +80,7 @@ class PreflightReport:
     fix_all: str | None = None  # one command for every broken rank, when several are
     engine: str | None = None  # the engine whose launch was checked (--engine)
     serve: list[str] | None = None  # that launch's command line for this node (:func:`serve_command`)
+    guarded: bool = False  # the serve line loads with --load-format k3ckpt (vLLM's k3ckpt plugin)
 
     @property
     def ok(self) -> bool:
@@ -103,7 +105,7 @@ class PreflightReport:
                 "selection": self.selection, "ok": self.ok, "proven": self.proven, "verdict": self.verdict,
                 "counts": self.counts(),
                 "checks": [c.to_json() for c in self.checks], "fix_all": self.fix_all,
-                "engine": self.engine, "serve": self.serve,
+                "engine": self.engine, "serve": self.serve, "guarded": self.guarded,
                 "read_speed": self.read_speed.to_json() if self.read_speed else None}
 
 
@@ -331,6 +333,8 @@ def render_preflight(rep: PreflightReport) -> str:
     if rep.fix_all:
         lines += ["", f"fix all    {rep.fix_all}"]
     lines += ["", f"result     {n[FAIL]} FAIL, {n[WARN]} WARN, {n[PASS]} PASS: {rep.verdict}"]
+    if rep.serve and rep.engine == "vllm" and not rep.guarded:
+        lines.append(f"note       {UNGUARDED}")
     if rep.serve:  # last, so that a script can take it with tail -n 1
         lines.append(f"serve      {shlex.join(rep.serve)}")
     return "\n".join(lines)

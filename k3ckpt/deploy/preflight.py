@@ -115,7 +115,7 @@ from ._preflight_report import (
     reshard_command,
 )
 from .plan import DEFAULT_KV_BUDGET
-from .serve import DEFAULT_RPC_PORT, ENGINES, leader_from_env, serve_command
+from .serve import DEFAULT_RPC_PORT, ENGINES, leader_from_env, resolve_guard, serve_command
 
 __all__ = [
     "DEFAULT_MIN_FREE_DISK",
@@ -167,6 +167,7 @@ def preflight(
     on_plan: Callable[[int], None] | None = None,
     require_proof: bool = False,
     expert_parallel: bool = True,
+    guard: bool | None = None,
 ) -> PreflightReport:
     """Check that the directory ``path`` is ready for this node to load.
 
@@ -199,6 +200,11 @@ def preflight(
             (vLLM ``--enable-expert-parallel``, the launch the serve line prints). ``False``: every
             rank reads every expert (cut by TP), so a directory lacking any FAILs, the fix naming
             the expert-parallel launch the directory was written for.
+        guard: with vLLM, whether the serve lines load with ``--load-format k3ckpt`` (the
+            engine then refuses a launch that does not fit the directory and bytes that differ
+            from their digests; :attr:`PreflightReport.guarded`). Default: when k3ckpt's vLLM
+            plugin is installed here (:func:`~k3ckpt.deploy.serve.guard_installed`); without
+            it the text report says what the line lacks.
 
     Raises:
         PreflightError / TopologyError: ``path`` is missing or holds neither a rank layout nor
@@ -224,14 +230,18 @@ def preflight(
         engine = "vllm"  # a node directory is written for an engine launch: check that one
     if not expert_parallel and engine is None:
         raise PreflightError("--no-expert-parallel describes an engine launch: give --engine")
+    if guard and engine is None:
+        raise PreflightError("--guard is for the serve line of an engine launch: give --engine")
     if engine is not None:
         if engine not in ENGINES:
             raise PreflightError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
         if rank_layout:
             raise PreflightError(f"{root}: a rank layout (pre-split tensors, for custom loaders) is read by no "
                                  f"engine; preflight a node directory (k3ckpt reshard --format node) with --engine")
+        guarded = resolve_guard(guard, engine)  # TopologyError: --guard of SGLang (exit 2)
         leader = leader_address or (leader_from_env(env) if use_env else None)
-        report = EngineNodeDir(root, ask, engine, leader, rpc_port, served_model_name, expert_parallel).run()
+        report = EngineNodeDir(root, ask, engine, leader, rpc_port, served_model_name, expert_parallel,
+                               guarded).run()
     elif rank_layout:
         report = RankLayout(root, ask).run()
     else:

@@ -15,12 +15,21 @@ check them in the wheel): ``--tp-size W --ep-size W`` (its EP group is then
 the TP group over all ranks, which is the node directory's placement), ``--enable-dp-attention
 --dp-size D`` for data-parallel attention, and ``--nnodes``/``--node-rank``/``--dist-init-addr``
 across nodes.
+
+``--load-format k3ckpt`` (vLLM only, ``guard=True``): the loader k3ckpt's vLLM plugin registers
+(:mod:`k3ckpt.engine`). In every rank, before the first weight byte, it refuses a launch the
+directory was not written for, and before the first token bytes that differ from their digests.
+It exists only where the plugin is installed beside vLLM (:func:`guard_installed`): a line that
+names it elsewhere makes vLLM stop on an unknown load format, so callers add it when asked or
+when the plugin is found, and say what the line lacks otherwise (:data:`UNGUARDED`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
+from importlib.metadata import entry_points
 
 from ..errors import TopologyError
 from ..format.topology import require_engine_nodes
@@ -34,6 +43,36 @@ LEADER_VARIABLES = ("LWS_LEADER_ADDRESS", "MASTER_ADDR")
 DEFAULT_RPC_PORT = 13345
 #: The port in SGLang's ``--dist-init-addr HOST:PORT``.
 DEFAULT_SGLANG_PORT = 5000
+#: The ``--load-format`` k3ckpt's vLLM plugin registers, and the plugin's entry point (pyproject.toml).
+LOAD_FORMAT = "k3ckpt"
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_ENTRY = "k3ckpt.engine.vllm:register"
+#: What a vLLM serve line without ``--load-format k3ckpt`` lacks, said where such a line is printed.
+UNGUARDED = ("without --load-format k3ckpt vLLM checks neither the launch against this directory's topology nor "
+             "the bytes it reads against their digests (install 'k3ckpt[vllm]' in the engine's environment, "
+             "or --guard when the engine runs elsewhere with it)")
+
+
+def guard_installed() -> bool:
+    """True when vLLM started from this environment has the ``k3ckpt`` load format: vLLM is
+    importable here and k3ckpt's entry point is in vLLM's plugin group (what its
+    ``load_general_plugins`` loads in every process). Read from installed metadata, without
+    importing vLLM (that takes seconds and imports torch)."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    return any(ep.value.replace(" ", "") == PLUGIN_ENTRY for ep in entry_points(group=PLUGIN_GROUP))
+
+
+def resolve_guard(guard: bool | None, engine: str) -> bool:
+    """Whether ``engine``'s serve line loads with ``--load-format k3ckpt``: ``guard`` as asked,
+    else (None) when the plugin is installed here and the engine is vLLM.
+
+    Raises:
+        TopologyError: ``guard`` asked of an engine other than vLLM.
+    """
+    if guard and engine != "vllm":
+        raise TopologyError(f"--guard is vLLM's --load-format {LOAD_FORMAT}: {engine} has no guarded load")
+    return guard if guard is not None else engine == "vllm" and guard_installed()
 
 
 def leader_from_env(environ: Mapping[str, str]) -> str | None:
@@ -55,9 +94,11 @@ def serve_command(
     rpc_port: int = DEFAULT_RPC_PORT,
     served_model_name: str | None = None,
     engine: str = "vllm",
+    guard: bool = False,
 ) -> list[str]:
     """The argv that serves node ``node``'s directory ``path`` with ``engine``'s expert parallelism
-    over ``tp x dp`` ranks, ``gpus_per_node`` of them per node (default: all on one node).
+    over ``tp x dp`` ranks, ``gpus_per_node`` of them per node (default: all on one node);
+    ``guard``: with ``--load-format k3ckpt`` (vLLM only).
 
     Example::
 
@@ -67,10 +108,13 @@ def serve_command(
     Raises:
         TopologyError: several nodes that the node format's launch cannot run
             (:func:`~k3ckpt.format.topology.require_engine_nodes`: a TP group across two nodes, a
-            partial last node), the node is out of range, an engine other than :data:`ENGINES`.
+            partial last node), the node is out of range, an engine other than :data:`ENGINES`,
+            ``guard`` for SGLang (it has no load format of k3ckpt's).
     """
     if engine not in ENGINES:
         raise TopologyError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
+    if guard and engine != "vllm":
+        raise TopologyError(f"--load-format {LOAD_FORMAT} is a vLLM plugin: {engine} has no guarded load")
     world = tp * dp
     per_node = gpus_per_node or world
     nodes = -(-world // per_node)
@@ -93,6 +137,8 @@ def serve_command(
                  "--data-parallel-rpc-port", str(rpc_port)]
         if node > 0:
             argv += ["--headless", "--data-parallel-start-rank", str(node * dp_local)]
+    if guard:
+        argv += ["--load-format", LOAD_FORMAT]
     return argv
 
 

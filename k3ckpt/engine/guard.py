@@ -81,10 +81,10 @@ def fitting_launch(root: str | os.PathLike[str], marker: Mapping[str, Any]) -> s
         tp = int(topo["tp"])
         world = int(topo["world_size"])
         argv = serve_command(root, tp=tp, dp=max(1, world // tp), placement=str(topo.get("expert_placement", "linear")),
-                             node=int(marker.get("node", 0)), gpus_per_node=marker.get("gpus_per_node"))
+                             node=int(marker.get("node", 0)), gpus_per_node=marker.get("gpus_per_node"), guard=True)
     except (KeyError, TypeError, ValueError, K3ckptError):
         return None
-    return shlex.join([*argv, "--load-format", "k3ckpt"])
+    return shlex.join(argv)
 
 
 def _refuse(root: str | os.PathLike[str], marker: Mapping[str, Any], what: str) -> None:

@@ -23,11 +23,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from ..deploy.serve import LOAD_FORMAT
 from ..errors import K3ckptError
 from .guard import TensorDigests, check_topology
-
-#: The ``--load-format`` value the plugin registers.
-LOAD_FORMAT = "k3ckpt"
 
 
 def register() -> None:
