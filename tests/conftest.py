@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from enginelib import ckpts, engine, plugin  # noqa: F401  (the running-engine tests' session fixtures)
+from enginelib import ckpts, engine, k2_hub, plugin  # noqa: F401  (the running-engine tests' session fixtures)
 from k3ckpt.testing.synth import spec_from_preset, synthesize
 
 

@@ -11,7 +11,7 @@ the same number of tokens. Without the environment the ``engine`` fixture skips 
 how to create it; under CI (``CI`` set) it fails instead: .ci/run creates the environment first,
 so a missing one is a failed install.
 
-The fixtures ``engine``, ``ckpts`` and ``plugin`` are session-scoped (``conftest.py`` imports them), so modules
+The fixtures ``engine``, ``ckpts``, ``plugin`` and ``k2_hub`` are session-scoped (``conftest.py`` imports them), so modules
 share each checkpoint and each run of the original.
 """
 
@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import Result
 
-from helpers import run
+from helpers import REPO, run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_SCRIPT = REPO_ROOT / "scripts" / "engine_env.sh"
@@ -195,6 +196,23 @@ def plugin(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the engine presets and their node directories are written (once per session)."""
     return tmp_path_factory.mktemp("engine-ckpts")
+
+
+@pytest.fixture(scope="session")
+def k2_hub(ckpts: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The loopback hub serving the synthesized ``k2-engine`` as ``REPO`` (any local directory
+    can be served; the hub's hash cache lives elsewhere, so the directory is not changed)."""
+    from k3ckpt.testing.hub import LoopbackHub
+
+    with LoopbackHub({REPO: synth(ckpts, "k2-engine")}, cache_dir=tmp_path_factory.mktemp("k2-hub-cache")) as h:
+        yield h
+
+
+def fetch_k2(hub: Any, *args: str) -> Result:
+    """``k3ckpt fetch REPO`` from the loopback hub ``hub`` with ``args``; it must succeed."""
+    res = run("fetch", REPO, "--endpoint", hub.url, "--max-workers", "3", *args)
+    assert res.exit_code == 0, res.output
+    return res
 
 
 def synth(root: Path, preset: str) -> Path:

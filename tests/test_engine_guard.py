@@ -13,11 +13,13 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ckpt_edit import shard_tensors
-from enginelib import Engine, assert_a_real_answer, assert_same_answers, reshard, synth
+from enginelib import Engine, assert_a_real_answer, assert_same_answers, fetch_k2, reshard, synth
+from helpers import REPO
 from k3ckpt.format.checkpoint import INDEX_NAME
 from k3ckpt.format.header import read_header
 
@@ -188,3 +190,24 @@ def test_a_placement_the_engine_does_not_use_is_refused(engine: Engine, ckpts: P
         assert "(wrong placement or another node's directory)" in line and "--expert-placement-strategy round_robin" \
             in line, line
     assert not guard_lines(log, "checked"), log[-3000:]
+
+
+@pytest.mark.usefixtures("isolated_hub_clients")
+def test_a_rank_aware_share_in_the_hf_cache_served_by_repo_id_is_guarded(
+        engine: Engine, k2_hub: Any, plugin: dict[str, str], tmp_path: Path) -> None:
+    """``fetch --ranks 0`` of ``--ep 2`` into an HF cache publishes rank 0's share under a
+    k3ckpt revision; vLLM given the **repo id** and that revision, offline, resolves the snapshot
+    itself - and the load format finds the same snapshot's marker (huggingface_hub's cache lookup)
+    and refuses the launch without expert parallelism."""
+    home = tmp_path / "hf-home"
+    cache = home / "hub"
+    got = json.loads(fetch_k2(k2_hub, "--cache-dir", str(cache), "--ep", "2", "--ranks", "0", "--json").output)
+    ref, snap = got["snapshot_revision"], Path(got["snapshot"])
+    assert ref.startswith("k3ckpt-partial-") and (snap / "k3ckpt-partial.json").is_file()
+    env = {**plugin, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(home)}
+    code, report, log = engine.attempt(REPO, engine_args={**GUARDED, "revision": ref}, env=env)
+    assert code != 0 and report is None
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("k3ckpt: refused: ")]
+    assert len(lines) == 1, log.read_text(errors="replace")[-3000:]
+    assert lines[0].startswith(f"k3ckpt: refused: {snap}: ") and "without expert parallelism" in lines[0], lines[0]
+    assert "experts 0-7 of 16" in lines[0], lines[0]

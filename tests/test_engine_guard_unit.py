@@ -247,3 +247,38 @@ def test_preflight_serve_lines_carry_the_guard_or_say_what_is_missing(k2: Path) 
     assert res.exit_code == 0, res.output
     res = run("preflight", str(k2 / "k2"), "--guard", "--no-env", env=env)  # a plain checkpoint: no engine
     assert res.exit_code == 2 and "give --engine" in res.stderr
+
+
+def test_the_folder_checked_is_the_directory_or_the_cache_snapshot_holding_a_marker(
+        k2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the load format checks for a model argument: a directory itself; a hub id's snapshot
+    in the Hugging Face cache (the revision asked) when it holds a k3ckpt marker; else nothing."""
+    import huggingface_hub.constants as hfc
+
+    from k3ckpt.engine.vllm import model_folder
+
+    node = k2 / "tp1" / "node-00000"
+    assert model_folder(str(node), None) == node
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(hfc, "HF_HUB_CACHE", str(cache))
+    repo = cache / "models--org--name"
+    snap = repo / "snapshots" / ("c" * 40)
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "k3ckpt-partial-x").write_text("c" * 40)
+    assert model_folder("org/name", "k3ckpt-partial-x") is None  # a plain snapshot: nothing to check
+    (snap / "k3ckpt-partial.json").write_text("{}")
+    assert model_folder("org/name", "k3ckpt-partial-x") == snap
+    assert model_folder("org/name", None) is None  # main is not that snapshot
+    assert model_folder("org/other", "k3ckpt-partial-x") is None
+    assert model_folder("not a/repo/id", None) is None
+
+
+def test_a_rank_aware_fetch_s_marker_has_no_digests_a_manifest_gives_them(tmp_path: Path) -> None:
+    """``k3ckpt-partial.json`` counts its tensors (its proofs are per file): no digests from it,
+    and no error either; a tensor-hash manifest is the way to check a partial's bytes."""
+    root = tmp_path / "partial"
+    root.mkdir()
+    (root / "k3ckpt-partial.json").write_text(json.dumps({"format": "k3ckpt-partial", "experts": [0, 1],
+                                                          "tensors": 201}))
+    assert TensorDigests.for_directory(root) is None

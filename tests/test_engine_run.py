@@ -13,7 +13,6 @@ import hashlib
 import json
 import shlex
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 
 from ckpt_edit import rewrite_shard, shard_tensors
-from enginelib import Engine, Run, assert_a_real_answer, assert_same_answers, reshard, synth, tokens
+from enginelib import Engine, Run, assert_a_real_answer, assert_same_answers, fetch_k2, reshard, synth, tokens
 from helpers import REPO, run, tensor_digests
 from k3ckpt.format import Topology
 from k3ckpt.format.checkpoint import INDEX_NAME
@@ -86,21 +85,6 @@ def test_node_0_of_two_served_without_expert_parallelism_loads_and_answers_diffe
 # -- every other directory k3ckpt writes ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def k2_hub(engine: Engine, ckpts: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The loopback hub serving the synthesized ``k2-engine`` as ``REPO`` (any local directory
-    can be served; the hub's hash cache lives elsewhere, so the directory is not changed)."""
-    from k3ckpt.testing.hub import LoopbackHub
-
-    with LoopbackHub({REPO: synth(ckpts, "k2-engine")}, cache_dir=tmp_path_factory.mktemp("k2-hub-cache")) as h:
-        yield h
-
-
-def _fetch(hub: Any, *args: str) -> None:
-    res = run("fetch", REPO, "--endpoint", hub.url, "--max-workers", "3", *args)
-    assert res.exit_code == 0, res.output
-
-
 @pytest.mark.usefixtures("isolated_hub_clients")
 @pytest.mark.parametrize("source", ["hf", "modelscope"])
 def test_fetch_node_from_the_hub_answers_as_the_original(engine: Engine, ckpts: Path, k2_hub: Any, source: str,
@@ -109,7 +93,7 @@ def test_fetch_node_from_the_hub_answers_as_the_original(engine: Engine, ckpts: 
     client, served as it is: the original's answers."""
     src = synth(ckpts, "k2-engine")
     dest = tmp_path / f"node-{source}"
-    _fetch(k2_hub, "--source", source, "--local-dir", str(dest), "--tp", "1", "--node", "0", "--gpus-per-node", "1")
+    fetch_k2(k2_hub, "--source", source, "--local-dir", str(dest), "--tp", "1", "--node", "0", "--gpus-per-node", "1")
     assert (dest / "k3ckpt-node.json").is_file() and (dest / "READY").is_file()
     original = engine.generate(src)
     assert_a_real_answer(original)
@@ -125,7 +109,7 @@ def test_hf_cache_served_by_repo_id_answers_as_the_original(engine: Engine, ckpt
     src = synth(ckpts, "k2-engine")
     home = tmp_path / "hf-home"
     cache = home / "hub"
-    _fetch(k2_hub, "--cache-dir", str(cache))
+    fetch_k2(k2_hub, "--cache-dir", str(cache))
     assert (cache / f"models--{REPO.replace('/', '--')}" / "refs" / "main").is_file()
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(home)}
     served = engine.generate(REPO, env=env)

@@ -131,7 +131,9 @@ class TensorDigests:
         marker = read_node_marker(root)
         if marker is None:
             return None
-        tensors = marker.get("tensors") or {}
+        tensors = marker.get("tensors")
+        if not isinstance(tensors, dict):  # a rank-aware fetch's marker counts them, digests are per file
+            return None
         expected = {str(n): (str(t["file"]), str(t["sha256"])) for n, t in tensors.items()
                     if isinstance(t, dict) and t.get("sha256") and t.get("file")}
         return cls(expected, f"{root}/k3ckpt-node.json") if expected else None

@@ -25,7 +25,11 @@ from typing import Any
 
 from ..deploy.serve import LOAD_FORMAT
 from ..errors import K3ckptError
-from .guard import TensorDigests, check_topology
+from ..format.layout import NODE_MARKER, PARTIAL_MARKER
+from .guard import MANIFEST_KEY, TensorDigests, check_topology
+
+#: The markers that make a directory k3ckpt's to check (a node directory's, a rank-aware fetch's).
+MARKERS = (NODE_MARKER, PARTIAL_MARKER)
 
 
 def register() -> None:
@@ -68,6 +72,26 @@ def parallel_state(model: Any) -> dict[str, Any]:
     return state
 
 
+def model_folder(model: str, revision: str | None) -> Path | None:
+    """The directory the engine loads ``model`` from, when k3ckpt can check it: ``model`` itself
+    when it is a directory; for a hub id, the Hugging Face cache snapshot of ``revision`` when it
+    holds a k3ckpt marker (``fetch --ranks`` publishes a partial there under a k3ckpt revision) -
+    the folder vLLM reads too, found with huggingface_hub's public cache lookup; else None (a
+    plain hub checkpoint: nothing of k3ckpt's to check it against)."""
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in MARKERS:
+        try:
+            found = try_to_load_from_cache(model, name, revision=revision)
+        except ValueError:  # not a repo id either (vLLM will say what it is)
+            return None
+        if isinstance(found, str):
+            return Path(found).parent
+    return None
+
+
 def say(what: str, line: str, state: dict[str, Any]) -> None:
     """One line of the engine's log, ``k3ckpt: WHAT: LINE``; under expert parallelism it says
     which rank: ``k3ckpt: WHAT (ep rank R/N): LINE`` (the workers' stderr is not prefixed)."""
@@ -100,8 +124,8 @@ def loader_class() -> type:
             self.k3ckpt_digests: TensorDigests | None = None
 
         def load_weights(self, model: Any, model_config: Any) -> None:
-            root = Path(model_config.model)
-            if not root.is_dir():  # a hub id: no marker; vLLM's own loading, digests not known
+            root = model_folder(model_config.model, getattr(model_config, "revision", None))
+            if root is None:  # a hub id without a k3ckpt marker in the cache: vLLM's own loading
                 super().load_weights(model, model_config)
                 return
             state = parallel_state(model)
@@ -119,6 +143,10 @@ def loader_class() -> type:
                     refuse(e, state)
                 say("checked", f"{root}: {len(self.k3ckpt_digests.seen)} tensors read, each matches its sha256 in "
                                f"{self.k3ckpt_digests.source}", state)
+            else:
+                say("checked", f"{root}: the launch fits; no tensor digests to check the bytes against (give "
+                               f"--model-loader-extra-config '{{\"{MANIFEST_KEY}\": \"PATH\"}}', a tensor-hash "
+                               "manifest)", state)
 
         def get_all_weights(self, model_config: Any, model: Any) -> Generator[tuple[str, Any], None, None]:
             digests = self.k3ckpt_digests
