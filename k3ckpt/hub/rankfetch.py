@@ -64,7 +64,7 @@ from ..format.layout import PARTIAL_MARKER
 from ..format.topology import RankSelection
 from ..integrity.hashing import HashError, Span, hash_file
 from ..integrity.manifest import Manifest
-from ..integrity.share import partial_reference_key
+from ..integrity.share import share_reference_key
 from ..integrity.statcache import record_verified, record_written
 from ..utils import format_ranges, human_bytes, write_atomic
 from . import _dest
@@ -212,7 +212,7 @@ def record_rewritten_proofs(dest_real: str, shards: list[str], manifest_label: s
     """Tell the stat cache that the rewritten ``shards`` of the partial copy at ``dest_real`` were
     just checked tensor by tensor against the manifest named ``manifest_label``: ``verify --quick``
     and ``preflight`` then carry that proof while their stat is unchanged (docs/trust.md)."""
-    key = partial_reference_key()
+    key = share_reference_key(0)  # a partial's marker lists no tensors
     record_written(dest_real, {p: {"share_ref": key, "share_issues": [], "proven": manifest_origin(manifest_label)}
                                for p in shards})
 

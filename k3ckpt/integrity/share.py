@@ -244,15 +244,10 @@ def verify_share(
 def share_reference_key(tensors: int) -> str:
     """The key under which ``verify --quick`` finds a weight file of a share of ``tensors``
     tensors checked against its own marker (no manifest): what a command that wrote the share
-    records for its files (:func:`k3ckpt.integrity.statcache.record_written`)."""
+    records for its files (:func:`k3ckpt.integrity.statcache.record_written`). A rank-aware
+    fetch's partial copy, whose marker lists no tensors, is a share of 0 (``fetch --ranks
+    --manifest`` records that key for the shards it hashed against the manifest)."""
     return _reference_key(None, tensors)
-
-
-def partial_reference_key() -> str:
-    """The key under which ``verify --quick`` finds a rewritten shard of a rank-aware fetch's
-    partial copy (whose marker records no digests) checked when it was written: what ``fetch
-    --ranks --manifest`` records for the shards it hashed tensor by tensor against the manifest."""
-    return _reference_key(None, 0)
 
 
 def _marker_map(marker: dict[str, Any], marker_name: str, key: str) -> dict[str, Any]:
