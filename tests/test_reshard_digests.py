@@ -104,15 +104,48 @@ def test_every_byte_and_digest_recomputed(k3_tiny: Path, tmp_path: Path, cache: 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_manifest_digests_of_a_verified_source(k3_tiny: Path, tmp_path: Path, cache: Path, fmt: str) -> None:
     m = _manifest(k3_tiny, tmp_path / "m.json")
+    plain = _reshard(k3_tiny, tmp_path / "plain", fmt)  # nothing verified yet: every tensor hashed
     assert run("verify", str(k3_tiny), "--manifest", str(m)).exit_code == 0
-    plain = _reshard(k3_tiny, tmp_path / "plain", fmt)
     taken = _reshard(k3_tiny, tmp_path / "taken", fmt, "--manifest", str(m))
+    # the documented flow, no flag: the manifest verify just used gives the same digests
+    auto = _reshard(k3_tiny, tmp_path / "auto", fmt)
     whole = _whole_tensors(tmp_path / "taken")
     assert plain["tensor_digests_from_manifest"] == 0 and taken["tensor_digests_from_manifest"] == len(whole) > 0
+    assert auto["tensor_digests_from_manifest"] == len(whole) and auto["tensor_digests_manifest"] == str(m.resolve())
+    assert taken["tensor_digests_manifest"] == "--manifest" and plain["tensor_digests_manifest"] is None
     # the same bytes and the same recorded digests, byte for byte, as hashing everything
-    for f in sorted(p for p in (tmp_path / "plain").rglob("*") if p.is_file() and ".cache" not in p.parts):
-        assert f.read_bytes() == (tmp_path / "taken" / f.relative_to(tmp_path / "plain")).read_bytes(), f
-    check_digests(k3_tiny, tmp_path / "taken")
+    for other in ("taken", "auto"):
+        for f in sorted(p for p in (tmp_path / "plain").rglob("*") if p.is_file() and ".cache" not in p.parts):
+            assert f.read_bytes() == (tmp_path / other / f.relative_to(tmp_path / "plain")).read_bytes(), f
+        check_digests(k3_tiny, tmp_path / other)
+
+
+def test_the_manifest_verify_used_is_taken_only_while_it_and_the_source_are_unchanged(
+        k3_tiny: Path, tmp_path: Path, cache: Path, clone_checkpoint: Callable[[Path], Path]) -> None:
+    """Without --manifest, reshard takes digests from the manifest file verify last used only
+    while that file holds the bytes verify read (an edited manifest gives none), and only for
+    source files unchanged since (a flipped byte after verify: that shard is hashed, and the
+    marker records what it holds now)."""
+    src = clone_checkpoint(k3_tiny)
+    m = _manifest(src, tmp_path / "m.json")
+    assert run("verify", str(src), "--manifest", str(m)).exit_code == 0
+    res = run("reshard", str(src), "-o", str(tmp_path / "said"), *FORMATS["node"])
+    assert res.exit_code == 0 and f"tensor digests from the manifest {m.resolve()} (verify's)" in res.output, res.output
+    # the source changes after verify: its shard is hashed, the others still take the manifest's
+    ckpt = open_checkpoint(src)
+    name = next(n for n, r in ckpt.roles.items() if r.expert is not None)
+    info, shard = ckpt.tensors[name], shard_of(src, name)
+    _flip(src / shard, ckpt.shards[shard].data_start + info.begin)
+    res_json = _reshard(src, tmp_path / "changed", "node")
+    recorded = check_digests(src, tmp_path / "changed")
+    assert recorded[name] == tensor_digests(src)[name] != json.loads(m.read_text())["tensors"][name]["sha256"]
+    in_shard = {n for n, t in ckpt.tensors.items() if t.file == shard}
+    assert res_json["tensor_digests_from_manifest"] == len(_whole_tensors(tmp_path / "changed") - in_shard) > 0
+    # the manifest file edited after verify: not what verify checked, so nothing is taken from it
+    m.write_text(m.read_text() + "\n")
+    edited = _reshard(src, tmp_path / "edited", "node")
+    assert edited["tensor_digests_from_manifest"] == 0 and edited["tensor_digests_manifest"] is None
+    check_digests(src, tmp_path / "edited")
 
 
 def test_changed_source_is_hashed_not_given_the_manifest_digest(

@@ -126,7 +126,8 @@ def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, l
 @jobs_option("Output files written in parallel [default: 1 per CPU, at most 16].")
 @click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False, path_type=str),
               help="A tensor-hash manifest of SOURCE: whole tensors of files `k3ckpt verify --manifest` (or fetch) "
-                   "found unchanged and equal to it take their sha256 from it instead of being hashed again.")
+                   "found unchanged and equal to it take their sha256 from it instead of being hashed again "
+                   "[default: the manifest the last full verify --manifest of SOURCE used, if unchanged].")
 @click.option("--force", is_flag=True, help="Rewrite completed ranks too, and replace another topology this command "
               "wrote in OUT (never files k3ckpt did not write).")
 @json_option("Machine-readable summary.")
@@ -154,9 +155,10 @@ def reshard(source: str, out: str, selection: RankSelection, max_shard_size: int
     READY exists, whose marker or manifest matches and whose files have the stat recorded when
     they were written is skipped on a re-run (--force redoes it); any other is rewritten from
     scratch. Every output file's sha256 is computed while it is written; a whole tensor's sha256
-    is computed once per run, in the same read - or, with --manifest, taken from the manifest
-    for source files that verify or fetch last found unchanged and equal to it (any other file's
-    tensors are hashed). OUT must be new, empty or an earlier reshard's output (a directory holding files
+    is computed once per run, in the same read - or, with --manifest (by default the manifest the
+    last full verify --manifest of SOURCE used), taken from the manifest for source files that
+    verify or fetch last found unchanged and equal to it (any other file's tensors are hashed).
+    OUT must be new, empty or an earlier reshard's output (a directory holding files
     k3ckpt did not write is refused, --force included); the run holds OUT/.k3ckpt-output.lock
     and checks free space before writing.
 

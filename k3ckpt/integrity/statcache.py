@@ -65,6 +65,9 @@ class StatCache:
             ok = False
         self.files: dict[str, dict[str, Any]] = data.get("files", {}) if ok else {}
         self.structure: dict[str, Any] = data.get("structure", {}) if ok else {}
+        #: Manifest files a full ``verify --manifest`` of this checkpoint found files equal to:
+        #: absolute path -> the sha256 of the manifest file then (:meth:`note_manifest`).
+        self.manifests: dict[str, str] = data.get("manifests", {}) if ok else {}
 
     def lookup(self, rel: str, st: os.stat_result) -> dict[str, Any] | None:
         e = self.files.get(rel)
@@ -74,13 +77,46 @@ class StatCache:
         prev = self.lookup(rel, st) or {}
         self.files[rel] = {**prev, **facts, "stat": stat_key(st)}
 
+    def note_manifest(self, path: str | os.PathLike[str]) -> None:
+        """Remember that files were verified against the manifest file ``path`` (with its sha256
+        now): a later ``reshard`` of this checkpoint takes tensor digests from it without being
+        told (:func:`verified_manifests`), for the files whose entries still match."""
+        real = os.path.realpath(path)
+        try:
+            self.manifests[real] = _file_sha256(real)
+        except OSError:
+            pass
+
     def save(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(self.path, json.dumps({"root": self.root, "files": self.files,
-                                                "structure": self.structure}).encode())
+                                                "structure": self.structure, "manifests": self.manifests}).encode())
         except OSError:
             pass  # a cache that cannot be written only costs speed next time
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verified_manifests(root: str | os.PathLike[str], cache_directory: Path | None = None) -> list[Path]:
+    """The manifest files a full ``verify --manifest`` of the checkpoint at ``root`` used that
+    are still the bytes it used (same sha256 now), most recent last. Which of the checkpoint's
+    files they vouch for is each file's own stat-cache entry: its digest, with its stat."""
+    cache = StatCache(resolve_root(root)[0], cache_directory)
+    out = []
+    for path, sha in cache.manifests.items():
+        try:
+            if _file_sha256(path) == sha:
+                out.append(Path(path))
+        except OSError:
+            continue
+    return out
 
 
 def record_verified(path: str | os.PathLike[str], digests: dict[str, tuple[str | None, str | None]],

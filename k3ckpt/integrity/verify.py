@@ -361,6 +361,8 @@ def verify_checkpoint(
         raise
     issues += rescan_scales(root, to_scan, header_scan_spans, jobs, stats, cache)
     settle_proofs(report, stats, hits, checked)
+    if cache is not None and manifest_path is not None and checked:
+        cache.note_manifest(manifest_path)  # reshard takes tensor digests from it (docs/trust.md)
     return _finish(report, cache, t0)
 
 

@@ -34,7 +34,7 @@ from ..bytecopy import NO_SPACE, output_lock, tmp_name
 from .plan import ALIGN, DEFAULT_MAX_FILE_SIZE, NodePlan, RankPlan, ReshardPlan, plan_reshard
 from .result import ReshardResult
 from .units import _clear_old_layout, _manifest_matches, _old_units
-from .write import _OutOfSpace, _write_units, manifest_digests
+from .write import _OutOfSpace, _write_units, manifest_digests, verified_manifest_digests
 
 if TYPE_CHECKING:
     from ...integrity.manifest import Manifest
@@ -58,6 +58,8 @@ def run_reshard(
     less free space than the bytes still to write plus a margin. ``manifest``: a source
     manifest with tensor hashes; whole tensors of source files verified against it take their
     digests from it instead of being hashed (:func:`~k3ckpt.deploy.reshard.write.manifest_digests`).
+    Without it, the manifest a full ``verify --manifest`` of the source last used, when it is
+    still those bytes (:func:`~k3ckpt.deploy.reshard.write.verified_manifest_digests`).
 
     ``out`` must be new, empty, or an earlier reshard's output holding nothing else
     (:func:`k3ckpt.utils.ownership.claim_output_dir`); the run holds ``out``'s lock throughout.
@@ -73,6 +75,9 @@ def run_reshard(
     t0 = time.perf_counter()
     # before anything is written: a manifest without tensor hashes is refused with OUT untouched
     known = manifest_digests(plan.ckpt, manifest) if manifest is not None else {}
+    used = "--manifest" if manifest is not None else None
+    if manifest is None:  # the documented flow (verify --manifest, then reshard) needs no flag
+        used, known = verified_manifest_digests(plan.ckpt)
     outp = Path(out)
     src = plan.ckpt.root
     if is_within(outp, src):
@@ -88,8 +93,11 @@ def run_reshard(
         if plan.layout == "rank":
             entries += plan.extra_files
         claim_output_dir(outp, "reshard", entries)
-        return _run_locked(plan, outp, t0, jobs=jobs, force=force, mode=mode, progress=progress, on_plan=on_plan,
-                           check_space=check_space, known=known)
+        res = _run_locked(plan, outp, t0, jobs=jobs, force=force, mode=mode, progress=progress, on_plan=on_plan,
+                          check_space=check_space, known=known)
+    if res.digests_from_manifest:
+        res.digests_manifest = used
+    return res
 
 
 def reshard(

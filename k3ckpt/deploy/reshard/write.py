@@ -43,10 +43,10 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...errors import ReshardError
+from ...errors import K3ckptError, ReshardError
 from ...faults import fault_point, pause_point
 from ...format.checkpoint import Checkpoint
-from ...integrity.statcache import recorded_proofs
+from ...integrity.statcache import recorded_proofs, verified_manifests
 from ..bytecopy import CHUNK, NO_SPACE, Copier, FdCache, map_window, tmp_name
 from .plan import _T_RUNS, _T_SRC, NodePlan, OutFile, RankPlan, ReshardPlan
 from .units import _finish_rank, _record_proofs
@@ -143,6 +143,25 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
     finally:
         pool.shutdown(wait=True)
     return written
+
+
+def verified_manifest_digests(ckpt: Checkpoint, cache_directory: Path | None = None) -> tuple[str | None, dict[str, str]]:
+    """``(path, digests)``: the whole-tensor digests :func:`manifest_digests` takes from the
+    manifest a full ``verify --manifest`` of ``ckpt`` last used - still the same bytes, with tensor
+    hashes (:func:`~k3ckpt.integrity.statcache.verified_manifests`) - so the documented flow
+    (verify, then reshard) hashes each tensor once without a flag; ``(None, {})`` when there is
+    none. The same rules as an explicit ``--manifest``: only files whose stat-cache entry, with
+    their current stat, holds the sha256 the manifest lists give their tensors' digests."""
+    from ...integrity.manifest import Manifest
+
+    for path in reversed(verified_manifests(ckpt.root, cache_directory)):
+        try:
+            manifest = Manifest.load(path)
+        except K3ckptError:  # unreadable now: hash as without one
+            continue
+        if manifest.tensor_hashes:
+            return str(path), manifest_digests(ckpt, manifest, cache_directory)
+    return None, {}
 
 
 def manifest_digests(ckpt: Checkpoint, manifest: Manifest, cache_directory: Path | None = None) -> dict[str, str]:
