@@ -18,7 +18,9 @@ disk too), output bytes per second and the process tree's peak RSS:
   from it (the route of a checkpoint fetched or verified first). Prepared outside the timed
   runs, once per shape: ``k3ckpt manifest build SRC -o WORK/NAME.tensor-manifest.json
   --tensor-hashes`` and ``k3ckpt verify SRC --manifest M``, with ``K3CKPT_CACHE_DIR=WORK/cache``
-  (verify's stat cache lives there, never in the read-only data; reshard reads it there);
+  (verify's stat cache lives there, never in the read-only data; reshard reads it there); and
+  the documented flow with no flag (verify ran with ``M``, then a plain reshard under the same
+  stat cache: it takes ``M``'s digests itself);
 - ``naive`` (rank layout, once per shape, when torch imports; ``--skip-naive``): what a user
   would write with the ``safetensors`` library: for each rank, load each tensor it holds
   (``safe_open(framework="pt")`` - torch, because the numpy framework cannot hold BF16), slice
@@ -106,7 +108,9 @@ def contenders(setup: bl.Setup, shape: bl.Shape, formats: list[str], jobs: list[
     def with_manifest(label: str, cmd: list[str]) -> list[bl.Contender]:
         if manifest is None:
             return []
-        return [writer(f"{label} --manifest M", [*cmd, "--manifest", str(manifest[0])], manifest[1])]
+        # the documented flow needs no flag: reshard takes the manifest the verify used (#28)
+        return [writer(f"{label} --manifest M", [*cmd, "--manifest", str(manifest[0])], manifest[1]),
+                writer(f"{label} after verify --manifest M, no flag", cmd, manifest[1])]
 
     cs = [writer("cp -r + sync", ["cp", "-r", src, str(out)])]
     if "rank" in formats:

@@ -142,9 +142,9 @@ class BackgroundHashing:
     def _progress_if_wanted(self, f: str, progress: Progress, n: int) -> None:
         """``progress(n)`` unless the plan, decided since ``f`` was begun, does not want ``f``
         (its bytes are not in the total the plan announced)."""
-        plan = self._plan
-        if plan is None or f in plan.files:
-            progress(n)
+        with self._lock:  # with decide(): once it returned (and the total is announced), ``f`` is not counted
+            if self._plan is None or f in self._plan.files:
+                progress(n)
 
     def _work(self) -> None:
         try:

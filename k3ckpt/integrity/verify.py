@@ -245,16 +245,16 @@ def verify_checkpoint(
             else:
                 scan_files = set()
             to_hash = [f for f in sorted(stats) if checkable(f) or f in scan_files]
-            if on_plan is not None and to_hash:
-                on_plan(sum(stats[f].st_size for f in to_hash))
             plan = HashPlan(set(to_hash),
                          spans={f: tensor_spans[f] for f in to_hash if f in tensor_spans},
                          git_sha1={f for f in to_hash if (e := expected.get(f)) and not e.sha256 and e.git_sha1})
+            if hashing is not None:
+                hashing.decide(plan)  # before the total is announced: no unplanned byte is counted after it
+            if on_plan is not None and to_hash:
+                on_plan(sum(stats[f].st_size for f in to_hash))
             if hashing is None and to_hash:
                 hashing = BackgroundHashing(root, stats, jobs=jobs, headers=headers if scan else None, progress=progress,
                                    cancel=cancel, plan=plan)
-            elif hashing is not None:
-                hashing.decide(plan)
 
         # -- structure: reuse the previous verdict when nothing it depends on changed ---------------
         same_layout = False
