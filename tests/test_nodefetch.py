@@ -164,6 +164,123 @@ def test_manifest_checks_every_tensor_and_a_bad_one_never_gets_a_final_name(
     assert not any((dest / f).exists() for f in (INDEX_NAME, "k3ckpt-node.json", "READY"))
 
 
+def _count_reads_from_parts(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[str]]:
+    """(bytes hashed from a ``.part`` rather than as they arrived, paths ``hash_file`` read)
+    during a fetch: the two ways a digest can come from reading written bytes back."""
+    import k3ckpt.hub._digest as digest_mod
+    import k3ckpt.hub.nodefetch as nodefetch_mod
+
+    reread: list[int] = []
+    files: list[str] = []
+    real_written, real_hash = digest_mod.StreamDigest.hash_written, nodefetch_mod.hash_file
+    monkeypatch.setattr(digest_mod.StreamDigest, "hash_written",
+                        lambda self, job, start, length: (reread.append(length), real_written(self, job, start, length))[1])
+    monkeypatch.setattr(nodefetch_mod, "hash_file", lambda path, **kw: (files.append(str(path)), real_hash(path, **kw))[1])
+    return reread, files
+
+
+def test_node_files_are_hashed_as_they_arrive_and_never_read_back(served_hub: Any, resharded: dict[int, Path],
+                                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The marker's file and tensor digests come from the bytes as they are written (#28): no
+    finished file is read. One worker writes each file in order, so no byte is hashed from a
+    ``.part``; workers spread over files, so with several only the last files, which idle
+    workers join, have tasks done ahead of their turn (hashed from the ``.part``, just written).
+    The node is reshard's, marker and all."""
+    h, _ = served_hub
+    reread, files = _count_reads_from_parts(monkeypatch)
+    topo, node, sizes, _ = CASES[1]
+    for workers in ("1", "3"):  # case 1 has 30 node files
+        reread.clear()
+        dest = tmp_path / workers
+        res = fetch_node(h, dest, topo, node, *sizes, "--workers", workers)
+        assert res.exit_code == 0, res.output
+        assert tree(dest) == tree(resharded[1]) and files == []
+        node_bytes = sum(p.stat().st_size for p in dest.glob("*.safetensors"))
+        assert sum(reread) == 0 if workers == "1" else sum(reread) < node_bytes / 20, (workers, sum(reread))
+
+
+def _last_task_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hand out each file's tasks last first: every task but a file's first completes ahead of its turn."""
+    from k3ckpt.hub import _transfer
+
+    def popleft(self: Any) -> Any:
+        if not self.count:
+            raise IndexError("no task queued")
+        job = next(iter(self.queued))
+        tasks = self.queued[job]
+        index = tasks.pop()
+        if not tasks:
+            del self.queued[job]
+        self.count -= 1
+        self.running[job] += 1
+        return job, index
+
+    monkeypatch.setattr(_transfer.SpreadQueue, "popleft", popleft)
+
+
+def _cut_every_seventh_body_midway(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every 7th ranged GET of the run fails after half its body reached the writer's sink (a
+    connection lost mid-body; its retry is another GET); returns the cut requests' offsets."""
+    from k3ckpt.hub import _transfer, _workers
+
+    real = _transfer.stream_range
+    calls, cut = [0], []
+
+    def stream_range(*args: Any, sink: Any = None, **kw: Any) -> None:
+        calls[0] += 1
+        if calls[0] % 7 or sink is None:
+            return real(*args, sink=sink, **kw)
+
+        def half_then_cut(data: memoryview) -> None:
+            sink(data[:len(data) // 2])
+            cut.append(args[5])
+            raise _transfer.Retryable("connection reset mid-body (test)")
+        return real(*args, sink=half_then_cut, **kw)
+
+    monkeypatch.setattr(_workers._transfer, "stream_range", stream_range)
+    monkeypatch.setattr(_transfer, "back_off", lambda *a, **kw: None)  # retried at once
+    return cut
+
+
+@pytest.mark.parametrize("order", ["in_order", "last_first"])
+@pytest.mark.parametrize("fault", ["none", "cut_mid_body", "corrupt_once"])
+def test_node_digests_hold_when_tasks_complete_out_of_order_and_requests_fail(
+        fault: str, order: str, served_hub: Any, k3_tiny: Path, resharded: dict[int, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tasks completing in reverse order are hashed from the ``.part`` in turn; a response cut
+    after half its bytes were written and hashed (retried) and a tensor corrupted once (caught
+    by the manifest, fetched again) give back what they fed the file's digest - in order, while
+    the task is the one feeding it; out of order, before it is - so the node is reshard's,
+    marker digests and all."""
+    h, served = served_hub
+    reread, files = _count_reads_from_parts(monkeypatch)
+    if order == "last_first":
+        _last_task_first(monkeypatch)
+    shard = "model-00003-of-000008.safetensors"
+    hdr = read_header(served / shard)
+    expert = next(n for n in hdr.tensors if ".experts.5.w2.weight_packed" in n)  # node 1 holds rank 5
+    extra: tuple[str, ...] = ()
+    armed, cut = None, None
+    if fault == "cut_mid_body":
+        cut = _cut_every_seventh_body_midway(monkeypatch)
+    elif fault == "corrupt_once":
+        manifest = tmp_path / "m.json"
+        build_manifest(k3_tiny, tensor_hashes=True).save(manifest)
+        extra = ("--manifest", str(manifest))
+        armed = h.inject("corrupt_byte", shard, times=1, offset=hdr.absolute_range(expert)[0] + 1)
+    topo, node, sizes, _ = CASES[1]
+    dest = tmp_path / "d"
+    # in order: one worker, so every task feeds the file's digest as it streams, fault or not
+    res = fetch_node(h, dest, topo, node, *sizes, "--workers", "1" if order == "in_order" else "2", *extra)
+    assert res.exit_code == 0, res.output
+    assert tree(dest) == tree(resharded[1])
+    assert files == []  # no finished file is read
+    assert cut is None or len(cut) > 5
+    if fault == "none":
+        assert (sum(reread) > 0) is (order == "last_first")
+    assert armed is None or armed.hits == armed.times  # every fault armed was met
+
+
 @pytest.mark.parametrize("args, message", [
     (("--tp", "2", "--dp", "4", "--ranks", "0-3", "--format", "node"), "--format node writes whole nodes"),
     (("--format", "node"), "--format is for a rank-aware fetch"),

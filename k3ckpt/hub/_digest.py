@@ -27,13 +27,21 @@ from .client import HubFile
 
 
 class PartFile(Protocol):
-    """What the digest reads of a file being downloaded (a :class:`~k3ckpt.hub._filejob.FileJob`)."""
+    """What the digest reads of a file being written: a downloaded file
+    (:class:`~k3ckpt.hub._filejob.FileJob`, whose chunks are its ranged requests) or a node
+    directory's file (:class:`~k3ckpt.hub._ordered.TaskChunks`, whose chunks are its tasks).
+    ``done`` holds the chunks whose bytes are all written (and checked, where they are checked)."""
 
-    fd: int | None
-    dfd: int | None
-    lock: threading.Lock
-    nchunks: int
-    done: set[int]
+    @property
+    def fd(self) -> int | None: ...
+    @property
+    def dfd(self) -> int | None: ...
+    @property
+    def lock(self) -> threading.Lock: ...
+    @property
+    def nchunks(self) -> int: ...
+    @property
+    def done(self) -> set[int]: ...
 
     def chunk(self, i: int) -> tuple[int, int]: ...
 
@@ -56,11 +64,12 @@ class StreamDigest:
     One thread hashes a file at a time (``busy``); the others never wait for it.
     """
 
-    def __init__(self, entry: HubFile) -> None:
-        self.git = entry.sha256 is None and entry.git_sha1 is not None
-        self.size = entry.size
+    def __init__(self, size: int, *, git: bool = False) -> None:
+        self.git = git
+        self.size = size
         self.busy = threading.Lock()
         self.saved: tuple[Any, Any, int] | None = None  # the state at the claimed chunk's start
+        self.read_back = 0  # bytes hashed from the .part (:meth:`hash_written`) rather than as they arrived
         self.reset()
 
     def reset(self) -> None:
@@ -69,6 +78,11 @@ class StreamDigest:
         self.hashed = 0  # bytes hashed
         self.sha256 = hashlib.sha256()
         self.blob = hashlib.sha1(b"blob %d\0" % self.size) if self.git else None
+
+    @classmethod
+    def for_entry(cls, entry: HubFile) -> StreamDigest:
+        """The digest a hub file is checked by: its sha256, and its git blob id where the hub lists only that."""
+        return cls(entry.size, git=entry.sha256 is None and entry.git_sha1 is not None)
 
     def feed(self, data: memoryview) -> None:
         """Hash the next bytes of the file (the caller holds ``busy``)."""
@@ -98,6 +112,7 @@ class StreamDigest:
             if n <= 0:
                 raise OSError(f"the .part ended at byte {pos}, expected {end}")
             self.feed(view[:n])
+            self.read_back += n
             pos += n
 
     def claim(self, index: int) -> bool:

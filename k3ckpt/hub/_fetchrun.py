@@ -2,7 +2,7 @@
 
 :class:`FetchRun` holds the run's shared state: a queue of (file, chunk) tasks handed out so
 that workers spread over files first (one worker per file, its chunks in order) and share the
-chunks of the last files (:class:`_Tasks`); ``workers`` threads that stream each chunk into its
+chunks of the last files (:class:`~k3ckpt.hub._transfer.SpreadQueue`); ``workers`` threads that stream each chunk into its
 file (:mod:`k3ckpt.hub._filejob`) and journal it; and each file's finish: the complete ``.part``
 verified against the listing (:mod:`k3ckpt.hub._digest`), ``fsync``-ed and renamed
 (``os.replace``) to its final name, so a partial or corrupt file never appears under the final
@@ -18,7 +18,6 @@ full (we do not know which chunk was bad), then reported.
 
 from __future__ import annotations
 
-import collections
 import errno
 import os
 import threading
@@ -84,50 +83,6 @@ class FetchResult:
         }
 
 
-class _Tasks:
-    """The queued (job, chunk) tasks of a run, per file, handed out so that workers spread over
-    files: a worker gets the next chunk of the first file nobody is working on, and only when
-    every file with chunks left is in someone's hands does it join one (the file with the most
-    chunks left). While there are more files than workers each file is then fetched by one
-    worker, chunk after chunk, so its digest is fed as the bytes arrive (no read-back) and its
-    chunks are written in order; the last files still spread over all workers.
-
-    Not thread-safe on its own: the run calls it under its condition."""
-
-    def __init__(self) -> None:
-        self.queued: dict[FileJob, collections.deque[int | None]] = {}
-        self.running: collections.Counter[FileJob] = collections.Counter()
-        self.count = 0
-
-    def __len__(self) -> int:
-        return self.count
-
-    def append(self, item: tuple[FileJob, int | None]) -> None:
-        job, index = item
-        self.queued.setdefault(job, collections.deque()).append(index)
-        self.count += 1
-
-    def popleft(self) -> tuple[FileJob, int | None]:
-        if not self.count:
-            raise IndexError("no task queued")
-        job = next((j for j in self.queued if not self.running[j]), None)
-        if job is None:
-            job = max(self.queued, key=lambda j: len(self.queued[j]))  # the first of the longest
-        tasks = self.queued[job]
-        index = tasks.popleft()
-        if not tasks:
-            del self.queued[job]
-        self.count -= 1
-        self.running[job] += 1
-        return job, index
-
-    def finished(self, job: FileJob) -> None:
-        """A task of ``job`` handed out by :meth:`popleft` is over."""
-        self.running[job] -= 1
-        if not self.running[job]:
-            del self.running[job]
-
-
 class FetchRun:
     """Shared state of one fetch: a work queue of (job, chunk) tasks and ``workers`` threads.
 
@@ -144,7 +99,7 @@ class FetchRun:
         self.progress = progress
         self.result = result
         self.cond = threading.Condition()
-        self.queue = _Tasks()
+        self.queue: _transfer.SpreadQueue[FileJob, int | None] = _transfer.SpreadQueue()
         self.pending = 0  # tasks queued or running
         self.cancel = threading.Event()
         self.bytes_lock = threading.Lock()

@@ -78,7 +78,7 @@ class FileJob:
         # would write through a descriptor _finish is about to close). Exclusive with
         # ``sequential``: both are only set under ``lock``, each only if the other is not.
         self.finishing = False
-        self.digest = StreamDigest(entry)
+        self.digest = StreamDigest.for_entry(entry)
 
     def chunk(self, i: int) -> tuple[int, int]:
         start = i * self.chunk_size

@@ -10,6 +10,7 @@ hook that freezes a run at a named moment.
 
 from __future__ import annotations
 
+import collections
 import errno
 import http.client
 import mmap
@@ -17,8 +18,8 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, Protocol, TypeVar
 
 import requests
 import urllib3.exceptions
@@ -330,6 +331,55 @@ class TaskQueue(Protocol):
     def __len__(self) -> int: ...
 
     def popleft(self) -> Any: ...
+
+
+J = TypeVar("J", bound=Hashable)
+Item = TypeVar("Item")
+
+
+class SpreadQueue(Generic[J, Item]):
+    """The queued ``(job, item)`` tasks of a run, per job (an output file), handed out so that
+    workers spread over files: a worker gets the next item of the first file nobody is working
+    on, and only when every file with items left is in someone's hands does it join one (the
+    file with the most items left). While there are more files than workers each file is then
+    written by one worker, item after item, in file order - so its digest is fed as the bytes
+    arrive (no read-back) - and the last files still spread over all workers.
+
+    Not thread-safe on its own: a run calls it under its condition, and :meth:`finished` once
+    each task handed out is over."""
+
+    def __init__(self) -> None:
+        self.queued: dict[J, collections.deque[Item]] = {}
+        self.running: collections.Counter[J] = collections.Counter()
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def append(self, item: tuple[J, Item]) -> None:
+        job, index = item
+        self.queued.setdefault(job, collections.deque()).append(index)
+        self.count += 1
+
+    def popleft(self) -> tuple[J, Item]:
+        if not self.count:
+            raise IndexError("no task queued")
+        job = next((j for j in self.queued if not self.running[j]), None)
+        if job is None:
+            job = max(self.queued, key=lambda j: len(self.queued[j]))  # the first of the longest
+        tasks = self.queued[job]
+        index = tasks.popleft()
+        if not tasks:
+            del self.queued[job]
+        self.count -= 1
+        self.running[job] += 1
+        return job, index
+
+    def finished(self, job: J) -> None:
+        """A task of ``job`` handed out by :meth:`popleft` is over."""
+        self.running[job] -= 1
+        if not self.running[job]:
+            del self.running[job]
 
 
 def next_task(cond: threading.Condition, queue: TaskQueue, busy: Callable[[], bool],

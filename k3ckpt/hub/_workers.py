@@ -7,7 +7,10 @@ shared with the downloader: its response checks and retry rules) and are journal
 second read, :class:`TensorHasher`) and compared with the manifest; a mismatch re-fetches that
 task once, then fails the file naming the tensor. A task whose every request is journaled was
 verified (its last request is journaled only after the tensor hashes matched); a large tensor's
-earlier requests are re-read from the ``.part`` on resume to rebuild its hash. A complete
+earlier requests are re-read from the ``.part`` on resume to rebuild its hash. With
+``stream_digests`` (a node directory's files) every task's tensors are hashed that way, manifest
+or not, and the file's sha256 in file order (:mod:`k3ckpt.hub._ordered`); tasks are handed out
+so that workers spread over files (:class:`~k3ckpt.hub._transfer.SpreadQueue`). A complete
 ``.part`` is checked (size, header bytes) and renamed into place, then added to
 :data:`SHARD_RECORD`.
 
@@ -19,7 +22,6 @@ the non-weight files whole through the downloader, then run the workers.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import os
@@ -40,12 +42,25 @@ from ..utils.ownership import locked_output_dir
 from ..utils.space import require_free_space
 from . import _dest, _http, _transfer, download
 from . import client as hubclient
+from ._ordered import FileDigests, StreamedFile, TaskFeed
 from ._pieces import OutputJob, OutputPlan, Piece, PieceFailed, Task
 from ._remote import check_against_manifest
 from ._result import FetchPlanTotals, RankFetchResult
 from .client import HubListing, RetryPolicy
 
 _READ_BACK = 1 << 20  # bytes per pread when re-hashing a resumed large tensor
+
+
+def _sink(hasher: TensorHasher | None, feed: TaskFeed | None) -> Callable[[memoryview], None] | None:
+    """What a task's received bytes are fed to: its tensors' hasher, the file's in-order digest, both or none."""
+    if hasher is None or feed is None:
+        return hasher.feed if hasher is not None else feed.feed if feed is not None else None
+    tensors, file = hasher.feed, feed.feed
+
+    def both(data: memoryview) -> None:
+        tensors(data)
+        file(data)
+    return both
 
 
 class TensorHasher:
@@ -107,17 +122,20 @@ class OutputRun:
 
     def __init__(self, listing: HubListing, manifest: Manifest | None, dest: Path, result: RankFetchResult,
                  headers: dict[str, str], retry: RetryPolicy, progress: Callable[[int], None] | None,
-                 before_rename: Callable[[OutputJob], None] | None = None) -> None:
+                 before_rename: Callable[[OutputJob, FileDigests | None], None] | None = None,
+                 stream_digests: bool = False) -> None:
         self.listing = listing
         self.manifest = manifest
         self.before_rename = before_rename
+        self.stream_digests = stream_digests
+        self.streamed: dict[OutputJob, StreamedFile] = {}
         self.result = result
         self.headers = headers
         self.retry = retry
         self.progress = progress
         self.cancel = threading.Event()
         self.cond = threading.Condition()
-        self.queue: collections.deque[tuple[OutputJob, Task]] = collections.deque()
+        self.queue: _transfer.SpreadQueue[OutputJob, int | None] = _transfer.SpreadQueue()
         self.pending = 0
         self.count_lock = threading.Lock()
         self.pieces_journaled = 0
@@ -139,42 +157,69 @@ class OutputRun:
 
     # -- one task --------------------------------------------------------------------------------
 
-    def run_task(self, job: OutputJob, task: Task) -> None:
+    def run_task(self, job: OutputJob, k: int | None) -> None:
+        """Fetch task ``k`` of ``job`` (None: the job has no task; it only needs finishing)."""
         with job.lock:
             if job.failed is not None:
                 return
             if job.fd is None:
                 job.open()
+        if k is None:
+            return
+        task = job.plan.tasks[k]
         manifest = self.manifest
+        streamed = self.streamed.get(job)
         for attempt in (1, 2):
-            hasher = TensorHasher(task.tensors) if manifest is not None else None
-            for k, i in enumerate(task.pieces):
-                last = k == len(task.pieces) - 1
-                if i in job.done:
-                    if hasher is not None:
-                        self._rehash(job, self.plan_piece(job, i), hasher)
-                    continue
-                self._fetch_piece(job, self.plan_piece(job, i), hasher)
-                os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]  # fd is open here
-                if not (last and hasher is not None):  # a task's last piece is journaled once verified
-                    self._journal(job, [i])
-            if hasher is None or manifest is None:  # (one is None exactly when the other is)
+            hasher = TensorHasher(task.tensors) if manifest is not None or streamed is not None else None
+            feed = streamed.feed_for(k) if streamed is not None else None
+            try:
+                self._fetch_task(job, task, hasher, feed)
+            except BaseException:
+                if feed is not None:
+                    feed.void()
+                raise
+            if hasher is None:
                 return
-            bad = [(n, d) for n, d in hasher.digests.items() if manifest.tensors[n].sha256 != d]
+            bad = [(n, d) for n, d in hasher.digests.items()
+                   if manifest is not None and manifest.tensors[n].sha256 != d]
             if not bad:
-                with self.count_lock:
-                    self.result.tensors_verified += len(hasher.digests)
-                if task.pieces and task.pieces[-1] not in job.done:
-                    self._journal(job, [task.pieces[-1]])
+                if manifest is not None:
+                    with self.count_lock:
+                        self.result.tensors_verified += len(hasher.digests)
+                    if task.pieces and task.pieces[-1] not in job.done:
+                        self._journal(job, [task.pieces[-1]])
+                if streamed is not None and feed is not None:
+                    streamed.task_done(feed, hasher.digests)
                 return
+            if feed is not None:
+                feed.void()
             with job.lock:  # un-journal the task: its bytes are not what the manifest says
                 job.done.difference_update(task.pieces)
                 job.write_journal()
             if attempt == 2:
                 name, got = bad[0]
                 more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+                assert manifest is not None
                 raise PieceFailed(f"tensor {name!r}: sha256 {got} but the manifest says "
                                   f"{manifest.tensors[name].sha256}{more}, also after re-fetching its bytes")
+
+    def _fetch_task(self, job: OutputJob, task: Task, hasher: TensorHasher | None, feed: TaskFeed | None) -> None:
+        """Write ``task``'s pieces not yet journaled (feeding ``hasher`` and ``feed`` every byte of
+        the task in order, the journaled ones read back from the ``.part``); each piece is
+        journaled once synced, except the last with a manifest (journaled once its tensors match)."""
+        sink = _sink(hasher, feed)
+        for n, i in enumerate(task.pieces):
+            piece = self.plan_piece(job, i)
+            if feed is not None:
+                feed.at(piece.dst)
+            if i in job.done:
+                if sink is not None:
+                    self._rehash(job, piece, sink)
+                continue
+            self._fetch_piece(job, piece, hasher, feed, sink)
+            os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]  # fd is open here
+            if not (n == len(task.pieces) - 1 and self.manifest is not None):  # a task's last piece is journaled once verified
+                self._journal(job, [i])
 
     @staticmethod
     def plan_piece(job: OutputJob, i: int) -> Piece:
@@ -192,17 +237,18 @@ class OutputRun:
         pause_point("after_piece", n)  # test hook: the n-th piece of the run journaled
 
     @staticmethod
-    def _rehash(job: OutputJob, piece: Piece, hasher: TensorHasher) -> None:
-        """Feed a resumed piece's bytes from the ``.part`` (a large tensor cut by a crash)."""
+    def _rehash(job: OutputJob, piece: Piece, sink: Callable[[memoryview], None]) -> None:
+        """Feed a resumed piece's bytes from the ``.part`` (a task cut by a crash)."""
         off, end = piece.dst, piece.dst + piece.length
         while off < end:
             data = os.pread(job.fd, min(_READ_BACK, end - off), off)  # type: ignore[arg-type]  # fd is open here
             if not data:
                 raise PieceFailed(f"{job.part}: short read at {off} while re-hashing resumed bytes")
-            hasher.feed(memoryview(data))
+            sink(memoryview(data))
             off += len(data)
 
-    def _fetch_piece(self, job: OutputJob, piece: Piece, hasher: TensorHasher | None) -> None:
+    def _fetch_piece(self, job: OutputJob, piece: Piece, hasher: TensorHasher | None, feed: TaskFeed | None,
+                     sink: Callable[[memoryview], None] | None) -> None:
         failures = 0
         where = f"bytes {piece.src}+{piece.length}"
         while True:
@@ -212,7 +258,7 @@ class OutputRun:
             try:
                 _transfer.stream_range(self.listing, job.plan.source_of(piece), piece.src, piece.length, job.fd,  # type: ignore[arg-type]  # fd is open here
                                        piece.dst, self.headers, download.TIMEOUT, self.cancel, self.count,
-                                       sink=hasher.feed if hasher is not None else None)
+                                       sink=sink)
                 return
             except _transfer.Fatal as e:
                 raise PieceFailed(f"{e} ({where})") from None
@@ -220,6 +266,9 @@ class OutputRun:
                 failures += 1
                 if hasher is not None and snap is not None:
                     hasher.restore(snap)  # what the failed response fed is void
+                if feed is not None:
+                    feed.void()
+                    feed.at(piece.dst)
                 if failures >= self.retry.attempts:
                     raise PieceFailed(f"{e}; gave up after {failures} attempts ({where})") from None
                 _transfer.back_off(self.retry, failures, e.retry_after)
@@ -237,8 +286,10 @@ class OutputRun:
         if head != sp.prefix:
             raise PieceFailed(f"{job.part}: the header on disk is not the one written")
         parse_header_bytes(head[8:], file=sp.path, path=job.part, file_size=sp.size)  # valid safetensors
+        streamed = self.streamed.get(job)
+        digests = streamed.result() if streamed is not None else None
         if self.before_rename is not None:
-            self.before_rename(job)
+            self.before_rename(job, digests)
         pause_point("before_shard_rename")  # test hook
         with job.lock:
             job.close()
@@ -262,21 +313,23 @@ class OutputRun:
     # -- workers ---------------------------------------------------------------------------------
 
     def submit(self, job: OutputJob) -> None:
+        if self.stream_digests:
+            self.streamed[job] = StreamedFile(job)
         with self.cond:
-            for task in job.plan.tasks:
-                self.queue.append((job, task))
+            for k in range(len(job.plan.tasks)):
+                self.queue.append((job, k))
                 self.pending += 1
             if not job.plan.tasks:
-                self.queue.append((job, Task((), ())))  # nothing to fetch: just finish
+                self.queue.append((job, None))  # nothing to fetch: just finish
                 self.pending += 1
                 job.remaining = 1
             self.cond.notify_all()
 
     def worker(self) -> None:
         while (item := _transfer.next_task(self.cond, self.queue, lambda: self.pending > 0, self.cancel)) is not None:
-            job, task = item
+            job, k = item
             try:
-                self.run_task(job, task)
+                self.run_task(job, k)
                 with job.lock:
                     job.remaining -= 1
                     last = job.remaining == 0 and job.failed is None
@@ -292,6 +345,7 @@ class OutputRun:
                 self.fail(job, f"{type(e).__name__}: {_http.one_line(str(e))[:300]}")
             finally:
                 with self.cond:
+                    self.queue.finished(job)
                     self.pending -= 1
                     self.cond.notify_all()
 
@@ -369,10 +423,13 @@ def open_jobs(dest_real: str, outputs: Iterable[P], present: Callable[[P, str], 
 def fetch_outputs(plan: RunPlan, result: RankFetchResult, dest_real: str, jobs: list[OutputJob], whole: list[str],
                   what: str, *, workers: int, token: str | None, progress: Callable[[int], None] | None,
                   on_plan: Callable[[int], None] | None, policy: RetryPolicy, check_space: bool,
-                  before_rename: Callable[[OutputJob], None] | None = None) -> None:
+                  before_rename: Callable[[OutputJob, FileDigests | None], None] | None = None,
+                  stream_digests: bool = False) -> None:
     """Fetch the files ``whole`` through the downloader, then fill ``jobs`` (``what`` they are, for
     the free-space message) with the workers, recording everything in ``result``: nothing ends
-    neither written nor failed."""
+    neither written nor failed. ``stream_digests``: each job's file and tensor digests are
+    computed from the bytes as they are written (:mod:`k3ckpt.hub._ordered`) and handed to
+    ``before_rename``."""
     todo = sum(job.todo_bytes() for job in jobs)
     if check_space:
         # before any byte moves, for both stages together (the downloader checks its own
@@ -397,7 +454,7 @@ def fetch_outputs(plan: RunPlan, result: RankFetchResult, dest_real: str, jobs: 
 
     hubclient.load_client(plan.listing.hub)  # before the workers: see load_client
     run = OutputRun(plan.listing, plan.manifest, plan.dest, result, hubclient.auth_headers(plan.listing, token), policy,
-                    progress, before_rename)
+                    progress, before_rename, stream_digests)
     for job in jobs:
         run.submit(job)
     try:

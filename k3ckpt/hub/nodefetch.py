@@ -15,11 +15,13 @@ What is written, in order:
   shards (:func:`k3ckpt.hub._pieces.pieces_and_tasks`). Journaling, resume and retries are
   the rank-aware fetch's (:mod:`k3ckpt.hub._pieces`, :mod:`k3ckpt.hub._workers`); with
   ``--manifest`` every tensor's sha256 is checked while it streams;
-- when a ``.part`` is complete it is read back once to compute the file's and its tensors'
-  sha256 (the marker records them, as ``reshard``'s does; pieces arrive out of order, so the
-  file digest cannot be computed while streaming). With a manifest the tensor digests read back
-  must match it too, so only verified bytes get the final name. The digests are kept in
-  :data:`DIGEST_DIR` so a resumed run need not read complete files again;
+- the file's and its tensors' sha256 (the marker records them, as ``reshard``'s does) are
+  computed from the bytes as they are written, never by reading the finished file back: each
+  tensor by its task, the file in file order, the task next in line fed as it streams and a
+  task done ahead of its turn hashed from the ``.part`` in turn (:mod:`k3ckpt.hub._ordered`;
+  workers spread over files, so that is rare). With a manifest each task's tensors match it
+  before the task is journaled, so only verified bytes get the final name. The digests are kept
+  in :data:`DIGEST_DIR` so a resumed run need not read complete files again;
 - the non-weight files (config, tokenizer, licence, code), fetched whole and checked against
   the hub's sha256 by the downloader;
 - ``model.safetensors.index.json``, ``k3ckpt-node.json`` and ``READY``, in that order, only
@@ -52,6 +54,7 @@ from ..integrity.statcache import StatCache, record_written
 from ..utils import format_ranges, human_bytes, write_atomic
 from . import _dest, download
 from . import client as hubclient
+from ._ordered import FileDigests
 from ._pieces import OutputJob, Piece, PieceFailed, Task, looks_complete, pieces_and_tasks, tensor_spans
 from ._remote import check_manifest, check_manifest_files, load_manifest, other_files, read_source
 from ._result import VERIFIED_STRUCTURE, VERIFIED_TENSORS, RankFetchResult, dry_run_total, fetch_summary
@@ -394,17 +397,15 @@ def _fetch_node_files(plan: NodeFetchPlan, result: RankFetchResult, dest_real: s
     jobs, digests = open_jobs(dest_real, plan.outputs, lambda op, final: _complete(op, final, plan.manifest, dest_real),
                               result, workers)
 
-    def before_rename(job: OutputJob) -> None:
-        # read back once: the marker's digests (and, with a manifest, a last check of the bytes on disk)
+    def before_rename(job: OutputJob, streamed: FileDigests | None) -> None:
+        # the marker's digests, computed from the bytes as they were written (each tensor's
+        # matched the manifest, where there is one, before its task was journaled)
         op = job.plan
-        assert isinstance(op, NodeFilePlan)
-        try:
-            rec = _read_back(op, job.part, plan.manifest)
-        except PieceFailed:
-            # the bytes on disk are not what streamed in and was checked: a re-run must fetch
-            # them again, not adopt the journal that says they are complete
-            _dest.unlink(job.journal)
-            raise
+        assert isinstance(op, NodeFilePlan) and streamed is not None
+        sha256, tensors = streamed
+        for name in op.names:  # zero-byte tensors: no bytes, the empty digest
+            tensors.setdefault(name, hashlib.sha256().hexdigest())
+        rec = {"key": op.content_key(), "sha256": sha256, "tensors": {n: tensors[n] for n in op.names}}
         path = _digest_path(dest_real, op.path)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(rec).encode())
@@ -412,7 +413,7 @@ def _fetch_node_files(plan: NodeFetchPlan, result: RankFetchResult, dest_real: s
 
     fetch_outputs(plan, result, dest_real, jobs, plan.files, "node file(s)", workers=workers, token=token,
                   progress=progress, on_plan=on_plan, policy=policy, check_space=check_space,
-                  before_rename=before_rename)
+                  before_rename=before_rename, stream_digests=True)
     return digests
 
 
