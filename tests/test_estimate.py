@@ -9,6 +9,7 @@ import inspect
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
@@ -19,11 +20,11 @@ from k3ckpt.deploy import MEASURED_COSTS, CostPerGB, Limits, plan_topology
 from k3ckpt.deploy.estimate import (
     NAIVE,
     ONE_STEP,
-    STEP_THREADS,
     TWO_STEP,
     engine_read_bytes,
     format_duration,
     step_estimate,
+    step_threads,
 )
 from k3ckpt.format import open_checkpoint
 from k3ckpt.format.roles import classify
@@ -71,11 +72,27 @@ def test_a_step_uses_only_the_cores_its_threads_can() -> None:
     eight = step_estimate("fetch", big, downloads=4 * GB, cpu_seconds=40.0, threads=8)
     assert eight.cpu_wall_seconds == 5.0
     assert step_estimate("x", LIMITS, cpu_seconds=40.0, threads=8).cpu_wall_seconds == 40.0 / LIMITS.cores
-    assert (STEP_THREADS["hf cache verify"], STEP_THREADS["fetch"], STEP_THREADS["verify"]) == (1, 8, None)
+    threads = step_threads(LIMITS.cores)
+    assert (threads["hf cache verify"], threads["fetch"], threads["verify"]) == (1, 8, None)
 
 
-def test_step_threads_are_the_commands_defaults() -> None:
-    """The threads the model gives each step are what the commands use without ``--jobs``."""
+@pytest.mark.parametrize("cores, requests", [(1, 8), (2, 8), (16, 8), (17, 8), (24, 12), (64, 32), (256, 32)])
+def test_fetch_requests_follow_the_cores(cores: int, requests: int) -> None:
+    """One request per two cores, at least huggingface_hub's 8, at most 32; the estimate uses the
+    same count for the node it is given."""
+    from k3ckpt.hub import default_requests
+
+    assert default_requests(cores) == requests
+    assert step_threads(cores)["fetch"] == step_threads(cores)["fetch --node"] == requests
+
+
+def test_step_threads_are_the_commands_defaults(served_hub: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The threads the model gives each step are what the commands use without ``--jobs``: on a
+    40-core machine a fetch runs 20 requests, a node fetch too."""
+    import k3ckpt.hub.client as client_mod
+    import k3ckpt.hub.download as download_mod
+    import k3ckpt.hub.nodefetch as nodefetch_mod
+    from helpers import REPO
     from k3ckpt.cli import main
     from k3ckpt.hub.download import fetch_files
     from k3ckpt.hub.nodefetch import run_node_fetch
@@ -83,8 +100,36 @@ def test_step_threads_are_the_commands_defaults() -> None:
     fetch = main.get_command(click.Context(main), "fetch")
     assert fetch is not None
     jobs = next(p for p in fetch.params if p.name == "jobs")
-    assert STEP_THREADS["fetch"] == jobs.default == inspect.signature(fetch_files).parameters["workers"].default
-    assert STEP_THREADS["fetch --node"] == inspect.signature(run_node_fetch).parameters["workers"].default
+    assert jobs.default is None  # resolved on the machine that runs it
+    assert inspect.signature(fetch_files).parameters["workers"].default is None
+    assert inspect.signature(run_node_fetch).parameters["workers"].default is None
+    monkeypatch.setattr(client_mod.os, "cpu_count", lambda: 40)
+    used: list[int] = []
+    real_run, real_frame = download_mod.FetchRun, nodefetch_mod.fetch_run
+    monkeypatch.setattr(download_mod, "FetchRun", lambda *a, **kw: (used.append(a[3]), real_run(*a, **kw))[1])
+    monkeypatch.setattr(nodefetch_mod, "fetch_run", lambda plan, workers, *a, **kw: (used.append(workers),
+                                                                                   real_frame(plan, workers, *a, **kw))[1])
+    h, _ = served_hub
+    common = ("--source", "hf", "--repo", REPO, "--endpoint", h.url)
+    assert run("fetch", *common, "--dest", str(tmp_path / "all")).exit_code == 0
+    node = run("fetch", *common, "--dest", str(tmp_path / "node"), "--tp", "2", "--dp", "2", "--node", "0",
+               "--gpus-per-node", "2")
+    assert node.exit_code == 0, node.output
+    assert set(used) == {20} == {step_threads(40)["fetch"]} and len(used) >= 2
+
+
+def test_on_the_reference_node_every_step_of_the_recommended_route_waits_on_the_link_or_the_disk(
+        k3_full: Path) -> None:
+    """K3 on two 8-GPU nodes with 25 Gbit/s links, 7 GB/s NVMe and 64 cores (docs/deploy.md's
+    reference node): with the measured costs and the default thread counts, the fastest route's
+    every step is bound by the link or the disk, never by the CPU (#28)."""
+    rep = plan_topology(k3_full, RankSelection(tp=8, dp=2, gpus_per_node=8),
+                        limits=Limits(link=25e9 / 8, disk=7e9, cores=64))
+    assert rep.ready is not None
+    for node in rep.ready.nodes:
+        best = min(node.routes, key=lambda r: r.seconds)
+        assert best.name == ONE_STEP
+        assert {s.name: s.bound for s in best.steps if s.bound == "cpu"} == {}
 
 
 def test_a_tie_names_the_first_limit() -> None:

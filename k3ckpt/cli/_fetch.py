@@ -47,7 +47,8 @@ from ._output import ByteProgress, emit_json
                                                "are refused.")
 @click.option("--exclude", multiple=True, help="Skip files matching this pattern (repeatable; as --include).")
 @token_option()
-@jobs_option("Concurrent requests (files and chunks of large files).", default=8, show_max_workers=True)
+@jobs_option("Concurrent requests (files and chunks of large files) [default: one per two cores, at least 8, at "
+             "most 32].", show_max_workers=True)
 @size_option("--chunk-size", default="64MiB", help="Large files are fetched in chunks of this size, in parallel.")
 @click.option("--endpoint", help="Hub endpoint [default: HF_ENDPOINT / MODELSCOPE_ENDPOINT, else the public hub].")
 @topology_options(ep="Rank-aware: expert-parallel degree (--format node: the world size, its default).",
@@ -76,7 +77,7 @@ from ._output import ByteProgress, emit_json
 @handle_errors
 def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: str | None, revision: str | None,
           dest: str | None, cache_dir: str | None, include: tuple[str, ...], exclude: tuple[str, ...],
-          token: str | None, jobs: int, chunk_size: int, endpoint: str | None, selection: RankSelection,
+          token: str | None, jobs: int | None, chunk_size: int, endpoint: str | None, selection: RankSelection,
           layout: str | None, max_shard_size: int, manifest_path: str | None, require_proof: bool, dry_run: bool,
           as_json: bool, verbose: bool) -> None:
     """Download a checkpoint from Hugging Face or ModelScope: resumable, parallel, verified.
@@ -134,9 +135,11 @@ def fetch(repo_id: str | None, files: tuple[str, ...], hub: str, repo_option: st
           --manifest kimi-k3.tensors.json
       k3ckpt fetch moonshotai/Kimi-K3 --local-dir ./k3-r0 --ep 8 --ranks 0 --manifest kimi-k3.tensors.json
     """
+    from ..hub.client import default_requests
     from ..hub.fetch import check_destination, fetch_json, plan_fetch, render_fetch, render_fetch_plan, run_fetch
 
     repo = repo_id_of(repo_id, repo_option)
+    jobs = default_requests() if jobs is None else jobs
     if files and (include or exclude):
         # hf download warns and ignores the patterns; a selection half-applied is not ours to guess
         raise click.UsageError("FILES and --include/--exclude both select files: give one of them")

@@ -9,8 +9,9 @@ overlap perfectly (bytes stream), so a step takes the longest of
     download / link,   (read + write) / disk,   CPU-seconds / cores used
 
 where CPU-seconds = GB processed x the step's measured CPU-s per GB (:class:`CostPerGB`), spread
-evenly over the cores the tool hashes on by default (:data:`STEP_THREADS`: 8 requests for
-``fetch``, at most 16 writers for ``reshard``, one thread for ``hf cache verify``). One disk
+evenly over the cores the tool hashes on by default (:func:`step_threads`: for ``fetch`` its
+default requests on the node's cores, at most 16 writers for ``reshard``, one thread for ``hf
+cache verify``). One disk
 rate covers reads and writes together: a step that reads and writes the same bytes (reshard)
 moves them twice through the disk. The routes:
 
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..format.topology import InventoryIndex, Topology
+from ..hub.client import default_requests
 from .reshard import MAX_DEFAULT_WRITERS
 
 GB = 10**9
@@ -199,14 +201,17 @@ class ReadyEstimate:
                 "nodes": [n.to_json() for n in self.nodes]}
 
 
-#: How many threads each step hashes in by default, which caps the cores it can use: ``fetch``
-#: and ``fetch --node`` hash each request's bytes in its thread (``--jobs`` 8), ``reshard``
-#: writes with at most 16 writers, ``verify`` hashes one file per core (``None``: every core),
-#: and ``hf cache verify`` (huggingface_hub's ``verify_maps``) hashes file after file in one
-#: thread (BENCHMARKS.md: CPU/wall 1.00 on 2 cores).
-#: (tests/test_estimate.py pins the fetch figures to the commands' own defaults.)
-STEP_THREADS: dict[str, int | None] = {"fetch": 8, "fetch --node": 8, "reshard": MAX_DEFAULT_WRITERS,
-                                       "verify": None, "hf cache verify": 1}
+def step_threads(cores: int) -> dict[str, int | None]:
+    """How many threads each step hashes in by default on a node of ``cores`` cores, which caps
+    the cores it can use: ``fetch`` and ``fetch --node`` hash each request's bytes in its thread
+    (the default ``--jobs`` there, :func:`k3ckpt.hub.default_requests`), ``reshard`` writes with
+    at most 16 writers, ``verify`` hashes one file per core (``None``: every core), and ``hf
+    cache verify`` (huggingface_hub's ``verify_maps``) hashes file after file in one thread
+    (BENCHMARKS.md: CPU/wall 1.00 on 2 cores). tests/test_estimate.py pins these to the
+    commands' own defaults."""
+    requests = default_requests(cores)
+    return {"fetch": requests, "fetch --node": requests, "reshard": MAX_DEFAULT_WRITERS, "verify": None,
+            "hf cache verify": 1}
 
 
 def _cpu(gb_cost: float, nbytes: int) -> float:
@@ -236,6 +241,7 @@ def estimate_ready(idx: InventoryIndex, topo: Topology, nodes: Sequence[NodeByte
     """The three routes (module docstring) for every node of ``nodes`` (the node directories of
     ``topo``, :func:`k3ckpt.deploy.plan.node_bytes`); ``checkpoint_bytes``: the whole checkpoint."""
     out = ReadyEstimate(limits, costs, checkpoint_bytes)
+    threads = step_threads(limits.cores)
     for nb in nodes:
         held = {e for r in nb.ranks for e in topo.rank_info(r).experts}
         share = nb.total_bytes
@@ -245,22 +251,22 @@ def estimate_ready(idx: InventoryIndex, topo: Topology, nodes: Sequence[NodeByte
         load_name = f"load (vLLM, {len(nb.ranks)} rank{'s' if len(nb.ranks) != 1 else ''})"
         two = RouteEstimate(TWO_STEP, (
             step_estimate("fetch" if whole else "fetch --ranks", limits, downloads=share, writes=share,
-                          hashes=share, cpu_seconds=_cpu(costs.fetch, share), threads=STEP_THREADS["fetch"]),
+                          hashes=share, cpu_seconds=_cpu(costs.fetch, share), threads=threads["fetch"]),
             step_estimate("verify", limits, reads=share, hashes=share, cpu_seconds=_cpu(costs.verify, share),
-                          threads=STEP_THREADS["verify"]),
+                          threads=threads["verify"]),
             step_estimate("reshard --node", limits, reads=share, writes=share, hashes=share,
-                          cpu_seconds=_cpu(costs.reshard, share), threads=STEP_THREADS["reshard"]),
+                          cpu_seconds=_cpu(costs.reshard, share), threads=threads["reshard"]),
             step_estimate(load_name, limits, reads=load_node),
         ))
         one = RouteEstimate(ONE_STEP, (
             step_estimate("fetch --node", limits, downloads=share, writes=share, hashes=share,
-                          cpu_seconds=_cpu(costs.node_fetch, share), threads=STEP_THREADS["fetch --node"]),
+                          cpu_seconds=_cpu(costs.node_fetch, share), threads=threads["fetch --node"]),
             step_estimate(load_name, limits, reads=load_node),
         ))
         naive = RouteEstimate(NAIVE, (
             step_estimate("hf download", limits, downloads=checkpoint_bytes, writes=checkpoint_bytes),
             step_estimate("hf cache verify", limits, reads=checkpoint_bytes, hashes=checkpoint_bytes,
-                          cpu_seconds=checkpoint_bytes / GB / costs.sha256_rate, threads=STEP_THREADS["hf cache verify"]),
+                          cpu_seconds=checkpoint_bytes / GB / costs.sha256_rate, threads=threads["hf cache verify"]),
             step_estimate(load_name, limits, reads=load_orig),
         ))
         out.nodes.append(NodeEstimate(nb.node, tuple(nb.ranks), (two, one, naive)))
@@ -290,7 +296,8 @@ def render_ready(est: ReadyEstimate) -> list[str]:
     lines = [
         "time to ready  all nodes at once, each step after the last; a step takes the longest of",
         "               download / link, (read + write) / disk and CPU-s / the cores it hashes on",
-        "               (fetch and fetch --node 8 requests, reshard 16 writers, hf cache verify 1)",
+        f"               (fetch and fetch --node {default_requests(lim.cores)} requests, reshard "
+        f"{MAX_DEFAULT_WRITERS} writers, hf cache verify 1)",
         f"limits         per node: link {human_bytes(lim.link)}/s ({lim.link * 8 / GB:g} Gbit/s), "
         f"disk {human_bytes(lim.disk)}/s (reads + writes), {lim.cores} cores",
         f"CPU-s per GB   fetch {c.fetch:.2f}, verify {c.verify:.2f}, reshard {c.reshard:.2f}, "

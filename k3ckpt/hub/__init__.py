@@ -18,6 +18,7 @@ __all__ = [
     "RankFetchPlan",
     "RankFetchResult",
     "RetryPolicy",
+    "default_requests",
     "fetch_files",
     "list_repo",
     "plan_fetch",
@@ -40,6 +41,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "RankFetchPlan": ".rankfetch",
     "RankFetchResult": ".rankfetch",
     "RetryPolicy": ".client",
+    "default_requests": ".client",
     "fetch_files": ".download",
     "list_repo": ".client",
     "plan_fetch": ".fetch",
@@ -52,7 +54,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
 })
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
-    from .client import HubFile, HubListing, RetryPolicy, list_repo
+    from .client import HubFile, HubListing, RetryPolicy, default_requests, list_repo
     from .download import FetchResult, fetch_files
     from .fetch import FetchPlan, plan_fetch, run_fetch
     from .nodefetch import NodeFetchPlan, plan_node_fetch, run_node_fetch

@@ -21,6 +21,8 @@ modelscope 1.40 / modelscope_hub 0.5).
 
 from __future__ import annotations
 
+import os
+
 from ..errors import (
     EntryNotFoundError,
     HubAuthError,
@@ -63,6 +65,7 @@ __all__ = [
     "RevisionNotFoundError",
     "UnsafePathError",
     "auth_headers",
+    "default_requests",
     "fetch_header",
     "fetch_headers",
     "file_url",
@@ -70,6 +73,24 @@ __all__ = [
     "read_range",
     "resolve_endpoint",
 ]
+
+
+#: Concurrent requests of a fetch on a small node: huggingface_hub's own ``max_workers`` default.
+MIN_DEFAULT_REQUESTS = 8
+#: The most a fetch opens by default, however many cores: a hub's CDN serves each connection at
+#: its own pace, and more than this many at once from one host only invites rate limits.
+MAX_DEFAULT_REQUESTS = 32
+
+
+def default_requests(cores: int | None = None) -> int:
+    """How many requests a fetch runs at once by default on a node of ``cores`` cores (None:
+    this machine's): one per two cores, at least :data:`MIN_DEFAULT_REQUESTS`, at most
+    :data:`MAX_DEFAULT_REQUESTS`. Each request's thread hashes the bytes it receives
+    (``fetch --node`` about 2 CPU-seconds per GB), so a fixed 8 would leave a 25 Gbit/s link of
+    a 64-core node waiting on 8 cores (docs/deploy.md, "Time to ready"); half the cores keeps
+    such a link full and leaves the rest to the machine."""
+    n = cores if cores is not None else (os.cpu_count() or 1)
+    return max(MIN_DEFAULT_REQUESTS, min(MAX_DEFAULT_REQUESTS, n // 2))
 
 
 def list_repo(

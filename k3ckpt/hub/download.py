@@ -46,7 +46,7 @@ from ._dest import LOCK_NAME
 from ._digest import already_present
 from ._fetchrun import FetchResult, FetchRun
 from ._filejob import FileJob
-from .client import HubFile, HubListing, RetryPolicy
+from .client import HubFile, HubListing, RetryPolicy, default_requests
 
 __all__ = [
     "DEFAULT_CHUNK",
@@ -109,7 +109,7 @@ def fetch_files(
     dest: str | Path,
     paths: list[str] | None = None,
     *,
-    workers: int = 8,
+    workers: int | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     token: str | None = None,
     progress: Callable[[int], None] | None = None,
@@ -128,7 +128,7 @@ def fetch_files(
             ``dest/<path>``.
         paths: Repo-relative paths to fetch; ``None`` fetches the whole listing.  A path not in
             the listing is reported in ``failed``.
-        workers: Parallel requests (threads).
+        workers: Parallel requests (threads) [default: :func:`~k3ckpt.hub.client.default_requests`].
         chunk_size: Bytes per ranged request; also the unit of resume.
         token: See :func:`k3ckpt.hubclient.auth_headers` (``""`` sends none).
         progress: Called with the number of body bytes each time some arrive (from worker
@@ -152,6 +152,7 @@ def fetch_files(
         DiskSpaceError: Not enough free space (needed and free are in the message).
         KeyboardInterrupt: Passed through after the workers stopped; re-run to resume.
     """
+    workers = default_requests() if workers is None else workers
     if workers < 1:
         raise ValueError("workers must be >= 1")
     if chunk_size < 1:

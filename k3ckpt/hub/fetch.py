@@ -32,7 +32,7 @@ from typing import Any
 
 from ..errors import EmptySelectionError, EntryNotFoundError
 from .cache import CacheLayout
-from .client import HubFile, HubListing, list_repo
+from .client import HubFile, HubListing, default_requests, list_repo
 
 #: The listing a local-dir fetch fetched against (for ``fetch`` under ``HF_HUB_OFFLINE=1``).
 LISTING_RECORD = ".cache/k3ckpt/listing.json"
@@ -198,7 +198,7 @@ def plan_fetch(
 def run_fetch(
     plan: FetchPlan,
     *,
-    workers: int = 8,
+    workers: int | None = None,
     chunk_size: int | None = None,
     token: str | None = None,
     progress: Callable[[int], None] | None = None,
@@ -210,6 +210,7 @@ def run_fetch(
     from . import _dest
     from .download import DEFAULT_CHUNK, fetch_files
 
+    workers = default_requests() if workers is None else workers
     if plan.cache is not None:
         return _run_cache_fetch(plan, plan.cache, workers=workers, chunk_size=chunk_size or DEFAULT_CHUNK,
                                 token=token, progress=progress, on_plan=on_plan)

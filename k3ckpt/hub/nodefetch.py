@@ -59,7 +59,7 @@ from ._pieces import OutputJob, Piece, PieceFailed, Task, looks_complete, pieces
 from ._remote import check_manifest, check_manifest_files, load_manifest, other_files, read_source
 from ._result import VERIFIED_STRUCTURE, VERIFIED_TENSORS, RankFetchResult, dry_run_total, fetch_summary
 from ._workers import fetch_outputs, fetch_run, open_jobs
-from .client import HubFile, HubListing, RetryPolicy
+from .client import HubFile, HubListing, RetryPolicy, default_requests
 from .fetch import LISTING_RECORD, OfflineCheck, hub_origin, manifest_origin, record_source, source_text, write_fetch_record
 
 __all__ = [
@@ -359,7 +359,7 @@ def _prepare_dest(dest_real: str, plan: NodeFetchPlan) -> None:
 def run_node_fetch(
     plan: NodeFetchPlan,
     *,
-    workers: int = 8,
+    workers: int | None = None,
     token: str | None = None,
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
@@ -379,6 +379,7 @@ def run_node_fetch(
         RankFetchError: The destination holds another kind of checkpoint.
     """
     names = [o.path for o in plan.outputs] + list(plan.files) + [NODE_MARKER, INDEX_NAME, READY_NAME]
+    workers = default_requests() if workers is None else workers
     with fetch_run(plan, workers, retry, names) as (result, dest_real, policy):
         _prepare_dest(dest_real, plan)
         # what an offline re-run checks the non-weight files against (the marker has the rest)

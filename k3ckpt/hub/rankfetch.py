@@ -72,7 +72,7 @@ from ._pieces import looks_complete, tensor_spans
 from ._rankplan import RankFetchPlan, ShardPlan, plan_rank_fetch, plan_shard, select_tensors
 from ._result import RankFetchResult, dry_run_total, fetch_summary
 from ._workers import fetch_outputs, fetch_run, load_shard_record, open_jobs
-from .client import RetryPolicy
+from .client import RetryPolicy, default_requests
 from .fetch import LISTING_RECORD, OfflineCheck, hub_origin, manifest_origin, record_source, source_text, write_fetch_record
 
 __all__ = [
@@ -140,7 +140,7 @@ def _marker_json(plan: RankFetchPlan) -> bytes:
 def run_rank_fetch(
     plan: RankFetchPlan,
     *,
-    workers: int = 8,
+    workers: int | None = None,
     token: str | None = None,
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
@@ -151,7 +151,7 @@ def run_rank_fetch(
 
     Args:
         plan (`RankFetchPlan`): From :func:`plan_rank_fetch`.
-        workers (`int`): Concurrent requests.
+        workers (`int`, *optional*): Concurrent requests [default: :func:`~k3ckpt.hub.client.default_requests`].
         token (`str`, *optional*): See :func:`k3ckpt.hubclient.auth_headers`.
         progress (`Callable[[int], None]`, *optional*): Called with body byte counts as they arrive
             (from worker threads).
@@ -171,6 +171,7 @@ def run_rank_fetch(
         KeyboardInterrupt: Passed through after the workers stopped; re-run to resume.
     """
     names = [sp.path for sp in plan.shards] + list(plan.files) + [PARTIAL_NAME, INDEX_NAME]
+    workers = default_requests() if workers is None else workers
     with fetch_run(plan, workers, retry, names) as (result, dest_real, policy):
         if os.path.isfile(os.path.join(dest_real, INDEX_NAME)) and not os.path.lexists(os.path.join(dest_real, PARTIAL_NAME)):
             # an index without our marker: a whole checkpoint (or another tool's), whose shards
