@@ -164,17 +164,28 @@ def test_manifest_checks_every_tensor_and_a_bad_one_never_gets_a_final_name(
     assert not any((dest / f).exists() for f in (INDEX_NAME, "k3ckpt-node.json", "READY"))
 
 
-def _count_reads_from_parts(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[str]]:
-    """(bytes hashed from a ``.part`` rather than as they arrived, paths ``hash_file`` read)
-    during a fetch: the two ways a digest can come from reading written bytes back."""
-    import k3ckpt.hub._digest as digest_mod
+def _count_reads_back(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[str]]:
+    """(tensor bytes read from a ``.part`` being written, node files ``hash_file`` read) during a
+    fetch: the two ways a digest could come from reading written bytes back. (The header, at
+    offset 0, is read back by the check before the rename: a few KB a file, not counted.)"""
+    import os
+
     import k3ckpt.hub.nodefetch as nodefetch_mod
 
     reread: list[int] = []
     files: list[str] = []
-    real_written, real_hash = digest_mod.StreamDigest.hash_written, nodefetch_mod.hash_file
-    monkeypatch.setattr(digest_mod.StreamDigest, "hash_written",
-                        lambda self, job, start, length: (reread.append(length), real_written(self, job, start, length))[1])
+
+    def counted(real: Any) -> Any:
+        def read(fd: int, what: Any, offset: int) -> Any:
+            got = real(fd, what, offset)
+            if offset and os.readlink(f"/proc/self/fd/{fd}").endswith(".part"):
+                reread.append(got if isinstance(got, int) else len(got))
+            return got
+        return read
+
+    monkeypatch.setattr(os, "pread", counted(os.pread))
+    monkeypatch.setattr(os, "preadv", counted(os.preadv))
+    real_hash = nodefetch_mod.hash_file
     monkeypatch.setattr(nodefetch_mod, "hash_file", lambda path, **kw: (files.append(str(path)), real_hash(path, **kw))[1])
     return reread, files
 
@@ -182,12 +193,12 @@ def _count_reads_from_parts(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int],
 def test_node_files_are_hashed_as_they_arrive_and_never_read_back(served_hub: Any, resharded: dict[int, Path],
                                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The marker's file and tensor digests come from the bytes as they are written (#28): no
-    finished file is read. One worker writes each file in order, so no byte is hashed from a
+    finished file is read. One worker writes each file in order, so no byte is read back from a
     ``.part``; workers spread over files, so with several only the last files, which idle
-    workers join, have tasks done ahead of their turn (hashed from the ``.part``, just written).
-    The node is reshard's, marker and all."""
+    workers join, have requests done ahead of their turn (hashed from the ``.part``, just
+    written). The node is reshard's, marker and all."""
     h, _ = served_hub
-    reread, files = _count_reads_from_parts(monkeypatch)
+    reread, files = _count_reads_back(monkeypatch)
     topo, node, sizes, _ = CASES[1]
     for workers in ("1", "3"):  # case 1 has 30 node files
         reread.clear()
@@ -199,86 +210,65 @@ def test_node_files_are_hashed_as_they_arrive_and_never_read_back(served_hub: An
         assert sum(reread) == 0 if workers == "1" else sum(reread) < node_bytes / 20, (workers, sum(reread))
 
 
-def _last_task_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Hand out each file's tasks last first: every task but a file's first completes ahead of its turn."""
-    from k3ckpt.hub import _transfer
-
-    def popleft(self: Any) -> Any:
-        if not self.count:
-            raise IndexError("no task queued")
-        job = next(iter(self.queued))
-        tasks = self.queued[job]
-        index = tasks.pop()
-        if not tasks:
-            del self.queued[job]
-        self.count -= 1
-        self.running[job] += 1
-        return job, index
-
-    monkeypatch.setattr(_transfer.SpreadQueue, "popleft", popleft)
+#: One rank on one GPU with files as large as they come: two node files (dense, rank 0's experts)
+#: for four workers, which so share each file from the start.
+TWO_FILES = ("--tp", "1", "--dp", "1", "--max-file-size", "1GiB")
 
 
-def _cut_every_seventh_body_midway(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every 7th ranged GET of the run fails after half its body reached the writer's sink (a
-    connection lost mid-body; its retry is another GET); returns the cut requests' offsets."""
-    from k3ckpt.hub import _transfer, _workers
-
-    real = _transfer.stream_range
-    calls, cut = [0], []
-
-    def stream_range(*args: Any, sink: Any = None, **kw: Any) -> None:
-        calls[0] += 1
-        if calls[0] % 7 or sink is None:
-            return real(*args, sink=sink, **kw)
-
-        def half_then_cut(data: memoryview) -> None:
-            sink(data[:len(data) // 2])
-            cut.append(args[5])
-            raise _transfer.Retryable("connection reset mid-body (test)")
-        return real(*args, sink=half_then_cut, **kw)
-
-    monkeypatch.setattr(_workers._transfer, "stream_range", stream_range)
-    monkeypatch.setattr(_transfer, "back_off", lambda *a, **kw: None)  # retried at once
-    return cut
-
-
-@pytest.mark.parametrize("order", ["in_order", "last_first"])
-@pytest.mark.parametrize("fault", ["none", "cut_mid_body", "corrupt_once"])
-def test_node_digests_hold_when_tasks_complete_out_of_order_and_requests_fail(
-        fault: str, order: str, served_hub: Any, k3_tiny: Path, resharded: dict[int, Path], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tasks completing in reverse order are hashed from the ``.part`` in turn; a response cut
-    after half its bytes were written and hashed (retried) and a tensor corrupted once (caught
-    by the manifest, fetched again) give back what they fed the file's digest - in order, while
-    the task is the one feeding it; out of order, before it is - so the node is reshard's,
+@pytest.mark.parametrize("fault", ["none", "corrupt_once"])
+def test_node_digests_hold_when_requests_complete_out_of_order_or_fail(
+        fault: str, served_hub: Any, k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests of one file completing ahead of their turn (four workers on two files, the
+    first request of a shard stalled) are hashed from the ``.part`` in turn; a tensor corrupted
+    once (caught by the manifest, fetched again) gives back what it fed the file's digest, with
+    one worker (each request feeding it as it streams) and with four. The node is reshard's,
     marker digests and all."""
     h, served = served_hub
-    reread, files = _count_reads_from_parts(monkeypatch)
-    if order == "last_first":
-        _last_task_first(monkeypatch)
+    ref = tmp_path / "ref"
+    assert run("reshard", str(k3_tiny), "-o", str(ref), *TWO_FILES, "--node", "0").exit_code == 0
+    reread, files = _count_reads_back(monkeypatch)
     shard = "model-00003-of-000008.safetensors"
     hdr = read_header(served / shard)
-    expert = next(n for n in hdr.tensors if ".experts.5.w2.weight_packed" in n)  # node 1 holds rank 5
-    extra: tuple[str, ...] = ()
-    armed, cut = None, None
-    if fault == "cut_mid_body":
-        cut = _cut_every_seventh_body_midway(monkeypatch)
-    elif fault == "corrupt_once":
-        manifest = tmp_path / "m.json"
-        build_manifest(k3_tiny, tensor_hashes=True).save(manifest)
-        extra = ("--manifest", str(manifest))
-        armed = h.inject("corrupt_byte", shard, times=1, offset=hdr.absolute_range(expert)[0] + 1)
-    topo, node, sizes, _ = CASES[1]
-    dest = tmp_path / "d"
-    # in order: one worker, so every task feeds the file's digest as it streams, fault or not
-    res = fetch_node(h, dest, topo, node, *sizes, "--workers", "1" if order == "in_order" else "2", *extra)
+    expert = next(n for n in hdr.tensors if ".experts.5.w2.weight_packed" in n)
+    manifest = tmp_path / "m.json"
+    build_manifest(k3_tiny, tensor_hashes=True).save(manifest)
+    for workers in ("1", "4"):
+        reread.clear()
+        if fault == "none":
+            armed = h.inject("stall", shard, times=1, after=100, seconds=0.5)
+        else:
+            armed = h.inject("corrupt_byte", shard, times=1, offset=hdr.absolute_range(expert)[0] + 1)
+        dest = tmp_path / workers
+        res = fetch_node(h, dest, TWO_FILES[:4], 0, *TWO_FILES[4:], "--workers", workers, "--manifest", str(manifest))
+        assert res.exit_code == 0, res.output
+        assert armed.hits == armed.times  # the fault was met
+        assert tree(dest) == tree(ref / "node-00000") and files == []  # no finished file is read
+        if fault == "none":
+            assert (sum(reread) > 0) is (workers == "4"), workers
+
+
+def test_a_response_cut_after_its_first_megabyte_gives_back_what_it_fed(tmp_path: Path) -> None:
+    """A request whose first MiB was written and fed to the file's digest, then cut (a FIN: the
+    bytes before it are read), is retried from its start; what it fed is given back, so the
+    file's sha256 is of the bytes on disk. Tensors of 2 MB, requests of 8 MiB: a response is
+    read in 1 MiB steps."""
+    from k3ckpt.testing.hub import LoopbackHub
+
+    src = tmp_path / "big"
+    assert run("synth", str(src), "--preset", "k3-tiny", "--layers", "2", "--experts", "4", "--moe-intermediate",
+               "2048", "--expert-hidden", "2048").exit_code == 0
+    assert run("reshard", str(src), "-o", str(tmp_path / "o"), *TWO_FILES, "--node", "0").exit_code == 0
+    big = max(src.glob("*.safetensors"), key=lambda p: p.stat().st_size).name
+    args = (TWO_FILES[:4], 0, *TWO_FILES[4:], "--workers", "1", "--chunk-size", "8MiB")
+    with LoopbackHub({REPO: src}, cache_dir=tmp_path / "hub-cache") as h:
+        assert fetch_node(h, tmp_path / "plan", *args, "--dry-run").exit_code == 0
+        planning = h.requests(big, method="GET")  # the header reads, which the run makes first too
+        armed = h.inject("drop_after", big, times=2, after=1_500_000, reset=False, skip=planning)
+        res = fetch_node(h, tmp_path / "d", *args)
+        cut = [r for r in h.request_log if r.file == big and r.method == "GET"][2 * planning:2 * planning + 2]
     assert res.exit_code == 0, res.output
-    assert tree(dest) == tree(resharded[1])
-    assert files == []  # no finished file is read
-    assert cut is None or len(cut) > 5
-    if fault == "none":
-        assert (sum(reread) > 0) is (order == "last_first")
-    assert armed is None or armed.hits == armed.times  # every fault armed was met
+    assert armed.hits == 2 and all(r.body_bytes == 1_500_000 for r in cut), cut
+    assert tree(tmp_path / "d") == tree(tmp_path / "o" / "node-00000")
 
 
 @pytest.mark.parametrize("args, message", [
