@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Time to ready on this machine (#28 items 4 and 5): ``plan --link --disk --cores``'s estimate
+against a measured run, step by step, and one node of a two-node topology from an empty disk to
+``preflight`` PASS by each route, side by side.
+
+    .venv/bin/python scripts/bench_ready.py [--work work/bench_ready] [--runs 3] [--shapes k3-density] [--cores 1,2]
+
+Per shape (default ``k3-density``: 3.3 GB at K3's tensor density), served by the loopback hub in
+its own process, node 0 of vLLM TP 2 x DP 2 on two 2-GPU nodes (``--tp 2 --dp 2 --gpus-per-node
+2``: the dense tensors and half the experts). For each core count C of ``--cores``, every
+command pinned to C CPUs (the hub is not: it shares the machine, as a remote hub shares nothing),
+in ``--runs`` rounds:
+
+1. **This machine's limits**, measured in the round: ``link`` = bytes per second of ``xargs -P8
+   curl`` of the checkpoint from the hub into ``/dev/null`` (what the hub serves this client over
+   loopback); ``disk`` = (bytes read + bytes written) per second of ``cp -r`` of the checkpoint
+   then ``sync``, page cache dropped first (the model's one disk rate for reads and writes
+   together); ``cores`` = C.
+2. **The routes**, each from an empty disk (a fresh directory, HF home and k3ckpt cache), page
+   cache dropped before each route, each step timed alone (``sync`` inside a writer's wall):
+
+   - ``fetch --node``: ``manifest pull --tensor-hashes`` (not in the estimate: hub metadata
+     only), ``fetch REPO --node 0 --manifest M``, ``verify NODE --manifest M``, ``preflight NODE``;
+   - ``fetch, verify, reshard``: ``fetch REPO --node 0 --format partial --manifest M`` (the
+     estimate's ``fetch --ranks``), ``verify SHARE --manifest M``, ``reshard SHARE --node 0``
+     (taking verify's digests), ``preflight NODE``;
+   - naive: ``hf download REPO``, ``hf cache verify REPO``, ``preflight SNAPSHOT``.
+3. **The estimate**: ``plan SRC --tp 2 --dp 2 --gpus-per-node 2 --link L --disk D --cores C
+   --json`` with the round's medians of L and D; each step's predicted seconds beside the median
+   measured (the engine's load is left out: no engine loads these shapes here).
+
+The report: per core count, every step predicted vs measured (ratio measured / predicted; the
+target is within 25 %), and per route the wall from an empty disk to preflight PASS, the bytes
+downloaded and left on disk, and the naive route's wall over k3ckpt's fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import benchlib as bl
+
+REPO_PREFIX = "bench"
+TOPO = ["--tp", "2", "--dp", "2", "--gpus-per-node", "2"]
+NODE = [*TOPO, "--node", "0"]
+#: The estimate's step names for the measured steps that have one.
+ESTIMATED = {"fetch --node": "fetch --node", "fetch --ranks": "fetch --ranks", "verify share": "verify",
+             "reshard --node": "reshard --node", "hf download": "hf download", "hf cache verify": "hf cache verify"}
+#: Route name (the estimate's) -> its steps, in order.
+ROUTES = {"fetch --node": ["manifest pull", "fetch --node", "verify node", "preflight"],
+          "fetch, verify, reshard": ["manifest pull", "fetch --ranks", "verify share", "reshard --node", "preflight"],
+          "naive: hf download, verify": ["hf download", "hf cache verify", "preflight"]}
+
+
+def hf_cli() -> str:
+    hf = Path(sys.executable).with_name("hf")
+    if not hf.exists():
+        raise SystemExit(f"{hf} is missing: huggingface_hub's CLI comes with the [test] extra")
+    return str(hf)
+
+
+def measure_limits(setup: bl.Setup, hub: bl.Hub, shape: bl.Shape, cores: int) -> tuple[float, float]:
+    """(link, disk) in bytes per second, measured now (module doc, 1)."""
+    repo = f"{REPO_PREFIX}/{shape.name}"
+    urls = " ".join(f"'{hub.resolve_url(repo, f.name)}'" for f in shape.files)
+    setup.cache.prepare([shape.path])
+    t = bl.run_timed(f"printf '%s\\n' {urls} | xargs -P8 -n1 curl -s -f -o /dev/null", cores=cores)
+    link = shape.nbytes / t.wall_s
+    out = setup.work / "cp-out"
+    shutil.rmtree(out, ignore_errors=True)
+    setup.cache.prepare([shape.path])
+    t = bl.run_timed(["cp", "-r", str(shape.path), str(out)], sync_after=True, cores=cores)
+    shutil.rmtree(out, ignore_errors=True)
+    return link, 2 * shape.nbytes / t.wall_s
+
+
+def route_commands(route: str, setup: bl.Setup, hub: bl.Hub, shape: bl.Shape,
+                   hf: str) -> list[tuple[str, list[str], bool]]:
+    """``(step, argv, writes)`` of ``route``, into fresh directories under ``--work``."""
+    repo = f"{REPO_PREFIX}/{shape.name}"
+    d = setup.work / "route"
+    m, share, node = d / "m.json", d / "share", d / "node"
+    pull = ("manifest pull", [*bl.K3, "manifest", "pull", "--source", "hf", "--repo", repo, "--tensor-hashes", "-o",
+                              str(m)], True)
+    preflight = [*bl.K3, "preflight", "--no-env"]
+    if route == "fetch --node":
+        return [pull, ("fetch --node", [*bl.K3, "fetch", repo, "--local-dir", str(node), *NODE, "--manifest", str(m)], True),
+                ("verify node", [*bl.K3, "verify", str(node), "--manifest", str(m)], False),
+                ("preflight", [*preflight, str(node), *NODE], False)]
+    if route == "fetch, verify, reshard":
+        # the same ranks in the rank-aware fetch's words (ep = tp x dp, whole tensors)
+        ranks = ["--ep", "4", "--tp", "2", "--gpus-per-node", "2", "--node", "0", "--format", "partial"]
+        return [pull, ("fetch --ranks", [*bl.K3, "fetch", repo, "--local-dir", str(share), *ranks, "--manifest", str(m)],
+                       True),
+                ("verify share", [*bl.K3, "verify", str(share), "--manifest", str(m)], False),
+                ("reshard --node", [*bl.K3, "reshard", str(share), "-o", str(d / "out"), *NODE], True),
+                ("preflight", [*preflight, str(d / "out" / "node-00000"), *NODE], False)]
+    # the snapshot hf download fills, in the fresh HF home run_route gives the route
+    snapshot = d / "hf-home" / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / hub.commits[repo]
+    return [("hf download", [hf, "download", repo], True),
+            ("hf cache verify", [hf, "cache", "verify", repo, "--fail-on-missing-files"], False),
+            ("preflight", [*preflight, str(snapshot), *NODE], False)]
+
+
+def run_route(route: str, setup: bl.Setup, hub: bl.Hub, shape: bl.Shape, cores: int, hf: str) -> dict[str, Any]:
+    """One run of ``route`` from an empty disk: each step's wall and CPU, the bytes on disk after."""
+    d = setup.work / "route"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    env = hub.env(HF_HOME=str(d / "hf-home"), K3CKPT_CACHE_DIR=str(d / "k3ckpt-cache"))
+    setup.cache.prepare([shape.path])
+    steps: dict[str, dict[str, float]] = {}
+    for step, cmd, writes in route_commands(route, setup, hub, shape, hf):
+        t = bl.run_timed(cmd, env=env, sync_after=writes, cores=cores)
+        steps[step] = {"wall_s": t.wall_s, "cpu_s": t.cpu_s}
+    on_disk = sum(p.stat().st_size for p in d.rglob("*") if p.is_file() and not p.is_symlink()
+                  and "k3ckpt-cache" not in p.parts and p.name != "m.json")
+    shutil.rmtree(d, ignore_errors=True)
+    return {"steps": steps, "on_disk_bytes": on_disk}
+
+
+def predicted(shape: bl.Shape, link: float, disk: float, cores: int) -> dict[str, dict[str, Any]]:
+    """Route name -> step name -> the estimate's step (``plan --json``'s ``time_to_ready``), node 0."""
+    t = bl.run_timed([*bl.K3, "plan", str(shape.path), *TOPO, "--link", f"{link:.0f}B/s", "--disk", f"{disk:.0f}B/s",
+                      "--cores", str(cores), "--json"], capture=True)
+    node = json.loads(t.stdout)["time_to_ready"]["nodes"][0]
+    return {r["name"]: {s["name"]: s for s in r["steps"]} for r in node["routes"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bl.add_common_args(ap, "bench_ready", cache="cold")
+    ap.set_defaults(shapes="k3-density")
+    ap.add_argument("--cores", default="1,2", help="core counts, comma-separated [default: 1,2]")
+    args = ap.parse_args()
+    setup = bl.start("bench_ready", args)
+    hf = hf_cli()
+    shapes = {name: setup.shape(name) for name in setup.shapes}
+    core_counts = [int(c) for c in args.cores.split(",") if c]
+    steps_table = bl.Table("Each step, the estimate against the run (node 0; median of the rounds, range in brackets)",
+                           [("shape", "shape", "{}"), ("cores", "cores", "{}"), ("route", "route", "{}"),
+                            ("step", "step", "`{}`"), ("predicted (s)", "predicted_s", "{:.2f}"),
+                            ("bound", "bound", "{}"), ("measured (s)", "measured_s", "{:.2f}"),
+                            ("range (s)", "range_s", "{0[0]:.2f}-{0[1]:.2f}"),
+                            ("measured / predicted", "ratio", "{:.2f}"), ("within 25 %", "within", "{}")])
+    ready_table = bl.Table("From an empty disk to preflight PASS (node 0 of two; median wall of the rounds)",
+                           [("shape", "shape", "{}"), ("cores", "cores", "{}"), ("route", "route", "{}"),
+                            ("wall (s)", "wall_s", "{:.2f}"), ("range (s)", "range_s", "{0[0]:.2f}-{0[1]:.2f}"),
+                            ("on disk after", "on_disk_bytes", "{:,}"), ("naive / this", "vs_naive", "{:.2f}x")])
+    limits_rows: list[dict[str, Any]] = []
+    with bl.Hub({f"{REPO_PREFIX}/{n}": s.path for n, s in shapes.items()}, setup.work) as hub:
+        for shape in shapes.values():
+            for cores in core_counts:
+                print(f"\n{shape.name}, {cores} core(s)", flush=True)
+                links, disks, runs = [], [], {r: [] for r in ROUTES}  # type: ignore[var-annotated]
+                for i in range(args.runs):
+                    link, disk = measure_limits(setup, hub, shape, cores)
+                    links.append(link)
+                    disks.append(disk)
+                    for k in bl.round_order(len(ROUTES), i):
+                        route = list(ROUTES)[k]
+                        got = run_route(route, setup, hub, shape, cores, hf)
+                        runs[route].append(got)
+                        print(f"  round {i + 1}: {route:28s} " + ", ".join(f"{s} {v['wall_s']:.2f} s"
+                                                                             for s, v in got["steps"].items()), flush=True)
+                link, disk = statistics.median(links), statistics.median(disks)
+                limits_rows.append({"shape": shape.name, "cores": cores, "link_bytes_per_s": link,
+                                    "disk_bytes_per_s": disk, "links": links, "disks": disks})
+                est = predicted(shape, link, disk, cores)
+                walls: dict[str, float] = {}
+                for route, route_runs in runs.items():
+                    totals = [sum(v["wall_s"] for v in r["steps"].values()) for r in route_runs]
+                    walls[route] = statistics.median(totals)
+                    for step in ROUTES[route]:
+                        measured = [r["steps"][step]["wall_s"] for r in route_runs]
+                        e = est[route].get(ESTIMATED.get(step, ""))
+                        m = statistics.median(measured)
+                        steps_table.rows.append({
+                            "shape": shape.name, "cores": cores, "route": route, "step": step,
+                            "predicted_s": e["seconds"] if e else None, "bound": e["bound"] if e else "-",
+                            "measured_s": m, "range_s": [min(measured), max(measured)],
+                            "ratio": m / e["seconds"] if e else None,
+                            "within": ("yes" if abs(m / e["seconds"] - 1) <= 0.25 else "no") if e else "-"})
+                    ready_table.rows.append({"shape": shape.name, "cores": cores, "route": route,
+                                             "wall_s": walls[route], "range_s": [min(totals), max(totals)],
+                                             "on_disk_bytes": int(statistics.median(r["on_disk_bytes"]
+                                                                                    for r in route_runs))})
+                naive = walls["naive: hf download, verify"]
+                for row in ready_table.rows[-len(ROUTES):]:
+                    row["vs_naive"] = naive / row["wall_s"]
+    limits = bl.Table("This machine's limits, measured in the rounds (medians)",
+                      [("shape", "shape", "{}"), ("cores", "cores", "{}"),
+                       ("link (GB/s)", "link_gb_s", "{:.3f}"), ("disk (GB/s, read + write)", "disk_gb_s", "{:.3f}")],
+                      [{**r, "link_gb_s": r["link_bytes_per_s"] / bl.GB, "disk_gb_s": r["disk_bytes_per_s"] / bl.GB}
+                       for r in limits_rows])
+    bl.write_report(setup, [limits, steps_table, ready_table], {"limits": limits_rows})
+
+
+if __name__ == "__main__":
+    main()
