@@ -64,9 +64,10 @@ class CostPerGB:
     #: per GB written by ``reshard`` into node directories. BENCHMARKS.md "Cost per GB
     #: (2026-12-01, after #16)", the same way.
     reshard: float = 1.87
-    #: per GB received by ``fetch --node --manifest M``. BENCHMARKS.md "Cost per GB
-    #: (2026-12-01, after #16)", the same way.
-    node_fetch: float = 2.69
+    #: per GB received by ``fetch --node``, hashing while receiving (no read-back). BENCHMARKS.md
+    #: "Node fetch hashing while receiving, and time to ready (2026-12-03, #28)": marginal CPU-s
+    #: per GB on k3-density at two workers (2.69 before, reading finished files back).
+    node_fetch: float = 2.24
     #: GB/s of sha256 on one core (``openssl speed -evp sha256 -bytes 16384``): the floor of any
     #: hashing, and ``hf cache verify``'s cost. BENCHMARKS.md "Cost per GB (2026-12-01, after
     #: #16)", machine line: 1.75 GB/s.

@@ -86,9 +86,10 @@ def default_requests(cores: int | None = None) -> int:
     """How many requests a fetch runs at once by default on a node of ``cores`` cores (None:
     this machine's): one per two cores, at least :data:`MIN_DEFAULT_REQUESTS`, at most
     :data:`MAX_DEFAULT_REQUESTS`. Each request's thread hashes the bytes it receives
-    (``fetch --node`` about 2 CPU-seconds per GB), so a fixed 8 would leave a 25 Gbit/s link of
-    a 64-core node waiting on 8 cores (docs/deploy.md, "Time to ready"); half the cores keeps
-    such a link full and leaves the rest to the machine."""
+    (``fetch --node`` about 2.2 CPU-seconds per GB), so 8 requests cap a fetch at about 3.6 GB/s
+    of hashing: a 25 Gbit/s link (3.1 GB/s) with little to spare, a 100 Gbit/s one at a third
+    (docs/deploy.md, "Time to ready"). Half the cores keeps such links full on the nodes that
+    have them and leaves the rest to the machine."""
     n = cores if cores is not None else (os.cpu_count() or 1)
     return max(MIN_DEFAULT_REQUESTS, min(MAX_DEFAULT_REQUESTS, n // 2))
 
