@@ -8,8 +8,8 @@ against a measured run, step by step, and one node of a two-node topology from a
 Per shape (default ``k3-density``: 3.3 GB at K3's tensor density), served by the loopback hub in
 its own process, node 0 of vLLM TP 2 x DP 2 on two 2-GPU nodes (``--tp 2 --dp 2 --gpus-per-node
 2``: the dense tensors and half the experts). For each core count C of ``--cores``, every
-command pinned to C CPUs (the hub is not: it shares the machine, as a remote hub shares nothing),
-in ``--runs`` rounds:
+command pinned to C CPUs (the hub is not pinned: here it shares the machine's cores, which a
+remote hub would not), in ``--runs`` rounds:
 
 1. **This machine's limits**, measured in the round: ``link`` = bytes per second of ``xargs -P8
    curl`` of the checkpoint from the hub into ``/dev/null`` (what the hub serves this client over
