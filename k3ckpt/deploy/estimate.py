@@ -294,11 +294,12 @@ def render_ready(est: ReadyEstimate) -> list[str]:
         return human_bytes(n) if n else "-"
 
     lim, c = est.limits, est.costs
+    threads = step_threads(lim.cores)
     lines = [
         "time to ready  all nodes at once, each step after the last; a step takes the longest of",
         "               download / link, (read + write) / disk and CPU-s / the cores it hashes on",
-        f"               (fetch and fetch --node {default_requests(lim.cores)} requests, reshard "
-        f"{MAX_DEFAULT_WRITERS} writers, hf cache verify 1)",
+        f"               (fetch and fetch --node {threads['fetch']} requests, reshard {threads['reshard']} "
+        f"writers, hf cache verify {threads['hf cache verify']})",
         f"limits         per node: link {human_bytes(lim.link)}/s ({lim.link * 8 / GB:g} Gbit/s), "
         f"disk {human_bytes(lim.disk)}/s (reads + writes), {lim.cores} cores",
         f"CPU-s per GB   fetch {c.fetch:.2f}, verify {c.verify:.2f}, reshard {c.reshard:.2f}, "

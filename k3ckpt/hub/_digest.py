@@ -69,7 +69,6 @@ class StreamDigest:
         self.size = size
         self.busy = threading.Lock()
         self.saved: tuple[Any, Any, int] | None = None  # the state at the claimed chunk's start
-        self.read_back = 0  # bytes hashed from the .part (:meth:`hash_written`) rather than as they arrived
         self.reset()
 
     def reset(self) -> None:
@@ -112,7 +111,6 @@ class StreamDigest:
             if n <= 0:
                 raise OSError(f"the .part ended at byte {pos}, expected {end}")
             self.feed(view[:n])
-            self.read_back += n
             pos += n
 
     def claim(self, index: int) -> bool:

@@ -66,8 +66,7 @@ class TaskChunks:
 
 
 class StreamedFile:
-    """The digests of one output file, fed while its tasks run (see the module doc);
-    ``digest.read_back`` counts the bytes that had to be hashed from the ``.part``."""
+    """The digests of one output file, fed while its tasks run (see the module doc)."""
 
     def __init__(self, job: OutputJob) -> None:
         self.chunks = TaskChunks(job)
@@ -88,7 +87,7 @@ class StreamedFile:
         if feed.owner:
             feed.owner = False
             self.digest.commit(feed.k)
-        self._advance(wait=False)
+        self.digest.advance(self.chunks)
 
     def result(self) -> FileDigests:
         """``(the file's sha256, its tensors' sha256)`` once every task is done (waits for a
@@ -98,16 +97,13 @@ class StreamedFile:
             PieceFailed: a task is not done, or the bytes hashed are not the file's size (never
                 expected: the file then does not get its final name).
         """
-        self._advance(wait=True)
         d = self.digest
+        d.advance(self.chunks, wait=True)
         if d.next != self.chunks.nchunks or d.hashed != d.size:
             raise PieceFailed(f"{self.chunks.job.part}: {d.hashed} of {d.size} bytes hashed in order "
                               f"({d.next} of {self.chunks.nchunks} tasks)")
         with self.chunks.lock:
             return d.sha256.hexdigest(), dict(self.tensors)
-
-    def _advance(self, *, wait: bool) -> None:
-        self.digest.advance(self.chunks, wait=wait)
 
 
 class TaskFeed:
