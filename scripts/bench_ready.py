@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -117,20 +119,111 @@ def run_route(route: str, setup: bl.Setup, hub: bl.Hub, shape: bl.Shape, cores: 
     setup.cache.prepare([shape.path])
     steps: dict[str, dict[str, float]] = {}
     for step, cmd, writes in route_commands(route, setup, hub, shape, hf):
-        t = bl.run_timed(cmd, env=env, sync_after=writes, cores=cores)
-        steps[step] = {"wall_s": t.wall_s, "cpu_s": t.cpu_s}
+        hub_cpu = hub.cpu_s()
+        t = bl.run_timed(cmd, env=env, cores=cores)
+        t0 = time.perf_counter()
+        if writes:
+            os.sync()  # inside the step's wall, timed apart: what the writer left to the disk at its exit
+        flush = time.perf_counter() - t0
+        steps[step] = {"wall_s": t.wall_s + flush, "cpu_s": t.cpu_s, "flush_s": flush,
+                       "hub_cpu_s": hub.cpu_s() - hub_cpu}
     on_disk = sum(p.stat().st_size for p in d.rglob("*") if p.is_file() and not p.is_symlink()
                   and "k3ckpt-cache" not in p.parts and p.name != "m.json")
     shutil.rmtree(d, ignore_errors=True)
     return {"steps": steps, "on_disk_bytes": on_disk}
 
 
-def predicted(shape: bl.Shape, link: float, disk: float, cores: int) -> dict[str, dict[str, Any]]:
+def predicted(path: Path, link: float, disk: float, cores: int) -> dict[str, dict[str, Any]]:
     """Route name -> step name -> the estimate's step (``plan --json``'s ``time_to_ready``), node 0."""
-    t = bl.run_timed([*bl.K3, "plan", str(shape.path), *TOPO, "--link", f"{link:.0f}B/s", "--disk", f"{disk:.0f}B/s",
+    t = bl.run_timed([*bl.K3, "plan", str(path), *TOPO, "--link", f"{link:.0f}B/s", "--disk", f"{disk:.0f}B/s",
                       "--cores", str(cores), "--json"], capture=True)
     node = json.loads(t.stdout)["time_to_ready"]["nodes"][0]
     return {r["name"]: {s["name"]: s for s in r["steps"]} for r in node["routes"]}
+
+
+def _step_bytes(step: dict[str, Any]) -> int:
+    """The bytes an estimated step's CPU cost is per GB of (the share, or the whole checkpoint)."""
+    return max(step["download_bytes"], step["read_bytes"], step["write_bytes"], step["hash_bytes"])
+
+
+def measure(setup: bl.Setup, shapes: dict[str, bl.Shape], core_counts: list[int], runs: int) -> list[dict[str, Any]]:
+    """Per shape and core count: the limits measured in each round and each route's runs."""
+    hf = hf_cli()
+    out: list[dict[str, Any]] = []
+    all_cpus = sorted(os.sched_getaffinity(0))
+    for shape in shapes.values():
+        for cores in core_counts:
+            # the hub on the CPUs the client does not use, as a remote hub's would be; on all of
+            # them (shared with the client) when the client has every one
+            hub_cpus = all_cpus[cores:] or None
+            with bl.Hub({f"{REPO_PREFIX}/{shape.name}": shape.path}, setup.work, cpus=hub_cpus) as hub:
+                print(f"\n{shape.name}, {cores} core(s), hub on {hub_cpus or 'the same CPUs'}", flush=True)
+                got: dict[str, Any] = {"shape": shape.name, "path": str(shape.path), "cores": cores,
+                                       "hub_cpus": hub_cpus or "shared", "links": [], "disks": [],
+                                       "runs": {r: [] for r in ROUTES}}
+                for i in range(runs):
+                    link, disk = measure_limits(setup, hub, shape, cores)
+                    got["links"].append(link)
+                    got["disks"].append(disk)
+                    for k in bl.round_order(len(ROUTES), i):
+                        route = list(ROUTES)[k]
+                        r = run_route(route, setup, hub, shape, cores, hf)
+                        got["runs"][route].append(r)
+                        print(f"  round {i + 1}: {route:28s} " + ", ".join(f"{s} {v['wall_s']:.2f} s"
+                                                                             for s, v in r["steps"].items()), flush=True)
+            out.append(got)
+    return out
+
+
+def compare(measured: list[dict[str, Any]]) -> list[bl.Table]:
+    """The tables: the limits, each step predicted (by the estimate as it is now) against the run,
+    and each route's wall to preflight PASS."""
+    steps_table = bl.Table("Each step, the estimate against the run (node 0; median of the rounds, range in brackets)",
+                           [("shape", "shape", "{}"), ("cores", "cores", "{}"), ("route", "route", "{}"),
+                            ("step", "step", "`{}`"), ("predicted (s)", "predicted_s", "{:.2f}"),
+                            ("bound", "bound", "{}"), ("measured (s)", "measured_s", "{:.2f}"),
+                            ("range (s)", "range_s", "{0[0]:.2f}-{0[1]:.2f}"), ("CPU-s", "cpu_s", "{:.2f}"),
+                            ("CPU-s per GB", "cpu_s_per_gb", "{:.2f}"), ("of it, sync after (s)", "flush_s", "{:.2f}"),
+                            ("hub CPU-s", "hub_cpu_s", "{:.2f}"), ("measured / predicted", "ratio", "{:.2f}"),
+                            ("within 25 %", "within", "{}")])
+    ready_table = bl.Table("From an empty disk to preflight PASS (node 0 of two; median wall of the rounds)",
+                           [("shape", "shape", "{}"), ("cores", "cores", "{}"), ("route", "route", "{}"),
+                            ("wall (s)", "wall_s", "{:.2f}"), ("range (s)", "range_s", "{0[0]:.2f}-{0[1]:.2f}"),
+                            ("on disk after", "on_disk_bytes", "{:,}"), ("naive / this", "vs_naive", "{:.2f}x")])
+    limits = bl.Table("This machine's limits, measured in the rounds (medians)",
+                      [("shape", "shape", "{}"), ("cores", "cores", "{}"), ("hub on CPUs", "hub_cpus", "{}"),
+                       ("link (GB/s)", "link_gb_s", "{:.3f}"), ("disk (GB/s, read + write)", "disk_gb_s", "{:.3f}")])
+    for got in measured:
+        link, disk = statistics.median(got["links"]), statistics.median(got["disks"])
+        limits.rows.append({"shape": got["shape"], "cores": got["cores"], "hub_cpus": got["hub_cpus"],
+                            "link_gb_s": link / bl.GB, "disk_gb_s": disk / bl.GB})
+        est = predicted(Path(got["path"]), link, disk, got["cores"])
+        walls: dict[str, float] = {}
+        for route, route_runs in got["runs"].items():
+            totals = [sum(v["wall_s"] for v in r["steps"].values()) for r in route_runs]
+            walls[route] = statistics.median(totals)
+            for step in ROUTES[route]:
+                def med(key: str, step: str = step, route_runs: list[dict[str, Any]] = route_runs) -> float:
+                    return statistics.median(r["steps"][step][key] for r in route_runs)
+
+                measured_s = [r["steps"][step]["wall_s"] for r in route_runs]
+                e = est[route].get(ESTIMATED.get(step, ""))
+                m = statistics.median(measured_s)
+                steps_table.rows.append({
+                    "shape": got["shape"], "cores": got["cores"], "route": route, "step": step,
+                    "predicted_s": e["seconds"] if e else None, "bound": e["bound"] if e else "-",
+                    "measured_s": m, "range_s": [min(measured_s), max(measured_s)], "cpu_s": med("cpu_s"),
+                    "cpu_s_per_gb": med("cpu_s") / (_step_bytes(e) / bl.GB) if e and _step_bytes(e) else None,
+                    "flush_s": med("flush_s"), "hub_cpu_s": med("hub_cpu_s"),
+                    "ratio": m / e["seconds"] if e else None,
+                    "within": ("yes" if abs(m / e["seconds"] - 1) <= 0.25 else "no") if e else "-"})
+            ready_table.rows.append({"shape": got["shape"], "cores": got["cores"], "route": route,
+                                     "wall_s": walls[route], "range_s": [min(totals), max(totals)],
+                                     "on_disk_bytes": int(statistics.median(r["on_disk_bytes"] for r in route_runs))})
+        naive = walls["naive: hf download, verify"]
+        for row in ready_table.rows[-len(ROUTES):]:
+            row["vs_naive"] = naive / row["wall_s"]
+    return [limits, steps_table, ready_table]
 
 
 def main() -> None:
@@ -138,68 +231,17 @@ def main() -> None:
     bl.add_common_args(ap, "bench_ready", cache="cold")
     ap.set_defaults(shapes="k3-density")
     ap.add_argument("--cores", default="1,2", help="core counts, comma-separated [default: 1,2]")
+    ap.add_argument("--measured", type=Path, default=None,
+                    help="an earlier report's bench_ready.json: compare its runs with the estimate as it is now "
+                         "(after a change of the cost model), without running anything")
     args = ap.parse_args()
     setup = bl.start("bench_ready", args)
-    hf = hf_cli()
-    shapes = {name: setup.shape(name) for name in setup.shapes}
-    core_counts = [int(c) for c in args.cores.split(",") if c]
-    steps_table = bl.Table("Each step, the estimate against the run (node 0; median of the rounds, range in brackets)",
-                           [("shape", "shape", "{}"), ("cores", "cores", "{}"), ("route", "route", "{}"),
-                            ("step", "step", "`{}`"), ("predicted (s)", "predicted_s", "{:.2f}"),
-                            ("bound", "bound", "{}"), ("measured (s)", "measured_s", "{:.2f}"),
-                            ("range (s)", "range_s", "{0[0]:.2f}-{0[1]:.2f}"),
-                            ("measured / predicted", "ratio", "{:.2f}"), ("within 25 %", "within", "{}")])
-    ready_table = bl.Table("From an empty disk to preflight PASS (node 0 of two; median wall of the rounds)",
-                           [("shape", "shape", "{}"), ("cores", "cores", "{}"), ("route", "route", "{}"),
-                            ("wall (s)", "wall_s", "{:.2f}"), ("range (s)", "range_s", "{0[0]:.2f}-{0[1]:.2f}"),
-                            ("on disk after", "on_disk_bytes", "{:,}"), ("naive / this", "vs_naive", "{:.2f}x")])
-    limits_rows: list[dict[str, Any]] = []
-    with bl.Hub({f"{REPO_PREFIX}/{n}": s.path for n, s in shapes.items()}, setup.work) as hub:
-        for shape in shapes.values():
-            for cores in core_counts:
-                print(f"\n{shape.name}, {cores} core(s)", flush=True)
-                links, disks, runs = [], [], {r: [] for r in ROUTES}  # type: ignore[var-annotated]
-                for i in range(args.runs):
-                    link, disk = measure_limits(setup, hub, shape, cores)
-                    links.append(link)
-                    disks.append(disk)
-                    for k in bl.round_order(len(ROUTES), i):
-                        route = list(ROUTES)[k]
-                        got = run_route(route, setup, hub, shape, cores, hf)
-                        runs[route].append(got)
-                        print(f"  round {i + 1}: {route:28s} " + ", ".join(f"{s} {v['wall_s']:.2f} s"
-                                                                             for s, v in got["steps"].items()), flush=True)
-                link, disk = statistics.median(links), statistics.median(disks)
-                limits_rows.append({"shape": shape.name, "cores": cores, "link_bytes_per_s": link,
-                                    "disk_bytes_per_s": disk, "links": links, "disks": disks})
-                est = predicted(shape, link, disk, cores)
-                walls: dict[str, float] = {}
-                for route, route_runs in runs.items():
-                    totals = [sum(v["wall_s"] for v in r["steps"].values()) for r in route_runs]
-                    walls[route] = statistics.median(totals)
-                    for step in ROUTES[route]:
-                        measured = [r["steps"][step]["wall_s"] for r in route_runs]
-                        e = est[route].get(ESTIMATED.get(step, ""))
-                        m = statistics.median(measured)
-                        steps_table.rows.append({
-                            "shape": shape.name, "cores": cores, "route": route, "step": step,
-                            "predicted_s": e["seconds"] if e else None, "bound": e["bound"] if e else "-",
-                            "measured_s": m, "range_s": [min(measured), max(measured)],
-                            "ratio": m / e["seconds"] if e else None,
-                            "within": ("yes" if abs(m / e["seconds"] - 1) <= 0.25 else "no") if e else "-"})
-                    ready_table.rows.append({"shape": shape.name, "cores": cores, "route": route,
-                                             "wall_s": walls[route], "range_s": [min(totals), max(totals)],
-                                             "on_disk_bytes": int(statistics.median(r["on_disk_bytes"]
-                                                                                    for r in route_runs))})
-                naive = walls["naive: hf download, verify"]
-                for row in ready_table.rows[-len(ROUTES):]:
-                    row["vs_naive"] = naive / row["wall_s"]
-    limits = bl.Table("This machine's limits, measured in the rounds (medians)",
-                      [("shape", "shape", "{}"), ("cores", "cores", "{}"),
-                       ("link (GB/s)", "link_gb_s", "{:.3f}"), ("disk (GB/s, read + write)", "disk_gb_s", "{:.3f}")],
-                      [{**r, "link_gb_s": r["link_bytes_per_s"] / bl.GB, "disk_gb_s": r["disk_bytes_per_s"] / bl.GB}
-                       for r in limits_rows])
-    bl.write_report(setup, [limits, steps_table, ready_table], {"limits": limits_rows})
+    if args.measured is not None:
+        measured = json.loads(args.measured.read_text())["measured"]
+    else:
+        shapes = {name: setup.shape(name) for name in setup.shapes}
+        measured = measure(setup, shapes, [int(c) for c in args.cores.split(",") if c], args.runs)
+    bl.write_report(setup, compare(measured), {"measured": measured})
 
 
 if __name__ == "__main__":

@@ -220,3 +220,99 @@ def test_bench_mx_memory_refuses_a_layer_smaller_than_a_tokens_route(tmp_path: P
     assert p.returncode == 2
     assert "--experts: 8 is fewer than the 16 experts" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "w").exists()  # refused before anything was built
+
+
+def test_the_hub_can_be_pinned_apart_from_the_client(k3_tiny: Path, tmp_path: Path) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    with bl.Hub({"bench/k3-tiny": k3_tiny}, tmp_path, cpus=cpus[-1:]) as hub:
+        assert hub.pid is not None and os.sched_getaffinity(hub.pid) == set(cpus[-1:])
+
+
+# -- bench_start's trace reader ------------------------------------------------------------------
+
+def _trace(*lines: str) -> str:
+    return "\n".join(f"4242 {1000 + i * 0.01:.6f} {line}" for i, line in enumerate(lines))
+
+
+def test_the_first_tensor_byte_is_the_first_access_past_a_header() -> None:
+    import bench_start
+
+    starts = {"model-00001-of-00002.safetensors": 4096}
+    trace = _trace('openat(AT_FDCWD, "/x/config.json", O_RDONLY|O_CLOEXEC) = 3',
+                   'read(3, ""..., 8192) = 900',
+                   'openat(AT_FDCWD, "/x/model-00001-of-00002.safetensors", O_RDONLY|O_CLOEXEC) = 4',
+                   'read(4, ""..., 8) = 8',  # the header's length, then the header itself
+                   'pread64(4, ""..., 4088, 8) = 4088',
+                   'read(3, ""..., 8192) = 8192',  # another file: no tensor byte
+                   'pread64(4, ""..., 1048576, 4096) = 1048576')
+    assert bench_start.first_tensor_read(trace, 1000.0, starts) == pytest.approx(0.06)
+    sequential = _trace('openat(AT_FDCWD, "/x/model-00001-of-00002.safetensors", O_RDONLY) = 5',
+                        'read(5, ""..., 4096) = 4096', 'read(5, ""..., 65536) = 65536')
+    assert bench_start.first_tensor_read(sequential, 1000.0, starts) == pytest.approx(0.02)
+    copied = _trace('openat(AT_FDCWD, "/x/model-00001-of-00002.safetensors", O_RDONLY) = 6',
+                    'copy_file_range(6, [4096], 7, [0], 1048576, 0) = 1048576')
+    assert bench_start.first_tensor_read(copied, 999.0, starts) == pytest.approx(1.01)
+    mapped = _trace('openat(AT_FDCWD, "/x/model-00001-of-00002.safetensors", O_RDONLY) = 6',
+                    'mmap(NULL, 6291456, PROT_READ, MAP_SHARED, 6, 0) = 0x7f0000000000')
+    assert bench_start.first_tensor_read(mapped, 1000.0, starts) == pytest.approx(0.01)
+
+
+def test_a_reused_descriptor_or_a_header_only_read_is_no_tensor_byte() -> None:
+    import bench_start
+
+    starts = {"model-00001-of-00002.safetensors": 4096}
+    trace = _trace('openat(AT_FDCWD, "/x/model-00001-of-00002.safetensors", O_RDONLY) = 4',
+                   'pread64(4, ""..., 4088, 8) = 4088',  # ends at the header's end
+                   'openat(AT_FDCWD, "/x/tokenizer.json", O_RDONLY) = 4',  # the number is another file's now
+                   'read(4, ""..., 65536) = 65536',
+                   'pread64(9, ""..., 65536, 8192) = -1 EBADF (Bad file descriptor)')
+    assert bench_start.first_tensor_read(trace, 1000.0, starts) is None
+
+
+# -- bench_ready: a run compared again with the estimate as it is now ---------------------------
+
+def test_bench_ready_compares_a_saved_run_with_the_current_estimate(k3_tiny: Path, tmp_path: Path) -> None:
+    import bench_ready
+
+    step = {"wall_s": 1.0, "cpu_s": 0.5, "flush_s": 0.1, "hub_cpu_s": 0.0}
+    runs = {route: [{"steps": {s: dict(step) for s in steps}, "on_disk_bytes": 10}]
+            for route, steps in bench_ready.ROUTES.items()}
+    runs["naive: hf download, verify"][0]["steps"]["hf download"]["wall_s"] = 4.0
+    measured = [{"shape": "k3-tiny", "path": str(k3_tiny), "cores": 1, "hub_cpus": [1],
+                 "links": [1e9], "disks": [1e9], "runs": runs}]
+    limits, steps, ready = bench_ready.compare(measured)
+    assert limits.rows[0]["link_gb_s"] == 1.0
+    by_step = {(r["route"], r["step"]): r for r in steps.rows}
+    fetch = by_step[("fetch --node", "fetch --node")]
+    assert fetch["predicted_s"] > 0 and fetch["ratio"] == pytest.approx(1.0 / fetch["predicted_s"])
+    assert fetch["within"] == ("yes" if abs(fetch["ratio"] - 1) <= 0.25 else "no")
+    assert by_step[("fetch --node", "manifest pull")]["predicted_s"] is None  # not in the estimate
+    walls = {r["route"]: r for r in ready.rows}
+    assert walls["fetch --node"]["wall_s"] == 4.0 and walls["naive: hf download, verify"]["wall_s"] == 6.0
+    assert walls["fetch --node"]["vs_naive"] == pytest.approx(1.5)
+
+
+def test_free_page_reporting_is_paused_for_a_run_and_put_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    param = tmp_path / "page_reporting_order"
+    param.write_text("9\n")
+    monkeypatch.setattr(bl, "PAGE_REPORTING_ORDER", param)
+    backed: list[bool] = []
+    monkeypatch.setattr(bl, "back_free_memory", lambda: (backed.append(True), (12.5, 3.0))[1])
+    memory = bl.GuestMemory()
+    memory.pause()
+    assert param.read_text().strip() == str(bl.NO_REPORTING_ORDER) and backed == [True]
+    assert "page_reporting_order 9 -> 11" in memory.describe() and "12.5 GiB" in memory.describe()
+    memory.restore()
+    assert param.read_text().strip() == "9"
+    memory.restore()  # twice is harmless: nothing is written over the restored value
+    assert param.read_text().strip() == "9"
+
+
+def test_without_page_reporting_the_memory_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bl, "PAGE_REPORTING_ORDER", tmp_path / "absent")
+    monkeypatch.setattr(bl, "back_free_memory", lambda: pytest.fail("nothing to back without reporting"))
+    memory = bl.GuestMemory()
+    memory.pause()
+    assert memory.describe() == "free page reporting: none"
+    memory.restore()
+    assert not (tmp_path / "absent").exists()

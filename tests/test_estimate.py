@@ -73,7 +73,15 @@ def test_a_step_uses_only_the_cores_its_threads_can() -> None:
     assert eight.cpu_wall_seconds == 5.0
     assert step_estimate("x", LIMITS, cpu_seconds=40.0, threads=8).cpu_wall_seconds == 40.0 / LIMITS.cores
     threads = step_threads(LIMITS.cores)
-    assert (threads["hf cache verify"], threads["fetch"], threads["verify"]) == (1, 8, None)
+    assert (threads["hf download"], threads["hf cache verify"], threads["fetch"], threads["verify"]) == (1, 1, 8, None)
+
+
+def test_a_step_starts_before_its_limits_count() -> None:
+    """A command's start-up (the interpreter, the listing, the last syncs) comes on top of the
+    longest limit: it does not overlap the bytes, and is not a limit itself."""
+    s = step_estimate("fetch", LIMITS, downloads=10 * GB, writes=10 * GB, cpu_seconds=20.0, start=0.5)
+    assert s.seconds == 10.5 and s.bound == "link" and s.start_seconds == 0.5
+    assert s.to_json()["seconds"] == 10.5
 
 
 @pytest.mark.parametrize("cores, requests", [(1, 8), (2, 8), (16, 8), (17, 8), (24, 12), (64, 32), (256, 32)])
@@ -249,7 +257,8 @@ def test_engine_reads_equal_vllms_filter(k3_tiny: Path, tp: int, dp: int, gpus: 
 def test_routes_on_k3_tiny(k3_tiny: Path) -> None:
     """Two 2-GPU nodes of tp 2 x dp 2: each step's bytes and CPU-seconds from the node's share and
     the costs, its time from the limits."""
-    costs = CostPerGB(verify=1.0, fetch=2.0, reshard=3.0, node_fetch=4.0, sha256_rate=2.0)
+    costs = CostPerGB(verify=1.0, fetch=2.0, reshard=3.0, node_fetch=4.0, hf_download=5.0, sha256_rate=2.0,
+                      hub_start_seconds=0.5, local_start_seconds=0.25)
     rep = plan_topology(k3_tiny, RankSelection(tp=2, dp=2, gpus_per_node=2), limits=LIMITS, costs=costs)
     assert rep.ready is not None and len(rep.ready.nodes) == 2
     for node, nb in zip(rep.ready.nodes, rep.nodes):
@@ -268,9 +277,15 @@ def test_routes_on_k3_tiny(k3_tiny: Path) -> None:
         assert node_fetch.download_bytes == share and node_fetch.cpu_seconds == pytest.approx(4.0 * share / GB)
         assert load1 == load and load.cpu_seconds == 0 and load.download_bytes == 0
         download, cache_verify, load_orig = node.route(NAIVE).steps
-        assert (download.download_bytes, download.write_bytes, download.cpu_seconds) == (whole, whole, 0)
+        assert (download.download_bytes, download.write_bytes) == (whole, whole)
+        assert download.cpu_seconds == pytest.approx(5.0 * whole / GB)
+        assert download.cpu_wall_seconds == pytest.approx(download.cpu_seconds)  # one interpreter
         assert cache_verify.hash_bytes == whole and cache_verify.cpu_seconds == pytest.approx(whole / GB / 2.0)
         assert cache_verify.cpu_wall_seconds == pytest.approx(cache_verify.cpu_seconds)  # one thread
+        # the start-up: 0.5 s for a command reading the hub, 0.25 s for one on local files, none for the load
+        assert [s.start_seconds for r in node.routes for s in r.steps] == [
+            0.5, 0.25, 0.25, 0.0, 0.5, 0.0, 0.5, 0.25, 0.0]
+        assert fetch.seconds == pytest.approx(0.5 + max(fetch.link_seconds, fetch.disk_seconds, fetch.cpu_wall_seconds))
         assert load_orig.read_bytes > load.read_bytes
         for route in node.routes:
             assert route.seconds == pytest.approx(sum(s.seconds for s in route.steps))
@@ -313,7 +328,8 @@ def test_cli_json_gives_the_same_numbers(k3_tiny: Path) -> None:
     assert got["limits"] == {"link_bytes_per_second": 3.125e9, "disk_bytes_per_second": 7e9, "cores": 64}
     assert got["cpu_seconds_per_gb"] == dataclasses.asdict(MEASURED_COSTS)
     step = got["nodes"][0]["routes"][0]["steps"][0]
-    assert step["seconds"] == max(step["link_seconds"], step["disk_seconds"], step["cpu_wall_seconds"])
+    assert step["seconds"] == step["start_seconds"] + max(step["link_seconds"], step["disk_seconds"],
+                                                          step["cpu_wall_seconds"])
     assert "time_to_ready" not in json.loads(run(*args[:7], "--json").stdout)  # only when asked
 
 

@@ -460,3 +460,51 @@ def test_mapped_windows_stay_within_the_budget() -> None:
         assert CHUNK <= map_window(writers) <= 4 * CHUNK
         assert writers * map_window(writers) <= max(MAP_BUDGET, writers * CHUNK)
     assert map_window(MAX_DEFAULT_WRITERS) == CHUNK
+
+
+PARTIAL = ("--ep", "8", "--tp", "2", "--node", "0", "--gpus-per-node", "4", "--format", "partial")  # experts 0-7
+NODE_OF_PARTIAL = ["--tp", "2", "--dp", "4", "--gpus-per-node", "4", "--node", "0"]  # the same ranks, ep = tp x dp
+
+
+def test_a_partial_share_verified_tensor_by_tensor_gives_reshard_its_digests(
+        served_hub: Any, k3_tiny: Path, tmp_path: Path, cache: Path) -> None:
+    """The documented flow on a rank-aware fetch's copy (fetch --format partial, verify --manifest,
+    reshard --node, no flag): the share's rewritten shards match no file digest of the manifest,
+    but verify found every tensor of them equal to it - reshard takes those digests instead of
+    hashing each tensor again, writes the bytes and markers hashing would, and a tensor changed
+    after verify is hashed (its file's stat changed), never given the manifest's digest."""
+    h, _ = served_hub
+    share, m = tmp_path / "share", _manifest(k3_tiny, tmp_path / "m.json")
+    res = run("fetch", "--repo", "moonshotai/Kimi-K3", "--dest", str(share), "--endpoint", h.url, *PARTIAL)
+    assert res.exit_code == 0, res.output
+
+    def reshard(name: str) -> dict:
+        got = run("reshard", str(share), "-o", str(tmp_path / name), *NODE_OF_PARTIAL, "--json")
+        assert got.exit_code == 0, got.output
+        return json.loads(got.stdout)
+
+    plain = reshard("plain")  # verified by nothing yet: every tensor hashed
+    assert run("verify", str(share), "--manifest", str(m)).exit_code == 0
+    taken = reshard("taken")
+    whole = _whole_tensors(tmp_path / "taken")
+    assert plain["tensor_digests_from_manifest"] == 0
+    assert taken["tensor_digests_from_manifest"] == len(whole) > 0 and taken["tensor_digests_manifest"] == str(m.resolve())
+    for f in sorted(p for p in (tmp_path / "plain").rglob("*") if p.is_file() and ".cache" not in p.parts):
+        assert f.read_bytes() == (tmp_path / "taken" / f.relative_to(tmp_path / "plain")).read_bytes(), f
+    check_digests(share, tmp_path / "taken")
+
+    # one expert byte changed after verify: its shard is hashed, and the marker records what it holds
+    ckpt = open_checkpoint(share)
+    name = next(n for n, r in ckpt.roles.items() if r.expert is not None and n in whole)
+    info = ckpt.tensors[name]
+    _flip(share / info.file, ckpt.shards[info.file].data_start + info.begin)
+    changed = reshard("changed")
+    recorded = check_digests(share, tmp_path / "changed")
+    assert recorded[name] == tensor_digests(share)[name] != json.loads(m.read_text())["tensors"][name]["sha256"]
+    in_shard = {n for n, t in ckpt.tensors.items() if t.file == info.file}
+    assert changed["tensor_digests_from_manifest"] == len(whole - in_shard) > 0
+    # verified again, the changed shard is found differing: still hashed, not taken
+    assert run("verify", str(share), "--manifest", str(m)).exit_code == 1
+    again = reshard("again")
+    assert again["tensor_digests_from_manifest"] == len(whole - in_shard)
+    assert check_digests(share, tmp_path / "again")[name] == tensor_digests(share)[name]

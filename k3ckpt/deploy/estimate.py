@@ -8,20 +8,23 @@ overlap perfectly (bytes stream), so a step takes the longest of
 
     download / link,   (read + write) / disk,   CPU-seconds / cores used
 
-where CPU-seconds = GB processed x the step's measured CPU-s per GB (:class:`CostPerGB`), spread
-evenly over the cores the tool hashes on by default (:func:`step_threads`: for ``fetch`` its
-default requests on the node's cores, at most 16 writers for ``reshard``, one thread for ``hf
-cache verify``). One disk
-rate covers reads and writes together: a step that reads and writes the same bytes (reshard)
-moves them twice through the disk. The routes:
+plus the command's start-up (:attr:`CostPerGB.hub_start_seconds`, :attr:`CostPerGB.local_start_seconds`:
+the interpreter, the listing or the headers before the first byte, the last syncs after it - under
+a second, noticeable only on a small checkpoint), where CPU-seconds = GB processed x the step's measured CPU-s per GB
+(:class:`CostPerGB`, measured as the route runs: an empty page cache, a tensor-hash manifest),
+spread evenly over the cores the tool hashes on by default (:func:`step_threads`: for ``fetch``
+its default requests on the node's cores, at most 16 writers for ``reshard``, one thread for
+``hf download`` and ``hf cache verify``). One disk rate covers reads and writes together: a step
+that reads and writes the same bytes (reshard) moves them twice through the disk. The routes:
 
 - **two steps**: ``fetch`` (the whole checkpoint on one node, else ``fetch --ranks`` of the
   node's ranks: dense tensors plus the node's experts), ``verify``, ``reshard --node`` into the
   node directory, then the engine's load;
 - **one step**: ``fetch --node`` (the node directory straight from the hub, every tensor
   checked against a tensor-hash manifest), then the load;
-- **naive**: every node downloads the whole checkpoint (``hf download``, no CPU counted),
-  ``hf cache verify`` hashes all of it (at :attr:`CostPerGB.sha256_rate`, file after file in
+- **naive**: every node downloads the whole checkpoint (``hf download`` over plain HTTP, at
+  :attr:`CostPerGB.hf_download` in one thread: huggingface_hub's download threads share one
+  interpreter), ``hf cache verify`` hashes all of it (at :attr:`CostPerGB.sha256_rate`, file after file in
   one thread, as huggingface_hub does), then the load from the original layout.
 
 The load is vLLM's with ``--enable-expert-parallel --enable-ep-weight-filter``: every rank of the
@@ -68,10 +71,22 @@ class CostPerGB:
     #: "Node fetch hashing while receiving, and time to ready (2026-12-03, #28)": marginal CPU-s
     #: per GB on k3-density at two workers (2.69 before, reading finished files back).
     node_fetch: float = 2.24
+    #: per GB downloaded by ``hf download`` (huggingface_hub over plain HTTP, no Xet): its Python
+    #: read-and-write loop, in one thread. BENCHMARKS.md "Time to ready, the estimate against a run
+    #: (2026-12-03, #28)".
+    hf_download: float = 5.4
     #: GB/s of sha256 on one core (``openssl speed -evp sha256 -bytes 16384``): the floor of any
     #: hashing, and ``hf cache verify``'s cost. BENCHMARKS.md "Cost per GB (2026-12-01, after
     #: #16)", machine line: 1.75 GB/s.
     sha256_rate: float = 1.75
+    #: seconds a command that reads from the hub (``fetch``, ``hf download``) spends besides its
+    #: bytes: the interpreter's start, the listing and headers before the first byte, the last
+    #: syncs and renames after it (its wall on k3-tiny). BENCHMARKS.md "Time to ready, the
+    #: estimate against a run (2026-12-03, #28)".
+    hub_start_seconds: float = 0.6
+    #: the same for a command on local files (``verify``, ``reshard``, ``hf cache verify``).
+    #: BENCHMARKS.md "Time to ready, the estimate against a run (2026-12-03, #28)".
+    local_start_seconds: float = 0.25
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -128,10 +143,11 @@ class StepEstimate:
     link_seconds: float
     disk_seconds: float
     cpu_wall_seconds: float
+    start_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return max(self.link_seconds, self.disk_seconds, self.cpu_wall_seconds)
+        return self.start_seconds + max(self.link_seconds, self.disk_seconds, self.cpu_wall_seconds)
 
     @property
     def bound(self) -> str:
@@ -144,14 +160,16 @@ class StepEstimate:
 
 
 def step_estimate(name: str, limits: Limits, *, downloads: int = 0, reads: int = 0, writes: int = 0,
-                  hashes: int = 0, cpu_seconds: float = 0.0, threads: int | None = None) -> StepEstimate:
-    """A step's time under ``limits``: max(downloads / link, (reads + writes) / disk, CPU-s / the
-    cores it can use), where a tool that hashes in ``threads`` threads uses at most that many."""
+                  hashes: int = 0, cpu_seconds: float = 0.0, threads: int | None = None,
+                  start: float = 0.0) -> StepEstimate:
+    """A step's time under ``limits``: ``start`` plus max(downloads / link, (reads + writes) /
+    disk, CPU-s / the cores it can use), where a tool that hashes in ``threads`` threads uses at
+    most that many."""
     cores = limits.cores if threads is None else min(limits.cores, threads)
     return StepEstimate(name, download_bytes=downloads, read_bytes=reads, write_bytes=writes, hash_bytes=hashes,
                         cpu_seconds=cpu_seconds,
                         link_seconds=downloads / limits.link, disk_seconds=(reads + writes) / limits.disk,
-                        cpu_wall_seconds=cpu_seconds / cores)
+                        cpu_wall_seconds=cpu_seconds / cores, start_seconds=start)
 
 
 @dataclass(frozen=True)
@@ -208,11 +226,12 @@ def step_threads(cores: int) -> dict[str, int | None]:
     (the default ``--jobs`` there, :func:`k3ckpt.hub.default_requests`), ``reshard`` writes with
     at most 16 writers, ``verify`` hashes one file per core (``None``: every core), and ``hf
     cache verify`` (huggingface_hub's ``verify_maps``) hashes file after file in one thread
-    (BENCHMARKS.md: CPU/wall 1.00 on 2 cores). tests/test_estimate.py pins these to the
-    commands' own defaults."""
+    (BENCHMARKS.md: CPU/wall 1.00 on 2 cores), as ``hf download``'s threads do in effect: they
+    share one interpreter, whose lock their Python loop holds. tests/test_estimate.py pins these
+    to the commands' own defaults."""
     requests = default_requests(cores)
     return {"fetch": requests, "fetch --node": requests, "reshard": MAX_DEFAULT_WRITERS, "verify": None,
-            "hf cache verify": 1}
+            "hf download": 1, "hf cache verify": 1}
 
 
 def _cpu(gb_cost: float, nbytes: int) -> float:
@@ -243,6 +262,7 @@ def estimate_ready(idx: InventoryIndex, topo: Topology, nodes: Sequence[NodeByte
     ``topo``, :func:`k3ckpt.deploy.plan.node_bytes`); ``checkpoint_bytes``: the whole checkpoint."""
     out = ReadyEstimate(limits, costs, checkpoint_bytes)
     threads = step_threads(limits.cores)
+    hub, local = costs.hub_start_seconds, costs.local_start_seconds
     for nb in nodes:
         held = {e for r in nb.ranks for e in topo.rank_info(r).experts}
         share = nb.total_bytes
@@ -252,22 +272,26 @@ def estimate_ready(idx: InventoryIndex, topo: Topology, nodes: Sequence[NodeByte
         load_name = f"load (vLLM, {len(nb.ranks)} rank{'s' if len(nb.ranks) != 1 else ''})"
         two = RouteEstimate(TWO_STEP, (
             step_estimate("fetch" if whole else "fetch --ranks", limits, downloads=share, writes=share,
-                          hashes=share, cpu_seconds=_cpu(costs.fetch, share), threads=threads["fetch"]),
+                          hashes=share, cpu_seconds=_cpu(costs.fetch, share), threads=threads["fetch"], start=hub),
             step_estimate("verify", limits, reads=share, hashes=share, cpu_seconds=_cpu(costs.verify, share),
-                          threads=threads["verify"]),
+                          threads=threads["verify"], start=local),
             step_estimate("reshard --node", limits, reads=share, writes=share, hashes=share,
-                          cpu_seconds=_cpu(costs.reshard, share), threads=threads["reshard"]),
+                          cpu_seconds=_cpu(costs.reshard, share), threads=threads["reshard"], start=local),
             step_estimate(load_name, limits, reads=load_node),
         ))
         one = RouteEstimate(ONE_STEP, (
             step_estimate("fetch --node", limits, downloads=share, writes=share, hashes=share,
-                          cpu_seconds=_cpu(costs.node_fetch, share), threads=threads["fetch --node"]),
+                          cpu_seconds=_cpu(costs.node_fetch, share), threads=threads["fetch --node"],
+                          start=hub),
             step_estimate(load_name, limits, reads=load_node),
         ))
         naive = RouteEstimate(NAIVE, (
-            step_estimate("hf download", limits, downloads=checkpoint_bytes, writes=checkpoint_bytes),
+            step_estimate("hf download", limits, downloads=checkpoint_bytes, writes=checkpoint_bytes,
+                          cpu_seconds=_cpu(costs.hf_download, checkpoint_bytes), threads=threads["hf download"],
+                          start=hub),
             step_estimate("hf cache verify", limits, reads=checkpoint_bytes, hashes=checkpoint_bytes,
-                          cpu_seconds=checkpoint_bytes / GB / costs.sha256_rate, threads=threads["hf cache verify"]),
+                          cpu_seconds=checkpoint_bytes / GB / costs.sha256_rate, threads=threads["hf cache verify"],
+                          start=local),
             step_estimate(load_name, limits, reads=load_orig),
         ))
         out.nodes.append(NodeEstimate(nb.node, tuple(nb.ranks), (two, one, naive)))
@@ -296,14 +320,16 @@ def render_ready(est: ReadyEstimate) -> list[str]:
     lim, c = est.limits, est.costs
     threads = step_threads(lim.cores)
     lines = [
-        "time to ready  all nodes at once, each step after the last; a step takes the longest of",
-        "               download / link, (read + write) / disk and CPU-s / the cores it hashes on",
-        f"               (fetch and fetch --node {threads['fetch']} requests, reshard {threads['reshard']} "
-        f"writers, hf cache verify {threads['hf cache verify']})",
+        "time to ready  all nodes at once, each step after the last; a step takes its start-up",
+        f"               ({c.hub_start_seconds:g} s from the hub, {c.local_start_seconds:g} s local) plus the longest "
+        "of download / link,",
+        "               (read + write) / disk and CPU-s / the cores it hashes on (fetch and",
+        f"               fetch --node {threads['fetch']} requests, reshard {threads['reshard']} writers, hf download "
+        f"and hf cache verify {threads['hf cache verify']})",
         f"limits         per node: link {human_bytes(lim.link)}/s ({lim.link * 8 / GB:g} Gbit/s), "
         f"disk {human_bytes(lim.disk)}/s (reads + writes), {lim.cores} cores",
         f"CPU-s per GB   fetch {c.fetch:.2f}, verify {c.verify:.2f}, reshard {c.reshard:.2f}, "
-        f"fetch --node {c.node_fetch:.2f}; sha256 {c.sha256_rate:.2f} GB/s a core",
+        f"fetch --node {c.node_fetch:.2f}, hf download {c.hf_download:.2f}; sha256 {c.sha256_rate:.2f} GB/s a core",
     ]
     groups: dict[Any, list[NodeEstimate]] = {}
     for n in est.nodes:

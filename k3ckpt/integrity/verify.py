@@ -181,11 +181,14 @@ def verify_checkpoint(
     issues = report.issues
 
     share = share_marker(root)
+    manifest_file = manifest_path
     if manifest_path is not None and (quick or share is not None):  # nothing to start before it
         manifest, manifest_path = Manifest.load(manifest_path), None
     if share is not None:
         verify_share(root, *share, report, manifest=manifest, expected=_expected(manifest, expected_files),
                      quick=quick, scan=scan, jobs=jobs, cache=cache, progress=progress, on_plan=on_plan)
+        if cache is not None and manifest_file is not None and not quick and any(report.proofs.values()):
+            cache.note_manifest(manifest_file)  # reshard of the share takes its tensor digests (docs/trust.md)
         return _finish(report, cache, t0)
 
     present, stats = stat_present(root, report)

@@ -22,7 +22,8 @@ nodes hold the same slice (replicated tensors, TP slices across dp ranks); a fil
 to another of the run (a twin: a node's dense files, a rank's dense parts) takes its digests
 from that one and is only copied, as soon as that one is written. With ``--manifest``
 (:func:`manifest_digests`) whole tensors of source files that ``verify`` or ``fetch`` last found
-unchanged and equal to the manifest take their digest from it and are not hashed at all; every
+unchanged and equal to the manifest (by the file's sha256, or tensor by tensor for a share's
+rewritten shard) take their digest from it and are not hashed at all; every
 other tensor is hashed as above, so a source that does not match the manifest never gets its
 digests.
 
@@ -167,14 +168,22 @@ def verified_manifest_digests(ckpt: Checkpoint, cache_directory: Path | None = N
 def manifest_digests(ckpt: Checkpoint, manifest: Manifest, cache_directory: Path | None = None) -> dict[str, str]:
     """The whole-tensor sha256 ``reshard --manifest`` takes from ``manifest`` instead of
     hashing the bytes again: those of the source files whose current bytes are known to be the
-    manifest's - the verify stat cache (what ``k3ckpt verify`` and ``k3ckpt fetch`` record,
-    :class:`~k3ckpt.integrity.verify.StatCache`) holds the file with its stat unchanged
-    (size, mtime, inode, device, ctime) and the sha256 the manifest lists for it, and no tensor that
-    verify found differing from its manifest - and whose entry in the manifest has the source
-    header's dtype, shape and byte range. The file digest is what ties the manifest to the
-    bytes; its tensor digests are taken as the manifest states them. Every other tensor
-    (a file never verified, changed since, or listed with another digest) is hashed as without
-    a manifest: a source that does not match the manifest never gets the manifest's digests.
+    manifest's. The verify stat cache (what ``k3ckpt verify`` and ``k3ckpt fetch`` record,
+    :class:`~k3ckpt.integrity.verify.StatCache`) holds the file with its stat unchanged (size,
+    mtime, inode, device, ctime) and either
+
+    - the sha256 the manifest lists for it, and no tensor that verify found differing from its
+      manifest - and the tensor's entry in the manifest has the source header's dtype, shape and
+      byte range: the file digest ties the manifest to the bytes, its tensor digests are taken
+      as the manifest states them; or
+    - (a share's rewritten shard, whose file digest no manifest lists: ``fetch --format partial``,
+      a node directory) the fingerprint of this manifest as the one every tensor of the file was
+      found equal to, tensor by tensor, by ``verify``'s share check - and the tensor's entry has
+      the header's dtype and shape (its byte range is the share's own).
+
+    Every other tensor (a file never verified, changed since, or listed with another digest) is
+    hashed as without a manifest: a source that does not match the manifest never gets the
+    manifest's digests.
 
     Raises:
         ReshardError: the manifest has no tensor hashes (nothing to take from it).
@@ -186,25 +195,28 @@ def manifest_digests(ckpt: Checkpoint, manifest: Manifest, cache_directory: Path
         raise ReshardError(f"the --manifest has no tensor hashes (build one with `k3ckpt manifest build {ckpt.root} "
                            f"--tensor-hashes -o {name}.tensors.json`)")
     cache = StatCache(ckpt.root, cache_directory)
-    trusted: set[str] = set()
+    by_file: set[str] = set()  # equal to the manifest's file digest
+    by_tensor: set[str] = set()  # every tensor equal to the manifest's
     for f in ckpt.shards:
         listed = manifest.files.get(f)
         try:
             hit = cache.lookup(f, os.stat(ckpt.root / f))
         except OSError:
             continue
-        # a file whose last verify found tensors differing from its manifest is not trusted either
-        if (listed is not None and listed.sha256 and hit is not None and hit.get("sha256") == listed.sha256
-                and not hit.get("bad_tensors")):
-            trusted.add(f)
+        if hit is None or hit.get("bad_tensors"):  # tensors a verify found differing: not trusted
+            continue
+        if listed is not None and listed.sha256 and hit.get("sha256") == listed.sha256:
+            by_file.add(f)
+        elif hit.get("tensors_match_manifest") == manifest.fingerprint():
+            by_tensor.add(f)
     out: dict[str, str] = {}
     for name, info in ckpt.tensors.items():
         entry = manifest.tensors.get(name)
-        if info.file not in trusted or entry is None or entry.sha256 is None:
+        if entry is None or entry.sha256 is None or (entry.dtype, tuple(entry.shape)) != (info.dtype, tuple(info.shape)):
             continue
         start = ckpt.shards[info.file].data_start
-        if (entry.file, entry.dtype, tuple(entry.shape), tuple(entry.offsets)) == (
-                info.file, info.dtype, tuple(info.shape), (start + info.begin, start + info.end)):
+        if info.file in by_tensor or (info.file in by_file and (entry.file, tuple(entry.offsets)) == (
+                info.file, (start + info.begin, start + info.end))):
             out[name] = entry.sha256
     return out
 
