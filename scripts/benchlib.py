@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -628,6 +629,8 @@ def start(bench: str, args: argparse.Namespace) -> Setup:
     if getattr(args, "page_reporting", "leave") == "pause":
         memory.pause()
         atexit.register(memory.restore)
+        # a kill (or Ctrl-C in a shell's background job, which ignores SIGINT) restores it too
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     m = machine(work)
     m["guest_memory"] = memory.describe()
     print(machine_line(m), flush=True)
