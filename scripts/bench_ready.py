@@ -235,6 +235,8 @@ def main() -> None:
                     help="an earlier report's bench_ready.json: compare its runs with the estimate as it is now "
                          "(after a change of the cost model), without running anything")
     args = ap.parse_args()
+    if args.measured is not None:
+        args.page_reporting = "leave"  # nothing runs: the memory is not touched
     setup = bl.start("bench_ready", args)
     if args.measured is not None:
         measured = json.loads(args.measured.read_text())["measured"]

@@ -257,8 +257,8 @@ def test_engine_reads_equal_vllms_filter(k3_tiny: Path, tp: int, dp: int, gpus: 
 def test_routes_on_k3_tiny(k3_tiny: Path) -> None:
     """Two 2-GPU nodes of tp 2 x dp 2: each step's bytes and CPU-seconds from the node's share and
     the costs, its time from the limits."""
-    costs = CostPerGB(verify=1.0, fetch=2.0, reshard=3.0, node_fetch=4.0, hf_download=5.0, sha256_rate=2.0,
-                      hub_start_seconds=0.5, local_start_seconds=0.25)
+    costs = CostPerGB(verify=1.0, fetch=2.5, rank_fetch=2.0, reshard=3.0, node_fetch=4.0, hf_download=5.0,
+                      hf_cache_verify=0.5, hub_start_seconds=0.5, local_start_seconds=0.25)
     rep = plan_topology(k3_tiny, RankSelection(tp=2, dp=2, gpus_per_node=2), limits=LIMITS, costs=costs)
     assert rep.ready is not None and len(rep.ready.nodes) == 2
     for node, nb in zip(rep.ready.nodes, rep.nodes):
@@ -280,7 +280,7 @@ def test_routes_on_k3_tiny(k3_tiny: Path) -> None:
         assert (download.download_bytes, download.write_bytes) == (whole, whole)
         assert download.cpu_seconds == pytest.approx(5.0 * whole / GB)
         assert download.cpu_wall_seconds == pytest.approx(download.cpu_seconds)  # one interpreter
-        assert cache_verify.hash_bytes == whole and cache_verify.cpu_seconds == pytest.approx(whole / GB / 2.0)
+        assert cache_verify.hash_bytes == whole and cache_verify.cpu_seconds == pytest.approx(0.5 * whole / GB)
         assert cache_verify.cpu_wall_seconds == pytest.approx(cache_verify.cpu_seconds)  # one thread
         # the start-up: 0.5 s for a command reading the hub, 0.25 s for one on local files, none for the load
         assert [s.start_seconds for r in node.routes for s in r.steps] == [
@@ -296,6 +296,8 @@ def test_one_node_fetches_the_whole_checkpoint(k3_tiny: Path) -> None:
     assert rep.ready is not None
     fetch = rep.ready.nodes[0].route(TWO_STEP).steps[0]
     assert fetch.name == "fetch" and fetch.download_bytes == rep.nodes[0].total_bytes
+    # a whole fetch hashes each file once, at fetch's cost; a rank fetch's cost is rank_fetch
+    assert fetch.cpu_seconds == pytest.approx(MEASURED_COSTS.fetch * fetch.download_bytes / GB)
 
 
 # -- the CLI -------------------------------------------------------------------------------------

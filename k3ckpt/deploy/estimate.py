@@ -24,8 +24,8 @@ that reads and writes the same bytes (reshard) moves them twice through the disk
   checked against a tensor-hash manifest), then the load;
 - **naive**: every node downloads the whole checkpoint (``hf download`` over plain HTTP, at
   :attr:`CostPerGB.hf_download` in one thread: huggingface_hub's download threads share one
-  interpreter), ``hf cache verify`` hashes all of it (at :attr:`CostPerGB.sha256_rate`, file after file in
-  one thread, as huggingface_hub does), then the load from the original layout.
+  interpreter), ``hf cache verify`` hashes all of it (at :attr:`CostPerGB.hf_cache_verify`, file after
+  file in one thread, as huggingface_hub does), then the load from the original layout.
 
 The load is vLLM's with ``--enable-expert-parallel --enable-ep-weight-filter``: every rank of the
 node reads every dense tensor, every expert tensor its directory holds except the heavy weights
@@ -58,31 +58,37 @@ class CostPerGB:
     of one core: the measured figures the estimate scales by the node's cores. Each default
     names the BENCHMARKS.md section (and row) it comes from; a re-measurement changes one line."""
 
-    #: per GB hashed by ``verify --manifest M --no-cache``. BENCHMARKS.md "Cost per GB (2026-12-01,
-    #: after #16)": marginal CPU-s per GB beyond the fixed start-up, the larger of the two shapes.
-    verify: float = 0.88
+    #: per GB hashed by ``verify --manifest M`` with a tensor-hash manifest (each file's sha256 and
+    #: each tensor's: two digests of every byte), page cache empty. BENCHMARKS.md "Time to ready,
+    #: the estimate against a run (2026-12-03, #28)": k3-density at 1 core, CPU-s beyond the
+    #: start-up per GB of the share; each figure below the same way.
+    verify: float = 1.57
     #: per GB received by a whole ``fetch`` (sha256 of every byte, write, fsync). BENCHMARKS.md
-    #: "Cost per GB (2026-12-01, after #16)", the same way.
-    fetch: float = 1.39
-    #: per GB written by ``reshard`` into node directories. BENCHMARKS.md "Cost per GB
-    #: (2026-12-01, after #16)", the same way.
-    reshard: float = 1.87
-    #: per GB received by ``fetch --node``, hashing while receiving (no read-back). BENCHMARKS.md
-    #: "Node fetch hashing while receiving, and time to ready (2026-12-03, #28)": marginal CPU-s
-    #: per GB on k3-density at two workers (2.69 before, reading finished files back).
-    node_fetch: float = 2.24
+    #: "Time to ready, the estimate against a run (2026-12-03, #28)", bench_fetch's k3-density row.
+    fetch: float = 1.47
+    #: per GB received by ``fetch --ranks`` (``--format partial``: every tensor hashed against the
+    #: manifest as it arrives, and each rewritten file's own sha256). BENCHMARKS.md "Time to
+    #: ready, the estimate against a run (2026-12-03, #28)".
+    rank_fetch: float = 2.08
+    #: per GB written by ``reshard --node`` in the documented flow (tensor digests from the verify
+    #: that ran before; the written files' sha256 and the kernel copy). BENCHMARKS.md "Time to
+    #: ready, the estimate against a run (2026-12-03, #28)".
+    reshard: float = 1.44
+    #: per GB received by ``fetch --node`` (each file's sha256 and each tensor's, while
+    #: receiving). BENCHMARKS.md "Time to ready, the estimate against a run (2026-12-03, #28)".
+    node_fetch: float = 2.89
     #: per GB downloaded by ``hf download`` (huggingface_hub over plain HTTP, no Xet): its Python
-    #: read-and-write loop, in one thread. BENCHMARKS.md "Time to ready, the estimate against a run
-    #: (2026-12-03, #28)".
-    hf_download: float = 5.4
-    #: GB/s of sha256 on one core (``openssl speed -evp sha256 -bytes 16384``): the floor of any
-    #: hashing, and ``hf cache verify``'s cost. BENCHMARKS.md "Cost per GB (2026-12-01, after
-    #: #16)", machine line: 1.75 GB/s.
-    sha256_rate: float = 1.75
+    #: read-and-write loop, in one thread. BENCHMARKS.md "Time to ready, the estimate against a
+    #: run (2026-12-03, #28)".
+    hf_download: float = 2.91
+    #: per GB hashed by ``hf cache verify`` (huggingface_hub's ``verify_maps``: hashlib's sha256,
+    #: OpenSSL's, file after file in one thread, plus its reads). BENCHMARKS.md "Time to ready,
+    #: the estimate against a run (2026-12-03, #28)".
+    hf_cache_verify: float = 1.01
     #: seconds a command that reads from the hub (``fetch``, ``hf download``) spends besides its
     #: bytes: the interpreter's start, the listing and headers before the first byte, the last
-    #: syncs and renames after it (its wall on k3-tiny). BENCHMARKS.md "Time to ready, the
-    #: estimate against a run (2026-12-03, #28)".
+    #: syncs and renames after it (launch to exit on k3-tiny, bench_start). BENCHMARKS.md "Time
+    #: to ready, the estimate against a run (2026-12-03, #28)".
     hub_start_seconds: float = 0.6
     #: the same for a command on local files (``verify``, ``reshard``, ``hf cache verify``).
     #: BENCHMARKS.md "Time to ready, the estimate against a run (2026-12-03, #28)".
@@ -272,7 +278,8 @@ def estimate_ready(idx: InventoryIndex, topo: Topology, nodes: Sequence[NodeByte
         load_name = f"load (vLLM, {len(nb.ranks)} rank{'s' if len(nb.ranks) != 1 else ''})"
         two = RouteEstimate(TWO_STEP, (
             step_estimate("fetch" if whole else "fetch --ranks", limits, downloads=share, writes=share,
-                          hashes=share, cpu_seconds=_cpu(costs.fetch, share), threads=threads["fetch"], start=hub),
+                          hashes=share, cpu_seconds=_cpu(costs.fetch if whole else costs.rank_fetch, share),
+                          threads=threads["fetch"], start=hub),
             step_estimate("verify", limits, reads=share, hashes=share, cpu_seconds=_cpu(costs.verify, share),
                           threads=threads["verify"], start=local),
             step_estimate("reshard --node", limits, reads=share, writes=share, hashes=share,
@@ -290,7 +297,7 @@ def estimate_ready(idx: InventoryIndex, topo: Topology, nodes: Sequence[NodeByte
                           cpu_seconds=_cpu(costs.hf_download, checkpoint_bytes), threads=threads["hf download"],
                           start=hub),
             step_estimate("hf cache verify", limits, reads=checkpoint_bytes, hashes=checkpoint_bytes,
-                          cpu_seconds=checkpoint_bytes / GB / costs.sha256_rate, threads=threads["hf cache verify"],
+                          cpu_seconds=_cpu(costs.hf_cache_verify, checkpoint_bytes), threads=threads["hf cache verify"],
                           start=local),
             step_estimate(load_name, limits, reads=load_orig),
         ))
@@ -328,8 +335,10 @@ def render_ready(est: ReadyEstimate) -> list[str]:
         f"and hf cache verify {threads['hf cache verify']})",
         f"limits         per node: link {human_bytes(lim.link)}/s ({lim.link * 8 / GB:g} Gbit/s), "
         f"disk {human_bytes(lim.disk)}/s (reads + writes), {lim.cores} cores",
-        f"CPU-s per GB   fetch {c.fetch:.2f}, verify {c.verify:.2f}, reshard {c.reshard:.2f}, "
-        f"fetch --node {c.node_fetch:.2f}, hf download {c.hf_download:.2f}; sha256 {c.sha256_rate:.2f} GB/s a core",
+        f"CPU-s per GB   fetch {c.fetch:.2f}, fetch --ranks {c.rank_fetch:.2f}, verify {c.verify:.2f}, "
+        f"reshard {c.reshard:.2f},",
+        f"               fetch --node {c.node_fetch:.2f}, hf download {c.hf_download:.2f}, "
+        f"hf cache verify {c.hf_cache_verify:.2f}",
     ]
     groups: dict[Any, list[NodeEstimate]] = {}
     for n in est.nodes:
