@@ -234,7 +234,7 @@ def verify_share(
                 checked[f] = report.reference
             if cache is not None:
                 extra = {"share_ref": ref_key, "share_issues": [asdict(i) for i in found],
-                         "tensors_match_manifest": _every_tensor_matched(d, found, want_sha, tensor_ref, manifest)
+                         "tensors_match_manifest": _every_tensor_matched(d, found, want_sha, manifest)
                          } if f in weight else {}
                 scanned = {"scan_ok": not d.flagged, "flagged": d.flagged or []} if scan and f in weight else {}
                 proof = {"proven": report.reference} if matched else {}
@@ -244,12 +244,12 @@ def verify_share(
 
 
 def _every_tensor_matched(d: FileDigest, found: list[Issue], want_sha: dict[str, tuple[str, str]],
-                          tensor_ref: dict[str, TensorEntry] | None, manifest: Manifest | None) -> str | None:
+                          manifest: Manifest | None) -> str | None:
     """The fingerprint of the tensor-hash manifest every tensor of a hashed share file was just
     found equal to (each one listed with a sha256, none differing), else None: what lets
     ``reshard`` take those tensors' digests from that manifest while the file's stat is unchanged
     (:func:`k3ckpt.deploy.reshard.manifest_digests`), instead of hashing them a second time."""
-    if tensor_ref is None or manifest is None or found or not d.spans:
+    if manifest is None or not manifest.tensor_hashes or found or not d.spans:
         return None
     return manifest.fingerprint() if all(name in want_sha for name in d.spans) else None
 
