@@ -42,6 +42,7 @@ __all__ = [
     "K3CKPT_MX_INSPECT_CHUNK_BYTES",
     "K3CKPT_PREFLIGHT_FREE_BYTES",
     "K3CKPT_PREFLIGHT_MEM_BYTES",
+    "K3CKPT_SHARE_FILES",
     "K3CKPT_TEST_PAUSE_AT",
     "K3CKPT_TEST_PAUSE_FILE",
     "PATH",
@@ -215,6 +216,13 @@ K3CKPT_DIRECT_IO: EnvVar[bool] = _declare(EnvVar(
     "no copy into the page cache, no dirty pages left to flush; off: through the page cache, so the "
     "files stay cached.",
     _switch))
+
+K3CKPT_SHARE_FILES: EnvVar[bool | None] = _declare(EnvVar(
+    "K3CKPT_SHARE_FILES", SWITCH, None,
+    "Whether a spare `fetch` worker may share a file another worker is downloading (its bytes "
+    "are read back from the disk to hash the file in order): on: always; off: never; unset: "
+    "while a probe shows it raises the receive rate (a slow stream per connection).",
+    _switch, default_doc="auto"))
 
 K3CKPT_MX_CHUNK_BYTES: EnvVar[int] = _declare(EnvVar(
     "K3CKPT_MX_CHUNK_BYTES", SIZE, 8 * 1024**2,

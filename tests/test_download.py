@@ -648,11 +648,41 @@ def test_one_worker_per_file_hashes_what_it_receives(direct: str, hub: LoopbackH
     assert read_back == []
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to name descriptors")
+@pytest.mark.parametrize("share", ["off", "on"])
+def test_spare_workers_share_a_file_only_as_k3ckpt_share_files_says(share: str, hub: LoopbackHub,
+                                                                     listing: HubListing, served: Path,
+                                                                     tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight workers, one file. Off: one worker streams it and the others stay idle, so no byte
+    is read back. On: they share it from the start, and the chunks done ahead of the digest
+    are read back from the .part - among them requests whose earlier pieces were still being
+    written when the digest reached them, which must be on disk first: the file verifies at
+    its first try (no whole-file re-fetch, which a mismatch would cause)."""
+    monkeypatch.setenv("K3CKPT_SHARE_FILES", share)
+    read_back: list[int] = []
+    preadv = os.preadv
+
+    def counting_preadv(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        if _is_part(fd):
+            read_back.append(offset)
+        return preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    size = listing.files[BIG].size
+    r = fetch_files(listing, tmp_path / "o", [BIG], chunk_size=CHUNK, token="", workers=8, retry=_fast())
+    assert r.ok, r.failed
+    assert r.bytes_downloaded == size
+    _assert_identical(served, tmp_path / "o", [BIG])
+    assert (read_back != []) is (share == "on"), len(read_back)
+
+
 @pytest.mark.parametrize("workers", [1, 8])
 def test_corrupt_byte_mid_chunk_never_reaches_the_final_name(workers: int, hub: LoopbackHub, listing: HubListing,
-                                                             tmp_path: Path) -> None:
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Hashed as it arrives (one worker) or read back (several on one file): a byte flipped in
     the middle of a chunk, every time it is served, fails the file before its rename."""
+    monkeypatch.setenv("K3CKPT_SHARE_FILES", "on")  # the eight workers share the file from the start
     hub.inject("corrupt_byte", BIG, times=None, offset=3 * CHUNK + CHUNK // 3)
     dest = tmp_path / "o"
     r = fetch_files(listing, dest, [BIG], chunk_size=CHUNK, token="", workers=workers, retry=_fast())
@@ -676,10 +706,11 @@ def test_a_request_lost_mid_chunk_is_unhashed_before_its_retry(hub: LoopbackHub,
 
 @pytest.mark.parametrize("workers", [1, 8])
 def test_resumed_bytes_are_hashed_too(workers: int, hub: LoopbackHub, hf_listing: HubListing, served: Path,
-                                      tmp_path: Path) -> None:
+                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks journaled by an earlier run are not fetched again, but their bytes on disk are
     still part of the digest: one rotten there makes the file fail its check and be fetched
     again in full, never renamed with it."""
+    monkeypatch.setenv("K3CKPT_SHARE_FILES", "on")
     dest = tmp_path / "o"
     dest.mkdir()
     entry = hf_listing.files[BIG]

@@ -126,6 +126,7 @@ def test_get_reads_at_call_time_and_blank_means_default(monkeypatch: pytest.Monk
     ("K3CKPT_LOCK_STALE_SECONDS", "-1", "is not a number of seconds >= 0"),
     ("K3CKPT_LOCK_STALE_SECONDS", "inf", "is not a number of seconds >= 0"),
     ("K3CKPT_DIRECT_IO", "maybe", "is not on or off (examples: on, off, 1, 0)"),
+    ("K3CKPT_SHARE_FILES", "auto", "is not on or off (examples: on, off, 1, 0)"),
 ])
 def test_bad_values_are_typed_errors(name: str, value: str, problem: str) -> None:
     with pytest.raises(EnvError) as e:
@@ -139,7 +140,7 @@ def test_bad_values_are_typed_errors(name: str, value: str, problem: str) -> Non
 #: The variables the CLI tests below set to a bad value; paths and text have none.
 CLI_CHECKED = {"K3CKPT_HASH_BUFFER", "K3CKPT_MAX_HEADER_BYTES", "K3CKPT_MX_CHUNK_BYTES", "K3CKPT_MX_INSPECT_CHUNK_BYTES",
                "K3CKPT_PREFLIGHT_FREE_BYTES", "K3CKPT_PREFLIGHT_MEM_BYTES", "K3CKPT_LOCK_STALE_SECONDS",
-               "K3CKPT_DIRECT_IO"}
+               "K3CKPT_DIRECT_IO", "K3CKPT_SHARE_FILES"}
 
 
 def test_every_variable_that_can_be_bad_is_checked_through_the_cli() -> None:
@@ -250,3 +251,19 @@ def test_direct_io(served_hub, tmp_path: Path) -> None:
         res = run(*args, "--dest", str(tmp_path / value), env_vars={"K3CKPT_DIRECT_IO": value})
         assert res.exit_code == 0, res.output
         assert (tmp_path / value / "LICENSE").exists()
+
+
+@pytest.mark.usefixtures("isolated_hub_clients")
+@pytest.mark.parametrize("node", [False, True])
+def test_share_files(node: bool, served_hub, tmp_path: Path) -> None:
+    """A bad value is refused before any byte, by the whole-repo fetch and by fetch --node."""
+    h, _ = served_hub
+    args = ["fetch", "--source", "hf", "--repo", REPO, "--endpoint", h.url]
+    args += ["--tp", "2", "--gpus-per-node", "2", "--node", "0"] if node else ["--include", "LICENSE"]
+    res = run(*args, "--dest", str(tmp_path / "a"), env_vars={"K3CKPT_SHARE_FILES": "sometimes"})
+    assert_one_line_error(res, "K3CKPT_SHARE_FILES='sometimes' is not on or off")
+    assert not (tmp_path / "a").exists()
+    for value in ("off", "on"):
+        res = run(*args, "--dest", str(tmp_path / value), env_vars={"K3CKPT_SHARE_FILES": value})
+        assert res.exit_code == 0, res.output
+        assert (tmp_path / value / ("config.json" if node else "LICENSE")).exists()

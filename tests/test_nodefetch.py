@@ -226,6 +226,7 @@ def test_node_digests_hold_when_requests_complete_out_of_order_or_fail(
     h, served = served_hub
     ref = tmp_path / "ref"
     assert run("reshard", str(k3_tiny), "-o", str(ref), *TWO_FILES, "--node", "0").exit_code == 0
+    monkeypatch.setenv("K3CKPT_SHARE_FILES", "on")  # the four workers share each file from the start
     reread, files = _count_reads_back(monkeypatch)
     shard = "model-00003-of-000008.safetensors"
     hdr = read_header(served / shard)
@@ -248,10 +249,9 @@ def test_node_digests_hold_when_requests_complete_out_of_order_or_fail(
 
 
 def test_a_response_cut_after_its_first_megabyte_gives_back_what_it_fed(tmp_path: Path) -> None:
-    """A request whose first MiB was written and fed to the file's digest, then cut (a FIN: the
-    bytes before it are read), is retried from its start; what it fed is given back, so the
-    file's sha256 is of the bytes on disk. Tensors of 2 MB, requests of 8 MiB: a response is
-    read in 1 MiB steps."""
+    """A request whose first 1.5 MB were written and fed to the file's digest, then cut (a FIN:
+    the bytes before it are read), is retried from its start; what it fed is given back, so the
+    file's sha256 is of the bytes on disk. Tensors of 2 MB, requests of 8 MiB."""
     from k3ckpt.testing.hub import LoopbackHub
 
     src = tmp_path / "big"

@@ -93,7 +93,9 @@ class StreamDigest:
     def hash_written(self, job: PartFile, start: int, length: int) -> None:
         """Hash ``length`` bytes of the ``.part`` from ``start``, read back from it (through the
         ``O_DIRECT`` descriptor when there is one and the offset allows: the bytes were written
-        past the page cache, and reading them through it would allocate it after all)."""
+        past the page cache, and reading them through it would allocate it after all). This
+        thread's own writes still in flight land first (:func:`~k3ckpt.hub._transfer.flush_writes`)."""
+        _transfer.flush_writes()
         fd, dfd = job.fd, job.dfd
         view = _hash_buffer()
         pos, end = start, start + length

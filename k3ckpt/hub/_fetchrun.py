@@ -2,7 +2,7 @@
 
 :class:`FetchRun` holds the run's shared state: a queue of (file, chunk) tasks handed out so
 that workers spread over files first (one worker per file, its chunks in order) and share the
-chunks of the last files (:class:`~k3ckpt.hub._transfer.SpreadQueue`); ``workers`` threads that stream each chunk into its
+chunks of the last files (:class:`~k3ckpt.hub.schedule.SpreadQueue`); ``workers`` threads that stream each chunk into its
 file (:mod:`k3ckpt.hub._filejob`) and journal it; and each file's finish: the complete ``.part``
 verified against the listing (:mod:`k3ckpt.hub._digest`), ``fsync``-ed and renamed
 (``os.replace``) to its final name, so a partial or corrupt file never appears under the final
@@ -28,7 +28,7 @@ from typing import Any
 
 from ..faults import pause_point
 from ..utils import fsync_dir
-from . import _dest, _http, _transfer
+from . import _dest, _http, _transfer, schedule
 from ._digest import mismatch
 from ._filejob import WHOLE, FileJob, stream_chunk, stream_whole
 from .client import HubListing, RetryPolicy
@@ -87,11 +87,12 @@ class FetchRun:
     """Shared state of one fetch: a work queue of (job, chunk) tasks and ``workers`` threads.
 
     ``timeout`` is the connect/read timeout per request, ``piece`` the bytes a whole-file GET
-    reads and writes per step (the downloader's module settings, read when the run starts)."""
+    reads and writes per step (the downloader's module settings, read when the run starts);
+    ``share_files``: ``K3CKPT_SHARE_FILES`` (see :func:`~k3ckpt.hub.schedule.join_rule`)."""
 
     def __init__(self, listing: HubListing, headers: dict[str, str], retry: RetryPolicy, workers: int,
                  progress: Callable[[int], None] | None, result: FetchResult, *, timeout: float,
-                 piece: int) -> None:
+                 piece: int, share_files: bool | None = None) -> None:
         self.listing = listing
         self.headers = headers
         self.retry = retry
@@ -99,7 +100,10 @@ class FetchRun:
         self.progress = progress
         self.result = result
         self.cond = threading.Condition()
-        self.queue: _transfer.SpreadQueue[FileJob, int | None] = _transfer.SpreadQueue()
+        # a spare worker joins a file in flight only while that buys receive rate (its bytes
+        # are hashed later, read back from the disk)
+        may_join = schedule.join_rule(share_files, lambda: self.result.bytes_downloaded)
+        self.queue: schedule.SpreadQueue[FileJob, int | None] = schedule.SpreadQueue(may_join)
         self.pending = 0  # tasks queued or running
         self.cancel = threading.Event()
         self.bytes_lock = threading.Lock()
@@ -140,7 +144,7 @@ class FetchRun:
     # -- workers ---------------------------------------------------------------------------------
 
     def worker(self) -> None:
-        while (item := _transfer.next_task(self.cond, self.queue, lambda: self.pending > 0, self.cancel)) is not None:
+        while (item := schedule.next_task(self.cond, self.queue, lambda: self.pending > 0, self.cancel)) is not None:
             job, index = item
             try:
                 self._run_task(job, index)
@@ -320,7 +324,7 @@ class FetchRun:
                 self.result.fetched.append(entry.path)
 
     def run(self) -> None:
-        _transfer.run_workers(self.worker, self.workers, "k3ckpt-fetch", self.cond, lambda: self.pending > 0,
+        schedule.run_workers(self.worker, self.workers, "k3ckpt-fetch", self.cond, lambda: self.pending > 0,
                               self.cancel)
 
 

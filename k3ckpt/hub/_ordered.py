@@ -8,7 +8,7 @@ task after task: the in-order scheme of a downloaded file's chunks
 (:class:`~k3ckpt.hub._digest.StreamDigest`), with tasks as the chunks. The worker writing the
 task next in line feeds the digest the very buffers it writes; a task completed ahead of its turn
 is hashed from the ``.part`` when its turn comes. That is rare: workers spread over files
-(:class:`~k3ckpt.hub._transfer.SpreadQueue`), so while there are more files than workers each
+(:class:`~k3ckpt.hub.schedule.SpreadQueue`), so while there are more files than workers each
 file's tasks are written by one worker, in order. A task's tensors are hashed as they stream by
 its own hasher (:class:`~k3ckpt.hub._workers.TensorHasher`) and recorded here once the task is
 complete (and, with a manifest, matched).

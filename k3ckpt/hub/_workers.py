@@ -10,7 +10,7 @@ verified (its last request is journaled only after the tensor hashes matched); a
 earlier requests are re-read from the ``.part`` on resume to rebuild its hash. With
 ``stream_digests`` (a node directory's files) every task's tensors are hashed that way, manifest
 or not, and the file's sha256 in file order (:mod:`k3ckpt.hub._ordered`); tasks are handed out
-so that workers spread over files (:class:`~k3ckpt.hub._transfer.SpreadQueue`). A complete
+so that workers spread over files (:class:`~k3ckpt.hub.schedule.SpreadQueue`). A complete
 ``.part`` is checked (size, header bytes) and renamed into place, then added to
 :data:`SHARD_RECORD`.
 
@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from ..env import K3CKPT_SHARE_FILES
 from ..errors import K3ckptError
 from ..faults import pause_point
 from ..format.header import parse_header_bytes
@@ -40,7 +41,7 @@ from ..integrity.manifest import Manifest
 from ..utils import fsync_dir, write_atomic
 from ..utils.ownership import locked_output_dir
 from ..utils.space import require_free_space
-from . import _dest, _http, _transfer, download
+from . import _dest, _http, _transfer, download, schedule
 from . import client as hubclient
 from ._ordered import FileDigests, StreamedFile, TaskFeed
 from ._pieces import OutputJob, OutputPlan, Piece, PieceFailed, Task
@@ -118,12 +119,13 @@ class OutputRun:
 
     ``before_rename(job)``, when given, runs once a ``.part`` is complete and checked, before its
     rename (a node directory's writer hashes the file there: raising :class:`PieceFailed` fails
-    the file, which then never gets its final name)."""
+    the file, which then never gets its final name); ``share_files``: ``K3CKPT_SHARE_FILES``
+    (see :func:`~k3ckpt.hub.schedule.join_rule`)."""
 
     def __init__(self, listing: HubListing, manifest: Manifest | None, dest: Path, result: RankFetchResult,
                  headers: dict[str, str], retry: RetryPolicy, progress: Callable[[int], None] | None,
                  before_rename: Callable[[OutputJob, FileDigests | None], None] | None = None,
-                 stream_digests: bool = False) -> None:
+                 stream_digests: bool = False, share_files: bool | None = None) -> None:
         self.listing = listing
         self.manifest = manifest
         self.before_rename = before_rename
@@ -135,7 +137,10 @@ class OutputRun:
         self.progress = progress
         self.cancel = threading.Event()
         self.cond = threading.Condition()
-        self.queue: _transfer.SpreadQueue[OutputJob, int | None] = _transfer.SpreadQueue()
+        # where each file's digest is taken in order, a spare worker joins a file in flight only
+        # while that buys receive rate (its bytes are hashed later, read back from the disk)
+        may_join = schedule.join_rule(share_files, lambda: self.result.bytes_downloaded) if stream_digests else None
+        self.queue: schedule.SpreadQueue[OutputJob, int | None] = schedule.SpreadQueue(may_join)
         self.pending = 0
         self.count_lock = threading.Lock()
         self.pieces_journaled = 0
@@ -326,7 +331,7 @@ class OutputRun:
             self.cond.notify_all()
 
     def worker(self) -> None:
-        while (item := _transfer.next_task(self.cond, self.queue, lambda: self.pending > 0, self.cancel)) is not None:
+        while (item := schedule.next_task(self.cond, self.queue, lambda: self.pending > 0, self.cancel)) is not None:
             job, k = item
             try:
                 self.run_task(job, k)
@@ -350,7 +355,7 @@ class OutputRun:
                     self.cond.notify_all()
 
     def run(self, workers: int) -> None:
-        _transfer.run_workers(self.worker, workers, "k3ckpt-rankfetch", self.cond, lambda: self.pending > 0,
+        schedule.run_workers(self.worker, workers, "k3ckpt-rankfetch", self.cond, lambda: self.pending > 0,
                               self.cancel)
 
 
@@ -430,6 +435,7 @@ def fetch_outputs(plan: RunPlan, result: RankFetchResult, dest_real: str, jobs: 
     neither written nor failed. ``stream_digests``: each job's file and tensor digests are
     computed from the bytes as they are written (:mod:`k3ckpt.hub._ordered`) and handed to
     ``before_rename``."""
+    share_files = K3CKPT_SHARE_FILES.get()  # here, before any byte moves: a bad value is the run's error
     todo = sum(job.todo_bytes() for job in jobs)
     if check_space:
         # before any byte moves, for both stages together (the downloader checks its own
@@ -454,7 +460,7 @@ def fetch_outputs(plan: RunPlan, result: RankFetchResult, dest_real: str, jobs: 
 
     hubclient.load_client(plan.listing.hub)  # before the workers: see load_client
     run = OutputRun(plan.listing, plan.manifest, plan.dest, result, hubclient.auth_headers(plan.listing, token), policy,
-                    progress, before_rename, stream_digests)
+                    progress, before_rename, stream_digests, share_files)
     for job in jobs:
         run.submit(job)
     try:

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..env import K3CKPT_DIRECT_IO
+from ..env import K3CKPT_DIRECT_IO, K3CKPT_SHARE_FILES
 from ..errors import DiskSpaceError, FetchLockedError
 from ..utils.ownership import locked_output_dir
 from ..utils.space import require_free_space
@@ -172,6 +172,7 @@ def fetch_files(
 
     # read here, not in a worker: a bad value is the run's error
     direct = K3CKPT_DIRECT_IO.get() and filesystem_of(dest_real) in DIRECT_IO_FILESYSTEMS
+    share_files = K3CKPT_SHARE_FILES.get()
     entries: list[tuple[HubFile, str]] = []
     for rel in wanted:
         entry = listing.files.get(rel)
@@ -219,7 +220,7 @@ def fetch_files(
 
     hubclient.load_client(listing.hub)  # before the workers: see load_client
     run = FetchRun(listing, hubclient.auth_headers(listing, token), policy, workers, progress, result,
-                   timeout=TIMEOUT, piece=PIECE)
+                   timeout=TIMEOUT, piece=PIECE, share_files=share_files)
     for job in jobs:
         todo = [i for i in range(job.nchunks) if i not in job.done] if job.entry.size else []
         if todo:
