@@ -7,11 +7,14 @@ the loopback hub) writing one node's directory, bytes written per second, sync i
 Per shape (default: issue #16's ``k3-8shard`` and ``k3-small``), served by the loopback hub
 (``k3ckpt.testing.hub``, in its own process); in interleaved rounds (the shared method of
 scripts/benchlib.py; page cache dropped before each run by default): ``cp -r`` of the
-checkpoint, ``fetch --node 0`` and ``reshard --node 0`` for vLLM TP2 x DP4 on two 4-GPU nodes
-(node 0 holds half the experts), each into a fresh directory, each followed by ``sync`` inside
-its wall; and ``reshard --node 0 --manifest M`` (``--skip-manifest``), given a tensor-hash
-manifest the source was verified against outside the timed runs (bench_reshard's
-``tensor_manifest``). The hub's own CPU-s per run is reported beside the fetch.
+checkpoint, ``fetch`` of the whole checkpoint, ``fetch --node 0`` and ``reshard --node 0`` for
+vLLM TP2 x DP4 on two 4-GPU nodes (node 0 holds half the experts), each into a fresh directory,
+each followed by ``sync`` inside its wall; and ``reshard --node 0 --manifest M``
+(``--skip-manifest``), given a tensor-hash manifest the source was verified against outside the
+timed runs (bench_reshard's ``tensor_manifest``). ``fetch --node 0`` is compared with the whole
+``fetch`` of the same rounds (issue #28: bytes written per second and CPU-s per GB), everything
+else with ``cp -r``. ``--skip-reshard`` leaves the reshard runs to ``bench_reshard.py``. The
+hub's own CPU-s per run is reported beside the fetches.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def main() -> None:
     bl.add_common_args(ap, "bench_node", cache="cold")
     ap.add_argument("--skip-manifest", action="store_true",
                     help="skip the `reshard --node 0 --manifest M` runs (and building the tensor-hash manifests)")
+    ap.add_argument("--skip-reshard", action="store_true",
+                    help="skip every `reshard --node 0` run: cp -r and the two fetches only")
     args = ap.parse_args()
     setup = bl.start("bench_node", args)
     shapes = {name: setup.shape(name) for name in setup.shapes}
@@ -39,22 +44,29 @@ def main() -> None:
             src = str(shape.path)
             cs = [
                 bl.Contender("cp -r + sync", ["cp", "-r", src, str(out)], out=out, sync=True, inputs=[shape.path]),
+                bl.Contender("k3ckpt fetch (whole checkpoint)",
+                             [*bl.K3, "fetch", f"bench/{shape.name}", "--local-dir", str(out)],
+                             out=out, sync=True, inputs=[shape.path], env=env),
                 bl.Contender("k3ckpt fetch --node 0", [*bl.K3, "fetch", f"bench/{shape.name}", "--local-dir", str(out),
                                                        *bl.NODE_LAYOUT, "--node", "0"],
                              out=out, sync=True, inputs=[shape.path], env=env),
-                bl.Contender("k3ckpt reshard --node 0", [*bl.K3, "reshard", src, "-o", str(out), *bl.NODE_LAYOUT,
-                                                         "--node", "0"], out=out, sync=True, inputs=[shape.path]),
             ]
-            if not args.skip_manifest:
+            if not args.skip_reshard:
+                cs.append(bl.Contender("k3ckpt reshard --node 0",
+                                       [*bl.K3, "reshard", src, "-o", str(out), *bl.NODE_LAYOUT, "--node", "0"],
+                                       out=out, sync=True, inputs=[shape.path]))
+            if not args.skip_manifest and not args.skip_reshard:
                 m, menv = tensor_manifest(setup, shape)
                 cs.append(bl.Contender("k3ckpt reshard --node 0 --manifest M",
                                        [*bl.K3, "reshard", src, "-o", str(out), *bl.NODE_LAYOUT, "--node", "0",
                                         "--manifest", str(m)], out=out, sync=True, inputs=[shape.path], env=menv))
             res = bl.summarize_all(bl.interleave(cs, args.runs, setup.cache, server=hub))
-            cp = res[cs[0].label]
-            columns = [*bl.COLUMNS, ("hub CPU-s", "server_cpu_s", "{:.2f}")]
+            cp, whole = res[cs[0].label], res[cs[1].label]
+            peers = {cs[2].label: whole}  # fetch --node against the whole fetch, the rest against cp -r
+            columns = [*bl.COLUMNS[:6], ("peer", "peer", "`{}`"), *bl.COLUMNS[6:], ("hub CPU-s", "server_cpu_s", "{:.2f}")]
             tables.append(bl.Table(shape.describe() + "; node 0 of `" + " ".join(bl.NODE_LAYOUT) + "`; bytes written",
-                                   columns, [bl.row(s, cp, shape=shape.name) for s in res.values()]))
+                                   columns, [bl.row(s, peers.get(s.label, cp), shape=shape.name)
+                                             for s in res.values()]))
     bl.write_report(setup, tables)
 
 
