@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,6 @@ def test_fetch_requests_follow_the_cores(cores: int, requests: int) -> None:
 def test_step_threads_are_the_commands_defaults(served_hub: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The threads the model gives each step are what the commands use without ``--jobs``: on a
     40-core machine a fetch runs 20 requests, a node fetch too."""
-    import k3ckpt.hub.client as client_mod
     import k3ckpt.hub.download as download_mod
     import k3ckpt.hub.nodefetch as nodefetch_mod
     from helpers import REPO
@@ -111,7 +111,7 @@ def test_step_threads_are_the_commands_defaults(served_hub: Any, tmp_path: Path,
     assert jobs.default is None  # resolved on the machine that runs it
     assert inspect.signature(fetch_files).parameters["workers"].default is None
     assert inspect.signature(run_node_fetch).parameters["workers"].default is None
-    monkeypatch.setattr(client_mod.os, "cpu_count", lambda: 40)
+    monkeypatch.setattr(os, "cpu_count", lambda: 40)  # the one os module: every default reads it
     used: list[int] = []
     real_run, real_frame = download_mod.FetchRun, nodefetch_mod.fetch_run
     monkeypatch.setattr(download_mod, "FetchRun", lambda *a, **kw: (used.append(a[3]), real_run(*a, **kw))[1])

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..format.topology import InventoryIndex, Topology
-from ..hub.client import default_requests
+from ..hub import default_requests
 from .reshard import MAX_DEFAULT_WRITERS
 
 GB = 10**9

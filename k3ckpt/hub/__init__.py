@@ -41,7 +41,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "RankFetchPlan": ".rankfetch",
     "RankFetchResult": ".rankfetch",
     "RetryPolicy": ".client",
-    "default_requests": ".client",
+    "default_requests": "._concurrency",
     "fetch_files": ".download",
     "list_repo": ".client",
     "plan_fetch": ".fetch",
@@ -54,7 +54,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
 })
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
-    from .client import HubFile, HubListing, RetryPolicy, default_requests, list_repo
+    from ._concurrency import default_requests
+    from .client import HubFile, HubListing, RetryPolicy, list_repo
     from .download import FetchResult, fetch_files
     from .fetch import FetchPlan, plan_fetch, run_fetch
     from .nodefetch import NodeFetchPlan, plan_node_fetch, run_node_fetch

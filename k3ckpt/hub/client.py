@@ -13,15 +13,14 @@ modules:
   is and what its own client sends;
 - ``_hf``: the Hugging Face listing (``huggingface_hub.HfApi.model_info``);
 - ``_modelscope``: the ModelScope listing (``modelscope_hub.HubApi``), pinned to a commit;
-- ``_ranges``: :func:`read_range`, :func:`fetch_header`, :func:`fetch_headers`.
+- ``_ranges``: :func:`read_range`, :func:`fetch_header`, :func:`fetch_headers`;
+- ``_concurrency``: :func:`default_requests` (light: ``plan`` and ``preflight`` use it).
 
 Each part's docstring names the client quirks it works around (huggingface_hub 2.4,
 modelscope 1.40 / modelscope_hub 0.5).
 """
 
 from __future__ import annotations
-
-import os
 
 from ..errors import (
     EntryNotFoundError,
@@ -37,6 +36,7 @@ from ..errors import (
     UnsafePathError,
 )
 from ..errors import SafetensorsHeaderError as SafetensorsHeaderError  # fetch_header raises it
+from ._concurrency import default_requests as default_requests
 from ._endpoints import HF_DEFAULT_ENDPOINT as HF_DEFAULT_ENDPOINT
 from ._endpoints import auth_headers, file_url, resolve_endpoint
 from ._endpoints import load_client as load_client
@@ -73,25 +73,6 @@ __all__ = [
     "read_range",
     "resolve_endpoint",
 ]
-
-
-#: Concurrent requests of a fetch on a small node: huggingface_hub's own ``max_workers`` default.
-MIN_DEFAULT_REQUESTS = 8
-#: The most a fetch opens by default, however many cores: a hub's CDN serves each connection at
-#: its own pace, and more than this many at once from one host only invites rate limits.
-MAX_DEFAULT_REQUESTS = 32
-
-
-def default_requests(cores: int | None = None) -> int:
-    """How many requests a fetch runs at once by default on a node of ``cores`` cores (None:
-    this machine's): one per two cores, at least :data:`MIN_DEFAULT_REQUESTS`, at most
-    :data:`MAX_DEFAULT_REQUESTS`. Each request's thread hashes the bytes it receives
-    (``fetch --node`` about 2.9 CPU-seconds per GB), so 8 requests cap a fetch at about 2.8 GB/s
-    of hashing: less than a 25 Gbit/s link (3.1 GB/s), a 100 Gbit/s one at under a quarter
-    (docs/deploy.md, "Time to ready"). Half the cores keeps such links full on the nodes that
-    have them and leaves the rest to the machine."""
-    n = cores if cores is not None else (os.cpu_count() or 1)
-    return max(MIN_DEFAULT_REQUESTS, min(MAX_DEFAULT_REQUESTS, n // 2))
 
 
 def list_repo(
