@@ -44,12 +44,12 @@ def main() -> None:
             src = str(shape.path)
             cs = [
                 bl.Contender("cp -r + sync", ["cp", "-r", src, str(out)], out=out, sync=True, inputs=[shape.path]),
-                bl.Contender("k3ckpt fetch (whole checkpoint)",
-                             [*bl.K3, "fetch", f"bench/{shape.name}", "--local-dir", str(out)],
-                             out=out, sync=True, inputs=[shape.path], env=env),
-                bl.Contender("k3ckpt fetch --node 0", [*bl.K3, "fetch", f"bench/{shape.name}", "--local-dir", str(out),
-                                                       *bl.NODE_LAYOUT, "--node", "0"],
-                             out=out, sync=True, inputs=[shape.path], env=env),
+                whole := bl.Contender("k3ckpt fetch (whole checkpoint)",
+                                      [*bl.K3, "fetch", f"bench/{shape.name}", "--local-dir", str(out)],
+                                      out=out, sync=True, inputs=[shape.path], env=env),
+                node := bl.Contender("k3ckpt fetch --node 0",
+                                     [*bl.K3, "fetch", f"bench/{shape.name}", "--local-dir", str(out),
+                                      *bl.NODE_LAYOUT, "--node", "0"], out=out, sync=True, inputs=[shape.path], env=env),
             ]
             if not args.skip_reshard:
                 cs.append(bl.Contender("k3ckpt reshard --node 0",
@@ -61,8 +61,8 @@ def main() -> None:
                                        [*bl.K3, "reshard", src, "-o", str(out), *bl.NODE_LAYOUT, "--node", "0",
                                         "--manifest", str(m)], out=out, sync=True, inputs=[shape.path], env=menv))
             res = bl.summarize_all(bl.interleave(cs, args.runs, setup.cache, server=hub))
-            cp, whole = res[cs[0].label], res[cs[1].label]
-            peers = {cs[2].label: whole}  # fetch --node against the whole fetch, the rest against cp -r
+            cp = res[cs[0].label]
+            peers = {node.label: res[whole.label]}  # fetch --node against the whole fetch, the rest against cp -r
             columns = [*bl.COLUMNS[:6], ("peer", "peer", "`{}`"), *bl.COLUMNS[6:], ("hub CPU-s", "server_cpu_s", "{:.2f}")]
             tables.append(bl.Table(shape.describe() + "; node 0 of `" + " ".join(bl.NODE_LAYOUT) + "`; bytes written",
                                    columns, [bl.row(s, peers.get(s.label, cp), shape=shape.name)
