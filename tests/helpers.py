@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -71,6 +72,19 @@ def tensor_digests(root: Path) -> dict[str, str]:
             fh.seek(hdr.data_start + info.begin)
             out[name] = hashlib.sha256(fh.read(info.nbytes)).hexdigest()
     return out
+
+
+def segments_digest(raw: bytes) -> str:
+    """A node file's digest as docs/trust.md defines it, computed here from the file's bytes
+    alone (not with k3ckpt's code): sha256 of the header's sha256 (8-byte length, JSON and
+    padding) followed by each tensor's sha256, in file order."""
+    (n,) = struct.unpack("<Q", raw[:8])
+    start = 8 + n
+    entries = [v["data_offsets"] for k, v in json.loads(raw[8:start]).items() if k != "__metadata__"]
+    out = hashlib.sha256(hashlib.sha256(raw[:start]).digest())
+    for b, e in sorted(entries):
+        out.update(hashlib.sha256(raw[start + b:start + e]).digest())
+    return out.hexdigest()
 
 
 def settled(count: Callable[[], int], want: int, timeout: float = 5.0) -> int:

@@ -17,7 +17,7 @@ import safetensors
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from helpers import assert_one_line_error, run, tensor_digests
+from helpers import assert_one_line_error, run, segments_digest, tensor_digests
 from k3ckpt.cli import main
 from k3ckpt.deploy import reshard as rs
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
@@ -98,9 +98,11 @@ def check_node(src: Path, ndir: Path, *, tp: int, dp: int, placement: str, node:
     digests = tensor_digests(src)
     assert {n: t["sha256"] for n, t in marker["tensors"].items()} == {n: digests[n] for n in want}
     assert set(marker["files"]) == set(files)
-    for f in files:  # every recorded file digest is the sha256 of the bytes on disk
+    assert marker["version"] == 2
+    for f in files:  # every recorded file digest is the segments' digest of the bytes on disk
         raw = (ndir / f).read_bytes()
-        assert (marker["files"][f]["size"], marker["files"][f]["sha256"]) == (len(raw), hashlib.sha256(raw).hexdigest())
+        assert (marker["files"][f]["size"], marker["files"][f]["segments_sha256"]) == (len(raw), segments_digest(raw))
+        assert "sha256" not in marker["files"][f]  # never a plain sha256 it is not
     assert (ndir / "READY").is_file() and not list(ndir.glob(".*"))
     rep = verify_checkpoint(ndir, use_cache=False)
     assert rep.ok, [str(i) for i in rep.issues]
@@ -370,7 +372,7 @@ def test_the_plan_fixes_every_byte_a_producer_writes(k3_tiny: Path, tmp_path: Pa
     topo = sel.topology(16, engine=True)
     nd = plan_node_dir(ckpt.tensors, topo, 1, 4, max_file_size=300_000)
     assert sorted(f.name for f in nd.files) == sorted(p.name for p in ndir.glob("*.safetensors"))
-    tensor_sha, file_sha = {}, {}
+    tensor_sha, file_digests = {}, {}
     for f in nd.files:
         data = (ndir / f.name).read_bytes()
         assert len(data) == f.size and data.startswith(f.prefix)
@@ -381,10 +383,11 @@ def test_the_plan_fixes_every_byte_a_producer_writes(k3_tiny: Path, tmp_path: Pa
                 src = fh.read(t.nbytes)
             assert data[len(f.prefix) + b:len(f.prefix) + e] == src, t.name
             tensor_sha[t.name] = hashlib.sha256(src).hexdigest()
-        file_sha[f.name] = hashlib.sha256(data).hexdigest()
+        file_digests[f.name] = segments_digest(data)
     assert (ndir / INDEX_NAME).read_bytes() == nd.index_bytes()
     source_sha = hashlib.sha256((k3_tiny / INDEX_NAME).read_bytes()).hexdigest()
-    assert (ndir / "k3ckpt-node.json").read_bytes() == nd.marker_bytes(source_sha, tensor_sha, file_sha)
+    assert nd.segments_sha256(tensor_sha) == file_digests
+    assert (ndir / "k3ckpt-node.json").read_bytes() == nd.marker_bytes(source_sha, tensor_sha)
 
 
 @pytest.mark.parametrize("odd_names", [False, True])
@@ -403,14 +406,14 @@ def test_marker_bytes_are_json_dumps_of_the_marker(k3_tiny: Path, odd_names: boo
     nd = plan_node_dir(tensors, topo, 1, 4, max_file_size=300_000)
     assert len([f for f in nd.files if f.rank is None]) > 1 and len(nd.files) > 5
     tensor_sha = {t.name: hashlib.sha256(t.name.encode()).hexdigest() for f in nd.files for t in f.tensors}
-    file_sha = {f.name: hashlib.sha256(f.name.encode()).hexdigest() for f in nd.files}
+    file_sha = nd.segments_sha256(tensor_sha)
     for excluded in ((), ("z.txt", 'a"é.md')):
         want = nd.marker_json()
         want["source_index_sha256"] = "abc"
         if excluded:
             want["excluded"] = sorted(excluded)
         for name, entry in want["files"].items():
-            entry["sha256"] = file_sha[name]
+            entry["segments_sha256"] = file_sha[name]
         for name, entry in want["tensors"].items():
             entry["sha256"] = tensor_sha[name]
-        assert nd.marker_bytes("abc", tensor_sha, file_sha, excluded) == (json.dumps(want) + "\n").encode()
+        assert nd.marker_bytes("abc", tensor_sha, excluded) == (json.dumps(want) + "\n").encode()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import safetensors
 
-from helpers import assert_one_line_error, run, shard_of, tensor_digests
+from helpers import assert_one_line_error, run, segments_digest, shard_of, tensor_digests
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
 from k3ckpt.integrity.manifest import build_manifest
 from k3ckpt.integrity.verify import record_verified
@@ -47,7 +47,7 @@ def _units(out: Path) -> list[tuple[Path, dict]]:
 
 
 def check_digests(src: Path, out: Path) -> dict[str, str]:
-    """Every recorded file and tensor sha256 of ``out`` equals hashlib over the bytes on disk
+    """Every recorded file digest and tensor sha256 of ``out`` equals hashlib over the bytes on disk
     (tensors cut out by the ``safetensors`` library), and every whole tensor's bytes are the
     source's; returns {tensor: recorded sha256} (equal on every unit holding it)."""
     source = tensor_digests(src)
@@ -57,7 +57,10 @@ def check_digests(src: Path, out: Path) -> dict[str, str]:
         assert set(m["files"]) == {p.name for p in d.glob("*.safetensors")}
         for fname, entry in m["files"].items():
             raw = (d / fname).read_bytes()
-            assert (entry["size"], entry["sha256"]) == (len(raw), _sha(raw)), (d.name, fname)
+            if d.name.startswith("node-"):  # a node file's digest is its segments' (docs/trust.md)
+                assert (entry["size"], entry["segments_sha256"]) == (len(raw), segments_digest(raw)), (d.name, fname)
+            else:
+                assert (entry["size"], entry["sha256"]) == (len(raw), _sha(raw)), (d.name, fname)
             for name, t in safetensors.deserialize(raw):
                 got = _sha(bytes(t["data"]))
                 assert m["tensors"][name]["sha256"] == got, (d.name, name)
@@ -236,9 +239,10 @@ def _count_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("manifest", [False, True])
 def test_each_byte_hashed_once_per_digest(k3_tiny: Path, tmp_path: Path, cache: Path,
                                           monkeypatch: pytest.MonkeyPatch, manifest: bool) -> None:
-    """Node directories: each distinct output file is hashed once (the dense file every node
-    holds: once per run), each distinct tensor once - or not at all with a verified manifest -
-    and nothing is read back: the bytes hashed are exactly those sums."""
+    """Node directories: each distinct tensor is hashed once - or not at all with a verified
+    manifest - and no file is hashed whole (its digest is built from its header and tensors'
+    sha256, docs/trust.md) nor read back: the bytes hashed are exactly the tensors' (with a
+    manifest: none but the source's index)."""
     from k3ckpt.deploy import reshard as rs
     from k3ckpt.format.topology import RankSelection
     from k3ckpt.integrity.manifest import Manifest
@@ -257,7 +261,8 @@ def test_each_byte_hashed_once_per_digest(k3_tiny: Path, tmp_path: Path, cache: 
     assert len(dense) == 2 and dense[0].read_bytes() == dense[1].read_bytes()  # the twin files
     ckpt = open_checkpoint(k3_tiny)
     tensors = {n for _, mk in _units(tmp_path / "out") for n in mk["tensors"]}
-    want = (sum(len(b) for b in files) + (0 if manifest else sum(ckpt.tensors[n].nbytes for n in tensors))
+    assert files
+    want = ((0 if manifest else sum(ckpt.tensors[n].nbytes for n in tensors))
             + (k3_tiny / INDEX_NAME).stat().st_size)  # the source's index digest, in topology.json
     assert _CountingSha256.total == want
     check_digests(k3_tiny, tmp_path / "out")

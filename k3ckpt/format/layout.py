@@ -22,6 +22,10 @@ NODE_MARKER = "k3ckpt-node.json"
 #: the same ``experts`` list, so verify reads either through :func:`read_node_marker`.
 PARTIAL_MARKER = "k3ckpt-partial.json"
 NODE_FORMAT = "k3ckpt-node"
+#: ``k3ckpt-node.json``'s version: 2 records each file's digest as ``segments_sha256`` (built from
+#: its header's and tensors' sha256, :func:`~k3ckpt.format.nodedir.segments_sha256`); version 1
+#: recorded the file's plain sha256 as ``sha256``. Readers accept both.
+NODE_MARKER_VERSION = 2
 #: ``topology.json``'s format of a node-directory output (not the rank-layout contract's).
 NODE_LAYOUT_FORMAT = "k3ckpt-node-layout"
 #: ``reshard --format`` values: ``node`` (the default: node directories an engine loads) and

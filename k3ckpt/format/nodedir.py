@@ -29,6 +29,11 @@ Decisions:
   of its own with its header is the only exception (it gets a file by itself).
 - **Headers**: metadata ``{"format": "pt"}`` (what ``transformers`` writes), tensors in data
   order, the data buffer starting at a multiple of :data:`NODE_ALIGN`.
+- **A file's digest is built from its segments** (:func:`segments_sha256`): the sha256 of its
+  header's sha256 followed by each tensor's, in file order. A safetensors file is exactly its
+  header and its tensors' bytes (the buffer has no holes), so this covers every byte, and a
+  producer that hashes each tensor as it copies it - the marker records those digests anyway -
+  gets the file's digest without hashing any byte a second time (docs/trust.md).
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ from itertools import repeat
 from typing import Any
 
 from ..errors import TopologyError
+from .filedigest import SEGMENTS_KEY, segments_sha256
 from .header import TensorInfo, header_prefix
 from .jsontext import JsonStr, ShapeJson, json_records, json_str, json_strings, plain
-from .layout import NODE_FORMAT, VERSION
+from .layout import NODE_FORMAT, NODE_MARKER_VERSION
 from .roles import Role, classify
 from .topology import InventoryIndex, Topology, index_of, ranks_of_node
 
@@ -87,6 +93,12 @@ class NodeFile:
     def size(self) -> int:
         return len(self.prefix) + (self.offsets[-1][1] if self.offsets else 0)
 
+    def segments_sha256(self, tensor_sha256: Mapping[str, str]) -> str:
+        """The file's digest (:func:`segments_sha256`) from its tensors' sha256 by name."""
+        base = len(self.prefix)
+        return segments_sha256(self.prefix, ((base + b, base + e, tensor_sha256[t.name]) for t, (b, e) in
+                                             zip(self.tensors, self.offsets)))
+
 
 @dataclass(frozen=True)
 class NodeDir:
@@ -122,16 +134,22 @@ class NodeDir:
         """The index file's bytes, as every producer writes them (indent 2, as ``save_pretrained``)."""
         return (json.dumps(self.index_json(), indent=2) + "\n").encode()
 
+    def segments_sha256(self, tensor_sha256: Mapping[str, str]) -> dict[str, str]:
+        """Each file's digest (:meth:`NodeFile.segments_sha256`) by name, from every tensor's sha256."""
+        return {f.name: f.segments_sha256(tensor_sha256) for f in self.files}
+
     def marker_bytes(self, source_index_sha256: str, tensor_sha256: Mapping[str, str],
-                     file_sha256: Mapping[str, str], excluded: Sequence[str] = ()) -> bytes:
+                     excluded: Sequence[str] = ()) -> bytes:
         """``k3ckpt-node.json``'s bytes, as every producer writes them: :meth:`marker_json` plus
-        the sha256 of the source's index and of every tensor and file (which the writer computes
-        while copying), and the source's non-weight files ``excluded`` by a fetch's
+        the sha256 of the source's index and of every tensor (which the writer computes while
+        copying, or takes from digests already proven), each file's digest built from them
+        (:meth:`NodeFile.segments_sha256`), and the source's non-weight files ``excluded`` by a fetch's
         ``--include``/``--exclude`` (the key only when there are some: a whole node's marker is
         the same from every producer). One line, no indent (a full K3 node lists ~500k tensors):
         ``json.dumps``' text, its tensor entries written by :func:`json_records`."""
         head = self._marker_head()
-        tail: dict[str, Any] = {"files": {f.name: {"size": f.size, "rank": f.rank, "sha256": file_sha256[f.name]}
+        digests = self.segments_sha256(tensor_sha256)
+        tail: dict[str, Any] = {"files": {f.name: {"size": f.size, "rank": f.rank, SEGMENTS_KEY: digests[f.name]}
                                           for f in self.files},
                                 "source_index_sha256": source_index_sha256}
         if excluded:
@@ -155,7 +173,7 @@ class NodeDir:
     def _marker_head(self) -> dict[str, Any]:
         """The keys of :meth:`marker_json` before ``tensors``."""
         return {
-            "format": NODE_FORMAT, "version": VERSION, "node": self.node, "gpus_per_node": self.gpus_per_node,
+            "format": NODE_FORMAT, "version": NODE_MARKER_VERSION, "node": self.node, "gpus_per_node": self.gpus_per_node,
             "ranks": list(self.ranks), "experts": self.experts,
             "experts_by_rank": {str(r): list(e) for r, e in self.experts_by_rank.items()},
             "topology": self.topology.to_json(),

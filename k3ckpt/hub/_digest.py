@@ -28,9 +28,8 @@ from .client import HubFile
 
 class PartFile(Protocol):
     """What the digest reads of a file being written: a downloaded file
-    (:class:`~k3ckpt.hub._filejob.FileJob`, whose chunks are its ranged requests) or a node
-    directory's file (:class:`~k3ckpt.hub._ordered.TaskChunks`, whose chunks are its tasks).
-    ``done`` holds the chunks whose bytes are all written (and checked, where they are checked)."""
+    (:class:`~k3ckpt.hub._filejob.FileJob`, whose chunks are its ranged requests). ``done``
+    holds the chunks whose bytes are all written (and checked, where they are checked)."""
 
     @property
     def fd(self) -> int | None: ...

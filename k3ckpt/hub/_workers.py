@@ -9,8 +9,10 @@ task once, then fails the file naming the tensor. A task whose every request is 
 verified (its last request is journaled only after the tensor hashes matched); a large tensor's
 earlier requests are re-read from the ``.part`` on resume to rebuild its hash. With
 ``stream_digests`` (a node directory's files) every task's tensors are hashed that way, manifest
-or not, and the file's sha256 in file order (:mod:`k3ckpt.hub._ordered`); tasks are handed out
-so that workers spread over files (:class:`~k3ckpt.hub.schedule.SpreadQueue`). A complete
+or not: the file's digest is built from them and its header
+(:func:`~k3ckpt.format.nodedir.segments_sha256`), so a task's bytes are hashed once, by whichever
+worker receives them, in whatever order the tasks complete. Tasks are handed out so that workers
+spread over files (:class:`~k3ckpt.hub.schedule.SpreadQueue`). A complete
 ``.part`` is checked (size, header bytes) and renamed into place, then added to
 :data:`SHARD_RECORD`.
 
@@ -33,7 +35,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from ..env import K3CKPT_SHARE_FILES
 from ..errors import K3ckptError
 from ..faults import pause_point
 from ..format.header import parse_header_bytes
@@ -43,25 +44,12 @@ from ..utils.ownership import locked_output_dir
 from ..utils.space import require_free_space
 from . import _dest, _http, _transfer, download, schedule
 from . import client as hubclient
-from ._ordered import FileDigests, StreamedFile, TaskFeed
 from ._pieces import OutputJob, OutputPlan, Piece, PieceFailed, Task
 from ._remote import check_against_manifest
 from ._result import FetchPlanTotals, RankFetchResult
 from .client import HubListing, RetryPolicy
 
 _READ_BACK = 1 << 20  # bytes per pread when re-hashing a resumed large tensor
-
-
-def _sink(hasher: TensorHasher | None, feed: TaskFeed | None) -> Callable[[memoryview], None] | None:
-    """What a task's received bytes are fed to: its tensors' hasher, the file's in-order digest, both or none."""
-    if hasher is None or feed is None:
-        return hasher.feed if hasher is not None else feed.feed if feed is not None else None
-    tensors, file = hasher.feed, feed.feed
-
-    def both(data: memoryview) -> None:
-        tensors(data)
-        file(data)
-    return both
 
 
 class TensorHasher:
@@ -117,30 +105,29 @@ def load_shard_record(dest_real: str) -> dict[str, str]:
 class OutputRun:
     """Shared state of the output files' download: a task queue and ``workers`` threads.
 
-    ``before_rename(job)``, when given, runs once a ``.part`` is complete and checked, before its
-    rename (a node directory's writer hashes the file there: raising :class:`PieceFailed` fails
-    the file, which then never gets its final name); ``share_files``: ``K3CKPT_SHARE_FILES``
-    (see :func:`~k3ckpt.hub.schedule.join_rule`)."""
+    ``before_rename(job, tensors)``, when given, runs once a ``.part`` is complete and checked,
+    before its rename, with its tensors' sha256 by name when ``stream_digests`` (a node
+    directory's writer records the file's digests there: raising :class:`PieceFailed` fails the
+    file, which then never gets its final name)."""
 
     def __init__(self, listing: HubListing, manifest: Manifest | None, dest: Path, result: RankFetchResult,
                  headers: dict[str, str], retry: RetryPolicy, progress: Callable[[int], None] | None,
-                 before_rename: Callable[[OutputJob, FileDigests | None], None] | None = None,
-                 stream_digests: bool = False, share_files: bool | None = None) -> None:
+                 before_rename: Callable[[OutputJob, dict[str, str] | None], None] | None = None,
+                 stream_digests: bool = False) -> None:
         self.listing = listing
         self.manifest = manifest
         self.before_rename = before_rename
         self.stream_digests = stream_digests
-        self.streamed: dict[OutputJob, StreamedFile] = {}
+        self.streamed: dict[OutputJob, dict[str, str]] = {}  # tensor digests of the tasks done, per file
         self.result = result
         self.headers = headers
         self.retry = retry
         self.progress = progress
         self.cancel = threading.Event()
         self.cond = threading.Condition()
-        # where each file's digest is taken in order, a spare worker joins a file in flight only
-        # while that buys receive rate (its bytes are hashed later, read back from the disk)
-        may_join = schedule.join_rule(share_files, lambda: self.result.bytes_downloaded) if stream_digests else None
-        self.queue: schedule.SpreadQueue[OutputJob, int | None] = schedule.SpreadQueue(may_join)
+        # a spare worker joins a file in flight at once: each task's tensors are hashed by the
+        # worker receiving them, and no digest needs the file's bytes in order
+        self.queue: schedule.SpreadQueue[OutputJob, int | None] = schedule.SpreadQueue()
         self.pending = 0
         self.count_lock = threading.Lock()
         self.pieces_journaled = 0
@@ -176,13 +163,7 @@ class OutputRun:
         streamed = self.streamed.get(job)
         for attempt in (1, 2):
             hasher = TensorHasher(task.tensors) if manifest is not None or streamed is not None else None
-            feed = streamed.feed_for(k) if streamed is not None else None
-            try:
-                self._fetch_task(job, task, hasher, feed)
-            except BaseException:
-                if feed is not None:
-                    feed.void()
-                raise
+            self._fetch_task(job, task, hasher)
             if hasher is None:
                 return
             bad = [(n, d) for n, d in hasher.digests.items()
@@ -193,11 +174,10 @@ class OutputRun:
                         self.result.tensors_verified += len(hasher.digests)
                     if task.pieces and task.pieces[-1] not in job.done:
                         self._journal(job, [task.pieces[-1]])
-                if streamed is not None and feed is not None:
-                    streamed.task_done(feed, hasher.digests)
+                if streamed is not None:
+                    with job.lock:
+                        streamed.update(hasher.digests)
                 return
-            if feed is not None:
-                feed.void()
             with job.lock:  # un-journal the task: its bytes are not what the manifest says
                 job.done.difference_update(task.pieces)
                 job.write_journal()
@@ -208,20 +188,18 @@ class OutputRun:
                 raise PieceFailed(f"tensor {name!r}: sha256 {got} but the manifest says "
                                   f"{manifest.tensors[name].sha256}{more}, also after re-fetching its bytes")
 
-    def _fetch_task(self, job: OutputJob, task: Task, hasher: TensorHasher | None, feed: TaskFeed | None) -> None:
-        """Write ``task``'s pieces not yet journaled (feeding ``hasher`` and ``feed`` every byte of
-        the task in order, the journaled ones read back from the ``.part``); each piece is
-        journaled once synced, except the last with a manifest (journaled once its tensors match)."""
-        sink = _sink(hasher, feed)
+    def _fetch_task(self, job: OutputJob, task: Task, hasher: TensorHasher | None) -> None:
+        """Write ``task``'s pieces not yet journaled (feeding ``hasher`` every byte of the task in
+        order, the journaled ones read back from the ``.part``); each piece is journaled once
+        synced, except the last with a manifest (journaled once its tensors match)."""
+        sink = hasher.feed if hasher is not None else None
         for n, i in enumerate(task.pieces):
             piece = self.plan_piece(job, i)
-            if feed is not None:
-                feed.at(piece.dst)
             if i in job.done:
                 if sink is not None:
                     self._rehash(job, piece, sink)
                 continue
-            self._fetch_piece(job, piece, hasher, feed, sink)
+            self._fetch_piece(job, piece, hasher, sink)
             os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]  # fd is open here
             if not (n == len(task.pieces) - 1 and self.manifest is not None):  # a task's last piece is journaled once verified
                 self._journal(job, [i])
@@ -252,7 +230,7 @@ class OutputRun:
             sink(memoryview(data))
             off += len(data)
 
-    def _fetch_piece(self, job: OutputJob, piece: Piece, hasher: TensorHasher | None, feed: TaskFeed | None,
+    def _fetch_piece(self, job: OutputJob, piece: Piece, hasher: TensorHasher | None,
                      sink: Callable[[memoryview], None] | None) -> None:
         failures = 0
         where = f"bytes {piece.src}+{piece.length}"
@@ -271,9 +249,6 @@ class OutputRun:
                 failures += 1
                 if hasher is not None and snap is not None:
                     hasher.restore(snap)  # what the failed response fed is void
-                if feed is not None:
-                    feed.void()
-                    feed.at(piece.dst)
                 if failures >= self.retry.attempts:
                     raise PieceFailed(f"{e}; gave up after {failures} attempts ({where})") from None
                 _transfer.back_off(self.retry, failures, e.retry_after)
@@ -292,7 +267,8 @@ class OutputRun:
             raise PieceFailed(f"{job.part}: the header on disk is not the one written")
         parse_header_bytes(head[8:], file=sp.path, path=job.part, file_size=sp.size)  # valid safetensors
         streamed = self.streamed.get(job)
-        digests = streamed.result() if streamed is not None else None
+        with job.lock:
+            digests = dict(streamed) if streamed is not None else None
         if self.before_rename is not None:
             self.before_rename(job, digests)
         pause_point("before_shard_rename")  # test hook
@@ -319,7 +295,7 @@ class OutputRun:
 
     def submit(self, job: OutputJob) -> None:
         if self.stream_digests:
-            self.streamed[job] = StreamedFile(job)
+            self.streamed[job] = {}
         with self.cond:
             for k in range(len(job.plan.tasks)):
                 self.queue.append((job, k))
@@ -428,14 +404,12 @@ def open_jobs(dest_real: str, outputs: Iterable[P], present: Callable[[P, str], 
 def fetch_outputs(plan: RunPlan, result: RankFetchResult, dest_real: str, jobs: list[OutputJob], whole: list[str],
                   what: str, *, workers: int, token: str | None, progress: Callable[[int], None] | None,
                   on_plan: Callable[[int], None] | None, policy: RetryPolicy, check_space: bool,
-                  before_rename: Callable[[OutputJob, FileDigests | None], None] | None = None,
+                  before_rename: Callable[[OutputJob, dict[str, str] | None], None] | None = None,
                   stream_digests: bool = False) -> None:
     """Fetch the files ``whole`` through the downloader, then fill ``jobs`` (``what`` they are, for
     the free-space message) with the workers, recording everything in ``result``: nothing ends
-    neither written nor failed. ``stream_digests``: each job's file and tensor digests are
-    computed from the bytes as they are written (:mod:`k3ckpt.hub._ordered`) and handed to
-    ``before_rename``."""
-    share_files = K3CKPT_SHARE_FILES.get()  # here, before any byte moves: a bad value is the run's error
+    neither written nor failed. ``stream_digests``: each job's tensor digests are
+    computed from the bytes as they are written and handed to ``before_rename``."""
     todo = sum(job.todo_bytes() for job in jobs)
     if check_space:
         # before any byte moves, for both stages together (the downloader checks its own
@@ -460,7 +434,7 @@ def fetch_outputs(plan: RunPlan, result: RankFetchResult, dest_real: str, jobs: 
 
     hubclient.load_client(plan.listing.hub)  # before the workers: see load_client
     run = OutputRun(plan.listing, plan.manifest, plan.dest, result, hubclient.auth_headers(plan.listing, token), policy,
-                    progress, before_rename, stream_digests, share_files)
+                    progress, before_rename, stream_digests)
     for job in jobs:
         run.submit(job)
     try:

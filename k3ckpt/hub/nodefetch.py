@@ -15,13 +15,13 @@ What is written, in order:
   shards (:func:`k3ckpt.hub._pieces.pieces_and_tasks`). Journaling, resume and retries are
   the rank-aware fetch's (:mod:`k3ckpt.hub._pieces`, :mod:`k3ckpt.hub._workers`); with
   ``--manifest`` every tensor's sha256 is checked while it streams;
-- the file's and its tensors' sha256 (the marker records them, as ``reshard``'s does) are
-  computed from the bytes as they are written, never by reading the finished file back: each
-  tensor by its task, the file in file order, the task next in line fed as it streams and a
-  task done ahead of its turn hashed from the ``.part`` in turn (:mod:`k3ckpt.hub._ordered`;
-  workers spread over files, so that is rare). With a manifest each task's tensors match it
-  before the task is journaled, so only verified bytes get the final name. The digests are kept
-  in :data:`DIGEST_DIR` so a resumed run need not read complete files again;
+- each tensor's sha256 (the marker records them, as ``reshard``'s does) is computed from the
+  bytes as they are received and written, by the task that receives them, in whatever order
+  tasks complete - never by reading the finished file back. The file's digest is built from
+  them and its planned header (:func:`k3ckpt.format.nodedir.segments_sha256`), so every byte is
+  hashed once. With a manifest each task's tensors match it before the task is journaled, so
+  only verified bytes get the final name. The digests are kept in :data:`DIGEST_DIR` so a
+  resumed run need not read complete files again;
 - the non-weight files (config, tokenizer, licence, code), fetched whole and checked against
   the hub's sha256 by the downloader;
 - ``model.safetensors.index.json``, ``k3ckpt-node.json`` and ``READY``, in that order, only
@@ -43,18 +43,19 @@ from typing import Any
 
 from ..errors import K3ckptError, RankFetchError
 from ..format.checkpoint import INDEX_NAME, SINGLE_NAME, bulk_allocation
+from ..format.filedigest import SEGMENTS_KEY, recorded_digest
 from ..format.header import read_header
 from ..format.layout import NODE_MARKER, PARTIAL_MARKER, READY_NAME
 from ..format.nodedir import NODE_ALIGN, NODE_MAX_FILE_SIZE, NodeDir, NodeFile, plan_node_dir
 from ..format.topology import RankSelection, Topology, build_index, fp8_block_of, ranks_of_node
 from ..integrity.hashing import HashError, Span, hash_file
 from ..integrity.manifest import Manifest
+from ..integrity.segments import hash_segments
 from ..integrity.share import share_reference_key
 from ..integrity.statcache import StatCache, record_written
 from ..utils import format_ranges, human_bytes, write_atomic
 from . import _dest, download
 from . import client as hubclient
-from ._ordered import FileDigests
 from ._pieces import OutputJob, Piece, PieceFailed, Task, looks_complete, pieces_and_tasks, tensor_spans
 from ._remote import check_manifest, check_manifest_files, load_manifest, other_files, read_source
 from ._result import VERIFIED_STRUCTURE, VERIFIED_TENSORS, RankFetchResult, dry_run_total, fetch_summary
@@ -74,9 +75,10 @@ __all__ = [
     "run_node_fetch",
 ]
 
-#: Per output file, the sha256 of the file and of its tensors, with the content key they were
-#: computed for: ``<DIGEST_DIR>/<file>.json``. The marker needs them; without them a resumed run
-#: would read every complete file again. Hidden, like every working record of a fetch.
+#: Per output file, the sha256 of its tensors, with the content key they were computed for:
+#: ``<DIGEST_DIR>/<file>.json``. The marker needs them (the file's digest is built from them);
+#: without them a resumed run would read every complete file again. Hidden, like every working
+#: record of a fetch.
 DIGEST_DIR = ".cache/k3ckpt/node-digests"
 
 
@@ -294,14 +296,14 @@ def _digest_path(dest_real: str, name: str) -> Path:
 
 
 def _read_back(op: NodeFilePlan, path: str, manifest: Manifest | None) -> dict[str, Any]:
-    """The sha256 of the file at ``path`` and of each of its tensors, in one read; with a
-    manifest every tensor digest must match it.
+    """The sha256 of each tensor of the file at ``path`` (whose header is the planned one), in one
+    read of their bytes; with a manifest every tensor digest must match it.
 
     Raises:
         PieceFailed: unreadable, or a tensor whose bytes are not the manifest's.
     """
     try:
-        d = hash_file(path, spans=op.spans())
+        d = hash_file(path, spans=op.spans(), whole=False)
     except (HashError, OSError) as e:
         raise PieceFailed(f"{path}: cannot hash it: {e}") from None
     tensors = dict(d.spans or {})
@@ -312,7 +314,7 @@ def _read_back(op: NodeFilePlan, path: str, manifest: Manifest | None) -> dict[s
         if bad is not None:
             raise PieceFailed(f"tensor {bad!r}: sha256 {tensors[bad]} on disk but the manifest says "
                               f"{manifest.tensors[bad].sha256}")
-    return {"key": op.content_key(), "sha256": d.sha256, "tensors": tensors}
+    return {"key": op.content_key(), "tensors": tensors}
 
 
 def _complete(op: NodeFilePlan, final: str, manifest: Manifest | None, dest_real: str) -> dict[str, Any] | None:
@@ -330,8 +332,9 @@ def _complete(op: NodeFilePlan, final: str, manifest: Manifest | None, dest_real
         rec = json.loads(_digest_path(dest_real, op.path).read_bytes())
     except (OSError, ValueError):
         return None
-    ok = (isinstance(rec, dict) and rec.get("key") == op.content_key() and isinstance(rec.get("sha256"), str)
-          and isinstance(rec.get("tensors"), dict) and set(rec["tensors"]) == set(op.names))
+    ok = (isinstance(rec, dict) and rec.get("key") == op.content_key()
+          and isinstance(rec.get("tensors"), dict) and set(rec["tensors"]) == set(op.names)
+          and all(isinstance(d, str) for d in rec["tensors"].values()))
     return rec if ok else None
 
 
@@ -398,15 +401,14 @@ def _fetch_node_files(plan: NodeFetchPlan, result: RankFetchResult, dest_real: s
     jobs, digests = open_jobs(dest_real, plan.outputs, lambda op, final: _complete(op, final, plan.manifest, dest_real),
                               result, workers)
 
-    def before_rename(job: OutputJob, streamed: FileDigests | None) -> None:
+    def before_rename(job: OutputJob, tensors: dict[str, str] | None) -> None:
         # the marker's digests, computed from the bytes as they were written (each tensor's
         # matched the manifest, where there is one, before its task was journaled)
         op = job.plan
-        assert isinstance(op, NodeFilePlan) and streamed is not None
-        sha256, tensors = streamed
+        assert isinstance(op, NodeFilePlan) and tensors is not None
         for name in op.names:  # zero-byte tensors: no bytes, the empty digest
             tensors.setdefault(name, hashlib.sha256().hexdigest())
-        rec = {"key": op.content_key(), "sha256": sha256, "tensors": {n: tensors[n] for n in op.names}}
+        rec = {"key": op.content_key(), "tensors": {n: tensors[n] for n in op.names}}
         path = _digest_path(dest_real, op.path)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(rec).encode())
@@ -421,29 +423,31 @@ def _fetch_node_files(plan: NodeFetchPlan, result: RankFetchResult, dest_real: s
 def _finish_node(plan: NodeFetchPlan, dest_real: str, digests: dict[str, dict[str, Any]]) -> None:
     """The index, the marker, then READY (as ``reshard`` finishes a node), each durable."""
     tensor_sha = {name: d for rec in digests.values() for name, d in rec["tensors"].items()}
-    file_sha = {name: rec["sha256"] for name, rec in digests.items()}
+    file_digests = {name: (SEGMENTS_KEY, d) for name, d in plan.nd.segments_sha256(tensor_sha).items()}
     write_atomic(os.path.join(dest_real, INDEX_NAME), plan.nd.index_bytes())
     write_atomic(os.path.join(dest_real, NODE_MARKER),
-                 plan.nd.marker_bytes(plan.source_index_sha256, tensor_sha, file_sha, plan.excluded))
+                 plan.nd.marker_bytes(plan.source_index_sha256, tensor_sha, plan.excluded))
     write_atomic(os.path.join(dest_real, READY_NAME), b"")
     try:
         record_source(dest_real, plan.listing)
     except OSError:
         pass  # provenance only
     origin = manifest_origin(plan.manifest_label) if plan.manifest is not None else None
-    record_proofs(dest_real, file_sha, len(tensor_sha), origin, plan.listing, plan.files)
+    record_proofs(dest_real, file_digests, len(tensor_sha), origin, plan.listing, plan.files)
 
 
-def record_proofs(dest_real: str, file_sha: dict[str, str], tensors: int, origin: str | None, listing: HubListing,
-                  whole: list[str]) -> None:
+def record_proofs(dest_real: str, file_digests: dict[str, tuple[str, str]], tensors: int, origin: str | None,
+                  listing: HubListing, whole: list[str]) -> None:
     """Tell the directory's stat cache what proved its bytes (docs/trust.md): the files fetched
-    whole (``whole``), the hub's sha256 in ``listing``; the node files (``file_sha``, holding
+    whole (``whole``), the hub's sha256 in ``listing``; the node files (``file_digests``: name ->
+    the marker's ``(key, digest)``, :func:`~k3ckpt.format.nodedir.recorded_digest`; holding
     ``tensors`` tensors), ``origin`` - the tensor-hash manifest every tensor was checked against
     - or nothing, without one (their structure and sizes only). After a fetch, and after an
     offline check that hashed them."""
     key = share_reference_key(tensors)
     entries: dict[str, dict[str, Any]] = {
-        name: {"sha256": sha, "share_ref": key, "share_issues": [], "proven": origin} for name, sha in file_sha.items()}
+        name: {kind: digest, "share_ref": key, "share_issues": [], "proven": origin}
+        for name, (kind, digest) in file_digests.items()}
     files = listing.files
     entries.update({f: {"sha256": files[f].sha256, "git_sha1": files[f].git_sha1, "proven": hub_origin(listing)}
                     for f in whole if f in files})
@@ -459,7 +463,7 @@ def check_node_offline(hub: str, repo: str, dest: str | os.PathLike[str], select
                        include: tuple[str, ...] = (), exclude: tuple[str, ...] = (), jobs: int = 8) -> OfflineCheck:
     """Check, without contacting the hub, the node directory an earlier ``fetch --node`` wrote in
     ``dest`` for ``selection``: ``READY`` there, ``k3ckpt-node.json`` written for this very node
-    and topology, every node file of its size and of the sha256 it records (trusted without a
+    and topology, every node file of its size and of the digest it records (trusted without a
     read while its stat is the one recorded right after k3ckpt hashed it, else hashed now), the
     index listing its tensors, the non-weight files of the sha256 the hub's listing gave (the
     record the fetch wrote before its first byte); with ``manifest`` the marker's tensor digests
@@ -486,7 +490,7 @@ def check_node_offline(hub: str, repo: str, dest: str | os.PathLike[str], select
     if marker is None:
         return out
     if sc.manifest is None:
-        out.unproven = (f"no --manifest: the node files were checked against the sha256 {NODE_MARKER} recorded when "
+        out.unproven = (f"no --manifest: the node files were checked against the digests {NODE_MARKER} recorded when "
                         "they were written, from bytes checked for structure and sizes only (docs/trust.md); pass "
                         "--manifest to hash every tensor against a tensor-hash manifest")
     tensors_of: dict[str, dict[str, str | None]] = {}
@@ -507,7 +511,7 @@ def check_node_offline(hub: str, repo: str, dest: str | os.PathLike[str], select
             if trusted:
                 out.trusted.append(name)
     how = "every tensor hashed against the manifest" if sc.manifest is not None else (
-        f"{len(out.trusted)} of them not read, unchanged since k3ckpt recorded their sha256 in the stat cache")
+        f"{len(out.trusted)} of them not read, unchanged since k3ckpt recorded their digests in the stat cache")
     out.detail = f"{len(node_files)} node files, {how}"
     index_why = _offline_index(out.dest, marker)
     if index_why is not None:
@@ -515,8 +519,8 @@ def check_node_offline(hub: str, repo: str, dest: str | os.PathLike[str], select
     sc.check_whole(jobs)
     if out.ok:
         origin = f"manifest {sc.label}" if sc.manifest is not None else None
-        file_sha = {n: str(node_files[n]["sha256"]) for n in node_files}
-        record_proofs(real, file_sha, sum(map(len, tensors_of.values())), origin, sc.listing, sc.whole)
+        file_digests = {n: d for n in node_files if (d := recorded_digest(node_files[n])) is not None}
+        record_proofs(real, file_digests, sum(map(len, tensors_of.values())), origin, sc.listing, sc.whole)
     return out
 
 
@@ -542,10 +546,11 @@ def _marker_node(marker: dict[str, Any]) -> str:
 def _offline_node_file(dest_real: str, name: str, want: dict[str, Any], tensors: dict[str, str | None],
                        cache: StatCache, manifest: Manifest | None, label: str) -> tuple[str | None, bool]:
     """``(why not, trusted)`` for the node file ``name`` against its marker entry ``want`` and
-    its ``tensors`` (name -> the marker's sha256): a regular file of its size and sha256. With a
-    manifest every tensor its header lists (exactly the marker's) is hashed against the manifest
-    too; without one a file the stat cache holds with the marker's sha256 and its current stat
-    is trusted without being read (``trusted``)."""
+    its ``tensors`` (name -> the marker's sha256): a regular file of its size and of the digest
+    the marker records (:func:`~k3ckpt.format.nodedir.recorded_digest`: its segments', or an older
+    marker's plain sha256). With a manifest every tensor its header lists (exactly the marker's)
+    is hashed against the manifest too; without one a file the stat cache holds with the marker's
+    digest and its current stat is trusted without being read (``trusted``)."""
     path = os.path.join(dest_real, name)
     try:
         st = os.lstat(path)
@@ -557,33 +562,50 @@ def _offline_node_file(dest_real: str, name: str, want: dict[str, Any], tensors:
         return "not a regular file" + (" (a symlink)" if stat.S_ISLNK(st.st_mode) else ""), False
     if st.st_size != want.get("size"):
         return f"size {st.st_size} != {want.get('size')} in {NODE_MARKER}", False
+    recorded = recorded_digest(want)
+    if recorded is None:
+        return f"{NODE_MARKER} records no digest for it", False
+    kind, digest = recorded
     if manifest is None:
         hit = cache.lookup(name, st)
-        if hit is not None and hit.get("sha256") == want.get("sha256"):
+        if hit is not None and hit.get(kind) == digest:
             return None, True
     try:
-        spans: list[Span] = []
-        if manifest is not None:
-            header = read_header(path, name)
-            if set(header.tensors) != set(tensors):
-                return f"its header does not hold the tensors {NODE_MARKER} lists for it", False
-            spans = [Span(t, *header.absolute_range(t)) for t in header.tensors]
-        digest = hash_file(path, spans=spans)
-    except (HashError, K3ckptError, OSError) as e:
+        got, found = _node_file_digests(path, name, kind, tensors, manifest is not None)
+    except (HashError, K3ckptError, OSError, ValueError) as e:
         return f"unreadable ({e})", False
-    if digest.sha256 != want.get("sha256"):
-        return f"sha256 mismatch: {NODE_MARKER} records {want.get('sha256')}, found {digest.sha256}", False
-    if manifest is not None:
-        got = dict(digest.spans or {})
-        for t in sorted(tensors):
-            m = manifest.tensors.get(t)
-            sha = got.get(t, hashlib.sha256().hexdigest())  # a zero-byte tensor: no span bytes
-            if tensors[t] != sha:
-                return f"tensor {t!r}: sha256 {sha}, {NODE_MARKER} records {tensors[t]}", False
-            if m is None or m.sha256 != sha:
-                return (f"tensor {t!r} is not in the manifest {label}" if m is None else
-                        f"tensor {t!r}: sha256 {sha}, the manifest {label} says {m.sha256}"), False
+    if found is None:
+        return f"its header does not hold the tensors {NODE_MARKER} lists for it", False
+    if got != digest and kind != SEGMENTS_KEY:
+        return f"{kind} mismatch: {NODE_MARKER} records {digest}, found {got}", False
+    for t in sorted(tensors) if manifest is not None or kind == SEGMENTS_KEY else ():
+        sha = found.get(t, hashlib.sha256().hexdigest())  # a zero-byte tensor: no span bytes
+        if tensors[t] != sha:
+            return f"tensor {t!r}: sha256 {sha}, {NODE_MARKER} records {tensors[t]}", False
+        if manifest is not None and ((m := manifest.tensors.get(t)) is None or m.sha256 != sha):
+            return (f"tensor {t!r} is not in the manifest {label}" if m is None else
+                    f"tensor {t!r}: sha256 {sha}, the manifest {label} says {m.sha256}"), False
+    if got != digest:  # every tensor as recorded (the loop above names a changed one): the header differs
+        return f"{kind} mismatch: {NODE_MARKER} records {digest}, found {got}", False
     return None, False
+
+
+def _node_file_digests(path: str, name: str, kind: str, tensors: dict[str, str | None],
+                       with_tensors: bool) -> tuple[str, dict[str, str] | None]:
+    """The digest of kind ``kind`` of the node file at ``path`` and (by its segments, or when
+    ``with_tensors``) its tensors' sha256 - ``None`` when its header holds other tensors than
+    ``tensors`` - in one read."""
+    if kind == SEGMENTS_KEY:
+        seg = hash_segments(path, name)
+        return seg.segments_sha256, seg.tensors if set(seg.tensors) == set(tensors) else None
+    spans: list[Span] = []
+    if with_tensors:
+        header = read_header(path, name)
+        if set(header.tensors) != set(tensors):
+            return "", None
+        spans = [Span(t, *header.absolute_range(t)) for t in header.tensors]
+    d = hash_file(path, spans=spans)
+    return d.sha256, dict(d.spans or {})
 
 
 def _offline_index(dest: Path, marker: dict[str, Any]) -> str | None:

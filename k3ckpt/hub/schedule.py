@@ -118,8 +118,8 @@ class SpreadQueue(Generic[J, Item]):
     on, and only when every file with items left is in someone's hands does it join one (the
     file with the most items left), if ``may_join`` allows (:func:`join_rule`; without one it
     always joins). While there are more files than workers each file is then written by one
-    worker, item after item, in file order - so its digest is fed as the bytes arrive (no
-    read-back).
+    worker, item after item, in file order - so a downloaded file's sha256 is fed as the bytes
+    arrive (no read-back; :class:`~k3ckpt.hub._digest.StreamDigest`).
 
     Not thread-safe on its own: a run calls it under its condition, and :meth:`finished` once
     each task handed out is over."""

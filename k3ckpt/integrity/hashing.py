@@ -69,6 +69,7 @@ def hash_file(
     cancel: threading.Event | None = None,
     late_spans: Callable[[], Sequence[Span] | None] | None = None,
     late_scan: Callable[[bool], Sequence[Span] | None] | None = None,
+    whole: bool = True,
 ) -> FileDigest:
     """sha256 of the file at ``path`` and of each of ``spans`` (which must not overlap), in one
     read; spans of ``scan`` are searched for ``needle`` (an E8M0 NaN scale is byte 0xFF) in the
@@ -83,6 +84,10 @@ def hash_file(
     header is parsed): asked with ``False`` before each chunk until it returns them, and with
     ``True`` (answer now) if the read ends first; the parts of them already read are then read
     again and searched, only those.
+
+    ``whole``: False skips the file's own sha256 (``sha256`` is then ``""``): a node file's digest
+    is built from its header and its ``spans`` (:func:`~k3ckpt.format.nodedir.segments_sha256`),
+    and the second hash of every byte would double the CPU.
 
     The bytes are hashed where they lie in the page cache, through a window of the file mapped
     read-only (``$K3CKPT_HASH_BUFFER`` bytes, one window at a time), not copied into a buffer
@@ -100,7 +105,7 @@ def hash_file(
     flagged: set[str] = set()
     with _reading(p) as fd:
         size = os.fstat(fd).st_size
-        hasher = StreamHasher(spans, git_size=size if git_sha1 else None)
+        hasher = StreamHasher(spans, git_size=size if git_sha1 else None, whole=whole)
         for chunk in _chunks(fd, p, size, step, buffer):
             if cancel is not None and cancel.is_set():
                 raise HashError(0, "cancelled", p)
@@ -227,12 +232,14 @@ class StreamHasher:
     anywhere (a hub's response body). Feed the bytes in order, starting at offset ``start``
     (a ranged read of a file hashes its spans; its ``whole`` digest then covers the range only).
 
-    ``git_size``: also the git blob id (``"blob <size>\\0" + bytes``) of a file of that size.
+    ``git_size``: also the git blob id (``"blob <size>\\0" + bytes``) of a file of that size;
+    ``whole`` False: the spans only (the stream's own ``sha256`` is then ``""``).
     """
 
-    def __init__(self, spans: Sequence[Span] = (), *, start: int = 0, git_size: int | None = None) -> None:
+    def __init__(self, spans: Sequence[Span] = (), *, start: int = 0, git_size: int | None = None,
+                 whole: bool = True) -> None:
         self.start = self.pos = start
-        self.whole = hashlib.sha256()
+        self.whole = hashlib.sha256() if whole else None
         self._ordered = sorted(spans, key=lambda s: s.start)
         self._hashers = [hashlib.sha256() for _ in self._ordered]
         self._cursor = _Cursor(self._ordered)
@@ -241,7 +248,8 @@ class StreamHasher:
     def feed(self, chunk: memoryview | bytes) -> None:
         """Hash the next bytes of the stream (they start at :attr:`pos`)."""
         pos, n = self.pos, len(chunk)
-        self.whole.update(chunk)
+        if self.whole is not None:
+            self.whole.update(chunk)
         if self._blob is not None:
             self._blob.update(chunk)
         for k, lo, hi in self._cursor.overlapping(pos, pos + n):
@@ -267,7 +275,7 @@ class StreamHasher:
     def digest(self, rel: str) -> FileDigest:
         """What was fed as a :class:`FileDigest` named ``rel`` (``spans`` None when none were asked for)."""
         return FileDigest(
-            path=rel, size=self.pos - self.start, sha256=self.whole.hexdigest(),
+            path=rel, size=self.pos - self.start, sha256=self.whole.hexdigest() if self.whole is not None else "",
             spans=self.span_digests() if self._ordered else None,
             git_sha1=self._blob.hexdigest() if self._blob is not None else None,
         )

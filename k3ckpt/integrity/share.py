@@ -13,8 +13,10 @@ match. It is checked by what is *present*, tensor by tensor:
   (config, tokenizer, licence) match by size and sha256;
 - completeness: every tensor the ranks need (each non-routed-expert tensor, plus the routed
   experts the marker lists) must be present; other nodes' experts are counted, never reported;
-- a node marker's per-file and per-tensor sha256 are checked too (with no manifest they are the
-  reference: a file changed after the node directory was written is still found).
+- a node marker's per-file and per-tensor digests are checked too (with no manifest they are the
+  reference: a file changed after the node directory was written is still found). A version-2
+  marker's file digest is built from the file's header and its tensors' sha256
+  (:func:`~k3ckpt.format.nodedir.segments_sha256`); a version-1 marker's is the file's sha256.
 
 A reference that knows only whole files (a manifest without tensor hashes, a hub listing)
 cannot check rewritten shards: :class:`~k3ckpt.errors.ShareReferenceError` (exit 2) says
@@ -33,12 +35,14 @@ from typing import Any
 
 from ..errors import LayoutError, ShareReferenceError
 from ..format.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
+from ..format.filedigest import SEGMENTS_KEY, recorded_digest
 from ..format.layout import NODE_MARKER, PARTIAL_MARKER, READY_NAME, read_node_marker
 from ..format.roles import Kind, classify
-from .hashing import FileDigest, Span, hash_files
+from .hashing import FileDigest, HashError, Span, hash_files
 from .manifest import Manifest, TensorEntry, tensors_from_headers
 from .report import Expected, Issue, ShareFacts, VerifyReport, content_issue, nan_issues
 from .scales import rescan_scales, scale_spans
+from .segments import read_prefix, segments_of
 from .statcache import StatCache, cached_digest_known, cached_digest_matches, settle_proofs, stat_present
 from .structure import structure_issues
 
@@ -178,10 +182,7 @@ def verify_share(
     if not by_reference:  # the marker's digests are what the bytes are checked against
         report.reference = f"{marker_name}'s digests"
 
-    def file_ref(f: str) -> str | None:
-        if f in weight:
-            node_sha = node_files.get(f, {}).get("sha256") if isinstance(node_files.get(f), dict) else None
-            return node_sha or (expected[f].sha256 if f in whole_candidates else None)
+    def file_ref(f: str) -> str | None:  # a non-weight file's reference digest
         exp = expected.get(f)
         return exp.sha256 if exp is not None and f not in OWN_FILES else None
 
@@ -224,7 +225,8 @@ def verify_share(
         for f, d in sorted(digests.items()):
             report.files_hashed += 1
             report.bytes_hashed += d.size
-            found = _file_content_issues(f, d, file_ref(f), want_sha, whole_candidates, node_files, facts,
+            marked = _marker_file_check(root, ckpt, f, d, spans.get(f, []), node_files) if f in weight else None
+            found = _file_content_issues(f, d, file_ref(f), want_sha, whole_candidates, marked, facts,
                                          expected, weight)
             issues += found
             if scan:
@@ -316,10 +318,31 @@ def _reference_key(manifest: Manifest | None, tensors: int) -> str:
     return h.hexdigest()
 
 
+def _marker_file_check(root: Path, ckpt: Checkpoint, f: str, d: FileDigest, spans: list[Span],
+                       node_files: dict[str, Any]) -> tuple[str, str, str] | None:
+    """``(kind, recorded, found)`` for the weight file ``f`` of a share just hashed (``d``, with its
+    tensors' ``spans``): the digest its node marker records and this file's of the same kind
+    (:func:`~k3ckpt.format.nodedir.recorded_digest`) - its segments' (from its header's bytes and
+    ``d``'s tensor digests) or its plain sha256; None when the marker records none."""
+    recorded = recorded_digest(node_files.get(f))
+    header = ckpt.shards.get(f)
+    if recorded is None or header is None:
+        return None
+    kind, want = recorded
+    if kind != SEGMENTS_KEY:
+        return kind, want, d.sha256
+    try:
+        got = segments_of(read_prefix(root / f, header.data_start), spans, d.spans or {})
+    except (HashError, OSError, ValueError) as e:
+        got = f"not computable ({e})"
+    return kind, want, got
+
+
 def _file_content_issues(f: str, d: FileDigest, want_file: str | None, want_tensors: dict[str, tuple[str, str]],
-                         whole: set[str], node_files: dict[str, Any], facts: ShareFacts,
+                         whole: set[str], marked: tuple[str, str, str] | None, facts: ShareFacts,
                          expected: dict[str, Any], weight: set[str]) -> list[Issue]:
-    """The tensor and file digests of one hashed file of a share, against the reference."""
+    """The tensor and file digests of one hashed file of a share, against the reference
+    (``marked``: what the node marker records of the file, :func:`_marker_file_check`)."""
     out = []
     for name, got in sorted((d.spans or {}).items()):
         want = want_tensors.get(name)
@@ -332,12 +355,13 @@ def _file_content_issues(f: str, d: FileDigest, want_file: str | None, want_tens
     if f in weight:
         if f in whole and d.sha256 == expected[f].sha256:
             facts.whole_files.append(f)
-        node_sha = node_files.get(f, {}).get("sha256") if isinstance(node_files.get(f), dict) else None
-        for want_sha, whose in ((node_sha, f" from {NODE_MARKER}'s record"),
-                                (expected[f].sha256 if f in whole else None, " from the reference's source file")):
-            if want_sha and d.sha256 != want_sha and not out:  # a tensor issue already names what changed
+        checks = [(marked[1], marked[2], f" from {NODE_MARKER}'s record")] if marked is not None else []
+        if f in whole:
+            checks.append((expected[f].sha256, d.sha256, " from the reference's source file"))
+        for want_sha, got, whose in checks:
+            if want_sha and got != want_sha and not out:  # a tensor issue already names what changed
                 where = " outside the tensor data (header or padding)" if d.spans and want_tensors else ""
-                out.append(Issue("sha256", f, f"content differs{whose}{where}", expected=want_sha, actual=d.sha256))
+                out.append(Issue("sha256", f, f"content differs{whose}{where}", expected=want_sha, actual=got))
                 break
     elif want_file is not None and d.sha256 != want_file:
         out.append(content_issue(f, expected[f], {"sha256": d.sha256}))

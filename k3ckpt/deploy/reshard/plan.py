@@ -102,11 +102,17 @@ class OutTensor(NamedTuple):
 
 @dataclass
 class OutFile:
+    """One output file: its header bytes, its tensors (in write order) and their ``(begin, end)``
+    in its data buffer. ``segments``: its digest is built from its header's and tensors' sha256
+    (a node file, :func:`~k3ckpt.format.nodedir.segments_sha256`), so no byte of it is hashed
+    whole; else (a rank file) its plain sha256 is computed while it is written."""
+
     rank: int
     name: str
     tensors: list[OutTensor]
     prefix: bytes = b""
     offsets: list[tuple[int, int]] = field(default_factory=list)
+    segments: bool = False
 
     @property
     def size(self) -> int:
@@ -337,9 +343,8 @@ class NodePlan:
         """The index, then the marker: the bytes :class:`~k3ckpt.format.nodedir.NodeDir` gives
         every producer of a node directory."""
         tensors = {name: digest for res in results for name, digest in res["tensors"].items()}
-        files = {f.name: res["sha256"] for f, res in zip(self.files, results)}
         return {INDEX_NAME: self.plan.index_bytes(),
-                NODE_MARKER: self.plan.marker_bytes(source["index_sha256"], tensors, files)}
+                NODE_MARKER: self.plan.marker_bytes(source["index_sha256"], tensors)}
 
 
 @dataclass
@@ -506,5 +511,6 @@ def _node_plan(ckpt: Checkpoint, idx: InventoryIndex, topo: Topology, node: int,
     _require_experts(ckpt.root, idx, [(f"node {node}", nd.experts)])
     starts = {name: hdr.data_start for name, hdr in ckpt.shards.items()}
     # whole tensors: one run each (the full K3 inventory is ~497k tensors)
-    files = [OutFile(node, f.name, _whole_tensors(list(f.tensors), starts), f.prefix, list(f.offsets)) for f in nd.files]
+    files = [OutFile(node, f.name, _whole_tensors(list(f.tensors), starts), f.prefix, list(f.offsets), segments=True)
+             for f in nd.files]
     return NodePlan(nd, files)

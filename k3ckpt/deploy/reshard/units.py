@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ...format.checkpoint import INDEX_NAME
+from ...format.filedigest import SEGMENTS_KEY
 from ...format.layout import MANIFEST_NAME, NODE_MARKER, READY_NAME
 from ...utils import fsync_dir, write_atomic
 from ..bytecopy import tmp_name
@@ -76,7 +77,7 @@ def _record_proofs(outp: Path, rp: RankPlan | NodePlan, results: list[dict[str, 
                    proofs: dict[str, str | None], extra_files: list[str]) -> None:
     """Tell the output's stat cache what vouches for the unit just finished: each file carries
     the proof of the source bytes it was copied from (docs/trust.md); a node directory's weight
-    files also their sha256 and the key under which ``verify --quick`` trusts them against the
+    files also their digest and the key under which ``verify --quick`` trusts them against the
     marker, and its copies of the source's other files their proof. A source file nothing proved
     gives its copies no proof; ``verify`` and ``preflight`` then say "not proven"."""
     from ...integrity.share import share_reference_key
@@ -84,8 +85,10 @@ def _record_proofs(outp: Path, rp: RankPlan | NodePlan, results: list[dict[str, 
 
     node = isinstance(rp, NodePlan)
     key = share_reference_key(sum(len(f.tensors) for f in rp.files)) if node else None
+    # a node file's digest is its segments' (never a plain sha256: the stat cache's "sha256" is one)
+    digest = SEGMENTS_KEY if node else "sha256"
     entries: dict[str, dict[str, Any]] = {
-        f.name: {"sha256": res["sha256"], "share_ref": key, "share_issues": [] if node else None,
+        f.name: {digest: res[digest], "share_ref": key, "share_issues": [] if node else None,
                  "proven": joined_origin([proofs.get(t.src_file) for t in f.tensors])}
         for f, res in zip(rp.files, results)}
     if node:

@@ -12,11 +12,14 @@ How bytes move (streaming; memory is a few bounded buffers per worker, whatever 
 - strided runs are gathered through bounded buffers (whole rows read, columns cut row by row);
 - output files are written in parallel by a thread pool (``--jobs``), largest first.
 
-Hashing. Per-tensor and per-file sha256 are computed while writing, in the same pass: each
-kernel-side chunk is hashed from the *source's* pages through a bounded read-only mapping (hot
-pages: the copy that follows reads the same ones; nothing is read back from the output, and no
-byte is read from disk twice), and buffered chunks are hashed from the buffer they are written
-from. The file digest must cover every output byte, so it is always computed. A tensor slice's
+Hashing. Per-tensor sha256 (and a rank file's plain sha256) are computed while writing, in the
+same pass: each kernel-side chunk is hashed from the *source's* pages through a bounded read-only
+mapping (hot pages: the copy that follows reads the same ones; nothing is read back from the
+output, and no byte is read from disk twice), and buffered chunks are hashed from the buffer they
+are written from. A file's digest must cover every output byte: a rank file's is its sha256, a
+node file's is built from its header's and tensors' sha256
+(:func:`~k3ckpt.format.nodedir.segments_sha256`), so a node file whose tensors' digests are all
+known is copied kernel-side and not hashed at all. A tensor slice's
 digest is computed once per run, fed from that same read, and reused wherever several ranks or
 nodes hold the same slice (replicated tensors, TP slices across dp ranks); a file byte-identical
 to another of the run (a twin: a node's dense files, a rank's dense parts) takes its digests
@@ -47,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import K3ckptError, ReshardError
 from ...faults import fault_point, pause_point
 from ...format.checkpoint import Checkpoint
+from ...format.filedigest import SEGMENTS_KEY, segments_sha256
 from ...integrity.statcache import recorded_proofs, verified_manifests
 from ..bytecopy import CHUNK, NO_SPACE, Copier, FdCache, map_window, tmp_name
 from .plan import _T_RUNS, _T_SRC, NodePlan, OutFile, RankPlan, ReshardPlan
@@ -293,7 +297,9 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
                      window: int) -> dict[str, Any]:
     copier = Copier(mode, fds, window)
     tmp = tmp_name(dest)
-    fh = hashlib.sha256(f.prefix if twin is None else b"")  # a twin is not hashed at all
+    # a rank file's plain sha256 is computed as it is written; a node file's digest is built from
+    # its tensors' (f.segments), and a twin's digests are known: neither hashes the file whole
+    fh = hashlib.sha256(f.prefix) if twin is None and not f.segments else None
     digests: dict[str, str] = {}
     # O_NOFOLLOW: a symlink planted at the temporary name must not redirect the write.
     dst = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
@@ -320,28 +326,14 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
                     j += 1
                 group = ts[i:j]
                 hashers = [None if cache.get(g.key) else hashlib.sha256() for g in group]
-                bounds = [g.nbytes for g in group]
-                state = [0, 0]  # index in group, bytes consumed of it
-
-                def sinks(data: memoryview, group=group, hashers=hashers, bounds=bounds, state=state) -> None:
-                    fh.update(data)
-                    pos = 0
-                    while pos < len(data):
-                        gi, used = state
-                        take = min(bounds[gi] - used, len(data) - pos)
-                        h = hashers[gi]
-                        if h is not None and take:
-                            h.update(data[pos:pos + take])
-                        pos += take
-                        used += take
-                        if used == bounds[gi] and gi + 1 < len(bounds):
-                            gi, used = gi + 1, 0
-                        state[0], state[1] = gi, used
-                    if progress is not None:
-                        progress(len(data))
-
                 src = fds.get(t.src_file)
-                copier.contiguous(src, dst, t.runs[0].offset, t_do, end - t.runs[0].offset, sinks)
+                if fh is None and not any(hashers):  # every digest known: a plain kernel-side copy
+                    copier.contiguous(src, dst, t.runs[0].offset, t_do, end - t.runs[0].offset, None)
+                    if progress is not None:
+                        progress(end - t.runs[0].offset)
+                else:
+                    copier.contiguous(src, dst, t.runs[0].offset, t_do, end - t.runs[0].offset,
+                                      _group_sink(fh, hashers, [g.nbytes for g in group], progress))
                 for g, h in zip(group, hashers):
                     if h is None:
                         known = cache.get(g.key)
@@ -355,21 +347,16 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
                 continue
             cached = cache.get(t.key)
             th = None if cached else hashlib.sha256()
-
-            def sink(data: memoryview, th=th) -> None:
-                fh.update(data)
-                if th is not None:
-                    th.update(data)
-                if progress is not None:
-                    progress(len(data))
-
             src = fds.get(t.src_file)
             do = t_do
             for run in t.runs:
+                sink = _tensor_sink(fh, th, progress)
                 if run.count == 1:
                     copier.contiguous(src, dst, run.offset, do, run.length, sink)
                 else:
                     copier.strided(src, dst, run, do, sink)
+                if sink is None and progress is not None:
+                    progress(run.nbytes)
                 do += run.nbytes
             if th is not None:
                 digests[t.name] = th.hexdigest()
@@ -382,8 +369,55 @@ def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache
     finally:
         os.close(dst)
     if twin is not None:
-        return {"sha256": twin["sha256"], "size": f.size, "tensors": dict(twin["tensors"])}
+        return {**twin, "tensors": dict(twin["tensors"])}
+    if fh is None:
+        base = len(f.prefix)
+        return {SEGMENTS_KEY: segments_sha256(f.prefix, ((base + b, base + e, digests[t.name]) for t, (b, e) in
+                                                         zip(f.tensors, f.offsets))),
+                "size": f.size, "tensors": digests}
     return {"sha256": fh.hexdigest(), "size": f.size, "tensors": digests}
+
+
+def _group_sink(fh: Any, hashers: list[Any], bounds: list[int],
+                progress: Callable[[int], None] | None) -> Callable[[memoryview], None]:
+    """What a coalesced run of adjacent tensors (``bounds``: their sizes) is fed to as it is
+    copied: the file's hasher ``fh`` (None: not hashed whole) and each tensor's (None: known)."""
+    state = [0, 0]  # index in the group, bytes consumed of it
+
+    def sinks(data: memoryview) -> None:
+        if fh is not None:
+            fh.update(data)
+        pos = 0
+        while pos < len(data):
+            gi, used = state
+            take = min(bounds[gi] - used, len(data) - pos)
+            h = hashers[gi]
+            if h is not None and take:
+                h.update(data[pos:pos + take])
+            pos += take
+            used += take
+            if used == bounds[gi] and gi + 1 < len(bounds):
+                gi, used = gi + 1, 0
+            state[0], state[1] = gi, used
+        if progress is not None:
+            progress(len(data))
+    return sinks
+
+
+def _tensor_sink(fh: Any, th: Any, progress: Callable[[int], None] | None) -> Callable[[memoryview], None] | None:
+    """What one tensor's run is fed to as it is copied: the file's hasher and the tensor's (either
+    None), and the progress; None when nothing needs the bytes (a plain kernel-side copy)."""
+    if fh is None and th is None:
+        return None
+
+    def sink(data: memoryview) -> None:
+        if fh is not None:
+            fh.update(data)
+        if th is not None:
+            th.update(data)
+        if progress is not None:
+            progress(len(data))
+    return sink
 
 
 def _copy_unhashed(f: OutFile, base: int, dst: int, copier: Copier, fds: FdCache,
