@@ -118,6 +118,39 @@ def test_a_changed_header_byte_is_found_by_the_markers_file_digest(node: Path) -
         assert f"{EXPERT_FILE}: content differs from {NODE_MARKER}'s record outside the tensor data" in res.output
 
 
+def test_the_marker_records_each_files_segments_digest_and_a_version_1_marker_still_verifies(node: Path) -> None:
+    """Marker version 2 records ``segments_sha256`` per file (docs/layout.md), computed here from
+    the bytes alone; a version-1 marker (a plain sha256 per file, k3ckpt before 2026-12-04) is
+    still checked: clean it verifies, and a changed byte - in a tensor, or in the header outside
+    any tensor - is found against its sha256."""
+    import hashlib
+
+    from helpers import segments_digest
+
+    marker = json.loads((node / NODE_MARKER).read_text())
+    assert marker["version"] == 2
+    for name, entry in marker["files"].items():
+        assert entry["segments_sha256"] == segments_digest((node / name).read_bytes()) and "sha256" not in entry
+    marker["version"] = 1
+    for name, entry in marker["files"].items():
+        entry["sha256"] = hashlib.sha256((node / name).read_bytes()).hexdigest()
+        del entry["segments_sha256"]
+    (node / NODE_MARKER).write_text(json.dumps(marker))
+    res = verify(node)
+    assert res.exit_code == 0 and res.output.startswith("not proven: "), res.output  # clean; no origin named
+    path = node / EXPERT_FILE
+    raw = path.read_bytes()
+    pad = raw.index(b" " * 8, 8, read_header(path).data_start)
+    path.write_bytes(raw[:pad] + b"\t" + raw[pad + 1:])
+    res = verify(node)
+    assert res.exit_code == 1
+    assert f"{EXPERT_FILE}: content differs from {NODE_MARKER}'s record outside the tensor data" in res.output
+    path.write_bytes(raw)
+    flip_byte(path, data_offset(path, EXPERT) + 3)
+    res = verify(node)
+    assert res.exit_code == 1 and f"{EXPERT_FILE} tensor {EXPERT}: tensor bytes differ from {NODE_MARKER}'s record" in res.output
+
+
 def test_a_deleted_file_and_a_dropped_tensor_are_named(node: Path, manifests: dict[str, Path]) -> None:
     (node / "model-rank-00002-experts-00001-of-00001.safetensors").unlink()
     (node / "tokenizer_config.json").unlink()
