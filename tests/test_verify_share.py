@@ -151,6 +151,29 @@ def test_the_marker_records_each_files_segments_digest_and_a_version_1_marker_st
     assert res.exit_code == 1 and f"{EXPERT_FILE} tensor {EXPERT}: tensor bytes differ from {NODE_MARKER}'s record" in res.output
 
 
+def test_node_files_are_hashed_by_their_tensors_only(node: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify reads each node file once and hashes each of its bytes once: its tensors' sha256
+    and its header give the digest the marker records, so no sha256 of the whole file is taken
+    (which would double the CPU); a flipped byte is still found."""
+    from k3ckpt.integrity import share
+
+    seen: dict[str, str] = {}
+    real = share.hash_files
+
+    def recording(*args: Any, **kw: Any) -> Any:
+        digests, errors = real(*args, **kw)
+        seen.update({f: d.sha256 for f, d in digests.items()})
+        return digests, errors
+
+    monkeypatch.setattr(share, "hash_files", recording)
+    res = verify(node)
+    assert res.exit_code == 0, res.output
+    weights = {p.name for p in node.glob("*.safetensors")}
+    assert weights and {f: seen[f] for f in weights} == dict.fromkeys(weights, "")
+    flip_byte(node / EXPERT_FILE, data_offset(node / EXPERT_FILE, EXPERT) + 1)
+    assert verify(node).exit_code == 1
+
+
 def test_a_deleted_file_and_a_dropped_tensor_are_named(node: Path, manifests: dict[str, Path]) -> None:
     (node / "model-rank-00002-experts-00001-of-00001.safetensors").unlink()
     (node / "tokenizer_config.json").unlink()

@@ -416,8 +416,10 @@ def hash_files(
     git_sha1: Callable[[str], bool] | None = None,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
+    spans_only: Callable[[str], bool] | None = None,
 ) -> tuple[dict[str, FileDigest], dict[str, HashError]]:
-    """Hash ``files`` (relative to ``root``) with ``jobs`` threads, largest first.
+    """Hash ``files`` (relative to ``root``) with ``jobs`` threads, largest first; the files
+    ``spans_only`` names get their spans' digests only (``whole=False`` of :func:`hash_file`).
 
     Returns ``(digests, errors)``: a file that cannot be read is an error entry, never a
     missing silence, and never stops the others. Setting ``cancel`` stops every thread at its
@@ -445,7 +447,7 @@ def hash_files(
         try:
             d = hash_file(root / f, rel=f, spans=(spans or {}).get(f, ()), scan=(scan or {}).get(f, ()),
                           git_sha1=bool(git_sha1 and git_sha1(f)), progress=progress, chunk_bytes=chunk_bytes,
-                          cancel=cancel)
+                          cancel=cancel, whole=not (spans_only and spans_only(f)))
         except HashError as e:
             with lock:
                 errors[f] = e

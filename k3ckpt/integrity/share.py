@@ -217,9 +217,13 @@ def verify_share(
     if to_hash:
         if on_plan is not None:
             on_plan(sum(stats[f].st_size for f in to_hash))
+        # a node file a version-2 marker records by its segments needs no sha256 of its own (unless
+        # it may be a source file copied whole): its tensors' digests and header give its digest
+        by_segments = {f for f in to_hash if f in weight and f not in whole_candidates
+                       and (recorded_digest(node_files.get(f)) or ("",))[0] == SEGMENTS_KEY}
         digests, errors = hash_files(root, to_hash, jobs=jobs, spans={f: spans[f] for f in to_hash if f in spans},
                                      scan={f: header_scan[f] for f in to_hash if f in header_scan},
-                                     progress=progress)
+                                     progress=progress, spans_only=by_segments.__contains__)
         for f, err in sorted(errors.items()):
             issues.append(Issue("unreadable", f, str(err.strerror)))
         for f, d in sorted(digests.items()):
@@ -240,7 +244,8 @@ def verify_share(
                          } if f in weight else {}
                 scanned = {"scan_ok": not d.flagged, "flagged": d.flagged or []} if scan and f in weight else {}
                 proof = {"proven": report.reference} if matched else {}
-                cache.record(f, stats[f], sha256=d.sha256, **extra, **scanned, **proof)
+                digest = {"sha256": d.sha256} if d.sha256 else {}  # (none for a file hashed by its segments)
+                cache.record(f, stats[f], **digest, **extra, **scanned, **proof)
     issues += rescan_scales(root, to_scan, header_scan, jobs, stats, cache)
     settle_proofs(report, stats, hits, checked, skip=OWN_FILES)
 
