@@ -209,6 +209,42 @@ def test_node_files_are_hashed_as_they_arrive_and_never_read_back(served_hub: An
         assert node_bytes and sum(reread) == 0, (workers, sum(reread))
 
 
+@pytest.mark.parametrize("direct", ["on", "off"])
+def test_node_files_are_written_with_o_direct_where_aligned(direct: str, served_hub: Any, resharded: dict[int, Path],
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With K3CKPT_DIRECT_IO on (the default) on a local disk's filesystem, a node file's bytes
+    go to the disk with O_DIRECT, as a whole fetch's do: a request that starts off a 4 KiB block
+    (tensors lie at any offset) writes only up to the next block through the page cache, and its
+    unaligned tail; off, nothing is written with O_DIRECT. The node is reshard's either way."""
+    import fcntl
+    import os
+
+    if direct == "on" and download.filesystem_of(tmp_path) not in download.DIRECT_IO_FILESYSTEMS:
+        pytest.skip("the temporary directory is not on a local disk's filesystem")
+    monkeypatch.setenv("K3CKPT_DIRECT_IO", direct)
+    writes: list[tuple[bool, int, int]] = []
+    pwrite = os.pwrite
+
+    def recording_pwrite(fd: int, data: Any, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".part") and offset >= 4096:  # (past a header)
+            writes.append((bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), offset, len(data)))
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", recording_pwrite)
+    h, _ = served_hub
+    topo, node, sizes, _ = CASES[1]
+    res = fetch_node(h, tmp_path / "d", topo, node, *sizes, "--workers", "2")
+    assert res.exit_code == 0, res.output
+    assert tree(tmp_path / "d") == tree(resharded[1])
+    direct_writes = [(o, n) for d, o, n in writes if d]
+    buffered = [(o, n) for d, o, n in writes if not d]
+    if direct == "off":
+        assert buffered and not direct_writes
+        return
+    assert direct_writes and all(o % 4096 == 0 and n % 4096 == 0 for o, n in direct_writes)
+    assert all(n < 4096 for _, n in buffered), [w for w in buffered if w[1] >= 4096][:3]  # only what O_DIRECT cannot take
+
+
 #: One rank on one GPU with files as large as they come: two node files (dense, rank 0's experts)
 #: for four workers, which so share each file from the start.
 TWO_FILES = ("--tp", "1", "--dp", "1", "--max-file-size", "1GiB")

@@ -164,6 +164,9 @@ class OutputJob:
         # The .part's descriptor: set by open() before the first piece, None again after
         # close(). Calls made while the job runs pass it with "type: ignore[arg-type]".
         self.fd: int | None = None
+        # The same file opened with O_DIRECT (a run's aligned pieces are written through it), or
+        # None: K3CKPT_DIRECT_IO off, or a filesystem without direct I/O. Closed with fd.
+        self.dfd: int | None = None
         self.remaining = len(plan.tasks)
         self.failed: str | None = None
 
@@ -192,6 +195,9 @@ class OutputJob:
         write_atomic(self.journal, json.dumps(doc).encode(), reuse_temp=True)  # as the downloader's journal
 
     def close(self) -> None:
+        if self.dfd is not None:
+            os.close(self.dfd)
+            self.dfd = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

@@ -294,7 +294,8 @@ def _copy_body(resp: Any, fd: int | None, start: int, dest_offset: int, length: 
         return _copy_inline(resp, fd, start, dest_offset, length, cancel, count, sink, on_offset, piece, direct_fd)
     writes = _LOCAL.writes = _WriteBehind(fd, direct_fd, piece)
     try:
-        received = _receive(resp, start, length, cancel, count, sink, writes.buffer, dest_offset, writes.write)
+        received = _receive(resp, start, length, cancel, count, sink, writes.buffer, dest_offset, writes.write,
+                            align=DIRECT_ALIGN if direct_fd is not None else 0)
     except BaseException:
         _LOCAL.writes = None
         try:
@@ -320,14 +321,18 @@ def _copy_inline(resp: Any, fd: int | None, start: int, dest_offset: int, length
         if on_offset is not None:
             on_offset(offset + n)
 
-    return _receive(resp, start, length, cancel, count, sink, lambda: buf, dest_offset, write)
+    return _receive(resp, start, length, cancel, count, sink, lambda: buf, dest_offset, write,
+                    align=DIRECT_ALIGN if direct_fd is not None else 0)
 
 
 def _receive(resp: Any, start: int, length: int, cancel: threading.Event, count: Callable[[int], None],
              sink: Callable[[memoryview], None] | None, buffer: Callable[[], memoryview], dest_offset: int,
-             write: Callable[[memoryview, int, int], None]) -> int:
+             write: Callable[[memoryview, int, int], None], align: int = 0) -> int:
     """Read up to ``length`` body bytes piece by piece into ``buffer()``; each piece goes to
-    ``write(buf, n, offset)`` and then to ``sink``. Returns how many arrived."""
+    ``write(buf, n, offset)`` and then to ``sink``. Returns how many arrived. ``align``: a piece
+    that would start off a multiple of it is cut short so the next one starts on one (a node
+    file's tensors lie at any offset: without this, a body written there would never be aligned
+    for ``O_DIRECT`` and would go through the page cache whole)."""
     readinto = _readinto_of(resp)
     received = 0
     offset = dest_offset
@@ -335,8 +340,11 @@ def _receive(resp: Any, start: int, length: int, cancel: threading.Event, count:
         if cancel.is_set():
             raise Cancelled()
         buf = buffer()
+        want = min(length - received, len(buf))
+        if align and offset % align:
+            want = min(want, align - offset % align)
         try:
-            n = readinto(buf[:min(length - received, len(buf))])
+            n = readinto(buf[:want])
         except (OSError, http.client.HTTPException, urllib3.exceptions.HTTPError,
                 requests.exceptions.RequestException) as e:
             # (TimeoutError and ConnectionError are OSErrors: the socket's, never the disk's here)

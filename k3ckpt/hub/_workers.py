@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from ..env import K3CKPT_DIRECT_IO
 from ..errors import K3ckptError
 from ..faults import pause_point
 from ..format.header import parse_header_bytes
@@ -113,8 +114,9 @@ class OutputRun:
     def __init__(self, listing: HubListing, manifest: Manifest | None, dest: Path, result: RankFetchResult,
                  headers: dict[str, str], retry: RetryPolicy, progress: Callable[[int], None] | None,
                  before_rename: Callable[[OutputJob, dict[str, str] | None], None] | None = None,
-                 stream_digests: bool = False) -> None:
+                 stream_digests: bool = False, direct: bool = False) -> None:
         self.listing = listing
+        self.direct = direct  # write aligned pieces with O_DIRECT (see _transfer.open_direct)
         self.manifest = manifest
         self.before_rename = before_rename
         self.stream_digests = stream_digests
@@ -156,6 +158,8 @@ class OutputRun:
                 return
             if job.fd is None:
                 job.open()
+                if self.direct:
+                    job.dfd = _transfer.open_direct(job.fd)  # type: ignore[arg-type]  # open() set it
         if k is None:
             return
         task = job.plan.tasks[k]
@@ -241,7 +245,7 @@ class OutputRun:
             try:
                 _transfer.stream_range(self.listing, job.plan.source_of(piece), piece.src, piece.length, job.fd,  # type: ignore[arg-type]  # fd is open here
                                        piece.dst, self.headers, download.TIMEOUT, self.cancel, self.count,
-                                       sink=sink)
+                                       sink=sink, direct_fd=job.dfd)
                 return
             except _transfer.Fatal as e:
                 raise PieceFailed(f"{e} ({where})") from None
@@ -433,8 +437,10 @@ def fetch_outputs(plan: RunPlan, result: RankFetchResult, dest_real: str, jobs: 
         report(0)
 
     hubclient.load_client(plan.listing.hub)  # before the workers: see load_client
+    # read here, not in a worker: a bad value is the run's error (as the downloader's)
+    direct = K3CKPT_DIRECT_IO.get() and download.filesystem_of(dest_real) in download.DIRECT_IO_FILESYSTEMS
     run = OutputRun(plan.listing, plan.manifest, plan.dest, result, hubclient.auth_headers(plan.listing, token), policy,
-                    progress, before_rename, stream_digests)
+                    progress, before_rename, stream_digests, direct)
     for job in jobs:
         run.submit(job)
     try:
