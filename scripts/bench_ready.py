@@ -17,7 +17,9 @@ remote hub would not), in ``--runs`` rounds:
    then ``sync``, page cache dropped first (the model's one disk rate for reads and writes
    together); ``cores`` = C.
 2. **The routes**, each from an empty disk (a fresh directory, HF home and k3ckpt cache), page
-   cache dropped before each route, each step timed alone (``sync`` inside a writer's wall):
+   cache dropped before each step (a K3 share does not stay in the page cache from one step to
+   the next, and the estimate reads every step's bytes from the disk), each step timed alone
+   (``sync`` inside a writer's wall):
 
    - ``fetch --node``: ``manifest pull --tensor-hashes`` (not in the estimate: hub metadata
      only), ``fetch REPO --node 0 --manifest M``, ``verify NODE --manifest M``, ``preflight NODE``;
@@ -116,9 +118,11 @@ def run_route(route: str, setup: bl.Setup, hub: bl.Hub, shape: bl.Shape, cores: 
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     env = hub.env(HF_HOME=str(d / "hf-home"), K3CKPT_CACHE_DIR=str(d / "k3ckpt-cache"))
-    setup.cache.prepare([shape.path])
     steps: dict[str, dict[str, float]] = {}
     for step, cmd, writes in route_commands(route, setup, hub, shape, hf):
+        # before every step: what a step reads comes from the disk, as the estimate has it (a K3
+        # share of ~0.8 TB does not stay in the page cache for the next step, as 2-4 GB here would)
+        setup.cache.prepare([shape.path, d])
         hub_cpu = hub.cpu_s()
         t = bl.run_timed(cmd, env=env, cores=cores)
         t0 = time.perf_counter()
