@@ -219,8 +219,9 @@ K3CKPT_DIRECT_IO: EnvVar[bool] = _declare(EnvVar(
 
 K3CKPT_SHARE_FILES: EnvVar[bool | None] = _declare(EnvVar(
     "K3CKPT_SHARE_FILES", SWITCH, None,
-    "Whether a spare `fetch` worker may share a file another worker is downloading (its bytes "
-    "are read back from the disk to hash the file in order): on: always; off: never; unset: "
+    "Whether a spare worker of a whole `fetch` may share a file another worker is downloading "
+    "(its bytes are read back from the disk to hash the file in order; `fetch --node` and `--ranks` "
+    "workers always may: they hash each tensor as it arrives): on: always; off: never; unset: "
     "while a probe shows it raises the receive rate (a slow stream per connection).",
     _switch, default_doc="auto"))
 

@@ -534,6 +534,11 @@ def test_offline_rerun_checks_the_node_without_the_hub(served_hub: Any, tmp_path
     shutil.copytree(dest, tmp_path / "copy")
     doc = json.loads(fetch_node(gone, tmp_path / "copy", topo, node, *sizes, "--json").stdout)
     assert doc["ok"] and doc["trusted"] == []
+    # a copy that verify hashed (by its segments) is trusted from what verify recorded
+    shutil.copytree(dest, tmp_path / "copy2")
+    assert run("verify", str(tmp_path / "copy2")).exit_code == 0
+    doc = json.loads(fetch_node(gone, tmp_path / "copy2", topo, node, *sizes, "--json").stdout)
+    assert doc["ok"] and doc["trusted"] == node_files
 
     victim = node_files[-1]
     flip_byte(dest / victim, (dest / victim).stat().st_size - 3)

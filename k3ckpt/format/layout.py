@@ -23,7 +23,7 @@ NODE_MARKER = "k3ckpt-node.json"
 PARTIAL_MARKER = "k3ckpt-partial.json"
 NODE_FORMAT = "k3ckpt-node"
 #: ``k3ckpt-node.json``'s version: 2 records each file's digest as ``segments_sha256`` (built from
-#: its header's and tensors' sha256, :func:`~k3ckpt.format.nodedir.segments_sha256`); version 1
+#: its header's and tensors' sha256, :func:`~k3ckpt.format.filedigest.segments_sha256`); version 1
 #: recorded the file's plain sha256 as ``sha256``. Readers accept both.
 NODE_MARKER_VERSION = 2
 #: ``topology.json``'s format of a node-directory output (not the rank-layout contract's).

@@ -10,7 +10,7 @@ verified (its last request is journaled only after the tensor hashes matched); a
 earlier requests are re-read from the ``.part`` on resume to rebuild its hash. With
 ``stream_digests`` (a node directory's files) every task's tensors are hashed that way, manifest
 or not: the file's digest is built from them and its header
-(:func:`~k3ckpt.format.nodedir.segments_sha256`), so a task's bytes are hashed once, by whichever
+(:func:`~k3ckpt.format.filedigest.segments_sha256`), so a task's bytes are hashed once, by whichever
 worker receives them, in whatever order the tasks complete. Tasks are handed out so that workers
 spread over files (:class:`~k3ckpt.hub.schedule.SpreadQueue`). A complete
 ``.part`` is checked (size, header bytes) and renamed into place, then added to

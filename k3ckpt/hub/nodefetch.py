@@ -18,7 +18,7 @@ What is written, in order:
 - each tensor's sha256 (the marker records them, as ``reshard``'s does) is computed from the
   bytes as they are received and written, by the task that receives them, in whatever order
   tasks complete - never by reading the finished file back. The file's digest is built from
-  them and its planned header (:func:`k3ckpt.format.nodedir.segments_sha256`), so every byte is
+  them and its planned header (:func:`k3ckpt.format.filedigest.segments_sha256`), so every byte is
   hashed once. With a manifest each task's tensors match it before the task is journaled, so
   only verified bytes get the final name. The digests are kept in :data:`DIGEST_DIR` so a
   resumed run need not read complete files again;
@@ -440,7 +440,7 @@ def record_proofs(dest_real: str, file_digests: dict[str, tuple[str, str]], tens
                   listing: HubListing, whole: list[str]) -> None:
     """Tell the directory's stat cache what proved its bytes (docs/trust.md): the files fetched
     whole (``whole``), the hub's sha256 in ``listing``; the node files (``file_digests``: name ->
-    the marker's ``(key, digest)``, :func:`~k3ckpt.format.nodedir.recorded_digest`; holding
+    the marker's ``(key, digest)``, :func:`~k3ckpt.format.filedigest.recorded_digest`; holding
     ``tensors`` tensors), ``origin`` - the tensor-hash manifest every tensor was checked against
     - or nothing, without one (their structure and sizes only). After a fetch, and after an
     offline check that hashed them."""
@@ -547,7 +547,7 @@ def _offline_node_file(dest_real: str, name: str, want: dict[str, Any], tensors:
                        cache: StatCache, manifest: Manifest | None, label: str) -> tuple[str | None, bool]:
     """``(why not, trusted)`` for the node file ``name`` against its marker entry ``want`` and
     its ``tensors`` (name -> the marker's sha256): a regular file of its size and of the digest
-    the marker records (:func:`~k3ckpt.format.nodedir.recorded_digest`: its segments', or an older
+    the marker records (:func:`~k3ckpt.format.filedigest.recorded_digest`: its segments', or an older
     marker's plain sha256). With a manifest every tensor its header lists (exactly the marker's)
     is hashed against the manifest too; without one a file the stat cache holds with the marker's
     digest and its current stat is trusted without being read (``trusted``)."""

@@ -86,7 +86,7 @@ def hash_file(
     again and searched, only those.
 
     ``whole``: False skips the file's own sha256 (``sha256`` is then ``""``): a node file's digest
-    is built from its header and its ``spans`` (:func:`~k3ckpt.format.nodedir.segments_sha256`),
+    is built from its header and its ``spans`` (:func:`~k3ckpt.format.filedigest.segments_sha256`),
     and the second hash of every byte would double the CPU.
 
     The bytes are hashed where they lie in the page cache, through a window of the file mapped

@@ -1,5 +1,5 @@
 """A node file's digest computed from the file on disk: its header's bytes and each tensor's
-sha256, in one read of the tensors' bytes (:func:`~k3ckpt.format.nodedir.segments_sha256`).
+sha256, in one read of the tensors' bytes (:func:`~k3ckpt.format.filedigest.segments_sha256`).
 
 ``k3ckpt-node.json`` (version 2) records that digest for every node file, and the tensors'
 sha256 beside it: hashing each byte once gives both. ``verify`` of a share, the offline check

@@ -16,7 +16,7 @@ match. It is checked by what is *present*, tensor by tensor:
 - a node marker's per-file and per-tensor digests are checked too (with no manifest they are the
   reference: a file changed after the node directory was written is still found). A version-2
   marker's file digest is built from the file's header and its tensors' sha256
-  (:func:`~k3ckpt.format.nodedir.segments_sha256`); a version-1 marker's is the file's sha256.
+  (:func:`~k3ckpt.format.filedigest.segments_sha256`); a version-1 marker's is the file's sha256.
 
 A reference that knows only whole files (a manifest without tensor hashes, a hub listing)
 cannot check rewritten shards: :class:`~k3ckpt.errors.ShareReferenceError` (exit 2) says
@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -46,6 +47,8 @@ from .segments import read_prefix, segments_of
 from .statcache import StatCache, cached_digest_known, cached_digest_matches, settle_proofs, stat_present
 from .structure import structure_issues
 
+#: A sha256 in hex (a computed digest, not the words of one that could not be computed).
+HEX64 = re.compile(r"[0-9a-f]{64}")
 #: Which marker makes a directory which kind of share.
 SHARE_KINDS = {NODE_MARKER: "node", PARTIAL_MARKER: "partial"}
 #: Files of a share that k3ckpt wrote for it (no reference lists them; the index is checked
@@ -244,7 +247,11 @@ def verify_share(
                          } if f in weight else {}
                 scanned = {"scan_ok": not d.flagged, "flagged": d.flagged or []} if scan and f in weight else {}
                 proof = {"proven": report.reference} if matched else {}
-                digest = {"sha256": d.sha256} if d.sha256 else {}  # (none for a file hashed by its segments)
+                # what these bytes hash to: a file hashed by its segments has no plain sha256, and
+                # its segments' digest is what an offline `fetch --node` looks for here
+                digest = {"sha256": d.sha256} if d.sha256 else {}
+                if marked is not None and marked[0] == SEGMENTS_KEY and HEX64.fullmatch(marked[2]):
+                    digest[SEGMENTS_KEY] = marked[2]
                 cache.record(f, stats[f], **digest, **extra, **scanned, **proof)
     issues += rescan_scales(root, to_scan, header_scan, jobs, stats, cache)
     settle_proofs(report, stats, hits, checked, skip=OWN_FILES)
@@ -327,7 +334,7 @@ def _marker_file_check(root: Path, ckpt: Checkpoint, f: str, d: FileDigest, span
                        node_files: dict[str, Any]) -> tuple[str, str, str] | None:
     """``(kind, recorded, found)`` for the weight file ``f`` of a share just hashed (``d``, with its
     tensors' ``spans``): the digest its node marker records and this file's of the same kind
-    (:func:`~k3ckpt.format.nodedir.recorded_digest`) - its segments' (from its header's bytes and
+    (:func:`~k3ckpt.format.filedigest.recorded_digest`) - its segments' (from its header's bytes and
     ``d``'s tensor digests) or its plain sha256; None when the marker records none."""
     recorded = recorded_digest(node_files.get(f))
     header = ckpt.shards.get(f)

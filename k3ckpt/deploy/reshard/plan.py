@@ -104,7 +104,7 @@ class OutTensor(NamedTuple):
 class OutFile:
     """One output file: its header bytes, its tensors (in write order) and their ``(begin, end)``
     in its data buffer. ``segments``: its digest is built from its header's and tensors' sha256
-    (a node file, :func:`~k3ckpt.format.nodedir.segments_sha256`), so no byte of it is hashed
+    (a node file, :func:`~k3ckpt.format.filedigest.segments_sha256`), so no byte of it is hashed
     whole; else (a rank file) its plain sha256 is computed while it is written."""
 
     rank: int

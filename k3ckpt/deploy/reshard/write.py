@@ -18,7 +18,7 @@ mapping (hot pages: the copy that follows reads the same ones; nothing is read b
 output, and no byte is read from disk twice), and buffered chunks are hashed from the buffer they
 are written from. A file's digest must cover every output byte: a rank file's is its sha256, a
 node file's is built from its header's and tensors' sha256
-(:func:`~k3ckpt.format.nodedir.segments_sha256`), so a node file whose tensors' digests are all
+(:func:`~k3ckpt.format.filedigest.segments_sha256`), so a node file whose tensors' digests are all
 known is copied kernel-side and not hashed at all. A tensor slice's
 digest is computed once per run, fed from that same read, and reused wherever several ranks or
 nodes hold the same slice (replicated tensors, TP slices across dp ranks); a file byte-identical
