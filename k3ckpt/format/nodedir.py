@@ -139,16 +139,17 @@ class NodeDir:
         return {f.name: f.segments_sha256(tensor_sha256) for f in self.files}
 
     def marker_bytes(self, source_index_sha256: str, tensor_sha256: Mapping[str, str],
-                     excluded: Sequence[str] = ()) -> bytes:
+                     excluded: Sequence[str] = (), *, file_digests: Mapping[str, str] | None = None) -> bytes:
         """``k3ckpt-node.json``'s bytes, as every producer writes them: :meth:`marker_json` plus
         the sha256 of the source's index and of every tensor (which the writer computes while
         copying, or takes from digests already proven), each file's digest built from them
-        (:meth:`NodeFile.segments_sha256`), and the source's non-weight files ``excluded`` by a fetch's
+        (:meth:`NodeFile.segments_sha256`; ``file_digests``: those the writer built already, by
+        file name), and the source's non-weight files ``excluded`` by a fetch's
         ``--include``/``--exclude`` (the key only when there are some: a whole node's marker is
         the same from every producer). One line, no indent (a full K3 node lists ~500k tensors):
         ``json.dumps``' text, its tensor entries written by :func:`json_records`."""
         head = self._marker_head()
-        digests = self.segments_sha256(tensor_sha256)
+        digests = file_digests if file_digests is not None else self.segments_sha256(tensor_sha256)
         tail: dict[str, Any] = {"files": {f.name: {"size": f.size, "rank": f.rank, SEGMENTS_KEY: digests[f.name]}
                                           for f in self.files},
                                 "source_index_sha256": source_index_sha256}

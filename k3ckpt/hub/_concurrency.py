@@ -19,10 +19,10 @@ MAX_DEFAULT_REQUESTS = 32
 def default_requests(cores: int | None = None) -> int:
     """How many requests a fetch runs at once by default on a node of ``cores`` cores (None:
     this machine's): one per two cores, at least :data:`MIN_DEFAULT_REQUESTS`, at most
-    :data:`MAX_DEFAULT_REQUESTS`. Each request's thread hashes the bytes it receives
-    (``fetch --node`` about 2.9 CPU-seconds per GB), so 8 requests cap a fetch at about 2.8 GB/s
-    of hashing: less than a 25 Gbit/s link (3.1 GB/s), a 100 Gbit/s one at under a quarter
-    (docs/deploy.md, "Time to ready"). Half the cores keeps such links full on the nodes that
-    have them and leaves the rest to the machine."""
+    :data:`MAX_DEFAULT_REQUESTS`. Each request's thread hashes the bytes it receives (about one
+    CPU-second per GB, ``k3ckpt.deploy.estimate.CostPerGB``), so the requests' cores, not the
+    link, bound a fetch on a fast link with few of them (docs/deploy.md, "Time to ready"). Half
+    the cores keeps such links full on the nodes that have them and leaves the rest to the
+    machine."""
     n = cores if cores is not None else (os.cpu_count() or 1)
     return max(MIN_DEFAULT_REQUESTS, min(MAX_DEFAULT_REQUESTS, n // 2))

@@ -423,10 +423,11 @@ def _fetch_node_files(plan: NodeFetchPlan, result: RankFetchResult, dest_real: s
 def _finish_node(plan: NodeFetchPlan, dest_real: str, digests: dict[str, dict[str, Any]]) -> None:
     """The index, the marker, then READY (as ``reshard`` finishes a node), each durable."""
     tensor_sha = {name: d for rec in digests.values() for name, d in rec["tensors"].items()}
-    file_digests = {name: (SEGMENTS_KEY, d) for name, d in plan.nd.segments_sha256(tensor_sha).items()}
+    segments = plan.nd.segments_sha256(tensor_sha)
+    file_digests = {name: (SEGMENTS_KEY, d) for name, d in segments.items()}
     write_atomic(os.path.join(dest_real, INDEX_NAME), plan.nd.index_bytes())
     write_atomic(os.path.join(dest_real, NODE_MARKER),
-                 plan.nd.marker_bytes(plan.source_index_sha256, tensor_sha, plan.excluded))
+                 plan.nd.marker_bytes(plan.source_index_sha256, tensor_sha, plan.excluded, file_digests=segments))
     write_atomic(os.path.join(dest_real, READY_NAME), b"")
     try:
         record_source(dest_real, plan.listing)

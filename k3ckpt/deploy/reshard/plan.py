@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 from ...errors import ReshardError
 from ...format.checkpoint import INDEX_NAME, Checkpoint, bulk_allocation, is_working_file, open_checkpoint
+from ...format.filedigest import SEGMENTS_KEY
 from ...format.header import DTYPE_BITS, TensorInfo, header_prefix
 from ...format.jsontext import JsonStr, ShapeJson, json_records, json_strings
 from ...format.layout import (
@@ -343,8 +344,9 @@ class NodePlan:
         """The index, then the marker: the bytes :class:`~k3ckpt.format.nodedir.NodeDir` gives
         every producer of a node directory."""
         tensors = {name: digest for res in results for name, digest in res["tensors"].items()}
+        files = {f.name: res[SEGMENTS_KEY] for f, res in zip(self.files, results)}  # the writers built them
         return {INDEX_NAME: self.plan.index_bytes(),
-                NODE_MARKER: self.plan.marker_bytes(source["index_sha256"], tensors)}
+                NODE_MARKER: self.plan.marker_bytes(source["index_sha256"], tensors, file_digests=files)}
 
 
 @dataclass
