@@ -31,6 +31,7 @@ from ..format.topology import (
     RankEnv,
 )
 from ..utils import format_ranges, human_bytes
+from ._memory import WEIGHT_OVERHEAD, loaded_bytes
 from ._preflight_report import (
     FAIL,
     PASS,
@@ -40,7 +41,6 @@ from ._preflight_report import (
     PreflightReport,
     ReadSpeed,
 )
-from .plan import WEIGHT_OVERHEAD
 
 #: Test hook: free disk bytes to use instead of what ``statvfs`` says.
 FREE_BYTES_HOOK = K3CKPT_PREFLIGHT_FREE_BYTES.name
@@ -235,7 +235,7 @@ def gpu_checks(need: Mapping[int, int | None] | None, slots: Mapping[int, int], 
         if weights is None:
             unknown.append(r)
             continue
-        loaded = int(weights * WEIGHT_OVERHEAD)
+        loaded = loaded_bytes(weights)
         want = loaded + kv_budget
         d = devices[slot]
         if want > d.free:

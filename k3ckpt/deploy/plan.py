@@ -30,11 +30,8 @@ from ..format.topology import (
     ranks_of_node,
     tensors_for_ranks,
 )
+from ._memory import DEFAULT_KV_BUDGET, WEIGHT_OVERHEAD, loaded_bytes
 from .estimate import MEASURED_COSTS, CostPerGB, Limits, NodeBytes, ReadyEstimate, estimate_ready, render_ready
-
-#: Rule of thumb for what a rank needs beyond its weights (activations, CUDA graphs, buffers).
-WEIGHT_OVERHEAD = 1.15
-DEFAULT_KV_BUDGET = 20 * 1024**3
 
 #: Accelerators and their memory (nominal HBM capacity, decimal bytes, as vendors quote it).
 ACCELERATORS: dict[str, int] = {
@@ -84,7 +81,7 @@ class PlanReport:
     def need_per_gpu(self, rank: RankPlan | None = None) -> int:
         """Weights x 1.15 + the KV budget, for ``rank`` (default: the largest)."""
         r = rank or self.largest
-        return int(r.total_bytes * WEIGHT_OVERHEAD) + self.kv_budget
+        return loaded_bytes(r.total_bytes) + self.kv_budget
 
     def fits(self) -> dict[str, bool]:
         need = self.need_per_gpu()

@@ -82,6 +82,7 @@ from ..errors import PreflightError
 from ..format.checkpoint import resolve_root
 from ..format.layout import NODE_MARKER, TOPOLOGY_NAME
 from ..format.topology import RankEnv, RankSelection
+from ._memory import DEFAULT_KV_BUDGET
 from ._preflight_engine import EngineNodeDir
 from ._preflight_host import (
     DEFAULT_MIN_FREE_DISK,
@@ -114,7 +115,6 @@ from ._preflight_report import (
     render_preflight,
     reshard_command,
 )
-from .plan import DEFAULT_KV_BUDGET
 from .serve import DEFAULT_RPC_PORT, ENGINES, leader_from_env, resolve_guard, serve_command
 
 __all__ = [

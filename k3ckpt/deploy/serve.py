@@ -29,7 +29,6 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Mapping
-from importlib.metadata import entry_points
 
 from ..errors import TopologyError
 from ..format.topology import require_engine_nodes
@@ -60,6 +59,8 @@ def guard_installed() -> bool:
     importing vLLM (that takes seconds and imports torch)."""
     if importlib.util.find_spec("vllm") is None:
         return False
+    from importlib.metadata import entry_points  # 15 ms to import: only where vLLM is installed
+
     return any(ep.value.replace(" ", "") == PLUGIN_ENTRY for ep in entry_points(group=PLUGIN_GROUP))
 
 
