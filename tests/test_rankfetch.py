@@ -24,6 +24,7 @@ from ckpt_edit import flip_byte, tree_digests
 from helpers import REPO, assert_one_line_error, hub_offline, kill_at_pause, run
 from k3ckpt.cli import main
 from k3ckpt.deploy.reshard import reshard
+from k3ckpt.errors import SafetensorsHeaderError
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
 from k3ckpt.format.header import read_header
 from k3ckpt.format.roles import Kind, classify
@@ -327,6 +328,44 @@ def test_manifest_of_other_headers_is_refused_before_any_tensor_byte(served_hub:
     build_manifest(served).save(no_hashes)
     res = fetch(h, tmp_path / "d", "--manifest", str(no_hashes))
     assert res.exit_code == 2 and "has no tensor hashes" in res.output
+
+
+def test_shard_headers_are_read_while_the_index_arrives(served_hub: Any, tmp_path: Path) -> None:
+    """Planning reads the top-level shards' headers while the index (~45 MB at K3's scale) is on
+    its way, not after it: with the index's body stalled for a second, every shard's header is
+    asked for within that second - and the plan is the one a reading in turn makes."""
+    h, served = served_hub
+    shards = sorted(p.name for p in served.glob("*.safetensors"))
+    h.inject("stall", INDEX_NAME, times=1, after=64, seconds=1.0)
+    stalled = _plan(h, tmp_path / "d")
+    index_asked = min(r.started for r in h.request_log if r.file == INDEX_NAME)
+    header_asked = {r.file: r.started for r in h.request_log if r.file in shards and r.range == "bytes=0-7"}
+    assert sorted(header_asked) == shards
+    assert max(header_asked.values()) < index_asked + 0.9, (index_asked, header_asked)
+    plain = _plan(h, tmp_path / "d")
+    assert stalled.to_json() == plain.to_json()
+
+
+def test_a_broken_safetensors_file_the_index_does_not_name_does_not_stop_the_plan(k3_tiny: Path,
+                                                                                  tmp_path: Path) -> None:
+    """A top-level ``.safetensors`` file outside the index has its header read with the shards'
+    (planning cannot know it is not one before the index arrives), and its failure is not the
+    plan's: only the index's shards count. A broken shard the index names still stops it."""
+    from k3ckpt.testing.hub import LoopbackHub
+
+    served = tmp_path / "served"
+    shutil.copytree(k3_tiny, served)
+    (served / "stray.safetensors").write_bytes(b"not a safetensors file at all")
+    with LoopbackHub({REPO: served}, cache_dir=tmp_path / "hub-cache") as h:
+        plan = _plan(h, tmp_path / "d")
+        assert "stray.safetensors" not in {s.path for s in plan.shards}
+        assert any(r.file == "stray.safetensors" and r.range == "bytes=0-7" for r in h.request_log)
+        shard = "model-00003-of-000008.safetensors"
+        raw = (served / shard).read_bytes()
+        (served / shard).write_bytes((10**12).to_bytes(8, "little") + raw[8:])  # a length no header has
+    with LoopbackHub({REPO: served}, cache_dir=tmp_path / "hub-cache2") as h:
+        with pytest.raises(SafetensorsHeaderError, match=f"{shard}: header length {10**12} exceeds"):
+            _plan(h, tmp_path / "d")
 
 
 def test_manifest_rechecks_complete_shards_and_refetches_a_damaged_one(served_hub: Any, tensor_manifest: Path,

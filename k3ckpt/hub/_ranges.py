@@ -32,6 +32,7 @@ from ..errors import (
     HubError,
     HubShortReadError,
     HubUnreachableError,
+    K3ckptError,
     RangeMismatchError,
     RangeNotSupportedError,
     SafetensorsHeaderError,
@@ -307,10 +308,36 @@ def fetch_headers(
     Raises:
         SafetensorsHeaderError, HubError: As :func:`fetch_header`, for the first shard that fails.
     """
+    got = fetch_headers_each(listing, paths, token=token, jobs=jobs, timeout=timeout, retry=retry)
+    out = []
+    for path in paths:
+        one = got[path]
+        if isinstance(one, K3ckptError):
+            raise one
+        out.append(one)
+    return out
+
+
+def fetch_headers_each(
+    listing: HubListing,
+    paths: list[str],
+    *,
+    token: str | None = None,
+    jobs: int = 8,
+    timeout: float = 30.0,
+    retry: RetryPolicy | None = None,
+) -> dict[str, HeaderColumns | K3ckptError]:
+    """:func:`fetch_header` of each of ``paths``, ``jobs`` at a time: path -> its header, or the
+    error it failed with (``SafetensorsHeaderError``, ``HubError``), the others read all the same.
+    For a caller that learns only later which of the files it needs (:func:`read_source` reads
+    the likely shards while the index that names them arrives)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def one(path: str) -> HeaderColumns:
-        return fetch_header(listing, path, token=token, timeout=timeout, retry=retry)
+    def one(path: str) -> HeaderColumns | K3ckptError:
+        try:
+            return fetch_header(listing, path, token=token, timeout=timeout, retry=retry)
+        except K3ckptError as e:
+            return e
 
     with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(paths) or 1))) as ex:
-        return list(ex.map(one, paths))
+        return dict(zip(paths, ex.map(one, paths)))

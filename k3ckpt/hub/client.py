@@ -13,7 +13,7 @@ modules:
   is and what its own client sends;
 - ``_hf``: the Hugging Face listing (``huggingface_hub.HfApi.model_info``);
 - ``_modelscope``: the ModelScope listing (``modelscope_hub.HubApi``), pinned to a commit;
-- ``_ranges``: :func:`read_range`, :func:`fetch_header`, :func:`fetch_headers`;
+- ``_ranges``: :func:`read_range`, :func:`fetch_header`, :func:`fetch_headers`, :func:`fetch_headers_each`;
 - ``_concurrency``: :func:`default_requests` (light: ``plan`` and ``preflight`` use it).
 
 Each part's docstring names the client quirks it works around (huggingface_hub 2.4,
@@ -45,7 +45,7 @@ from ._listing import DEFAULT_RETRY, HubFile, HubListing, RetryPolicy, check_hub
 from ._listing import EMPTY_SHA256 as EMPTY_SHA256
 from ._listing import HUBS as HUBS
 from ._modelscope import list_modelscope
-from ._ranges import RANGE_SKIP_LIMIT, fetch_header, fetch_headers, read_range
+from ._ranges import RANGE_SKIP_LIMIT, fetch_header, fetch_headers, fetch_headers_each, read_range
 
 __all__ = [
     "DEFAULT_RETRY",
@@ -68,6 +68,7 @@ __all__ = [
     "default_requests",
     "fetch_header",
     "fetch_headers",
+    "fetch_headers_each",
     "file_url",
     "list_repo",
     "read_range",
