@@ -495,6 +495,33 @@ def test_a_single_file_checkpoint_fetches_the_reshard_node(k3_tiny: Path, tmp_pa
     assert json.loads((ref / "k3ckpt-node.json").read_text())["source_index_sha256"] == digest
 
 
+def test_a_shard_the_index_names_in_a_subfolder_is_read_once_the_index_is_in(k3_tiny: Path, tmp_path: Path) -> None:
+    """Planning asks for the top-level shards' headers while the index arrives; a shard the index
+    names in a subfolder is not among them, and its header is read once the index is in."""
+    from k3ckpt.format.topology import RankSelection
+    from k3ckpt.hub.nodefetch import plan_node_fetch
+    from k3ckpt.testing.hub import LoopbackHub
+
+    src = tmp_path / "served"
+    shutil.copytree(k3_tiny, src)
+    moved = "model-00003-of-000008.safetensors"
+    (src / "sub").mkdir()
+    (src / moved).rename(src / "sub" / moved)
+    index = json.loads((src / INDEX_NAME).read_text())
+    index["weight_map"] = {t: f"sub/{f}" if f == moved else f for t, f in index["weight_map"].items()}
+    (src / INDEX_NAME).write_text(json.dumps(index))
+    with LoopbackHub({REPO: src}, cache_dir=tmp_path / "hub-cache") as h:
+        h.inject("stall", INDEX_NAME, times=1, after=64, seconds=1.0)
+        plan = plan_node_fetch("hf", REPO, tmp_path / "d", RankSelection(tp=2, dp=4, gpus_per_node=4, node=0),
+                               endpoint=h.url, token="")
+        log = list(h.request_log)
+    index_asked = min(r.started for r in log if r.file == INDEX_NAME)
+    asked = [r.started for r in log if r.file == f"sub/{moved}" and r.range == "bytes=0-7"]
+    assert len(asked) == 1 and asked[0] > index_asked + 0.9, (index_asked, asked)
+    planned = {t.name for f in plan.nd.files for t in f.tensors}
+    assert set(read_header(k3_tiny / moved).tensors) & planned
+
+
 # ----------------------------------------------------------------------------------------------
 # HF_HUB_OFFLINE=1: a restarted air-gapped pod re-runs the same fetch (examples/node-init.sh)
 # ----------------------------------------------------------------------------------------------

@@ -209,10 +209,11 @@ def read_source(hub: str, repo: str, revision: str | None, *, endpoint: str | No
     listing = hubclient.list_repo(hub, repo, revision, endpoint=endpoint, token=token)
     if on_listing is not None:
         on_listing(listing)
-    # The index names the shards, but every checkpoint's shards are its top-level .safetensors
-    # files: their headers are read while the index and the config arrive. At K3's scale the
-    # index alone is ~45 MB of JSON (~500k names), the headers 96 x 2 requests, and the plan
-    # waited for both in turn. A guessed file the index does not name costs its header's bytes.
+    # The index names the shards; in practice they are the repo's top-level .safetensors files,
+    # whose headers are read while the index and the config arrive (one the index names
+    # elsewhere is read after it). At K3's scale the index alone is ~45 MB of JSON (~500k names)
+    # and the headers 96 x 2 requests: the plan waited for both in turn. A guessed file the
+    # index does not name costs its header's bytes, and its failure is not the plan's.
     with ThreadPoolExecutor(max_workers=1) as pool:
         early = pool.submit(hubclient.fetch_headers_each, listing, _likely_shards(listing), token=token, jobs=jobs)
         weight_map, shard_paths, index_sha = _remote_index(listing, token)
