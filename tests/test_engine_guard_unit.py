@@ -188,6 +188,7 @@ def test_the_entry_point_vllm_loads_is_the_one_serve_lines_look_for() -> None:
 
 
 def test_guard_installed_needs_vllm_here_and_k3ckpt_s_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
     from importlib.metadata import EntryPoint
 
     from k3ckpt.deploy import serve
@@ -196,7 +197,8 @@ def test_guard_installed_needs_vllm_here_and_k3ckpt_s_entry_point(monkeypatch: p
     other = EntryPoint("lora", "someone.else:register", serve.PLUGIN_GROUP)
     for vllm_here, points, want in [(True, [other, ours], True), (True, [other], False), (False, [ours], False)]:
         monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name, v=vllm_here: object() if v else None)
-        monkeypatch.setattr(serve, "entry_points", lambda group, p=points: [e for e in p if e.group == group])
+        # serve imports entry_points when it asks (importlib.metadata is slow to import)
+        monkeypatch.setattr(importlib.metadata, "entry_points", lambda group, p=points: [e for e in p if e.group == group])
         assert serve.guard_installed() is want
         assert serve.resolve_guard(None, "vllm") is want and serve.resolve_guard(None, "sglang") is False
     assert serve.resolve_guard(True, "vllm") and not serve.resolve_guard(False, "vllm")
