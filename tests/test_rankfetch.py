@@ -332,16 +332,16 @@ def test_manifest_of_other_headers_is_refused_before_any_tensor_byte(served_hub:
 
 def test_shard_headers_are_read_while_the_index_arrives(served_hub: Any, tmp_path: Path) -> None:
     """Planning reads the top-level shards' headers while the index (~45 MB at K3's scale) is on
-    its way, not after it: with the index's body stalled for a second, every shard's header is
-    asked for within that second - and the plan is the one a reading in turn makes."""
+    its way, not after it: with the index's body stalled for two seconds, every shard's header is
+    asked for before the stall ends - and the plan is the one a reading in turn makes."""
     h, served = served_hub
     shards = sorted(p.name for p in served.glob("*.safetensors"))
-    h.inject("stall", INDEX_NAME, times=1, after=64, seconds=1.0)
+    h.inject("stall", INDEX_NAME, times=1, after=64, seconds=2.0)
     stalled = _plan(h, tmp_path / "d")
     index_asked = min(r.started for r in h.request_log if r.file == INDEX_NAME)
     header_asked = {r.file: r.started for r in h.request_log if r.file in shards and r.range == "bytes=0-7"}
     assert sorted(header_asked) == shards
-    assert max(header_asked.values()) < index_asked + 0.9, (index_asked, header_asked)
+    assert max(header_asked.values()) < index_asked + 1.5, (index_asked, header_asked)
     plain = _plan(h, tmp_path / "d")
     assert stalled.to_json() == plain.to_json()
 
