@@ -12,13 +12,16 @@ in whatever order the tensors arrive (docs/trust.md has the scheme).
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable
 
-__all__ = ["SEGMENTS_KEY", "recorded_digest", "segments_sha256"]
+__all__ = ["SEGMENTS_KEY", "SHA256_HEX", "recorded_digest", "segments_sha256"]
 
 #: The key of a node file's digest in ``k3ckpt-node.json``'s ``files`` (:func:`segments_sha256`;
 #: markers of version 1 recorded the file's plain sha256 under ``sha256`` instead).
 SEGMENTS_KEY = "segments_sha256"
+#: A sha256 as every digest here is written: 64 lowercase hex digits (``hexdigest()``'s form).
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def segments_sha256(prefix: bytes, tensors: Iterable[tuple[int, int, str]]) -> str:

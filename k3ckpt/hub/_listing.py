@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import HubListingError, UnsafePathError
+from ..format.filedigest import SHA256_HEX
 from . import _dest
 
 #: The hubs understood by the client.
@@ -24,7 +25,6 @@ HUBS: tuple[str, ...] = ("hf", "modelscope")
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 HEX40 = re.compile(r"[0-9a-f]{40}")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def add_file(files: dict[str, HubFile], ctx: dict[str, Any], path: Any, size: An
         raise HubListingError("listed twice", path=path, **ctx)
     if type(size) is not int or size < 0:
         raise HubListingError(f"no usable size in the listing (got {size!r})", path=path, **ctx)
-    sha = _hex_or_none(sha256, _HEX64, "sha256", ctx, path)
+    sha = _hex_or_none(sha256, SHA256_HEX, "sha256", ctx, path)
     if sha == EMPTY_SHA256 and size > 0:
         raise HubListingError(f"the hub reports the sha256 of empty content for a {size}-byte file "
                               "(a broken upload?)", path=path, **ctx)

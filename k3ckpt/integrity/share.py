@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 
 from ..errors import LayoutError, ShareReferenceError
 from ..format.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
-from ..format.filedigest import SEGMENTS_KEY, recorded_digest
+from ..format.filedigest import SEGMENTS_KEY, SHA256_HEX, recorded_digest
 from ..format.layout import NODE_MARKER, PARTIAL_MARKER, READY_NAME, read_node_marker
 from ..format.roles import Kind, classify
 from .hashing import FileDigest, HashError, Span, hash_files
@@ -47,8 +46,6 @@ from .segments import read_prefix, segments_of
 from .statcache import StatCache, cached_digest_known, cached_digest_matches, settle_proofs, stat_present
 from .structure import structure_issues
 
-#: A sha256 in hex (a computed digest, not the words of one that could not be computed).
-HEX64 = re.compile(r"[0-9a-f]{64}")
 #: Which marker makes a directory which kind of share.
 SHARE_KINDS = {NODE_MARKER: "node", PARTIAL_MARKER: "partial"}
 #: Files of a share that k3ckpt wrote for it (no reference lists them; the index is checked
@@ -250,7 +247,7 @@ def verify_share(
                 # what these bytes hash to: a file hashed by its segments has no plain sha256, and
                 # its segments' digest is what an offline `fetch --node` looks for here
                 digest = {"sha256": d.sha256} if d.sha256 else {}
-                if marked is not None and marked[0] == SEGMENTS_KEY and HEX64.fullmatch(marked[2]):
+                if marked is not None and marked[0] == SEGMENTS_KEY and SHA256_HEX.fullmatch(marked[2]):
                     digest[SEGMENTS_KEY] = marked[2]
                 cache.record(f, stats[f], **digest, **extra, **scanned, **proof)
     issues += rescan_scales(root, to_scan, header_scan, jobs, stats, cache)
