@@ -45,6 +45,23 @@ def edit_index(root: Path, mutate: Callable[[dict[str, str]], None]) -> None:
     p.write_text(json.dumps(data, indent=2))
 
 
+def set_expert_groups(root: Path, groups: int | None) -> Path:
+    """Give the checkpoint's config ``groups`` router expert groups (``n_group``, with
+    ``topk_group`` equal, so routing is unchanged), or none (``None``: both keys dropped, as K3's
+    config has them) - in its text section (``text_config`` when nested). vLLM honours
+    round_robin placement only with several groups, so a round_robin node directory is written
+    from a grouped config. Returns ``root``."""
+    p = root / "config.json"
+    config = json.loads(p.read_text())
+    text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    for key in ("n_group", "topk_group"):
+        text.pop(key, None)
+        if groups is not None:
+            text[key] = groups
+    p.write_text(json.dumps(config, indent=2))
+    return root
+
+
 def drop_tensors(root: Path, names: set[str]) -> None:
     """Remove ``names`` (all in one shard) from that shard and from the index."""
     file = json.loads((root / INDEX_NAME).read_text())["weight_map"][next(iter(names))]

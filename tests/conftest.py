@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from ckpt_edit import set_expert_groups
 from enginelib import ckpts, engine, k2_hub, plugin  # noqa: F401  (the running-engine tests' session fixtures)
 from k3ckpt.testing.synth import spec_from_preset, synthesize
 
@@ -109,6 +110,20 @@ def k2_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _synth("k2-tiny", tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def k3_tiny_grouped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``k3-tiny`` whose router has 2 expert groups (``text_config.n_group``): a model vLLM
+    serves round_robin node directories of, which reshard writes only for such a model (read-only)."""
+    return set_expert_groups(_synth("k3-tiny", tmp_path_factory), 2)
+
+
+@pytest.fixture(scope="session")
+def k2_tiny_grouped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``k2-tiny`` with 2 expert groups (``n_group`` 2; the preset has 1, as Kimi-K2): see
+    ``k3_tiny_grouped`` (read-only)."""
+    return set_expert_groups(_synth("k2-tiny", tmp_path_factory), 2)
+
+
 @pytest.fixture
 def clone_checkpoint(tmp_path: Path) -> Callable[[Path], Path]:
     """``clone(src) -> copy``: a private copy of a session checkpoint that a test may break."""
@@ -122,16 +137,26 @@ def clone_checkpoint(tmp_path: Path) -> Callable[[Path], Path]:
     return clone
 
 
+def _serve_copy(src: Path, tmp_path: Path) -> Iterator[tuple[Any, Path]]:
+    from k3ckpt.testing.hub import LoopbackHub
+
+    served = tmp_path / "served"
+    shutil.copytree(src, served)
+    with LoopbackHub({"moonshotai/Kimi-K3": served}, cache_dir=tmp_path / "hub-cache") as h:
+        yield h, served
+
+
 @pytest.fixture()
 def served_hub(k3_tiny: Path, tmp_path: Path) -> Iterator[tuple[Any, Path]]:
     """``(hub, served_dir)``: a private copy of k3-tiny served as ``moonshotai/Kimi-K3`` on a
     loopback hub (fresh per test, so faults and counters never leak between tests)."""
-    from k3ckpt.testing.hub import LoopbackHub
+    yield from _serve_copy(k3_tiny, tmp_path)
 
-    served = tmp_path / "served"
-    shutil.copytree(k3_tiny, served)
-    with LoopbackHub({"moonshotai/Kimi-K3": served}, cache_dir=tmp_path / "hub-cache") as h:
-        yield h, served
+
+@pytest.fixture()
+def grouped_hub(k3_tiny_grouped: Path, tmp_path: Path) -> Iterator[tuple[Any, Path]]:
+    """``served_hub`` of ``k3_tiny_grouped`` (2 expert groups: round_robin node fetches)."""
+    yield from _serve_copy(k3_tiny_grouped, tmp_path)
 
 
 @pytest.fixture()

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import select
+import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Any
 import pytest
 from click.testing import Result
 
+from ckpt_edit import set_expert_groups
 from helpers import REPO, run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -220,6 +222,29 @@ def synth(root: Path, preset: str) -> Path:
     if not out.exists():
         res = run("synth", str(out), "--preset", preset)
         assert res.exit_code == 0, res.output
+    return out
+
+
+def grouped_k2(root: Path) -> Path:
+    """``k2-engine`` with its 16 experts in 2 groups, both always selected (``n_group`` 2,
+    ``topk_group`` 2: the same routing as one group). vLLM places experts round_robin only for
+    a model with several expert groups, and reshard writes round_robin node directories only for
+    such a model."""
+    out = root / "k2-engine-2groups"
+    if not out.exists():
+        shutil.copytree(synth(root, "k2-engine"), out)
+        set_expert_groups(out, 2)
+    return out
+
+
+def with_one_group(node: Path) -> Path:
+    """A copy of the node directory ``node`` (beside it) whose ``config.json`` says one expert
+    group (``n_group`` 1, as Kimi-K2's): the round_robin directory reshard refuses to write for
+    such a model, made to show what vLLM does with it."""
+    out = node.with_name(f"{node.parent.name}-{node.name}-1group")
+    if not out.exists():
+        shutil.copytree(node, out)
+        set_expert_groups(out, 1)
     return out
 
 

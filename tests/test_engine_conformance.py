@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from ckpt_edit import set_expert_groups
 from engines import (
     V_K3,
     V_MXFP4_MOE,
@@ -134,13 +135,14 @@ UNDER_EP = [
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """Synthetic K3 checkpoints by expert count: 3 layers (dense, KDA MoE, MLA MoE), 16 heads
-    so that TP 8 is a valid split."""
+    so that TP 8 is a valid split, and several expert groups (the fewest that divide the experts),
+    without which vLLM does not honour the round_robin cases' placement and reshard refuses them."""
     out = {}
     for n in sorted({c.experts for c in CASES + UNDER_EP}):
         dest = tmp_path_factory.mktemp(f"k3-{n}") / "Kimi-K3"
         synthesize(spec_from_preset("k3-tiny", num_layers=3, num_experts=n, experts_per_token=min(4, n),
                                     num_attention_heads=16, kda_num_heads=16), dest)
-        out[n] = dest
+        out[n] = set_expert_groups(dest, next(g for g in range(2, n + 1) if n % g == 0))
     return out
 
 

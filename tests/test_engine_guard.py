@@ -18,7 +18,16 @@ from typing import Any
 import pytest
 
 from ckpt_edit import shard_tensors
-from enginelib import Engine, assert_a_real_answer, assert_same_answers, fetch_k2, reshard, synth
+from enginelib import (
+    Engine,
+    assert_a_real_answer,
+    assert_same_answers,
+    fetch_k2,
+    grouped_k2,
+    reshard,
+    synth,
+    with_one_group,
+)
 from helpers import REPO
 from k3ckpt.format.checkpoint import INDEX_NAME
 from k3ckpt.format.header import read_header
@@ -174,10 +183,11 @@ def test_a_placement_the_engine_does_not_use_is_refused(engine: Engine, ckpts: P
     """Node 0 of a round_robin ``--dp 2`` topology (experts 0,2,..,14) served at TP 2 with EP and
     ``--expert-placement-strategy round_robin``: this model has one expert group, so vLLM places
     its experts linearly (``docs/engines.md``), and the guard sees the engine's own map - each
-    rank given experts the directory does not hold refuses, naming the placement."""
-    src = synth(ckpts, "k2-engine")
-    node0 = reshard(src, "rr-2nodes", "--tp", "1", "--dp", "2", "--gpus-per-node", "1",
-                    "--placement", "round_robin") / "node-00000"
+    rank given experts the directory does not hold refuses, naming the placement. (reshard writes
+    round_robin only for a model with several groups: the directory is written from the grouped
+    model, then its config set to one group.)"""
+    node0 = with_one_group(reshard(grouped_k2(ckpts), "rr-2nodes", "--tp", "1", "--dp", "2", "--gpus-per-node", "1",
+                                   "--placement", "round_robin") / "node-00000")
     held = json.loads((node0 / "k3ckpt-node.json").read_text())["experts"]
     assert held == list(range(0, 16, 2))
     r = engine.run(node0, tp=2, engine_args={**EP_TP2, "expert_placement_strategy": "round_robin"}, env=plugin)

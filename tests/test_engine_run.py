@@ -20,7 +20,18 @@ import numpy as np
 import pytest
 
 from ckpt_edit import rewrite_shard, shard_tensors
-from enginelib import Engine, Run, assert_a_real_answer, assert_same_answers, fetch_k2, reshard, synth, tokens
+from enginelib import (
+    Engine,
+    Run,
+    assert_a_real_answer,
+    assert_same_answers,
+    fetch_k2,
+    grouped_k2,
+    reshard,
+    synth,
+    tokens,
+    with_one_group,
+)
 from helpers import REPO, run, tensor_digests
 from k3ckpt.format import Topology
 from k3ckpt.format.checkpoint import INDEX_NAME
@@ -239,24 +250,16 @@ EP_FORWARD_BUG = ("vLLM issue 57837: the CPU fused-MoE kernel ignores the expert
                   "pass with expert parallelism crashes (the worker dies)")
 
 
-def _grouped(ckpts: Path) -> Path:
-    """``k2-engine`` with its 16 experts in 2 groups, both always selected (``n_group`` 2,
-    ``topk_group`` 2: the same routing as one group). vLLM places experts round_robin only for
-    a model with several expert groups; with one it falls back to linear (below)."""
-    out = ckpts / "k2-engine-2groups"
-    if not out.exists():
-        shutil.copytree(synth(ckpts, "k2-engine"), out)
-        config = json.loads((out / "config.json").read_text())
-        config.update(n_group=2, topk_group=2)
-        (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
-
-
 def _ep_run(engine: Engine, ckpts: Path, placement: str, grouped: bool) -> Run:
     """One EP launch (TP 2 on one node, ``--enable-expert-parallel --enable-ep-weight-filter``) of
-    ``reshard --tp 2 --placement P``'s node directory, asking the workers what they loaded."""
-    src = _grouped(ckpts) if grouped else synth(ckpts, "k2-engine")
+    ``reshard --tp 2 --placement P``'s node directory, asking the workers what they loaded.
+    ``grouped``: the model has two expert groups, else one; a round_robin directory is written
+    from the grouped model either way (reshard refuses it for one group) and, ungrouped, served
+    with the config saying one group."""
+    src = grouped_k2(ckpts) if grouped or placement == "round_robin" else synth(ckpts, "k2-engine")
     node = reshard(src, f"tp2-{placement}", "--tp", "2", "--placement", placement) / "node-00000"
+    if placement == "round_robin" and not grouped:
+        node = with_one_group(node)
     return engine.run(node, tp=2, inspect_experts=True, engine_args={
         "enable_expert_parallel": True, "enable_ep_weight_filter": True, "expert_placement_strategy": placement})
 

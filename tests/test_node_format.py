@@ -17,6 +17,7 @@ import safetensors
 from click.testing import CliRunner
 from safetensors import safe_open
 
+from ckpt_edit import set_expert_groups
 from helpers import assert_one_line_error, run, segments_digest, tensor_digests
 from k3ckpt.cli import main
 from k3ckpt.deploy import reshard as rs
@@ -130,7 +131,7 @@ def k3_heads8(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """k3-tiny with 8 attention heads (TP8 must divide them) and 3 layers, 16 experts."""
     src = tmp_path_factory.mktemp("k3h8") / "src"
     synthesize(spec_from_preset("k3-tiny", num_attention_heads=8, kda_num_heads=8, num_layers=3), src)
-    return src
+    return set_expert_groups(src, 2)  # the round_robin case needs groups (vLLM's rule: docs/engines.md)
 
 
 @pytest.mark.parametrize("tp,dp,gpn,placement,max_size", [
@@ -165,6 +166,8 @@ def test_engine_topologies(k3_heads8: Path, tmp_path: Path, tp: int, dp: int, gp
 def test_uneven_expert_counts(tmp_path: Path, num_experts: int, tp: int, dp: int, gpn: int, placement: str) -> None:
     src = tmp_path / "src"
     synthesize(spec_from_preset("k3-tiny", num_experts=num_experts, experts_per_token=2, num_layers=3), src)
+    if placement == "round_robin":
+        set_expert_groups(src, num_experts)
     out = tmp_path / "o"
     sel = RankSelection(tp=tp, dp=dp, gpus_per_node=gpn, placement=placement)
     res = rs.reshard(src, out, sel, layout="node", max_file_size=200_000)
@@ -246,10 +249,10 @@ def test_gptoss_stacked_experts_stay_whole(gptoss_tiny: Path, tmp_path: Path) ->
     check_nodes(gptoss_tiny, tmp_path / "o", tp=1, dp=4, placement="linear", gpus_per_node=2, num_experts=8)
 
 
-def test_k2_nodes(k2_tiny: Path, tmp_path: Path) -> None:
-    rs.reshard(k2_tiny, tmp_path / "o", RankSelection(ep=4, gpus_per_node=2, placement="round_robin"),
+def test_k2_nodes(k2_tiny_grouped: Path, tmp_path: Path) -> None:
+    rs.reshard(k2_tiny_grouped, tmp_path / "o", RankSelection(ep=4, gpus_per_node=2, placement="round_robin"),
                layout="node")
-    check_nodes(k2_tiny, tmp_path / "o", tp=1, dp=4, placement="round_robin", gpus_per_node=2, num_experts=8)
+    check_nodes(k2_tiny_grouped, tmp_path / "o", tp=1, dp=4, placement="round_robin", gpus_per_node=2, num_experts=8)
 
 
 @pytest.fixture(scope="module")
@@ -362,9 +365,10 @@ def test_inspect_honours_the_node_marker(nodes: Path, tmp_path: Path) -> None:
     assert res.exit_code == 2 and "k3ckpt-node.json" in res.output and "Traceback" not in res.output
 
 
-def test_the_plan_fixes_every_byte_a_producer_writes(k3_tiny: Path, tmp_path: Path) -> None:
+def test_the_plan_fixes_every_byte_a_producer_writes(k3_tiny_grouped: Path, tmp_path: Path) -> None:
     """A second producer (a rank-aware fetch) that follows the plan writes the same directory:
     headers, tensor offsets, index and marker all come from :func:`plan_node_dir`."""
+    k3_tiny = k3_tiny_grouped
     ckpt = open_checkpoint(k3_tiny)
     sel = RankSelection(tp=2, dp=4, gpus_per_node=4, node=1, placement="round_robin")
     rs.reshard(k3_tiny, tmp_path / "o", sel, max_file_size=300_000)

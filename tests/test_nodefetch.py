@@ -3,7 +3,10 @@ writes the node directory ``k3ckpt reshard`` writes as ``OUT/node-0000N/``: the 
 and the same bytes for every file (weight files, index, marker, READY, config, tokenizer,
 licence), from the loopback hub serving the same checkpoint, through the real hub clients.
 Only the node's bytes move; verify, inspect and preflight accept the result; SIGKILL + resume
-gives the same directory; a manifest catches corruption before a file gets its final name."""
+gives the same directory; a manifest catches corruption before a file gets its final name.
+
+The checkpoint served is k3-tiny with two expert groups (``grouped_hub``): the round_robin case
+is a node directory vLLM serves only for such a model, and the only one k3ckpt writes."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_edit import flip_byte
+from ckpt_edit import flip_byte, set_expert_groups
 from helpers import REPO, assert_one_line_error, hub_offline, kill_at_pause, run
 from k3ckpt.format.checkpoint import INDEX_NAME, iter_checkpoint_files, open_checkpoint
 from k3ckpt.format.header import read_header
@@ -50,12 +53,12 @@ def fetch_node(h: Any, dest: Path, topo: tuple[str, ...], node: int, *extra: str
 
 
 @pytest.fixture(scope="module")
-def resharded(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+def resharded(k3_tiny_grouped: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """Case index -> reshard's node directory for that case (the reference)."""
     out: dict[int, Path] = {}
     for i, (topo, node, sizes, _) in enumerate(CASES):
         o = tmp_path_factory.mktemp(f"reshard-{i}")
-        res = run("reshard", str(k3_tiny), "-o", str(o), *topo, *sizes, "--node", str(node))
+        res = run("reshard", str(k3_tiny_grouped), "-o", str(o), *topo, *sizes, "--node", str(node))
         assert res.exit_code == 0, res.output
         out[i] = o / f"node-{node:05d}"
     return out
@@ -67,9 +70,9 @@ def planning_bytes(served: Path) -> int:
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_fetch_node_equals_reshard_node(case: int, served_hub: Any, resharded: dict[int, Path], tmp_path: Path,
+def test_fetch_node_equals_reshard_node(case: int, grouped_hub: Any, resharded: dict[int, Path], tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    h, served = served_hub
+    h, served = grouped_hub
     monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
     topo, node, sizes, pre = CASES[case]
     ref = resharded[case]
@@ -94,10 +97,9 @@ def test_fetch_node_equals_reshard_node(case: int, served_hub: Any, resharded: d
     assert fetched == run("inspect", str(ref)).output.replace(str(ref), str(dest)).splitlines()
     a = run("preflight", str(dest), "--node", str(node), *pre)
     b = run("preflight", str(ref), "--node", str(node), *pre)
-    # (preflight reads the launch - placement included - from k3ckpt-node.json: both are ready,
-    # but for vLLM's round_robin on a model without expert groups: docs/engines.md)
-    rr = "round_robin" in topo
-    assert a.exit_code == b.exit_code == (1 if rr else 0), a.output
+    # (preflight reads the launch - placement included - from k3ckpt-node.json: both are ready;
+    # round_robin too, the model having expert groups)
+    assert a.exit_code == b.exit_code == 0, a.output
     # every check says the same, except that the fetched node knows its hub revision (PASS, not
     # WARN; and a fix names it)
 
@@ -117,8 +119,8 @@ def test_fetch_node_equals_reshard_node(case: int, served_hub: Any, resharded: d
     assert "PASS  source        from moonshotai/Kimi-K3@" in a.output
     # neither node's weight files are proven (no --manifest; an unverified source): never "ready"
     for out in (a.output, b.output):
-        assert "WARN  proof         not proven: " in out and ("not ready" if rr else "loadable, not proven") in out
-        assert [x.split()[1] for x in out.splitlines() if x.startswith("FAIL")] == (["placement"] if rr else [])
+        assert "WARN  proof         not proven: " in out and "loadable, not proven" in out
+        assert not [x for x in out.splitlines() if x.startswith("FAIL")], out
     # a second run moves nothing (digests come from the fetch's records) and changes nothing
     h.reset_counters()
     again = fetch_node(h, dest, topo, node, *sizes, "--json")
@@ -128,8 +130,8 @@ def test_fetch_node_equals_reshard_node(case: int, served_hub: Any, resharded: d
     assert tree(dest) == want
 
 
-def test_modelscope_writes_the_same_node(served_hub: Any, resharded: dict[int, Path], tmp_path: Path) -> None:
-    h, _ = served_hub
+def test_modelscope_writes_the_same_node(grouped_hub: Any, resharded: dict[int, Path], tmp_path: Path) -> None:
+    h, _ = grouped_hub
     topo, node, sizes, _ = CASES[1]
     res = fetch_node(h, tmp_path / "ms", topo, node, *sizes, "--json", source="modelscope")
     assert res.exit_code == 0, res.output
@@ -138,10 +140,10 @@ def test_modelscope_writes_the_same_node(served_hub: Any, resharded: dict[int, P
 
 
 def test_manifest_checks_every_tensor_and_a_bad_one_never_gets_a_final_name(
-        served_hub: Any, k3_tiny: Path, resharded: dict[int, Path], tmp_path: Path) -> None:
-    h, served = served_hub
+        grouped_hub: Any, k3_tiny_grouped: Path, resharded: dict[int, Path], tmp_path: Path) -> None:
+    h, served = grouped_hub
     manifest = tmp_path / "m.json"
-    build_manifest(k3_tiny, tensor_hashes=True).save(manifest)
+    build_manifest(k3_tiny_grouped, tensor_hashes=True).save(manifest)
     topo, node, sizes, _ = CASES[1]
     res = fetch_node(h, tmp_path / "ok", topo, node, *sizes, "--manifest", str(manifest), "--json")
     assert res.exit_code == 0, res.output
@@ -190,13 +192,13 @@ def _count_reads_back(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[
     return reread, files
 
 
-def test_node_files_are_hashed_as_they_arrive_and_never_read_back(served_hub: Any, resharded: dict[int, Path],
+def test_node_files_are_hashed_as_they_arrive_and_never_read_back(grouped_hub: Any, resharded: dict[int, Path],
                                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The marker's file and tensor digests come from the bytes as they are written (#28): no
     finished file is read, and no byte is read back from a ``.part`` - with one worker and with
     several, whose idle ones join the last files (a file's digest is built from its tensors',
     each hashed by the worker receiving it). The node is reshard's, marker and all."""
-    h, _ = served_hub
+    h, _ = grouped_hub
     reread, files = _count_reads_back(monkeypatch)
     topo, node, sizes, _ = CASES[1]
     for workers in ("1", "3"):  # case 1 has 30 node files
@@ -210,7 +212,7 @@ def test_node_files_are_hashed_as_they_arrive_and_never_read_back(served_hub: An
 
 
 @pytest.mark.parametrize("direct", ["on", "off"])
-def test_node_files_are_written_with_o_direct_where_aligned(direct: str, served_hub: Any, resharded: dict[int, Path],
+def test_node_files_are_written_with_o_direct_where_aligned(direct: str, grouped_hub: Any, resharded: dict[int, Path],
                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With K3CKPT_DIRECT_IO on (the default) on a local disk's filesystem, a node file's bytes
     go to the disk with O_DIRECT, as a whole fetch's do: a request that starts off a 4 KiB block
@@ -231,7 +233,7 @@ def test_node_files_are_written_with_o_direct_where_aligned(direct: str, served_
         return pwrite(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", recording_pwrite)
-    h, _ = served_hub
+    h, _ = grouped_hub
     topo, node, sizes, _ = CASES[1]
     res = fetch_node(h, tmp_path / "d", topo, node, *sizes, "--workers", "2")
     assert res.exit_code == 0, res.output
@@ -252,21 +254,21 @@ TWO_FILES = ("--tp", "1", "--dp", "1", "--max-file-size", "1GiB")
 
 @pytest.mark.parametrize("fault", ["none", "corrupt_once"])
 def test_node_digests_hold_when_requests_complete_out_of_order_or_fail(
-        fault: str, served_hub: Any, k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        fault: str, grouped_hub: Any, k3_tiny_grouped: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests of one file completing out of order (four workers on two files, the first
     request of a shard stalled) need no read-back: each tensor is hashed by the worker receiving
     it; a tensor corrupted once (caught by the manifest, fetched again) gives back what it fed its
     digest, with one worker and with four. The node is reshard's,
     marker digests and all."""
-    h, served = served_hub
+    h, served = grouped_hub
     ref = tmp_path / "ref"
-    assert run("reshard", str(k3_tiny), "-o", str(ref), *TWO_FILES, "--node", "0").exit_code == 0
+    assert run("reshard", str(k3_tiny_grouped), "-o", str(ref), *TWO_FILES, "--node", "0").exit_code == 0
     reread, files = _count_reads_back(monkeypatch)
     shard = "model-00003-of-000008.safetensors"
     hdr = read_header(served / shard)
     expert = next(n for n in hdr.tensors if ".experts.5.w2.weight_packed" in n)
     manifest = tmp_path / "m.json"
-    build_manifest(k3_tiny, tensor_hashes=True).save(manifest)
+    build_manifest(k3_tiny_grouped, tensor_hashes=True).save(manifest)
     for workers in ("1", "4"):
         reread.clear()
         if fault == "none":
@@ -313,10 +315,10 @@ def test_usage_errors(args: tuple[str, ...], message: str, tmp_path: Path) -> No
     assert res.exit_code == 2 and message in res.output
 
 
-def test_other_checkpoints_in_dest_are_refused(served_hub: Any, resharded: dict[int, Path], tmp_path: Path) -> None:
+def test_other_checkpoints_in_dest_are_refused(grouped_hub: Any, resharded: dict[int, Path], tmp_path: Path) -> None:
     """A node fetch never mixes its files into another checkpoint, nor a whole fetch the hub's
     shards into a node directory; a node fetch of another topology replaces the old plan's files."""
-    h, _ = served_hub
+    h, _ = grouped_hub
     topo, node, sizes, _ = CASES[1]
     partial = tmp_path / "partial"
     assert run("fetch", "--source", "hf", "--repo", REPO, "--dest", str(partial), "--endpoint", h.url, "--ep", "8",
@@ -333,8 +335,8 @@ def test_other_checkpoints_in_dest_are_refused(served_hub: Any, resharded: dict[
     assert tree(dest) == tree(resharded[0])
 
 
-def test_engine_topology_refused_in_one_line(served_hub: Any, tmp_path: Path) -> None:
-    h, _ = served_hub
+def test_engine_topology_refused_in_one_line(grouped_hub: Any, tmp_path: Path) -> None:
+    h, _ = grouped_hub
     res = fetch_node(h, tmp_path / "d", ("--ep", "4", "--tp", "2", "--world-size", "8", "--gpus-per-node", "4"), 0)
     assert res.exit_code == 2 and res.output.count("\n") == 1
     assert "the engine format needs --ep equal to the world size" in res.output
@@ -352,16 +354,16 @@ def _error_line(res: Any) -> str:
     (("--tp", "2", "--dp", "3", "--gpus-per-node", "4"), ("--tp", "2", "--dp", "3", "--gpus-per-node", "2")),
 ], ids=["tp-group-across-nodes", "partial-last-node"])
 def test_nodes_the_engine_cannot_launch_are_refused_before_the_first_byte(
-        served_hub: Any, k3_tiny: Path, tmp_path: Path, topo: tuple[str, ...], fix: tuple[str, ...]) -> None:
+        grouped_hub: Any, k3_tiny_grouped: Path, tmp_path: Path, topo: tuple[str, ...], fix: tuple[str, ...]) -> None:
     """Issue #25: --tp 4 --dp 2 --gpus-per-node 3 wrote three node directories that only preflight
     then called unservable. plan, reshard and fetch --node now refuse it with one rule, in one
     line naming the command that works (the same options, GPUs per node that fit), before any
     byte (fetch: before any request); preflight's serve row says the same words."""
-    h, _ = served_hub
+    h, _ = grouped_hub
     h.reset_counters()
     out, dest = tmp_path / "out", tmp_path / "new" / "node"
-    lines = {_error_line(run("plan", str(k3_tiny), *topo)),
-             _error_line(run("reshard", str(k3_tiny), "-o", str(out), *topo)),
+    lines = {_error_line(run("plan", str(k3_tiny_grouped), *topo)),
+             _error_line(run("reshard", str(k3_tiny_grouped), "-o", str(out), *topo)),
              _error_line(fetch_node(h, dest, topo, 0))}
     assert len(lines) == 1, lines  # one rule, one message
     line = lines.pop()
@@ -369,18 +371,18 @@ def test_nodes_the_engine_cannot_launch_are_refused_before_the_first_byte(
     assert f"; use {' '.join(fix)}" in line, line
     assert not out.exists() and not dest.parent.exists() and h.request_log == []
     # the command it names runs; preflight of that node for the refused launch: the same reason
-    assert run("reshard", str(k3_tiny), "-o", str(out), *fix).exit_code == 0
+    assert run("reshard", str(k3_tiny_grouped), "-o", str(out), *fix).exit_code == 0
     pre = run("preflight", str(out / "node-00000"), "--engine", "vllm", *topo, "--node", "0", "--no-env")
     assert pre.exit_code == 1 and f"FAIL  serve         no vllm command for this launch: {line}" in pre.output
 
 
 def test_a_moe_config_without_its_expert_count_is_refused_before_the_first_byte(
-        served_hub: Any, tmp_path: Path) -> None:
+        grouped_hub: Any, tmp_path: Path) -> None:
     """Issue #25: a config.json without text_config.num_experts over tensors holding experts was
     copied into every output, which inspect, verify and preflight then read as a dense model.
     plan, reshard and fetch --node refuse it, naming config.json, the key and what the headers
     show, before writing anything."""
-    h, served = served_hub
+    h, served = grouped_hub
     config = json.loads((served / "config.json").read_text())
     del config["text_config"]["num_experts"]
     (served / "config.json").write_text(json.dumps(config, indent=2))
@@ -398,9 +400,42 @@ def test_a_moe_config_without_its_expert_count_is_refused_before_the_first_byte(
     assert not out.exists() and not dest.exists()
 
 
-def test_dry_run_lists_node_files_and_reads_only_headers(served_hub: Any, resharded: dict[int, Path],
-                                                         tmp_path: Path) -> None:
+@pytest.mark.parametrize("groups", [None, 1], ids=["no-group-count", "one-group"])
+def test_round_robin_nodes_of_a_model_with_one_expert_group_are_refused_before_the_first_byte(
+        served_hub: Any, k3_tiny: Path, tmp_path: Path, groups: int | None) -> None:
+    """vLLM serves a round_robin node directory of a one-group model with half of each rank's
+    experts never loaded and no error (tests/test_engine_run.py pins it): plan, reshard and
+    fetch --node refuse to write one, in one line naming the config's entry and the placement
+    that works, before any tensor byte. The rank layout, which no engine reads, still takes it."""
     h, served = served_hub
+    src = tmp_path / "src"
+    shutil.copytree(k3_tiny, src)
+    set_expert_groups(src, groups)
+    set_expert_groups(served, groups)
+    h.rescan()
+    topo = ("--tp", "2", "--dp", "2", "--gpus-per-node", "2", "--placement", "round_robin")
+    out, dest = tmp_path / "out", tmp_path / "new" / "node"
+    local = _error_line(run("plan", str(src), *topo))
+    assert local == _error_line(run("reshard", str(src), "-o", str(out), *topo))
+    has = "no n_group or num_expert_group (vLLM reads 1)" if groups is None else "n_group 1"
+    want = (f": round_robin placement needs a model with several expert groups, but it has {has}: vLLM would "
+            f"place the experts linearly and never load half of each rank's, with no error; use --placement linear")
+    assert local == f"{src / 'config.json'}{want}", local
+    h.reset_counters()
+    hub = _error_line(fetch_node(h, dest, topo, 0))
+    assert hub.endswith(want) and "config.json" in hub.split(": ")[0], hub
+    assert h.total_bytes_sent() == planning_bytes(served)  # headers, index and config: no tensor byte
+    assert not out.exists() and not dest.parent.exists()
+    linear = tuple(x.replace("round_robin", "linear") for x in topo)
+    assert run("reshard", str(src), "-o", str(out), *linear).exit_code == 0
+    rank = run("reshard", str(src), "-o", str(tmp_path / "ranks"), "--format", "rank", "--ep", "4",
+               "--placement", "round_robin")
+    assert rank.exit_code == 0, rank.output
+
+
+def test_dry_run_lists_node_files_and_reads_only_headers(grouped_hub: Any, resharded: dict[int, Path],
+                                                         tmp_path: Path) -> None:
+    h, served = grouped_hub
     topo, node, sizes, _ = CASES[1]
     h.reset_counters()
     res = fetch_node(h, tmp_path / "d", topo, node, *sizes, "--dry-run", "--json")
@@ -424,9 +459,9 @@ sys.exit(0 if run_node_fetch(plan, workers=3, token="").ok else 1)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["after_piece:5", "before_shard_rename"])
-def test_sigkill_then_resume_gives_the_same_node(point: str, served_hub: Any, resharded: dict[int, Path],
+def test_sigkill_then_resume_gives_the_same_node(point: str, grouped_hub: Any, resharded: dict[int, Path],
                                                  tmp_path: Path) -> None:
-    h, _ = served_hub
+    h, _ = grouped_hub
     dest = tmp_path / "d"
     kill_at_pause(_CHILD, [h.url, REPO, str(dest), str(CHUNK)], point, tmp_path)
     assert not any((dest / f).exists() for f in (INDEX_NAME, "k3ckpt-node.json", "READY"))
@@ -463,7 +498,7 @@ def test_other_families_fetch_the_reshard_node(family: str, request: pytest.Fixt
     assert tree(tmp_path / "d") == tree(tmp_path / "o" / "node-00001")
 
 
-def test_a_single_file_checkpoint_fetches_the_reshard_node(k3_tiny: Path, tmp_path: Path) -> None:
+def test_a_single_file_checkpoint_fetches_the_reshard_node(k3_tiny_grouped: Path, tmp_path: Path) -> None:
     """Without an index the marker's ``source_index_sha256`` is the sha256 of the file's header,
     for both producers."""
     from k3ckpt.format.header import TensorSpec, build_header
@@ -472,15 +507,15 @@ def test_a_single_file_checkpoint_fetches_the_reshard_node(k3_tiny: Path, tmp_pa
     src = tmp_path / "single"
     src.mkdir()
     specs, data = [], []
-    for f in sorted(k3_tiny.glob("*.safetensors")):
+    for f in sorted(k3_tiny_grouped.glob("*.safetensors")):
         hdr, raw = read_header(f), f.read_bytes()
         for t in sorted(hdr.tensors.values(), key=lambda t: t.begin):
             specs.append(TensorSpec(t.name, t.dtype, t.shape))
             data.append(raw[hdr.data_start + t.begin:hdr.data_start + t.end])
     prefix, _ = build_header(specs, {"format": "pt"})
     (src / "model.safetensors").write_bytes(prefix + b"".join(data))
-    assert open_checkpoint(src).tensors.keys() == open_checkpoint(k3_tiny).tensors.keys()
-    for f in k3_tiny.iterdir():
+    assert open_checkpoint(src).tensors.keys() == open_checkpoint(k3_tiny_grouped).tensors.keys()
+    for f in k3_tiny_grouped.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_NAME:
             shutil.copy(f, src / f.name)
     topo = ("--tp", "2", "--dp", "4", "--gpus-per-node", "4")
@@ -495,7 +530,7 @@ def test_a_single_file_checkpoint_fetches_the_reshard_node(k3_tiny: Path, tmp_pa
     assert json.loads((ref / "k3ckpt-node.json").read_text())["source_index_sha256"] == digest
 
 
-def test_a_shard_the_index_names_in_a_subfolder_is_read_once_the_index_is_in(k3_tiny: Path, tmp_path: Path) -> None:
+def test_a_shard_the_index_names_in_a_subfolder_is_read_once_the_index_is_in(k3_tiny_grouped: Path, tmp_path: Path) -> None:
     """Planning asks for the top-level shards' headers while the index arrives; a shard the index
     names in a subfolder is not among them, and its header is read once the index is in."""
     from k3ckpt.format.topology import RankSelection
@@ -503,7 +538,7 @@ def test_a_shard_the_index_names_in_a_subfolder_is_read_once_the_index_is_in(k3_
     from k3ckpt.testing.hub import LoopbackHub
 
     src = tmp_path / "served"
-    shutil.copytree(k3_tiny, src)
+    shutil.copytree(k3_tiny_grouped, src)
     moved = "model-00003-of-000008.safetensors"
     (src / "sub").mkdir()
     (src / moved).rename(src / "sub" / moved)
@@ -519,7 +554,7 @@ def test_a_shard_the_index_names_in_a_subfolder_is_read_once_the_index_is_in(k3_
     asked = [r.started for r in log if r.file == f"sub/{moved}" and r.range == "bytes=0-7"]
     assert len(asked) == 1 and asked[0] > index_asked + 0.9, (index_asked, asked)
     planned = {t.name for f in plan.nd.files for t in f.tensors}
-    assert set(read_header(k3_tiny / moved).tensors) & planned
+    assert set(read_header(k3_tiny_grouped / moved).tensors) & planned
 
 
 # ----------------------------------------------------------------------------------------------
@@ -527,14 +562,14 @@ def test_a_shard_the_index_names_in_a_subfolder_is_read_once_the_index_is_in(k3_
 # ----------------------------------------------------------------------------------------------
 
 
-def test_offline_rerun_checks_the_node_without_the_hub(served_hub: Any, tmp_path: Path,
+def test_offline_rerun_checks_the_node_without_the_hub(grouped_hub: Any, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The node-init re-run under HF_HUB_OFFLINE=1: exit 0 for the complete, unchanged node
     (without --manifest: node files trusted by their stat-cache entry, else hashed against the
     marker - not proven, as online; the other files hashed against the recorded listing), not
     one request - the hub is even stopped; a changed node file or a missing file: exit 1 naming
     each; another node: one line, exit 2."""
-    h, _ = served_hub
+    h, _ = grouped_hub
     monkeypatch.setenv("K3CKPT_CACHE_DIR", str(tmp_path / "cache"))
     topo, node, sizes, _ = CASES[1]
     dest = tmp_path / "node"
@@ -617,11 +652,11 @@ def test_offline_rerun_with_a_manifest_proves_the_node(served_hub: Any, k3_tiny_
     assert Manifest.load(manifest).tensors[name].sha256 == right
 
 
-def test_offline_check_of_an_interrupted_node_fetch(served_hub: Any, tmp_path: Path,
+def test_offline_check_of_an_interrupted_node_fetch(grouped_hub: Any, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A node fetch that did not finish (no READY) recorded its listing first: the offline check
     says what is wrong (exit 1), not that there is nothing to check."""
-    h, _ = served_hub
+    h, _ = grouped_hub
     topo, node, sizes, _ = CASES[0]
     dest = tmp_path / "node"
     h.inject("corrupt_byte", "LICENSE", times=None, offset=3)

@@ -32,7 +32,8 @@ def test_bytes_per_rank_add_up(k3_tiny: Path) -> None:
     assert set(rep.fits()) == set(ACCELERATORS)
 
 
-def test_round_robin_and_manifest_source_agree_with_the_directory(k3_tiny: Path, tmp_path: Path) -> None:
+def test_round_robin_and_manifest_source_agree_with_the_directory(k3_tiny_grouped: Path, tmp_path: Path) -> None:
+    k3_tiny = k3_tiny_grouped  # round_robin node directories need expert groups
     m = tmp_path / "m.json"
     build_manifest(k3_tiny).save(m)
     from_dir = plan_topology(k3_tiny, RankSelection(ep=4, placement="round_robin")).to_json()
@@ -77,9 +78,10 @@ def test_cli_text_and_json(k3_tiny: Path) -> None:
     assert data["kv_budget"] == 1024**3 and len(data["ranks"]) == 2 and data["largest_rank"] in (0, 1)
 
 
-def test_node_rows_are_what_the_node_directories_hold(k3_tiny: Path, tmp_path: Path) -> None:
+def test_node_rows_are_what_the_node_directories_hold(k3_tiny_grouped: Path, tmp_path: Path) -> None:
     from k3ckpt.deploy.reshard import reshard
 
+    k3_tiny = k3_tiny_grouped  # round_robin node directories need expert groups
     sel = RankSelection(tp=2, dp=4, gpus_per_node=4, placement="round_robin")
     rep = plan_topology(k3_tiny, sel)  # the node format, as reshard's default
     assert rep.layout == "node" and (rep.topology["ep"], rep.topology["world_size"]) == (8, 8)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_edit import drop_tensors, flip_byte
+from ckpt_edit import drop_tensors, flip_byte, set_expert_groups
 from helpers import run as run_cli
 from k3ckpt.deploy import preflight as pf
 from k3ckpt.deploy.reshard import reshard
@@ -855,17 +855,17 @@ def test_engine_on_a_full_checkpoint_warns_of_extra_experts(source: Path) -> Non
     assert statuses(rep)["experts"] == "PASS"
 
 
-def test_engine_sglang_refuses_round_robin_and_says_its_flags(source: Path, nodes_pristine: Path,
+def test_engine_sglang_refuses_round_robin_and_says_its_flags(grouped_source: Path, nodes_pristine: Path,
                                                               tmp_path: Path) -> None:
     rr = tmp_path / "rr"
-    reshard(source, rr, RankSelection(tp=2, dp=2, gpus_per_node=2, placement="round_robin"))
-    # (vLLM loads round_robin, but not for a model without expert groups: its one FAIL, #26)
+    reshard(grouped_source, rr, RankSelection(tp=2, dp=2, gpus_per_node=2, placement="round_robin"))
+    # (vLLM loads round_robin for a model with expert groups: no FAIL there)
     vllm = pf.preflight(rr / "node-00000", launch(0), engine="vllm", environ=NO_GPU)
-    assert [c.name for c in vllm.checks if c.status == "FAIL"] == ["placement"]
+    assert [c.name for c in vllm.checks if c.status == "FAIL"] == []
     rep = pf.preflight(rr / "node-00000", launch(0), engine="sglang", environ=NO_GPU)
     r = rows(rep)["sglang"]
     assert r.status == "FAIL" and "round_robin placement" in r.reason and not rep.ok
-    assert r.fix == f"k3ckpt reshard {source} -o {rr}-tp2-dp2 --tp 2 --dp 2 --gpus-per-node 2 --node 0"
+    assert r.fix == f"k3ckpt reshard {grouped_source} -o {rr}-tp2-dp2 --tp 2 --dp 2 --gpus-per-node 2 --node 0"
     ok = pf.preflight(nodes_pristine / "node-00001", launch(1), engine="sglang", leader_address="10.0.0.1",
                       environ=NO_GPU)
     assert ok.ok and rows(ok)["sglang"].status == "PASS"
@@ -1034,13 +1034,26 @@ def test_no_expert_parallel_cli(nodes_pristine: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def round_robin_nodes(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def grouped_source(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``source`` with two expert groups: the model round_robin node directories are written for."""
+    out = tmp_path_factory.mktemp("grouped") / "Kimi-K3"
+    shutil.copytree(source, out)
+    return set_expert_groups(out, 2)
+
+
+@pytest.fixture(scope="module")
+def round_robin_nodes(grouped_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Round_robin nodes whose config then lost its expert groups (``K3's``: none), as a directory
+    written before reshard refused that, or whose config was edited since, has."""
     out = tmp_path_factory.mktemp("rr") / "k3-rr"
-    reshard(source, out, RankSelection(tp=2, dp=2, gpus_per_node=2, placement="round_robin"))
+    reshard(grouped_source, out, RankSelection(tp=2, dp=2, gpus_per_node=2, placement="round_robin"))
+    for node in out.glob("node-*"):
+        set_expert_groups(node, None)
     return out
 
 
-def test_round_robin_without_expert_groups_fails_for_vllm(round_robin_nodes: Path, source: Path) -> None:
+def test_round_robin_without_expert_groups_fails_for_vllm(round_robin_nodes: Path, grouped_source: Path,
+                                                          source: Path) -> None:
     """vLLM places round_robin only for a model with several expert groups; K3's config (here,
     as synthesized) has no ``num_expert_group``, so vLLM's layers fall back to linear while its
     filter keeps round_robin's experts - half the local experts never loaded, silently
@@ -1049,7 +1062,7 @@ def test_round_robin_without_expert_groups_fails_for_vllm(round_robin_nodes: Pat
     assert [c.name for c in rep.checks if c.status == "FAIL"] == ["placement"]
     r = rows(rep)["placement"]
     assert "no n_group or num_expert_group (vLLM reads 1)" in r.reason and "never loaded" in r.reason
-    assert r.fix is not None and r.fix.startswith(f"k3ckpt reshard {source} -o ") and "round_robin" not in r.fix
+    assert r.fix is not None and r.fix.startswith(f"k3ckpt reshard {grouped_source} -o ") and "round_robin" not in r.fix
     assert "--tp 2 --dp 2 --gpus-per-node 2 --node 0" in r.fix
     # linear placement, one rank, a launch without expert parallelism: no such row
     for rep in (pf.preflight(source, RankSelection(tp=1), engine="vllm", environ=NO_GPU),
@@ -1062,7 +1075,7 @@ def test_round_robin_with_expert_groups_passes(round_robin_nodes: Path, tmp_path
     d = tmp_path / "node"
     shutil.copytree(round_robin_nodes / "node-00000", d)
     config = json.loads((d / "config.json").read_text())
-    config["text_config"]["num_expert_group"] = 2
+    config["text_config"]["num_expert_group"] = 2  # vLLM's other spelling
     (d / "config.json").write_text(json.dumps(config, indent=2))
     rep = pf.preflight(d, launch(0), engine="vllm", environ=NO_GPU)
     r = rows(rep)["placement"]

@@ -166,7 +166,7 @@ def reshard(source: str, out: str, selection: RankSelection, max_shard_size: int
     Examples:
       k3ckpt reshard ./Kimi-K3 -o /nvme/k3-tp8 --tp 8
       k3ckpt reshard ./Kimi-K3 -o /nvme/k3-tp8-dp2 --tp 8 --dp 2 --gpus-per-node 8 --node 1
-      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-ep16 --ep 16 --tp 4 --gpus-per-node 4 --placement round_robin
+      k3ckpt reshard ./Kimi-K3 -o /nvme/k3-ep16 --ep 16 --tp 4 --gpus-per-node 4
       k3ckpt reshard ./Kimi-K3 -o ./k3-ranks --format rank --ep 8 --tp 2 --ranks 0-3 --max-shard-size 2GiB --json
       k3ckpt verify ./Kimi-K3 --manifest k3.json && k3ckpt reshard ./Kimi-K3 -o /nvme/k3 --tp 8 --manifest k3.json
     """

@@ -394,13 +394,11 @@ def vllm_placement_check(cfg: ModelConfig | None, topo: Topology, expert_paralle
     the launch is not round_robin expert parallelism."""
     if topo.placement != "round_robin" or topo.world_size < 2 or not expert_parallel or cfg is None:
         return None
-    text = cfg.raw["text_config"] if isinstance(cfg.raw.get("text_config"), dict) else cfg.raw
-    key = next((k for k in ("n_group", "num_expert_group") if text.get(k) is not None), None)
-    groups = text.get(key) if key else None
-    if isinstance(groups, int) and not isinstance(groups, bool) and groups > 1:
-        return Check("placement", PASS, f"round_robin with {groups} expert groups ({CONFIG_NAME} {key}): vLLM "
-                                        f"places experts as the directory does")
-    has = f"{key} {groups}" if key else "no n_group or num_expert_group (vLLM reads 1)"
+    if cfg.expert_groups > 1:
+        key = cfg.expert_groups_entry[0]
+        return Check("placement", PASS, f"round_robin with {cfg.expert_groups} expert groups ({CONFIG_NAME} {key}): "
+                                        f"vLLM places experts as the directory does")
+    has = cfg.describe_expert_groups()
     return Check("placement", FAIL, f"round_robin, but {CONFIG_NAME} has {has}: vLLM then places experts linearly "
                                     f"(\"Falling back to linear expert placement\") while its weight filter keeps "
                                     f"round_robin's, so half of each rank's experts are never loaded, with no error; "

@@ -58,7 +58,9 @@ A node directory and an engine (``--engine vllm|sglang``; :mod:`._preflight_engi
   skips them; they cost disk and scale reads, not correctness);
 - ``--engine vllm`` FAILs round_robin over several ranks for a model without several expert
   groups (``n_group``/``num_expert_group``): vLLM's layers then place linearly while its filter
-  keeps round_robin's experts, and half the local experts are never loaded, silently;
+  keeps round_robin's experts, and half the local experts are never loaded, silently (``reshard``
+  and ``fetch --node`` refuse to write such a directory: this catches an older one, or an edited
+  config);
 - ``--no-expert-parallel``: the launch has no expert parallelism, so every rank reads every
   expert (cut by TP) and a directory lacking any FAILs - the launch vLLM itself loads without an
   error and answers wrong from; the fix is the expert-parallel launch the marker records;

@@ -111,6 +111,27 @@ class ModelConfig:
         return f"text_config.{key}" if nested else key
 
     @property
+    def expert_groups_entry(self) -> tuple[str | None, Any]:
+        """The key that counts the router's expert groups, as this config spells it (``n_group``
+        for DeepSeek-style configs and K3, else ``num_expert_group``), and its value as written;
+        ``(None, None)`` when neither is there. vLLM reads a missing count as one group."""
+        text = self.raw["text_config"] if isinstance(self.raw.get("text_config"), dict) else self.raw
+        key = next((k for k in ("n_group", "num_expert_group") if text.get(k) is not None), None)
+        return key, (text.get(key) if key else None)
+
+    @property
+    def expert_groups(self) -> int:
+        """How many expert groups the router has: the count the config gives when it is an
+        integer above one, else 1 (what vLLM makes of a missing, zero or malformed count)."""
+        value = self.expert_groups_entry[1]
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
+
+    def describe_expert_groups(self) -> str:
+        """The expert-group entry for a message: ``n_group 1``, or that neither key is there."""
+        key, value = self.expert_groups_entry
+        return f"{key} {json_repr(value)}" if key else "no n_group or num_expert_group (vLLM reads 1)"
+
+    @property
     def quant_format(self) -> str | None:
         """A short name for the weight format the config declares, e.g. ``mxfp4-pack-quantized``."""
         q = self.quantization

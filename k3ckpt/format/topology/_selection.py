@@ -1,8 +1,8 @@
 """Which ranks an operation works on: :class:`RankSelection` (the ``--ep/--tp/--dp/--world-size/
 --placement/--ranks/--node/--gpus-per-node`` options as given, before they meet a checkpoint),
 ``--ranks`` parsing (:func:`parse_ranks`, :func:`select_ranks`), the expert count a topology
-places (:func:`num_experts_of`, :func:`require_expert_count`) and the attention-head check of
-``--tp`` (:func:`check_heads`).
+places (:func:`num_experts_of`, :func:`require_expert_count`), the attention-head check of
+``--tp`` (:func:`check_heads`) and the placement vLLM can serve (:func:`require_engine_placement`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,23 @@ def check_heads(cfg: ModelConfig | None, tp: int, notes: list[str]) -> None:
     for what, heads in checks:
         if heads and heads % tp:
             raise TopologyError(f"--tp {tp} does not divide {what} {heads}: attention heads cannot be split evenly")
+
+
+def require_engine_placement(cfg: ModelConfig | None, topo: Topology) -> None:
+    """Refuse a node directory with round_robin placement for a model whose router has one
+    expert group: vLLM (0.32, 0.33) then places its experts linearly while its expert-parallel
+    weight filter keeps round_robin's, so half of each rank's experts are never loaded and the
+    server answers wrong with no error (``tests/test_engine_run.py`` pins it). Without a config
+    the group count is unknown, and ``preflight`` judges the directory later.
+
+    Raises:
+        TopologyError: naming the config's group entry and the placement that works.
+    """
+    if cfg is None or topo.placement != "round_robin" or topo.world_size < 2 or cfg.expert_groups > 1:
+        return
+    raise TopologyError(f"{cfg.source}: round_robin placement needs a model with several expert groups, but it "
+                        f"has {cfg.describe_expert_groups()}: vLLM would place the experts linearly and never load "
+                        f"half of each rank's, with no error; use --placement linear")
 
 
 def parse_ranks(spec: str, world_size: int) -> list[int]:
@@ -291,6 +308,7 @@ class RankSelection:
             check_heads(cfg, topo.tp, [])
         if engine:
             self._check_nodes(topo)
+            require_engine_placement(cfg, topo)
         return topo
 
     def _check_nodes(self, topo: Topology) -> None:
