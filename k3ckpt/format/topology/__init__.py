@@ -48,7 +48,15 @@ from ._index import (
     tensors_for_ranks,
 )
 from ._ranks import PLACEMENTS, RankInfo, Topology, num_nodes, ranks_of_node, require_engine_nodes
-from ._selection import RankSelection, check_heads, num_experts_of, parse_ranks, require_expert_count, select_ranks
+from ._selection import (
+    RankSelection,
+    check_heads,
+    num_experts_of,
+    parse_ranks,
+    require_engine_placement,
+    require_expert_count,
+    select_ranks,
+)
 from ._splits import MX_BLOCK, ExpertSlice, Placement, Split, is_mxfp4, split_range, tensor_split
 
 __all__ = [
@@ -78,6 +86,7 @@ __all__ = [
     "rank_from_env",
     "ranks_of_node",
     "require_engine_nodes",
+    "require_engine_placement",
     "require_expert_count",
     "select_ranks",
     "split_range",
