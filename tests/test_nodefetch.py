@@ -403,7 +403,7 @@ def test_a_moe_config_without_its_expert_count_is_refused_before_the_first_byte(
 @pytest.mark.parametrize("groups", [None, 1], ids=["no-group-count", "one-group"])
 def test_round_robin_nodes_of_a_model_with_one_expert_group_are_refused_before_the_first_byte(
         served_hub: Any, k3_tiny: Path, tmp_path: Path, groups: int | None) -> None:
-    """vLLM serves a round_robin node directory of a one-group model with half of each rank's
+    """vLLM serves a round_robin node directory of a one-group model with most of each rank's
     experts never loaded and no error (tests/test_engine_run.py pins it): plan, reshard and
     fetch --node refuse to write one, in one line naming the config's entry and the placement
     that works, before any tensor byte. The rank layout, which no engine reads, still takes it."""
@@ -419,7 +419,8 @@ def test_round_robin_nodes_of_a_model_with_one_expert_group_are_refused_before_t
     assert local == _error_line(run("reshard", str(src), "-o", str(out), *topo))
     has = "no n_group or num_expert_group (vLLM reads 1)" if groups is None else "n_group 1"
     want = (f": round_robin placement needs a model with several expert groups, but it has {has}: vLLM would "
-            f"place the experts linearly and never load half of each rank's, with no error; use --placement linear")
+            f"place the experts linearly and leave all but about 1 in ep of each rank's expert slots unloaded, "
+            f"with no error; use --placement linear")
     assert local == f"{src / 'config.json'}{want}", local
     h.reset_counters()
     hub = _error_line(fetch_node(h, dest, topo, 0))

@@ -389,9 +389,10 @@ class EngineNodeDir(PlainCheckpoint):
 def vllm_placement_check(cfg: ModelConfig | None, topo: Topology, expert_parallel: bool = True) -> Check | None:
     """vLLM 0.32.0 and 0.33.0 place experts round_robin only for a model with several expert
     groups (``determine_expert_placement_strategy``); with one, its MoE layers fall back to
-    linear while the EP weight filter keeps round_robin's experts, so half of each rank's
-    local experts are never loaded - silently (``tests/test_engine_run.py`` pins it). None when
-    the launch is not round_robin expert parallelism."""
+    linear while the EP weight filter keeps round_robin's experts, so all but about 1 in ep of
+    each rank's local expert slots are never loaded (half at ep 2) - silently
+    (``tests/test_engine_run.py`` pins it). None when the launch is not round_robin expert
+    parallelism."""
     if topo.placement != "round_robin" or topo.world_size < 2 or not expert_parallel or cfg is None:
         return None
     if cfg.expert_groups > 1:
@@ -401,8 +402,8 @@ def vllm_placement_check(cfg: ModelConfig | None, topo: Topology, expert_paralle
     has = cfg.describe_expert_groups()
     return Check("placement", FAIL, f"round_robin, but {CONFIG_NAME} has {has}: vLLM then places experts linearly "
                                     f"(\"Falling back to linear expert placement\") while its weight filter keeps "
-                                    f"round_robin's, so half of each rank's experts are never loaded, with no error; "
-                                    f"write the node for linear placement")
+                                    f"round_robin's, so all but about 1 in ep of each rank's expert slots are never "
+                                    f"loaded, with no error; write the node for linear placement")
 
 
 def sglang_check(topo: Topology) -> Check:

@@ -58,7 +58,7 @@ A node directory and an engine (``--engine vllm|sglang``; :mod:`._preflight_engi
   skips them; they cost disk and scale reads, not correctness);
 - ``--engine vllm`` FAILs round_robin over several ranks for a model without several expert
   groups (``n_group``/``num_expert_group``): vLLM's layers then place linearly while its filter
-  keeps round_robin's experts, and half the local experts are never loaded, silently (``reshard``
+  keeps round_robin's experts, and most local expert slots (half at ep 2) are never loaded, silently (``reshard``
   and ``fetch --node`` refuse to write such a directory: this catches an older one, or an edited
   config);
 - ``--no-expert-parallel``: the launch has no expert parallelism, so every rank reads every

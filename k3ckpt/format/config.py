@@ -112,8 +112,8 @@ class ModelConfig:
 
     @property
     def expert_groups_entry(self) -> tuple[str | None, Any]:
-        """The key that counts the router's expert groups, as this config spells it (``n_group``
-        for DeepSeek-style configs and K3, else ``num_expert_group``), and its value as written;
+        """The key that counts the router's expert groups, as this config spells it (``n_group``,
+        as DeepSeek-V3 and Kimi-K2 write it, else ``num_expert_group``), and its value as written;
         ``(None, None)`` when neither is there. vLLM reads a missing count as one group."""
         text = self.raw["text_config"] if isinstance(self.raw.get("text_config"), dict) else self.raw
         key = next((k for k in ("n_group", "num_expert_group") if text.get(k) is not None), None)

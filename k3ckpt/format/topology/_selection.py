@@ -46,9 +46,10 @@ def check_heads(cfg: ModelConfig | None, tp: int, notes: list[str]) -> None:
 def require_engine_placement(cfg: ModelConfig | None, topo: Topology) -> None:
     """Refuse a node directory with round_robin placement for a model whose router has one
     expert group: vLLM (0.32, 0.33) then places its experts linearly while its expert-parallel
-    weight filter keeps round_robin's, so half of each rank's experts are never loaded and the
-    server answers wrong with no error (``tests/test_engine_run.py`` pins it). Without a config
-    the group count is unknown, and ``preflight`` judges the directory later.
+    weight filter keeps round_robin's, so all but about 1 in ep of each rank's expert slots are
+    never loaded (half at ep 2) and the server answers wrong with no error
+    (``tests/test_engine_run.py`` pins it). Without a config the group count is unknown, and
+    ``preflight`` judges the directory later.
 
     Raises:
         TopologyError: naming the config's group entry and the placement that works.
@@ -56,8 +57,8 @@ def require_engine_placement(cfg: ModelConfig | None, topo: Topology) -> None:
     if cfg is None or topo.placement != "round_robin" or topo.world_size < 2 or cfg.expert_groups > 1:
         return
     raise TopologyError(f"{cfg.source}: round_robin placement needs a model with several expert groups, but it "
-                        f"has {cfg.describe_expert_groups()}: vLLM would place the experts linearly and never load "
-                        f"half of each rank's, with no error; use --placement linear")
+                        f"has {cfg.describe_expert_groups()}: vLLM would place the experts linearly and leave all but "
+                        f"about 1 in ep of each rank's expert slots unloaded, with no error; use --placement linear")
 
 
 def parse_ranks(spec: str, world_size: int) -> list[int]:
