@@ -13,12 +13,15 @@ remote hub would not), in ``--runs`` rounds:
 
 1. **This machine's limits**, measured in the round: ``link`` = bytes per second of ``xargs -P8
    curl`` of the checkpoint from the hub into ``/dev/null`` (what the hub serves this client over
-   loopback); ``disk`` = (bytes read + bytes written) per second of ``cp -r`` of the checkpoint
+   loopback, the hub's files in its page cache); ``disk`` = (bytes read + bytes written) per second of ``cp -r`` of the checkpoint
    then ``sync``, page cache dropped first (the model's one disk rate for reads and writes
    together); ``cores`` = C.
 2. **The routes**, each from an empty disk (a fresh directory, HF home and k3ckpt cache), page
    cache dropped before each step (a K3 share does not stay in the page cache from one step to
-   the next, and the estimate reads every step's bytes from the disk), each step timed alone
+   the next, and the estimate reads every step's bytes from the disk) - then, before a step that
+   reads from the hub, the hub's files read back into it: the hub stands for a remote one, whose
+   reads do not take this node's disk (on 2026-12-05, with the hub reading from the same disk,
+   the downloads at 2 cores were bound by that disk, read and written at once) - each step timed alone
    (``sync`` inside a writer's wall):
 
    - ``fetch --node``: ``manifest pull --tensor-hashes`` (not in the estimate: hub metadata
@@ -56,6 +59,8 @@ NODE = [*TOPO, "--node", "0"]
 #: The estimate's step names for the measured steps that have one.
 ESTIMATED = {"fetch --node": "fetch --node", "fetch --ranks": "fetch --ranks", "verify share": "verify",
              "reshard --node": "reshard --node", "hf download": "hf download", "hf cache verify": "hf cache verify"}
+#: The steps that read from the hub.
+DOWNLOADS = frozenset({"manifest pull", "fetch --node", "fetch --ranks", "hf download"})
 #: Route name (the estimate's) -> its steps, in order.
 ROUTES = {"fetch --node": ["manifest pull", "fetch --node", "verify node", "preflight"],
           "fetch, verify, reshard": ["manifest pull", "fetch --ranks", "verify share", "reshard --node", "preflight"],
@@ -74,6 +79,7 @@ def measure_limits(setup: bl.Setup, hub: bl.Hub, shape: bl.Shape, cores: int) ->
     repo = f"{REPO_PREFIX}/{shape.name}"
     urls = " ".join(f"'{hub.resolve_url(repo, f.name)}'" for f in shape.files)
     setup.cache.prepare([shape.path])
+    bl.read_into_cache([shape.path])  # served from memory, as a remote hub's reads are not this disk's
     t = bl.run_timed(f"printf '%s\\n' {urls} | xargs -P8 -n1 curl -s -f -o /dev/null", cores=cores)
     link = shape.nbytes / t.wall_s
     out = setup.work / "cp-out"
@@ -123,6 +129,10 @@ def run_route(route: str, setup: bl.Setup, hub: bl.Hub, shape: bl.Shape, cores: 
         # before every step: what a step reads comes from the disk, as the estimate has it (a K3
         # share of ~0.8 TB does not stay in the page cache for the next step, as 2-4 GB here would)
         setup.cache.prepare([shape.path, d])
+        if step in DOWNLOADS:
+            # the hub stands for a remote one: what it serves comes from its memory, not from
+            # this node's disk, which the estimate gives to the node's own reads and writes
+            bl.read_into_cache([shape.path])
         hub_cpu = hub.cpu_s()
         t = bl.run_timed(cmd, env=env, cores=cores)
         t0 = time.perf_counter()

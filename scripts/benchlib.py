@@ -135,6 +135,20 @@ def files_of(paths: Sequence[Path]) -> Iterator[Path]:
         yield from (sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p])
 
 
+def read_into_cache(inputs: Sequence[Path], *, evict_first: bool = False) -> None:
+    """Read ``inputs`` (files, or directories whose files are taken) once, so the page cache
+    holds them. ``evict_first``: each file is dropped from the cache before it is read - a file
+    left there by its writer keeps the page sizes of its writes (4 KiB for small ones), one read
+    back from disk gets the readahead's large folios: the same state before every run."""
+    buf = bytearray(1 << 20)
+    for f in files_of(inputs):
+        with open(f, "rb", buffering=0) as fh:
+            if evict_first and hasattr(os, "posix_fadvise"):  # (Linux; elsewhere the cache stays as it is)
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            while fh.readinto(buf):
+                pass  # reading is the point: it puts the file in the page cache
+
+
 class CacheControl:
     """Puts the page cache in the same state before every run: warm or cold (see the module doc)."""
 
@@ -158,16 +172,7 @@ class CacheControl:
         os.sync()
         files = list(files_of(inputs))
         if self.mode == "warm":
-            buf = bytearray(1 << 20)
-            for f in files:
-                with open(f, "rb", buffering=0) as fh:
-                    # Evicted first: a file left in the cache by its writer keeps the page sizes
-                    # of its writes (4 KiB for small ones), one read back from disk gets the
-                    # readahead's large folios - the same state before every run.
-                    if hasattr(os, "posix_fadvise"):  # (Linux; elsewhere the cache stays as it is)
-                        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                    while fh.readinto(buf):
-                        pass  # reading is the point: it puts the file in the page cache
+            read_into_cache(files, evict_first=True)
         elif self.method == "proc":
             try:
                 DROP_CACHES.write_text("3\n")
