@@ -13,16 +13,16 @@ remote hub would not), in ``--runs`` rounds:
 
 1. **This machine's limits**, measured in the round: ``link`` = bytes per second of ``xargs -P8
    curl`` of the checkpoint from the hub into ``/dev/null`` (what the hub serves this client over
-   loopback, the hub's files in its page cache); ``disk`` = (bytes read + bytes written) per second of ``cp -r`` of the checkpoint
-   then ``sync``, page cache dropped first (the model's one disk rate for reads and writes
-   together); ``cores`` = C.
+   loopback, the hub's files in its page cache); ``disk`` = (bytes read + bytes written) per
+   second of ``cp -r`` of the checkpoint then ``sync``, page cache dropped first (the model's one
+   disk rate for reads and writes together); ``cores`` = C.
 2. **The routes**, each from an empty disk (a fresh directory, HF home and k3ckpt cache), page
    cache dropped before each step (a K3 share does not stay in the page cache from one step to
    the next, and the estimate reads every step's bytes from the disk) - then, before a step that
    reads from the hub, the hub's files read back into it: the hub stands for a remote one, whose
    reads do not take this node's disk (on 2026-12-05, with the hub reading from the same disk,
-   the downloads at 2 cores were bound by that disk, read and written at once) - each step timed alone
-   (``sync`` inside a writer's wall):
+   the downloads at 2 cores were bound by that disk, read and written at once) - each step
+   timed alone (``sync`` inside a writer's wall):
 
    - ``fetch --node``: ``manifest pull --tensor-hashes`` (not in the estimate: hub metadata
      only), ``fetch REPO --node 0 --manifest M``, ``verify NODE --manifest M``, ``preflight NODE``;

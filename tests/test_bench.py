@@ -292,6 +292,37 @@ def test_bench_ready_compares_a_saved_run_with_the_current_estimate(k3_tiny: Pat
     assert walls["fetch --node"]["vs_naive"] == pytest.approx(1.5)
 
 
+def test_bench_ready_serves_the_hub_from_memory_for_every_step_that_downloads() -> None:
+    """The steps named as reading from the hub are steps of the routes (a misspelt one would
+    leave its hub reading from this node's disk), and every step that talks to the hub is one."""
+    import bench_ready
+
+    steps = {s for route in bench_ready.ROUTES.values() for s in route}
+    assert bench_ready.DOWNLOADS <= steps
+    assert {s for s in steps if "fetch" in s or "pull" in s or "download" in s} == bench_ready.DOWNLOADS
+
+
+def test_bench_node_judges_the_rate_beyond_each_fetchs_fixed_cost() -> None:
+    """Per round, a fetch's run less its dry run; the node fetch against the whole one round by
+    round; a round whose run was no longer than its dry run counts for neither."""
+    import bench_node
+
+    gb = bl.GB
+    whole = ([bl.Run(2.5, 3.0, 0, 2 * gb), bl.Run(2.5, 3.0, 0, 2 * gb), bl.Run(0.4, 0.3, 0, 2 * gb)],
+             [bl.Run(0.5, 0.4, 0, 0)] * 3)
+    node = ([bl.Run(1.6, 1.9, 0, gb), bl.Run(1.1, 1.7, 0, gb), bl.Run(1.6, 1.9, 0, gb)],
+            [bl.Run(0.6, 0.5, 0, 0)] * 3)
+    table = bench_node.beyond_fixed_cost("s", {"whole": whole, "node": node}, "whole", "node")
+    rows = {r["label"]: r for r in table.rows}
+    assert rows["whole"]["gb_per_s"] == pytest.approx(1.0) and rows["whole"]["fixed_wall_s"] == pytest.approx(0.5)
+    assert rows["whole"]["cpu_s_per_gb"] == pytest.approx(1.3)
+    # node: rounds 1-3 move 1 GB in 1.0, 0.5, 1.0 s beyond 0.6 s; round 3 of the whole fetch is void
+    assert rows["node"]["gb_per_s"] == pytest.approx(1.0)
+    assert rows["node"]["vs_wall_rounds"] == pytest.approx([1.0, 2.0]) and rows["node"]["vs_wall"] == pytest.approx(1.5)
+    assert rows["node"]["vs_cpu"] == pytest.approx((1.2 / 1.3 + 1.4 / 1.3) / 2)
+    assert "vs_wall" not in rows["whole"]
+
+
 def test_free_page_reporting_is_paused_for_a_run_and_put_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     param = tmp_path / "page_reporting_order"
     param.write_text("9\n")

@@ -54,9 +54,10 @@ FILTERED_PARTS = frozenset({"weight", "weight_packed"})
 
 @dataclass(frozen=True)
 class CostPerGB:
-    """What each step costs in CPU-seconds per GB (10^9 bytes) on one core, and the sha256 rate
-    of one core: the measured figures the estimate scales by the node's cores. Each default
-    names the BENCHMARKS.md section (and row) it comes from; a re-measurement changes one line."""
+    """What each step costs in CPU-seconds per GB (10^9 bytes) on one core, and each command's
+    start-up in seconds: the measured figures the estimate scales by the node's cores. Each
+    default names the BENCHMARKS.md section (and row) it comes from; a re-measurement changes one
+    line."""
 
     #: per GB hashed by ``verify --manifest M`` of a partial share with a tensor-hash manifest (each
     #: rewritten file's sha256 and each tensor's: two digests of every byte), page cache empty.
