@@ -8,7 +8,7 @@ traceback from ``import k3ckpt``::
 
     >>> from k3ckpt.env import K3CKPT_HASH_BUFFER
     >>> K3CKPT_HASH_BUFFER.get()            # $K3CKPT_HASH_BUFFER, else the default
-    16777216
+    1048576
 
 Values are parsed the way people write them: byte sizes as ``16MiB``, ``16M`` or ``16777216``
 (the CLI's size options use the same parser, :func:`k3ckpt.utils.parse_size`), seconds as a
@@ -189,9 +189,9 @@ K3CKPT_CACHE_DIR: EnvVar[Path | None] = _declare(EnvVar(
     _path, default_doc="$XDG_CACHE_HOME/k3ckpt, else ~/.cache/k3ckpt"))
 
 K3CKPT_HASH_BUFFER: EnvVar[int] = _declare(EnvVar(
-    "K3CKPT_HASH_BUFFER", SIZE, 16 * 1024**2,
-    "Bytes hashed per step (verify, manifest build, fetch's checks): a read-only mapped window of "
-    "the file, or a read where mapping is refused; one window per hashing thread.",
+    "K3CKPT_HASH_BUFFER", SIZE, 1024**2,
+    "Bytes read and hashed per step (verify, manifest build, fetch's checks), one buffer per "
+    "hashing thread: small enough that sha256 finds the bytes still in the CPU's cache.",
     _bytes(1)))
 
 K3CKPT_MAX_HEADER_BYTES: EnvVar[int] = _declare(EnvVar(

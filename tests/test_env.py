@@ -105,7 +105,7 @@ def test_parse_size_refuses(text: str) -> None:
 def test_get_reads_at_call_time_and_blank_means_default(monkeypatch: pytest.MonkeyPatch) -> None:
     var = env.K3CKPT_HASH_BUFFER
     monkeypatch.delenv(var.name, raising=False)
-    assert var.get() == var.default == 16 * 2**20
+    assert var.get() == var.default == 2**20
     monkeypatch.setenv(var.name, "16M")
     assert var.get() == 16_000_000
     monkeypatch.setenv(var.name, "  ")

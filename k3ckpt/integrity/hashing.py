@@ -2,10 +2,9 @@
 
 sha256 of one file is sequential by nature, so parallelism comes from hashing several files at
 once in threads: ``hashlib`` releases the GIL while it digests a large chunk, so N threads keep
-N cores busy at OpenSSL's speed. A thread hashes a file through one read-only mapped window at
-a time (the page cache's own pages: no copy into a buffer, resident memory bounded by the
-window), and the kernel is told the access is sequential and asked for the next window ahead,
-so read-ahead stays ahead of the hasher.
+N cores busy at OpenSSL's speed. A thread reads a file into a small buffer that stays in the
+CPU's cache while it is hashed (see :func:`_chunks`), and the kernel is told the access is
+sequential and asked to read ahead, so the disk stays ahead of the hasher.
 
 Per-tensor digests come from the same bytes as the file digest - one read, two hashers - so
 ``--tensor-hashes`` costs CPU, not I/O.
@@ -13,10 +12,8 @@ Per-tensor digests come from the same bytes as the file digest - one read, two h
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
-import mmap
 import operator
 import os
 import threading
@@ -89,17 +86,15 @@ def hash_file(
     is built from its header and its ``spans`` (:func:`~k3ckpt.format.filedigest.segments_sha256`),
     and the second hash of every byte would double the CPU.
 
-    The bytes are hashed where they lie in the page cache, through a window of the file mapped
-    read-only (``$K3CKPT_HASH_BUFFER`` bytes, one window at a time), not copied into a buffer
-    first: the copy was ~0.1 CPU-s per GB, a tenth of verify's cost. Where the file cannot be
-    mapped, it is read into ``buffer`` instead (see :func:`_chunks`).
+    The bytes are read ``$K3CKPT_HASH_BUFFER`` at a time into ``buffer`` (or a new one) and
+    hashed there, while they are in the CPU's cache (see :func:`_chunks`).
 
     Raises:
         HashError: the file shrank or grew while it was read, or reading failed.
     """
     p = os.fspath(path)
-    # Bytes per window or read (``chunk_bytes``, else the buffer's size, else
-    # $K3CKPT_HASH_BUFFER): large enough that syscall and GIL hand-offs vanish next to hashing.
+    # Bytes per read (``chunk_bytes``, else the buffer's size, else $K3CKPT_HASH_BUFFER): large
+    # enough that syscalls and GIL hand-offs vanish next to hashing, small enough to stay in cache.
     step = chunk_bytes or (len(buffer) if buffer is not None else K3CKPT_HASH_BUFFER.get())
     scan_cursor = _Cursor(sorted(scan, key=_span_start))
     flagged: set[str] = set()
@@ -137,93 +132,50 @@ def hash_file(
 
 @dataclass
 class _Chunk:
-    """``view``: the file's bytes from offset ``pos``; ``source[base:]`` holds the same bytes
-    (a bytearray or a mapped window: both search in C)."""
+    """``view``: the file's bytes from offset ``pos``, held at the start of ``source`` (a
+    bytearray: it searches in C)."""
 
     pos: int
     view: memoryview
-    source: bytearray | mmap.mmap
-    base: int
+    source: bytearray
 
     def find(self, needle: bytes, lo: int, hi: int) -> bool:
         """Does ``needle`` occur in ``view[lo:hi]``?"""
-        return self.source.find(needle, self.base + lo, self.base + hi) >= 0
+        return self.source.find(needle, lo, hi) >= 0
+
+
+#: Bytes the kernel is asked to read ahead of the hasher, a window at a time: sequential
+#: read-ahead alone (a few hundred KiB) leaves an NVMe drive idle between a thread's reads.
+READ_AHEAD = 16 << 20
 
 
 def _chunks(fd: int, path: str, size: int, step: int, buffer: bytearray | None) -> Iterator[_Chunk]:
-    """The first ``size`` bytes of the open file ``fd`` in order, ``step`` bytes a chunk (the
-    same boundaries either way, so the chunk size is the only knob), each valid until the next
-    is asked for.
+    """The first ``size`` bytes of the open file ``fd`` in order (to its end if it says 0:
+    procfs), read ``step`` bytes at a time into ``buffer`` (or a new one), each chunk valid until
+    the next is asked for. A file that ends early ends the chunks: the caller compares what it
+    got with ``size``.
 
-    Mapped windows: each chunk is a read-only mapping of its range, unmapped before the next
-    (resident memory stays at one window per thread; the kernel is asked to read the next window
-    ahead while this one is hashed). Reading a page of a mapping that lies past the end of the
-    file kills the process with SIGBUS, so before each window the file's size is checked
-    against it and a file that shrank is a :class:`HashError`, as a short read is. A race
-    remains: a file truncated by another process after that check and before its window is
-    hashed still kills the process - which then exits by the signal (status 135 / -7) and
-    prints nothing, in particular no "ok"; a file changed in place is a digest mismatch, as
-    with a read. Where ``mmap`` is refused (a filesystem or file type without it), the chunks
-    are read into ``buffer`` (or a new one) instead, one copy more.
+    Read into a small buffer, not hashed in place through a mapping of the page cache: the copy
+    leaves the bytes in the CPU's cache, where sha256 reads them. Measured on the 2-core VM
+    (BENCHMARKS.md, "How the bytes reach sha256"): 1 MiB reads hash a GB in ~0.1 CPU-s less than
+    16 MiB mapped windows and ~0.15 CPU-s less than 16 MiB reads, whose buffer outgrows the
+    cache. A read also cannot SIGBUS on a file truncated under it, as a mapping can.
     """
-    if hasattr(os, "posix_fadvise"):
+    advise = hasattr(os, "posix_fadvise")
+    if advise:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    if size:  # (nothing to map in an empty file; one that says 0 but reads more, procfs, is read)
-        try:
-            yield from _mapped_chunks(fd, path, size, step)
-            return
-        except _Unmappable:
-            pass  # nothing was hashed yet: read the file into a buffer below instead
-    yield from _read_chunks(fd, path, step, buffer)
-
-
-class _Unmappable(Exception):
-    """The file's first window could not be mapped: it is read instead."""
-
-
-def _mapped_chunks(fd: int, path: str, size: int, step: int) -> Iterator[_Chunk]:
-    pos = 0
-    while pos < size:
-        stop = min(size, pos + step)
-        start = pos - pos % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a granule
-        try:
-            if os.fstat(fd).st_size < stop:
-                raise ValueError("shrank")
-            window = mmap.mmap(fd, stop - start, access=mmap.ACCESS_READ, offset=start)
-        except ValueError:  # mmap checks the size too: "mmap length is greater than file size"
-            raise HashError(0, f"read {pos} bytes but the file is {os.fstat(fd).st_size} (changed while hashing?)",
-                            path) from None
-        except OSError as e:
-            if pos == 0 and e.errno in _NO_MMAP:
-                raise _Unmappable from e
-            raise
-        try:
-            if hasattr(os, "posix_fadvise") and stop < size:
-                os.posix_fadvise(fd, stop, step, os.POSIX_FADV_WILLNEED)  # the next window, read ahead
-            with memoryview(window) as whole, whole[pos - start:] as view:
-                yield _Chunk(pos, view, window, pos - start)
-        finally:
-            with contextlib.suppress(BufferError):  # a slice still alive (in a traceback): unmapped when freed
-                window.close()
-        pos = stop
-
-
-#: errno of an mmap the file or its filesystem does not support: read it instead.
-_NO_MMAP = frozenset({errno.ENODEV, errno.EINVAL, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP})
-
-
-def _read_chunks(fd: int, path: str, step: int, buffer: bytearray | None) -> Iterator[_Chunk]:
-    """:func:`_chunks` by ``readinto`` (a copy from the page cache into ``buffer``), to the end."""
-    buf = buffer if buffer is not None else bytearray(step)
+    buf = buffer if buffer is not None and len(buffer) >= step else bytearray(step)
     view = memoryview(buf)
-    pos = 0
-    with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
-        while True:
-            n = f.readinto(view)
-            if not n:
-                return
-            yield _Chunk(pos, view[:n], buf, 0)
-            pos += n
+    pos, ahead = 0, 0  # ahead: the read-ahead asked for reaches this far
+    while not size or pos < size:
+        if advise and size and pos >= ahead - READ_AHEAD // 2 and ahead < size:
+            os.posix_fadvise(fd, ahead, READ_AHEAD, os.POSIX_FADV_WILLNEED)
+            ahead += READ_AHEAD
+        n = os.preadv(fd, [view[:step if not size else min(step, size - pos)]], pos)
+        if not n:
+            return
+        yield _Chunk(pos, view[:n], buf)
+        pos += n
 
 
 class StreamHasher:
