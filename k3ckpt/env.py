@@ -190,7 +190,7 @@ K3CKPT_CACHE_DIR: EnvVar[Path | None] = _declare(EnvVar(
 
 K3CKPT_HASH_BUFFER: EnvVar[int] = _declare(EnvVar(
     "K3CKPT_HASH_BUFFER", SIZE, 1024**2,
-    "Bytes read and hashed per step (verify, manifest build, fetch's checks), one buffer per "
+    "Bytes read and hashed per step (verify, manifest build, fetch's checks, reshard), one buffer per "
     "hashing thread: small enough that sha256 finds the bytes still in the CPU's cache.",
     _bytes(1)))
 

@@ -160,6 +160,26 @@ def test_hash_buffer(k3_tiny: Path, cache: dict[str, str]) -> None:
     assert res.exit_code == 0 and res.output.startswith("not proven: "), res.output
 
 
+def test_hash_buffer_refused_before_reshard_or_unshard_makes_its_output(k3_tiny: Path, tmp_path: Path,
+                                                                        cache: dict[str, str]) -> None:
+    """reshard and unshard hash what they copy in $K3CKPT_HASH_BUFFER steps: a bad value stops
+    them before the output directory exists, not part-way through writing it."""
+    bad = {**cache, "K3CKPT_HASH_BUFFER": "16Q"}
+    ranks = tmp_path / "ranks"
+    res = run("reshard", str(k3_tiny), "-o", str(ranks), "--format", "rank", "--ep", "2", env_vars=bad)
+    assert_one_line_error(res, "K3CKPT_HASH_BUFFER='16Q' is not a byte count")
+    assert not ranks.exists()
+    res = run("reshard", str(k3_tiny), "-o", str(ranks), "--format", "rank", "--ep", "2",
+              env_vars={**cache, "K3CKPT_HASH_BUFFER": "4097"})  # odd steps: still the same bytes
+    assert res.exit_code == 0, res.output
+    res = run("unshard", str(ranks), "-o", str(tmp_path / "back"), env_vars=bad)
+    assert_one_line_error(res, "K3CKPT_HASH_BUFFER='16Q' is not a byte count")
+    assert not (tmp_path / "back").exists()
+    res = run("unshard", str(ranks), "-o", str(tmp_path / "back"), env_vars={**cache, "K3CKPT_HASH_BUFFER": "4097"})
+    assert res.exit_code == 0, res.output
+    assert helpers.tensor_digests(tmp_path / "back") == helpers.tensor_digests(k3_tiny)
+
+
 def test_cache_dir(k3_tiny: Path, tmp_path: Path) -> None:
     where = tmp_path / "my cache"
     assert run("verify", str(k3_tiny), env_vars={"K3CKPT_CACHE_DIR": str(where)}).exit_code == 0

@@ -372,9 +372,9 @@ def test_twin_of_a_failed_file_is_hashed_itself(k3_tiny: Path, tmp_path: Path, c
 @pytest.mark.parametrize("fmt", ["node", "rank"])
 def test_source_truncated_after_planning_is_an_error_not_a_crash(
         k3_tiny: Path, tmp_path: Path, clone_checkpoint: Callable[[Path], Path], fmt: str) -> None:
-    """Chunks are hashed through a mapping of the source: a source shorter than its header says
-    is a one-line error (mmap refuses to map past its end; the copy reports the short read), not
-    a SIGBUS, and leaves no file under a final name."""
+    """Chunks are read from the source to be hashed: a source shorter than its header says is a
+    one-line error naming it (the read, or the copy, reports the short read), and leaves no file
+    under a final name."""
     from k3ckpt.deploy import reshard as rs
     from k3ckpt.errors import SourceShortReadError
     from k3ckpt.format.topology import RankSelection
@@ -420,51 +420,36 @@ def test_strided_slices_gathered_without_numpy(k3_tiny: Path, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_runs_hashed_through_windows_of_several_chunks(k3_tiny: Path, tmp_path: Path, cache: Path,
-                                                       monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
-    """A long run's chunks are hashed from one mapping of several chunks (fewer mappings than
-    chunks hashed), windows ending mid-chunk and off the page grid included: every byte and
-    digest is still the independently recomputed one."""
-    import mmap
-
+def test_chunks_hashed_in_steps_smaller_than_a_chunk(k3_tiny: Path, tmp_path: Path, cache: Path,
+                                                     monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """A chunk copied kernel-side is hashed in ``$K3CKPT_HASH_BUFFER`` steps read from the source
+    (several per chunk, ending off the page grid): every byte and digest is still the
+    independently recomputed one, and no step is larger than asked."""
     from k3ckpt.deploy import bytecopy
 
     monkeypatch.setattr(bytecopy, "CHUNK", 64 * 1024)
-    # two writers: a window of 3 chunks + a page + 123 bytes each
-    monkeypatch.setattr(bytecopy, "MAP_BUDGET", 2 * (3 * 64 * 1024 + 4096 + 123), raising=False)
-    maps: list[int] = []
-    real_mmap = mmap.mmap
+    step = 3 * 4096 + 123
+    monkeypatch.setenv("K3CKPT_HASH_BUFFER", str(step))
+    reads: list[int] = []
+    real_pread = bytecopy.Copier._pread
 
-    def counting_mmap(fd: int, length: int, *args: object, **kwargs: object) -> mmap.mmap:
-        maps.append(length)
-        return real_mmap(fd, length, *args, **kwargs)  # type: ignore[arg-type]
+    def counting_pread(self: bytecopy.Copier, fd: int, n: int, off: int) -> memoryview:
+        reads.append(n)
+        return real_pread(self, fd, n, off)
 
-    monkeypatch.setattr(bytecopy.mmap, "mmap", counting_mmap)
-    hashed: list[int] = []
+    chunks: list[int] = []
     real_hash_and_copy = bytecopy.Copier._hash_and_copy
 
-    def counting_hash_and_copy(self: bytecopy.Copier, *args: Any) -> bool:
-        hashed.append(args[2])  # the chunk's length
-        return real_hash_and_copy(self, *args)
+    def counting_hash_and_copy(self: bytecopy.Copier, *args: Any) -> None:
+        chunks.append(args[2])  # the chunk's length
+        real_hash_and_copy(self, *args)
 
+    monkeypatch.setattr(bytecopy.Copier, "_pread", counting_pread)
     monkeypatch.setattr(bytecopy.Copier, "_hash_and_copy", counting_hash_and_copy)
     _reshard(k3_tiny, tmp_path / "out", fmt, "--jobs", "2")
-    assert maps and max(maps) > 64 * 1024 and len(maps) < len(hashed), (len(maps), len(hashed))
+    assert chunks and max(chunks) > step and max(reads) <= 64 * 1024, (max(chunks), max(reads))
+    assert step in reads and sum(1 for n in reads if n == step) > len(chunks) // 2
     check_digests(k3_tiny, tmp_path / "out")
-
-
-def test_mapped_windows_stay_within_the_budget() -> None:
-    """Windows grow to 4 chunks only while every writer's fits in MAP_BUDGET: many writers (a
-    64-core node runs 16) map one chunk each, as before windows, so peak RSS does not grow
-    with the window."""
-    from k3ckpt.deploy.bytecopy import CHUNK, MAP_BUDGET, map_window
-    from k3ckpt.deploy.reshard import MAX_DEFAULT_WRITERS
-
-    assert map_window(1) == map_window(2) == 4 * CHUNK
-    for writers in range(1, MAX_DEFAULT_WRITERS + 1):
-        assert CHUNK <= map_window(writers) <= 4 * CHUNK
-        assert writers * map_window(writers) <= max(MAP_BUDGET, writers * CHUNK)
-    assert map_window(MAX_DEFAULT_WRITERS) == CHUNK
 
 
 PARTIAL = ("--ep", "8", "--tp", "2", "--node", "0", "--gpus-per-node", "4", "--format", "partial")  # experts 0-7

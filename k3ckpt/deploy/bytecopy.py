@@ -4,8 +4,8 @@ Shared by ``reshard`` (source shards -> rank files) and ``unshard`` (rank files 
 checkpoint). A *run* is ``count`` rows of ``length`` bytes ``stride`` apart in a source file;
 contiguous runs are copied with ``os.copy_file_range`` (falling back to ``os.sendfile``, then to
 a bounded ``pread``/``pwrite``) in chunks of :data:`CHUNK` bytes, and each chunk is hashed in
-the same pass from the source's pages, through a bounded read-only mapping (no copy into a
-buffer, no read-back of the output; the copy that follows finds those pages hot).
+the same pass from the source, read a little at a time into a buffer that stays in the CPU's
+cache (no read-back of the output; the copy that follows finds the source's pages hot).
 Strided runs are gathered, and split parts interleaved, through bounded buffers. Memory is a
 few :data:`CHUNK`-sized buffers per worker, whatever the size of the data.
 
@@ -16,7 +16,6 @@ directory is fsync'd after renames (:func:`k3ckpt.utils.fsync_dir`).
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -30,22 +29,6 @@ from ..utils.lock import OUTPUT_LOCK_NAME, DirLock
 
 #: Bytes per copy / hash step (and the size of each worker's buffers).
 CHUNK = 8 * 1024 * 1024
-#: Bytes of the sources all writers of a run may hold mapped at once to hash from (resident
-#: pages count in RSS), shared out by :func:`map_window`.
-MAP_BUDGET = 8 * CHUNK
-
-
-def map_window(writers: int) -> int:
-    """How much of a source each of ``writers`` writers maps at once to hash a long run's
-    chunks from: up to 4 chunks while :data:`MAP_BUDGET` allows, never less than one chunk (so
-    many writers map no more than one chunk each, as before windows). Mapping and unmapping
-    cost per call as well as per page (VMA setup, and with several writers a TLB shootdown on
-    every unmap): one 32 MiB window instead of four 8 MiB ones measured 0.12 -> 0.09 CPU-s per
-    GB mapped on one thread, and ``reshard --format rank --ep 8 --tp 2`` of k3-8shard (2.2 GB
-    mapped, 2 writers) 1.87 -> 1.65 sys CPU-s (medians of 4); 64 MiB was no better."""
-    return max(CHUNK, min(4 * CHUNK, MAP_BUDGET // max(1, writers)))
-
-
 #: How far ahead of the copy the source is asked to be read (page cache, not RSS).
 READ_AHEAD = 4 * CHUNK
 #: A strided row at least this long is copied as its own contiguous run instead of gathered.
@@ -80,8 +63,6 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
 
 
 _FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
-#: Linux: fault a whole mapping in at mmap time.
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _gather_rows(data: memoryview, out: memoryview, rows: int, length: int, stride: int) -> None:
@@ -98,56 +79,18 @@ def _gather_rows(data: memoryview, out: memoryview, rows: int, length: int, stri
         s += stride
 
 
-class _Window:
-    """A read-only mapping of part of one source file, populated up front (one fault-in
-    instead of one page fault per few pages), which consecutive chunks of a run are hashed
-    from; :meth:`close` unmaps it (at the end of each run, so at most ``size`` bytes per writer
-    stay mapped)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._mm: mmap.mmap | None = None
-        self._whole: memoryview | None = None
-        self._src = -1
-        self._start = self._stop = 0
-
-    def view(self, src: int, so: int, k: int, end: int) -> memoryview | None:
-        """``[so, so + k)`` of ``src`` (the caller releases the view), mapping ``[so, end)`` up
-        to :attr:`size` bytes when the current window does not hold it; None when the
-        file cannot be mapped there."""
-        if not (src == self._src and self._start <= so and so + k <= self._stop):
-            self.close()
-            start = so - so % mmap.ALLOCATIONGRANULARITY
-            stop = max(so + k, min(end, so + self.size))
-            try:
-                mm = mmap.mmap(src, stop - start, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ,
-                               offset=start)
-            except (OSError, ValueError):  # ValueError: the file is shorter (the copy's short read says so)
-                return None
-            self._mm, self._whole, self._src, self._start, self._stop = mm, memoryview(mm), src, start, stop
-        assert self._whole is not None
-        return self._whole[so - self._start:so - self._start + k]
-
-    def close(self) -> None:
-        if self._mm is not None:
-            assert self._whole is not None
-            self._whole.release()
-            self._mm.close()
-        self._mm = self._whole = None
-        self._src = -1
-
-
 class Copier:
     """Moves byte runs from source fds to a destination fd, hashing what it writes."""
 
-    def __init__(self, mode: str, sources: FdCache | None = None, window: int = CHUNK) -> None:
-        """``window``: bytes of a source mapped at once to hash from (:func:`map_window`)."""
+    def __init__(self, mode: str, sources: FdCache | None, hash_step: int) -> None:
+        """``hash_step``: bytes of a source read and hashed at a time before a chunk is copied
+        kernel-side (``$K3CKPT_HASH_BUFFER``, which a run reads before its first byte)."""
         self.mode = mode  # "kernel" (copy_file_range, sendfile fallback) or "buffered"
         self.sources = sources  # the source fds' owner: names a source that ends early
         self.buf = bytearray(CHUNK)
         self.view = memoryview(self.buf)
         self.gbuf: bytearray | None = None  # gather buffer for strided runs
-        self._window = _Window(window)  # the source pages a run's chunks are hashed from
+        self.hash_step = min(CHUNK, hash_step)
 
     def _kernel(self, src: int, dst: int, n: int, so: int, do: int) -> bool:
         """Copy ``n`` bytes kernel-side; False when the kernel cannot (fall back to buffered)."""
@@ -202,62 +145,54 @@ class Copier:
         end = so + n
         if n > CHUNK:  # start reading ahead: a cold source is otherwise read chunk by chunk
             os.posix_fadvise(src, so, min(n, READ_AHEAD), os.POSIX_FADV_WILLNEED)
-        try:
-            while n:
-                k = min(n, CHUNK)
-                ahead = so + READ_AHEAD
-                if ahead < end:
-                    os.posix_fadvise(src, ahead, min(CHUNK, end - ahead), os.POSIX_FADV_WILLNEED)
-                if not self._copied_in_kernel(src, dst, k, so, do, sinks, end):
-                    data = self._pread(src, k, so)
-                    pwrite_all(dst, data, do)
-                    if sinks is not None:
-                        sinks(data)
-                start_writeback(dst, do, k)
-                n -= k
-                so += k
-                do += k
-        finally:
-            self._window.close()
+        while n:
+            k = min(n, CHUNK)
+            ahead = so + READ_AHEAD
+            if ahead < end:
+                os.posix_fadvise(src, ahead, min(CHUNK, end - ahead), os.POSIX_FADV_WILLNEED)
+            if not self._copied_in_kernel(src, dst, k, so, do, sinks):
+                data = self._pread(src, k, so)
+                pwrite_all(dst, data, do)
+                if sinks is not None:
+                    sinks(data)
+            start_writeback(dst, do, k)
+            n -= k
+            so += k
+            do += k
 
     def _copied_in_kernel(self, src: int, dst: int, k: int, so: int, do: int,
-                          sinks: Callable[[memoryview], None] | None, end: int) -> bool:
-        """Copy ``k`` bytes kernel-side, feeding ``sinks`` from the source's pages first (``end``:
-        where the run ends, how far a mapping may reach); False, with nothing written or fed,
-        when the mode or the kernel says to copy through a buffer."""
+                          sinks: Callable[[memoryview], None] | None) -> bool:
+        """Copy ``k`` bytes kernel-side, feeding ``sinks`` from the source first; False, with
+        nothing written or fed, when the mode or the kernel says to copy through a buffer."""
         if self.mode == "buffered":
             return False
         if sinks is None:
             return self._kernel(src, dst, k, so, do)
-        return self._hash_and_copy(src, dst, k, so, do, sinks, end)
+        self._hash_and_copy(src, dst, k, so, do, sinks)
+        return True
 
     def _hash_and_copy(self, src: int, dst: int, k: int, so: int, do: int,
-                       sinks: Callable[[memoryview], None], end: int) -> bool:
-        """One pass over ``k`` source bytes: hash them where they lie in the page cache (a
-        bounded read-only mapping of the source, no copy into a buffer), then copy them
-        kernel-side. False, with nothing written, when the kernel cannot copy (the caller falls
-        back to a buffered copy before anything was hashed).
+                       sinks: Callable[[memoryview], None]) -> None:
+        """One pass over ``k`` source bytes: read them :attr:`hash_step` at a time into a buffer
+        and hash them there, then copy them kernel-side (through the buffer if the kernel
+        turns out unable to: they are hashed already).
 
-        Measured against a copy followed by a read-back of the output, and against read ->
-        hash -> pwrite: ~10 % fewer CPU-seconds than the first, ~2x fewer than the second
-        (which pays a user copy each way). A source shorter than the chunk is not mapped
-        (``mmap`` refuses a length past the end of the file; the copy then reports the short
-        read); one truncated by another process while a window is mapped (a few tens of
-        milliseconds) would end the run with SIGBUS - its temporary files are truncated by the
-        re-run."""
-        view = self._window.view(src, so, k, end)
-        if view is None:  # not mappable (some filesystems): hash what was copied, from the output
-            if not self._kernel(src, dst, k, so, do):
-                return False
-            sinks(self._pread(dst, k, do))
-            return True
-        try:
-            sinks(view)
-        finally:
-            view.release()
-        if not self._kernel(src, dst, k, so, do):  # hashed already: copy without hashing again
+        Why a small buffer: sha256 then reads bytes the read just left in the CPU's cache,
+        where hashing the page cache in place through a mapping makes it wait on memory (or
+        the kernel fault the mapping in page by page). Side by side on the 2-core VM
+        (2026-12-05, ``reshard --format rank --ep 8 --tp 2`` of k3-density, 3-4 rounds): the
+        same CPU as a mapped window, or ~1.2 user CPU-s (25 %) less, by the state of the page
+        cache; a read into the whole 8 MiB chunk outgrows the cache. A read also cannot SIGBUS
+        on a source truncated under it, as a mapping can: a short read is
+        :class:`SourceShortReadError`.
+        """
+        fed = 0
+        while fed < k:
+            step = min(self.hash_step, k - fed)
+            sinks(self._pread(src, step, so + fed))
+            fed += step
+        if not self._kernel(src, dst, k, so, do):
             pwrite_all(dst, self._pread(src, k, so), do)
-        return True
 
     def strided(self, src: int, dst: int, run: Run, do: int, sinks: Callable[[memoryview], None] | None) -> None:
         """Gather ``run.count`` rows of ``run.length`` bytes through bounded buffers."""

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from ..env import K3CKPT_HASH_BUFFER
 from ..errors import UnshardError
 from ..faults import pause_point
 from ..format.checkpoint import INDEX_NAME, is_working_file, iter_checkpoint_files
@@ -509,14 +510,14 @@ class _OutOfSpace(UnshardError):
 
 
 def _write_shard(plan: UnshardPlan, topo: Topology, shard: _OutShard, dest: Path, mode: str,
-                 progress: Callable[[int], None] | None) -> None:
+                 progress: Callable[[int], None] | None, hash_step: int) -> None:
     """Write one output shard under its temporary name and fsync it.
 
     Raises:
         _OutOfSpace: the filesystem is full (naming the shard).
     """
     fds = FdCache(lambda rel: plan.root / rel)
-    copier = Copier(mode, fds)
+    copier = Copier(mode, fds, hash_step)
     try:
         dst = os.open(tmp_name(dest), os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
         try:
@@ -616,6 +617,7 @@ def run_unshard(
         DiskSpaceError: not enough free space (checked before any byte is written).
     """
     t0 = time.perf_counter()
+    hash_step = K3CKPT_HASH_BUFFER.get()  # a bad value is refused before OUT is made
     if max_shard_size < 1:
         raise UnshardError(f"--max-shard-size {max_shard_size} must be positive")
     outp = Path(out)
@@ -632,7 +634,7 @@ def run_unshard(
             on_plan(plan.total_size)
         proofs = _source_proofs(plan)  # before the first read: what vouches for the bytes to be read
         try:
-            _write_all(plan, outp, shards, jobs, mode, progress)
+            _write_all(plan, outp, shards, jobs, mode, progress, hash_step)
         except _OutOfSpace as e:
             raise _no_space_error(outp, e.where, e.strerror, needed) from None
         except OSError as e:
@@ -690,14 +692,14 @@ def _no_space_error(outp: Path, where: Path, why: str, needed: int) -> UnshardEr
 
 
 def _write_all(plan: UnshardPlan, outp: Path, shards: list[_OutShard], jobs: int | None, mode: str,
-               progress: Callable[[int], None] | None) -> None:
+               progress: Callable[[int], None] | None, hash_step: int) -> None:
     """The non-weight files, then every shard under its temporary name (in parallel), then the
     renames and the index: a failure leaves no temporary shard and no index."""
     copy_files(plan.root, plan.extra_files, outp)
     workers = jobs or min(8, os.cpu_count() or 1)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="unshard")
     try:
-        futures = [pool.submit(_write_shard, plan, plan.topo, s, outp / s.name, mode, progress)
+        futures = [pool.submit(_write_shard, plan, plan.topo, s, outp / s.name, mode, progress, hash_step)
                    for s in sorted(shards, key=lambda s: -s.size)]
         for n, fu in enumerate(futures, 1):
             fu.result()

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...env import K3CKPT_HASH_BUFFER
 from ...errors import ReshardError
 from ...format.checkpoint import Checkpoint
 from ...format.layout import READY_NAME, TOPOLOGY_NAME
@@ -73,6 +74,7 @@ def run_reshard(
         DiskSpaceError: not enough free space (checked before any byte is written).
     """
     t0 = time.perf_counter()
+    hash_step = K3CKPT_HASH_BUFFER.get()  # a bad value is refused before OUT is made, as is:
     # before anything is written: a manifest without tensor hashes is refused with OUT untouched
     known = manifest_digests(plan.ckpt, manifest) if manifest is not None else {}
     used = "--manifest" if manifest is not None else None
@@ -94,7 +96,7 @@ def run_reshard(
             entries += plan.extra_files
         claim_output_dir(outp, "reshard", entries)
         res = _run_locked(plan, outp, t0, jobs=jobs, force=force, mode=mode, progress=progress, on_plan=on_plan,
-                          check_space=check_space, known=known)
+                          check_space=check_space, known=known, hash_step=hash_step)
     if res.digests_from_manifest:
         res.digests_manifest = used
     return res
@@ -142,7 +144,7 @@ def _gc_frozen() -> Iterator[None]:
 
 def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, force: bool, mode: str,
                 progress: Callable[[int], None] | None, on_plan: Callable[[int], None] | None, check_space: bool,
-                known: dict[str, str]) -> ReshardResult:
+                known: dict[str, str], hash_step: int) -> ReshardResult:
     topo_json = plan.topology_json()
     tpath = outp / TOPOLOGY_NAME
     old_units: list[Path] | None = None  # the unit directories of another layout, to replace (--force)
@@ -198,7 +200,7 @@ def _run_locked(plan: ReshardPlan, outp: Path, t0: float, *, jobs: int | None, f
         if on_plan is not None:
             on_plan(total)
         written = _write_units(plan, outp, todo, jobs=jobs, mode=mode, progress=progress, known=known,
-                               meanwhile=copy_extra_files)
+                               hash_step=hash_step, meanwhile=copy_extra_files)
     except _OutOfSpace as e:
         raise _out_of_space(plan, outp, todo, e.where, e.strerror) from None
     except OSError as e:

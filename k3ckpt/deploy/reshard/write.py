@@ -13,10 +13,10 @@ How bytes move (streaming; memory is a few bounded buffers per worker, whatever 
 - output files are written in parallel by a thread pool (``--jobs``), largest first.
 
 Hashing. Per-tensor sha256 (and a rank file's plain sha256) are computed while writing, in the
-same pass: each kernel-side chunk is hashed from the *source's* pages through a bounded read-only
-mapping (hot pages: the copy that follows reads the same ones; nothing is read back from the
-output, and no byte is read from disk twice), and buffered chunks are hashed from the buffer they
-are written from. A file's digest must cover every output byte: a rank file's is its sha256, a
+same pass: each kernel-side chunk is read from the *source* into a small buffer and hashed there
+(in the CPU's cache; the copy that follows finds the source's pages hot: nothing is read back from
+the output, and no byte is read from disk twice), and buffered chunks are hashed from the buffer
+they are written from. A file's digest must cover every output byte: a rank file's is its sha256, a
 node file's is built from its header's and tensors' sha256
 (:func:`~k3ckpt.format.filedigest.segments_sha256`), so a node file whose tensors' digests are all
 known is copied kernel-side and not hashed at all. A tensor slice's
@@ -52,7 +52,7 @@ from ...faults import fault_point, pause_point
 from ...format.checkpoint import Checkpoint
 from ...format.filedigest import SEGMENTS_KEY, segments_sha256
 from ...integrity.statcache import recorded_proofs, verified_manifests
-from ..bytecopy import CHUNK, NO_SPACE, Copier, FdCache, map_window, tmp_name
+from ..bytecopy import NO_SPACE, Copier, FdCache, tmp_name
 from .plan import _T_RUNS, _T_SRC, NodePlan, OutFile, RankPlan, ReshardPlan
 from .units import _finish_rank, _record_proofs
 
@@ -65,21 +65,22 @@ MAX_DEFAULT_WRITERS = 16
 
 
 def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan], *, jobs: int | None, mode: str,
-                 progress: Callable[[int], None] | None, known: dict[str, str],
+                 progress: Callable[[int], None] | None, known: dict[str, str], hash_step: int,
                  meanwhile: Callable[[], None] = lambda: None) -> int:
     """Write every file of ``todo`` in parallel and finish each unit as its last file lands;
     the bytes of the finished units. ``known``: whole-tensor digests not to compute;
-    ``meanwhile``: run once the writers have started, before any unit is finished."""
+    ``hash_step``: bytes read and hashed at a time (``$K3CKPT_HASH_BUFFER``, read before the
+    run's first byte); ``meanwhile``: run once the writers have started, before any unit is
+    finished."""
     cache = _DigestCache(known)
     # what proved each source file (the stat cache of a verify or fetch): its copies carry it
     proofs = recorded_proofs(plan.ckpt.root, sorted({*plan.ckpt.shards, *plan.extra_files}))
-    # One writer per core: each chunk is hashed from the source's mapping and copied in one pass,
+    # One writer per core: each chunk is hashed from the source and copied in one pass,
     # so a writer keeps its core busy. Measured on 2 cores (k3-8shard and k3-small, rank and node
     # formats, medians of 3): warm cache, 2 writers vs 4 took 2-23 % less wall and 1-9 % fewer
     # CPU-seconds (fewer GIL hand-offs); cold cache, the same wall within noise and 3-5 % fewer
     # CPU-seconds. (Two per core paid off while each chunk was read back from the output.)
     workers = jobs or min(MAX_DEFAULT_WRITERS, os.cpu_count() or 1)
-    window = map_window(workers)  # the run's mapped source bytes stay within MAP_BUDGET (or a chunk per writer)
     written = 0
     files_done = 0
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard")
@@ -96,11 +97,11 @@ def _write_units(plan: ReshardPlan, outp: Path, todo: list[RankPlan | NodePlan],
             first = firsts.get(key := _twin_key(f))
             if first is None:
                 slots[(r, k)] = firsts[key] = queue.put(partial(_write_file, plan, f, dest, mode, cache, progress,
-                                                                window=window))
+                                                                hash_step=hash_step))
             else:
                 def submit(twin: dict[str, Any] | None, f: OutFile = f, dest: Path = dest) -> Future:
                     return queue.put(partial(_write_file, plan, f, dest, mode, cache, progress, twin,
-                                             window=window), front=twin is not None)
+                                             hash_step=hash_step), front=twin is not None)
 
                 slots[(r, k)] = _after(first, submit)
         # A unit is finished (manifest, READY) as soon as its last file is written, whatever
@@ -257,7 +258,7 @@ class _DigestCache:
 
 def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
                 progress: Callable[[int], None] | None, twin: dict[str, Any] | None = None, *,
-                window: int = CHUNK) -> dict[str, Any]:
+                hash_step: int) -> dict[str, Any]:
     """Write one output file under its temporary name; return its digests (the unit's finisher,
     :func:`~k3ckpt.deploy.reshard.units._finish_rank`, fsyncs it before the rename, so the writer
     goes on to its next file while the disk catches up instead of waiting for it: 0.06-0.14 s per
@@ -270,7 +271,7 @@ def _write_file(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _Di
     """
     fds = FdCache(plan.ckpt.path_of)
     try:
-        return _write_file_with(plan, f, dest, mode, cache, progress, fds, twin, window)
+        return _write_file_with(plan, f, dest, mode, cache, progress, fds, twin, hash_step)
     except OSError as e:
         if e.errno in NO_SPACE:
             raise _OutOfSpace(dest, e) from None
@@ -294,8 +295,8 @@ def _write_error(dest: Path, e: OSError) -> ReshardError:
 
 def _write_file_with(plan: ReshardPlan, f: OutFile, dest: Path, mode: str, cache: _DigestCache,
                      progress: Callable[[int], None] | None, fds: FdCache, twin: dict[str, Any] | None,
-                     window: int) -> dict[str, Any]:
-    copier = Copier(mode, fds, window)
+                     hash_step: int) -> dict[str, Any]:
+    copier = Copier(mode, fds, hash_step)
     tmp = tmp_name(dest)
     # a rank file's plain sha256 is computed as it is written; a node file's digest is built from
     # its tensors' (f.segments), and a twin's digests are known: neither hashes the file whole
