@@ -146,7 +146,7 @@ class _Chunk:
 
 #: Bytes the kernel is asked to read ahead of the hasher, a window at a time: sequential
 #: read-ahead alone (a few hundred KiB) leaves an NVMe drive idle between a thread's reads.
-READ_AHEAD = 16 << 20
+_READ_AHEAD = 16 << 20
 
 
 def _chunks(fd: int, path: str, size: int, step: int, buffer: bytearray | None) -> Iterator[_Chunk]:
@@ -171,9 +171,9 @@ def _chunks(fd: int, path: str, size: int, step: int, buffer: bytearray | None) 
     view = memoryview(buf)
     pos, ahead = 0, 0  # ahead: the read-ahead asked for reaches this far
     while not size or pos < size:
-        if advise and size and pos >= ahead - READ_AHEAD // 2 and ahead < size:
-            os.posix_fadvise(fd, ahead, READ_AHEAD, os.POSIX_FADV_WILLNEED)
-            ahead += READ_AHEAD
+        if advise and size and pos >= ahead - _READ_AHEAD // 2 and ahead < size:
+            os.posix_fadvise(fd, ahead, _READ_AHEAD, os.POSIX_FADV_WILLNEED)
+            ahead += _READ_AHEAD
         n = os.preadv(fd, [view[:step if not size else min(step, size - pos)]], pos)
         if not n:
             return
