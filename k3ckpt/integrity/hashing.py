@@ -101,7 +101,7 @@ def hash_file(
     with _reading(p) as fd:
         size = os.fstat(fd).st_size
         hasher = StreamHasher(spans, git_size=size if git_sha1 else None, whole=whole)
-        for chunk in _chunks(fd, p, size, step, buffer):
+        for chunk in _chunks(fd, size, step, buffer):
             if cancel is not None and cancel.is_set():
                 raise HashError(0, "cancelled", p)
             if late_spans is not None and (known := late_spans()) is not None:
@@ -144,12 +144,14 @@ class _Chunk:
         return self.source.find(needle, lo, hi) >= 0
 
 
-#: Bytes the kernel is asked to read ahead of the hasher, a window at a time: sequential
-#: read-ahead alone (a few hundred KiB) leaves an NVMe drive idle between a thread's reads.
+#: Bytes the kernel is asked to read ahead of the hasher (``POSIX_FADV_WILLNEED``), a window at a
+#: time: its own sequential read-ahead reaches only ``read_ahead_kb`` past the last read (128 KiB
+#: by default, doubled by ``POSIX_FADV_SEQUENTIAL``), a fraction of what a fast disk can have in
+#: flight. (Cold, k3-density: verify as fast as openssl, both bound by this VM's disk.)
 _READ_AHEAD = 16 << 20
 
 
-def _chunks(fd: int, path: str, size: int, step: int, buffer: bytearray | None) -> Iterator[_Chunk]:
+def _chunks(fd: int, size: int, step: int, buffer: bytearray | None) -> Iterator[_Chunk]:
     """The first ``size`` bytes of the open file ``fd`` in order (to its end if it says 0:
     procfs), read ``step`` bytes at a time into ``buffer`` (or a new one), each chunk valid until
     the next is asked for. A file that ends early ends the chunks: the caller compares what it

@@ -74,7 +74,7 @@ def run_reshard(
         DiskSpaceError: not enough free space (checked before any byte is written).
     """
     t0 = time.perf_counter()
-    hash_step = K3CKPT_HASH_BUFFER.get()  # a bad value is refused before OUT is made, as is:
+    hash_step = K3CKPT_HASH_BUFFER.get()  # a bad value is refused before OUT is made
     # before anything is written: a manifest without tensor hashes is refused with OUT untouched
     known = manifest_digests(plan.ckpt, manifest) if manifest is not None else {}
     used = "--manifest" if manifest is not None else None
