@@ -40,7 +40,6 @@ from ..utils.ownership import refuse_foreign_file
 
 if TYPE_CHECKING:  # cryptography is imported where it is used: the CLI's other commands start faster
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-    from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 
     from .manifest import Manifest
 
@@ -149,7 +148,9 @@ def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
         raise KeyFileError(f"{path}: is a private key; verifiers need the public key "
                            "(`openssl pkey -in KEY -pubout`)")
     text = data.strip()
-    key: PublicKeyTypes  # any algorithm the file may hold; checked for ed25519 below
+    # Any algorithm the file may hold, checked for ed25519 below. ``object``, not cryptography's
+    # PublicKeyTypes: since 51.0 its loaders return key types (ML-DSA) that union leaves out.
+    key: object
     try:
         if text.startswith(b"ssh-"):
             key = serialization.load_ssh_public_key(text)
