@@ -64,8 +64,10 @@ class CostPerGB:
     #: BENCHMARKS.md "Time to ready, the estimate against a run (2026-12-05, #28)": k3-density at
     #: 1 core, CPU-s beyond the start-up per GB of the share; each figure below the same way. (The
     #: same code costs up to ~1.3x more CPU per GB on one machine of this pool than on another:
-    #: 2026-12-04's figures were 1.33 here, 0.97 for both fetches.)
-    verify: float = 1.64
+    #: 2026-12-04's figures were 1.33 here, 0.97 for both fetches.) 1.64 until verify read 1 MiB
+    #: at a time instead of mapping 16 MiB windows: the second digest of each byte then finds it
+    #: in the CPU's cache (the evening re-run of that section, cdf4687).
+    verify: float = 1.25
     #: per GB received by a whole ``fetch`` (sha256 of every byte, write, fsync). BENCHMARKS.md
     #: "Time to ready, the estimate against a run (2026-12-05, #28)", bench_node's k3-density row.
     fetch: float = 1.09
