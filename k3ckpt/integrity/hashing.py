@@ -158,13 +158,14 @@ def _chunks(fd: int, size: int, step: int, buffer: bytearray | None) -> Iterator
     got with ``size``.
 
     Read into a small buffer, not hashed in place through a mapping of the page cache: the copy
-    leaves the bytes in the CPU's cache, where sha256 reads them, while a mapping makes sha256
-    wait on memory or the kernel fault it in page by page. Side by side on the 2-core VM
-    (2026-12-05, k3-density, 4 interleaved rounds each): 1 MiB reads took 11 % less wall and CPU
-    than 16 MiB mapped windows in the page cache's state of the day's first runs, and the same
-    after the bench's evict-and-read-once (the mapping then pays in page faults what it saved in
-    waits); 16 MiB reads outgrow the cache (~0.15 CPU-s per GB more). Never worse, and a read
-    cannot SIGBUS on a file truncated under it, as a mapping can.
+    leaves the bytes in the CPU's cache, where sha256 reads them - and reads them again for a
+    tensor's digest, the second of two digests of every byte with a tensor-hash manifest. Side
+    by side on the 2-core VM (2026-12-05, k3-density, 3-4 interleaved rounds each), against 16
+    MiB mapped windows: with a tensor-hash manifest 27 % less wall and CPU cold, 11-12 % warm;
+    with file digests only, 11 % less in one state of the page cache and the same after the
+    bench's evict-and-read-once (the mapping then pays in page faults what it saves in waits).
+    16 MiB reads outgrow the cache (~0.15 CPU-s per GB more). Never worse, and a read cannot
+    SIGBUS on a file truncated under it, as a mapping can.
     """
     advise = hasattr(os, "posix_fadvise")
     if advise:
