@@ -793,7 +793,8 @@ def test_an_error_during_the_structure_check_stops_the_background_hashing(ckpt: 
 def test_chunked_reads_hash_what_one_read_hashes(tmp_path: Path, size: int, chunk: int) -> None:
     """Every read size (not a multiple of the page size too, and larger than the file) gives the
     file's sha256, its spans' sha256 and the scan's finds, with a chunk boundary every ``chunk``
-    bytes; a buffer passed in (larger than a chunk too) is used as it is."""
+    bytes; a buffer passed in, larger than a chunk and full of stale 0xFF bytes, changes nothing:
+    only the bytes read are hashed and searched."""
     from k3ckpt.integrity.hashing import Span, hash_file
 
     data = bytes((i * 7 + i // 4099) % 251 for i in range(size))
