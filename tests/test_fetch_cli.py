@@ -80,6 +80,15 @@ def test_bad_chunk_size_is_a_usage_error(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "is not a size" in res.output
 
 
+def test_the_clis_chunk_size_is_the_librarys_default() -> None:
+    """The CLI states its default as text for --help; it must be the size run_fetch takes without one."""
+    from k3ckpt.hub.download import DEFAULT_CHUNK
+    from k3ckpt.utils import parse_size
+
+    (param,) = [p for p in main.commands["fetch"].params if p.name == "chunk_size"]
+    assert parse_size(str(param.default)) == DEFAULT_CHUNK
+
+
 def test_verify_quick_after_fetch_trusts_what_fetch_verified(hub, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     h, served = hub

@@ -49,7 +49,7 @@ from ._output import ByteProgress, emit_json
 @token_option()
 @jobs_option("Concurrent requests (files and chunks of large files) [default: one per two cores, at least 8, at "
              "most 32].", show_max_workers=True)
-@size_option("--chunk-size", default="64MiB", help="Large files are fetched in chunks of this size, in parallel.")
+@size_option("--chunk-size", default="256MiB", help="Large files are fetched in chunks of this size, in parallel.")
 @click.option("--endpoint", help="Hub endpoint [default: HF_ENDPOINT / MODELSCOPE_ENDPOINT, else the public hub].")
 @topology_options(ep="Rank-aware: expert-parallel degree (--format node: the world size, its default).",
                   tp="Rank-aware: tensor-parallel degree of dense weights.",

@@ -21,11 +21,11 @@ Crash safety (SIGKILL, power loss, Ctrl-C at any moment):
 Journal format (JSON, version 1)::
 
     {"version": 1, "path": "model-00001-of-000096.safetensors", "size": 16990911504,
-     "sha256": "...", "git_sha1": null, "chunk_size": 67108864, "done": [0, 1, 5, ...]}
+     "sha256": "...", "git_sha1": null, "chunk_size": 268435456, "done": [0, 1, 5, ...]}
 
 Why not :func:`k3ckpt.hub.client.read_range`: it returns the whole range as ``bytes`` (built in a
-``bytearray`` and copied), i.e. one or two 64 MiB buffers per worker; a downloader must stream
-the body into the file as it arrives.  The streaming reader (the package's ``_transfer``
+``bytearray`` and copied), i.e. one or two chunk-sized buffers (256 MiB) per worker; a downloader
+must stream the body into the file as it arrives.  The streaming reader (the package's ``_transfer``
 module, shared with the rank-aware fetch) uses the client's own session, manual redirect
 handling (credentials never leave the origin), ``Retry-After`` parsing, status mapping and
 ``Content-Range`` grammar (the package's ``_http`` module).

@@ -133,9 +133,9 @@ _TARGETS_MAX = 4096
 class _Targets:
     """Redirect targets on another host, by the hub URL that redirected there (and credentials).
 
-    A fetch reads each file in many ranges (64 MiB chunks, or a rank's tensors); resolving every
+    A fetch reads each file in many ranges (256 MiB chunks, or a rank's tensors); resolving every
     one would cost the hub a request each - and the hub rate-limits ``resolve`` calls (a 1.5 TB
-    checkpoint is ~23,000 chunks) - so the signed URL a file resolved to serves its later ranges
+    checkpoint is ~5,800 chunks) - so the signed URL a file resolved to serves its later ranges
     until it is refused or :data:`SIGNED_URL_REUSE` old. In memory only, never written anywhere,
     and keyed by the credentials too: a library user serving several tokens in one process
     never reads a file through a URL the hub signed for another token.
