@@ -176,6 +176,38 @@ sys.exit(0 if run_rank_fetch(plan, workers=2, token="").ok else 1)
 """
 
 
+@pytest.mark.parametrize("chunk", [32 << 10, 96 << 10, 256 << 10])
+def test_a_fetch_resumed_with_another_chunk_size_keeps_the_bytes_its_journal_proves(hub, tmp_path: Path,
+                                                                                   chunk: int) -> None:
+    """A run killed with 64 KiB chunks, resumed with ``chunk`` (smaller, not a multiple, larger:
+    as after the default went from 64 to 256 MiB): every chunk wholly inside the journaled bytes
+    is kept and no other byte, so this run downloads exactly the rest, and the files are the hub's."""
+    from helpers import kill_at_pause
+
+    h, served = hub
+    dest = tmp_path / "d"
+    kill_at_pause(_KILLED_FETCH, [h.url, REPO, str(dest), "plain"], "after_chunk:12", tmp_path)
+    kept: dict[str, int] = {}  # file -> bytes the journal proves in whole chunks of the new size
+    for journal in dest.glob("*.part.journal"):
+        doc = json.loads(journal.read_text())
+        assert doc["chunk_size"] == 65536
+        proven = [(i * 65536, min((i + 1) * 65536, doc["size"])) for i in doc["done"]]
+        chunks = [(a, min(a + chunk, doc["size"])) for a in range(0, doc["size"], chunk)]
+        inside = sum(b - a for a, b in chunks
+                     if all(any(p <= x < q for p, q in proven) for x in range(a, b, 4096)) and
+                     any(p < b <= q for p, q in proven))
+        if inside:
+            kept[doc["path"]] = inside
+    assert kept  # the killed run left chunks to keep
+    res = run("fetch", REPO, "--local-dir", str(dest), "--endpoint", h.url, "--chunk-size", str(chunk), "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert set(data["resumed"]) == set(kept)
+    sizes = h.files(REPO)
+    assert data["bytes_downloaded"] == sum(sizes[f].size for f in data["fetched"]) - sum(kept.values())
+    assert tree_digests(dest) == tree_digests(served)
+
+
 @pytest.mark.parametrize("kind, point", [("plain", "after_chunk:12"), ("ranks", "after_piece:6")])
 def test_a_resumed_fetch_says_what_it_did(hub, tmp_path: Path, kind: str, point: str) -> None:
     """Issue #25: a resumed fetch said "0 files fetched (503.64 MB ...)": the bytes sat beside a

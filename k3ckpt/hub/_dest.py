@@ -31,7 +31,7 @@ LOCK_NAME = ".k3ckpt-fetch.lock"
 #: Another host's lock older than this (seconds) is considered abandoned (env overrides).
 LOCK_STALE_SECONDS = K3CKPT_LOCK_STALE_SECONDS.default
 __all__ = ["LOCK_NAME", "LOCK_STALE_SECONDS", "LOCK_UNREADABLE_GRACE", "DestLock", "check_dest", "claim_dest",
-           "create_part", "open_part", "resumable", "target", "unlink", "unsafe_reason"]
+           "create_part", "open_part", "regroup_chunks", "resumable", "target", "unlink", "unsafe_reason"]
 #: Endings of the working files next to a file being fetched: a hub path may not take them.
 WORK_SUFFIXES = (".part", ".part.journal", ".part.journal.tmp")
 #: ``open`` flag: never through a symlink planted at the name.
@@ -137,11 +137,17 @@ def open_part(part: str, final: str, dest_real: str, rel: str, size: int, head: 
     return create_part(part, size, head)
 
 
-def resumable(journal: str, part: str, size: int, expect: dict[str, Any], count: int) -> set[int]:
+def resumable(journal: str, part: str, size: int, expect: dict[str, Any], count: int, *,
+              chunk_size: int | None = None) -> set[int]:
     """The indices the ``journal`` of an earlier run says are on disk, if it and its ``.part``
     belong to this very content: the journal has ``expect``'s values, the ``.part`` is a regular
     file (not a symlink) of ``size`` bytes, every index is below ``count``. Otherwise an empty
     set, and the journal is removed: a stale or foreign journal must not vouch for any byte.
+
+    With ``chunk_size`` (the downloader's journals, whose indices are chunks of the file), a
+    journal of another chunk size still counts: a chunk is on disk when every byte of it lies in
+    the journal's chunks, which were ``fdatasync``-ed whatever their size (:func:`regroup_chunks`).
+    A fetch resumed with another ``--chunk-size``, or after the default changed, keeps its bytes.
     """
     try:
         with open(journal, "rb") as f:
@@ -153,12 +159,31 @@ def resumable(journal: str, part: str, size: int, expect: dict[str, Any], count:
         part_ok = stat.S_ISREG(st.st_mode) and st.st_size == size
     except OSError:
         part_ok = False
-    if isinstance(doc, dict) and part_ok and all(doc.get(k) == v for k, v in expect.items()):
+    if isinstance(doc, dict) and part_ok:
+        old_chunk = doc.get("chunk_size")
+        if chunk_size is None or type(old_chunk) is not int or old_chunk < 1:
+            old_chunk = None  # every value of ``expect`` must match, the chunk size too
+        keys = [k for k in expect if not (old_chunk is not None and k == "chunk_size")]
+        journal_count = count if old_chunk is None else max(1, -(-size // old_chunk))
         done = doc.get("done")
-        if isinstance(done, list) and all(type(i) is int and 0 <= i < count for i in done):
-            return set(done)
+        if (all(doc.get(k) == expect[k] for k in keys) and isinstance(done, list)
+                and all(type(i) is int and 0 <= i < journal_count for i in done)):
+            if old_chunk is None or chunk_size is None or old_chunk == chunk_size:
+                return set(done)
+            return regroup_chunks(set(done), old_chunk, chunk_size, size)
     unlink(journal)
     return set()
+
+
+def regroup_chunks(done: set[int], old_chunk: int, new_chunk: int, size: int) -> set[int]:
+    """The chunks of ``new_chunk`` bytes of a ``size``-byte file whose every byte lies in one of
+    the ``done`` chunks of ``old_chunk`` bytes (none of an empty file: it has no byte to prove)."""
+    regrouped = set()
+    for j in range(-(-size // new_chunk)):
+        first, last = j * new_chunk, min((j + 1) * new_chunk, size) - 1
+        if all(i in done for i in range(first // old_chunk, last // old_chunk + 1)):
+            regrouped.add(j)
+    return regrouped
 
 
 # ----------------------------------------------------------------------------------------------

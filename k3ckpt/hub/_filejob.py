@@ -91,7 +91,8 @@ class FileJob:
     def load_resume(self) -> None:
         """Adopt a ``.part`` + journal left by an earlier run if they belong to this content;
         otherwise forget them (a stale or foreign journal must not vouch for any byte)."""
-        self.done = _dest.resumable(self.journal, self.part, self.entry.size, self.journal_doc(), self.nchunks)
+        self.done = _dest.resumable(self.journal, self.part, self.entry.size, self.journal_doc(), self.nchunks,
+                                    chunk_size=self.chunk_size)
 
     def resumable_bytes(self) -> int:
         """Bytes already allocated for this file by a ``.part`` we will reuse."""
