@@ -31,7 +31,7 @@ LOCK_NAME = ".k3ckpt-fetch.lock"
 #: Another host's lock older than this (seconds) is considered abandoned (env overrides).
 LOCK_STALE_SECONDS = K3CKPT_LOCK_STALE_SECONDS.default
 __all__ = ["LOCK_NAME", "LOCK_STALE_SECONDS", "LOCK_UNREADABLE_GRACE", "DestLock", "check_dest", "claim_dest",
-           "create_part", "open_part", "regroup_chunks", "resumable", "target", "unlink", "unsafe_reason"]
+           "create_part", "open_part", "resumable", "target", "unlink", "unsafe_reason"]
 #: Endings of the working files next to a file being fetched: a hub path may not take them.
 WORK_SUFFIXES = (".part", ".part.journal", ".part.journal.tmp")
 #: ``open`` flag: never through a symlink planted at the name.
@@ -160,17 +160,14 @@ def resumable(journal: str, part: str, size: int, expect: dict[str, Any], count:
     except OSError:
         part_ok = False
     if isinstance(doc, dict) and part_ok:
-        old_chunk = doc.get("chunk_size")
-        if chunk_size is None or type(old_chunk) is not int or old_chunk < 1:
-            old_chunk = None  # every value of ``expect`` must match, the chunk size too
-        keys = [k for k in expect if not (old_chunk is not None and k == "chunk_size")]
-        journal_count = count if old_chunk is None else max(1, -(-size // old_chunk))
+        old_chunk: Any = doc.get("chunk_size")
+        regroup = chunk_size is not None and type(old_chunk) is int and 0 < old_chunk != chunk_size
+        keys = [k for k in expect if not (regroup and k == "chunk_size")]  # else the chunk size must match too
+        journal_count = max(1, -(-size // old_chunk)) if regroup else count
         done = doc.get("done")
         if (all(doc.get(k) == expect[k] for k in keys) and isinstance(done, list)
                 and all(type(i) is int and 0 <= i < journal_count for i in done)):
-            if old_chunk is None or chunk_size is None or old_chunk == chunk_size:
-                return set(done)
-            return regroup_chunks(set(done), old_chunk, chunk_size, size)
+            return regroup_chunks(set(done), old_chunk, chunk_size, size) if regroup and chunk_size else set(done)
     unlink(journal)
     return set()
 
