@@ -70,6 +70,20 @@ def test_a_join_that_does_not_pay_is_taken_back_and_not_tried_again_on_noise() -
     assert not gate.may_join(2, 0)
 
 
+def test_a_kept_join_whose_rate_falls_away_is_taken_back() -> None:
+    """A probe can pass on one window's noise, and its joined bytes are read back later: a join
+    kept is taken back, one per window, once the rate falls a GAIN below the best - and it is
+    kept through smaller swings."""
+    run = Run()
+    gate = run.gate()
+    gate.may_join(2, 0)
+    # start-up, base (probe 1), +20 % (kept, probe 2), +20 % (kept, probe 3), flat (back to 2)
+    assert windows(run, gate, [FAST, FAST, 1.2 * FAST, 1.44 * FAST, 1.44 * FAST]) == [0, 1, 2, 3, 2]
+    assert windows(run, gate, [1.36 * FAST, 1.44 * FAST]) == [2, 2]  # within a GAIN of the best
+    assert windows(run, gate, [1.2 * FAST, 1.2 * FAST, 1.0 * FAST, 0.8 * FAST]) == [1, 1, 0, 0]
+    assert not gate.may_join(2, 0)  # settled: no probe while as many files are streamed
+
+
 def test_a_settled_gate_probes_again_once_fewer_files_are_streamed() -> None:
     """Files finishing near the run's end leave the link room: the gate tries a join again."""
     run = Run()
