@@ -137,6 +137,13 @@ def open_part(part: str, final: str, dest_real: str, rel: str, size: int, head: 
     return create_part(part, size, head)
 
 
+def chunk_count(size: int, chunk_size: int) -> int:
+    """Chunks of ``chunk_size`` bytes a ``size``-byte file is fetched in (one for an empty file:
+    it is still a request and a journal entry). The downloader's jobs and the journals they
+    resume from count with this one rule."""
+    return max(1, -(-size // chunk_size))
+
+
 def resumable(journal: str, part: str, size: int, expect: dict[str, Any], count: int, *,
               chunk_size: int | None = None) -> set[int]:
     """The indices the ``journal`` of an earlier run says are on disk, if it and its ``.part``
@@ -163,7 +170,7 @@ def resumable(journal: str, part: str, size: int, expect: dict[str, Any], count:
         old_chunk: Any = doc.get("chunk_size")
         regroup = chunk_size is not None and type(old_chunk) is int and 0 < old_chunk != chunk_size
         keys = [k for k in expect if not (regroup and k == "chunk_size")]  # else the chunk size must match too
-        journal_count = max(1, -(-size // old_chunk)) if regroup else count
+        journal_count = chunk_count(size, old_chunk) if regroup else count
         done = doc.get("done")
         if (all(doc.get(k) == expect[k] for k in keys) and isinstance(done, list)
                 and all(type(i) is int and 0 <= i < journal_count for i in done)):

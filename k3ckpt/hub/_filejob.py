@@ -59,7 +59,7 @@ class FileJob:
         self.part = final + ".part"
         self.journal = self.part + ".journal"
         self.chunk_size = chunk_size
-        self.nchunks = max(1, -(-entry.size // chunk_size))
+        self.nchunks = _dest.chunk_count(entry.size, chunk_size)
         self.done: set[int] = set()
         self.lock = threading.Lock()
         # The .part's descriptor: set by open() before the first transfer, None again after
