@@ -771,6 +771,62 @@ def test_direct_io_takes_the_aligned_pieces(direct: str, hub: LoopbackHub, hf_li
     assert sum(n for _, n in direct_writes) >= hf_listing.files[BIG].size - 4096
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to name descriptors")
+def test_chunks_started_ahead_of_the_digest_go_through_the_page_cache(hub: LoopbackHub, listing: HubListing,
+                                                                     served: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight workers sharing one file written with O_DIRECT: a chunk whose request starts ahead
+    of the digest is written through the page cache instead, read back from it (not through
+    the O_DIRECT descriptor, which would go to the disk), and its pages let go once hashed;
+    the chunks in line are still written with O_DIRECT. The file is the same either way."""
+    import fcntl
+
+    if not (download.filesystem_of(tmp_path) in download.DIRECT_IO_FILESYSTEMS and _direct_io_supported(tmp_path)):
+        pytest.skip("the temporary directory is not on a local filesystem with O_DIRECT")
+    monkeypatch.setenv("K3CKPT_DIRECT_IO", "on")
+    monkeypatch.setenv("K3CKPT_SHARE_FILES", "on")  # the eight workers share the file from the start
+
+    def is_direct(fd: int) -> bool:
+        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+    writes: list[tuple[bool, int]] = []
+    reads: list[tuple[bool, int]] = []
+    released: list[tuple[int, int]] = []
+    pwrite, preadv, fadvise = os.pwrite, os.preadv, os.posix_fadvise
+
+    def recording_pwrite(fd: int, data: Any, offset: int) -> int:
+        if _is_part(fd):
+            writes.append((is_direct(fd), offset))
+        return pwrite(fd, data, offset)
+
+    def recording_preadv(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        if _is_part(fd):
+            reads.append((is_direct(fd), offset))
+        return preadv(fd, buffers, offset, *args)
+
+    def recording_fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        if _is_part(fd) and advice == os.POSIX_FADV_DONTNEED:
+            released.append((offset, length))
+        fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "pwrite", recording_pwrite)
+    monkeypatch.setattr(os, "preadv", recording_preadv)
+    monkeypatch.setattr(os, "posix_fadvise", recording_fadvise)
+    size = listing.files[BIG].size
+    r = fetch_files(listing, tmp_path / "o", [BIG], chunk_size=CHUNK, token="", workers=8, retry=_fast())
+    assert r.ok, r.failed
+    _assert_identical(served, tmp_path / "o", [BIG])
+    full = size // CHUNK  # whole chunks (the last, shorter one has an unaligned tail either way)
+    cached = {o // CHUNK for d, o in writes if not d and o // CHUNK < full}
+    direct = {o // CHUNK for d, o in writes if d}
+    assert cached and direct and not cached & direct, (sorted(cached), sorted(direct))
+    assert 0 in direct  # the first chunk is in line from its first byte
+    read_cached = {o // CHUNK for d, o in reads if not d} & cached
+    assert read_cached and not any(d for d, o in reads if o // CHUNK in cached)
+    for i in cached:  # every cached chunk is let go of, once hashed as it arrived or read back
+        assert any(o <= i * CHUNK and i * CHUNK + CHUNK <= o + n for o, n in released), i
+
+
 def test_filesystem_of_reads_the_mount_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     table = tmp_path / "mountinfo"
     table.write_text("21 1 8:1 / / rw - ext4 /dev/vda rw\n"

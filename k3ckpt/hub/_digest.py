@@ -29,7 +29,9 @@ from .client import HubFile
 class PartFile(Protocol):
     """What the digest reads of a file being written: a downloaded file
     (:class:`~k3ckpt.hub._filejob.FileJob`, whose chunks are its ranged requests). ``done``
-    holds the chunks whose bytes are all written (and checked, where they are checked)."""
+    holds the chunks whose bytes are all written (and checked, where they are checked);
+    ``cached`` the chunks written through the page cache (ahead of the digest: see
+    :func:`~k3ckpt.hub._filejob.stream_chunk`)."""
 
     @property
     def fd(self) -> int | None: ...
@@ -41,6 +43,8 @@ class PartFile(Protocol):
     def nchunks(self) -> int: ...
     @property
     def done(self) -> set[int]: ...
+    @property
+    def cached(self) -> set[int]: ...
 
     def chunk(self, i: int) -> tuple[int, int]: ...
 
@@ -89,13 +93,16 @@ class StreamDigest:
             self.blob.update(data)
         self.hashed += len(data)
 
-    def hash_written(self, job: PartFile, start: int, length: int) -> None:
-        """Hash ``length`` bytes of the ``.part`` from ``start``, read back from it (through the
-        ``O_DIRECT`` descriptor when there is one and the offset allows: the bytes were written
-        past the page cache, and reading them through it would allocate it after all). This
-        thread's own writes still in flight land first (:func:`~k3ckpt.hub._transfer.flush_writes`)."""
+    def hash_written(self, job: PartFile, start: int, length: int, *, cached: bool = False) -> None:
+        """Hash ``length`` bytes of the ``.part`` from ``start``, read back from it. Bytes written
+        past the page cache are read through the ``O_DIRECT`` descriptor when there is one and
+        the offset allows (reading them through the cache would allocate it after all); bytes
+        written through it (``cached``: a chunk that started ahead of the digest) are read from
+        the cache, a memory copy instead of a disk read, and their pages let go once hashed.
+        This thread's own writes still in flight land first
+        (:func:`~k3ckpt.hub._transfer.flush_writes`)."""
         _transfer.flush_writes()
-        fd, dfd = job.fd, job.dfd
+        fd, dfd = job.fd, None if cached else job.dfd
         view = _hash_buffer()
         pos, end = start, start + length
         while pos < end:
@@ -113,6 +120,8 @@ class StreamDigest:
                 raise OSError(f"the .part ended at byte {pos}, expected {end}")
             self.feed(view[:n])
             pos += n
+        if cached:  # read once, as O_DIRECT would have left them: not held in the cache
+            _transfer.release_cache(fd, start, length)  # type: ignore[arg-type]  # fd is open here
 
     def claim(self, index: int) -> bool:
         """Take the digest over for the worker streaming chunk ``index`` if every byte before
@@ -148,10 +157,11 @@ class StreamDigest:
                     with job.lock:
                         i, fd = self.next, job.fd
                         ready = i < job.nchunks and i in job.done
+                        cached = i in job.cached
                     if not ready or fd is None:
                         break
                     start, length = job.chunk(i)
-                    self.hash_written(job, start, length)
+                    self.hash_written(job, start, length, cached=cached)
                     self.next = i + 1
             finally:
                 self.busy.release()

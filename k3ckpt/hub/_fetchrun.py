@@ -185,6 +185,9 @@ class FetchRun:
                 # The bytes first, then the journal: a crash between the two re-fetches this
                 # chunk; the reverse order could record bytes that never reached the disk.
                 os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]  # fd is open here
+                if index in job.cached and job.digest.next > index:
+                    # written through the cache and hashed as it arrived: its pages are clean now
+                    _transfer.release_cache(job.fd, *job.chunk(index))  # type: ignore[arg-type]  # fd is open here
                 job.done.add(index)
                 job.write_journal()
                 complete = len(job.done) == job.nchunks

@@ -69,6 +69,9 @@ class FileJob:
         # K3CKPT_DIRECT_IO off, or a filesystem without direct I/O.
         self.direct = direct
         self.dfd: int | None = None
+        # Chunks written through the page cache instead (they started ahead of the digest, so
+        # their bytes are read back to hash them: from memory, not the disk). Under ``lock``.
+        self.cached: set[int] = set()
         self.outstanding = 0  # queued or running tasks of this file
         self.failed: str | None = None
         self.refetched = False
@@ -138,9 +141,18 @@ def stream_chunk(listing: HubListing, job: FileJob, index: int, headers: dict[st
 
     The file's digest is fed the received bytes as they are written once this chunk is next in
     line (:meth:`StreamDigest.claim`: at once when every earlier chunk is hashed, else as soon
-    as it is, after hashing from the ``.part`` what this request wrote before)."""
+    as it is, after hashing from the ``.part`` what this request wrote before).
+
+    A chunk that starts ahead of the digest (a worker joined the file) is written through the
+    page cache even where the file is written with ``O_DIRECT``: its bytes are read back to be
+    hashed, and from the cache that read is a memory copy, not a disk read beside the run's
+    writes (on a disk-bound run, the joined bytes' second trip over the disk). The pages are let
+    go once hashed (:func:`~k3ckpt.hub._transfer.release_cache`)."""
     start, length = job.chunk(index)
     digest = job.digest
+    ahead = job.dfd is not None and digest.next != index  # a look without the lock: it picks a write path only
+    with job.lock:  # a retry decides again
+        (job.cached.add if ahead else job.cached.discard)(index)
     owner = False
     seen = 0  # bytes of this request written so far
 
@@ -150,14 +162,14 @@ def stream_chunk(listing: HubListing, job: FileJob, index: int, headers: dict[st
         if not owner and not job.sequential and digest.claim(index):
             owner = True
             if seen:
-                digest.hash_written(job, start, seen)
+                digest.hash_written(job, start, seen, cached=ahead)
         if owner:
             digest.feed(data)
         seen += len(data)
 
     try:
         _transfer.stream_range(listing, job.entry, start, length, job.fd, start, headers, timeout, cancel, count,  # type: ignore[arg-type]  # fd is open here
-                               sink=sink, direct_fd=job.dfd)
+                               sink=sink, direct_fd=None if ahead else job.dfd)
     except BaseException:
         if owner:
             digest.rollback()
