@@ -281,6 +281,7 @@ class FetchRun:
             job.digest.reset()
         with job.lock:
             job.done = set()
+            job.cached = set()  # the whole-file GET writes every chunk, as the run writes in line
             job.write_journal()
 
     def _finish(self, job: FileJob) -> None:

@@ -191,6 +191,8 @@ def next_task(cond: threading.Condition, queue: TaskQueue, busy: Callable[[], bo
         if cancel.is_set() or not queue:
             return None
         return queue.popleft()
+
+
 def run_workers(worker: Callable[[], None], workers: int, name: str, cond: threading.Condition,
                 busy: Callable[[], bool], cancel: threading.Event) -> None:
     """Run ``workers`` daemon threads of ``worker`` until ``busy()`` (read under ``cond``) is false."""
