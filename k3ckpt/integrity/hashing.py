@@ -4,7 +4,7 @@ sha256 of one file is sequential by nature, so parallelism comes from hashing se
 once in threads: ``hashlib`` releases the GIL while it digests a large chunk, so N threads keep
 N cores busy at OpenSSL's speed. A thread reads a file into a small buffer that stays in the
 CPU's cache while it is hashed (see :func:`_chunks`), and the kernel is told the access is
-sequential and asked to read ahead, so the disk stays ahead of the hasher.
+sequential, so its readahead keeps the disk ahead of the hasher.
 
 Per-tensor digests come from the same bytes as the file digest - one read, two hashers - so
 ``--tensor-hashes`` costs CPU, not I/O.
@@ -144,13 +144,6 @@ class _Chunk:
         return self.source.find(needle, lo, hi) >= 0
 
 
-#: Bytes the kernel is asked to read ahead of the hasher (``POSIX_FADV_WILLNEED``), a window at a
-#: time: its own sequential read-ahead reaches only ``read_ahead_kb`` past the last read (128 KiB
-#: by default, doubled by ``POSIX_FADV_SEQUENTIAL``), a fraction of what a fast disk can have in
-#: flight. (Cold, k3-density: verify as fast as openssl, both bound by this VM's disk.)
-_READ_AHEAD = 16 << 20
-
-
 def _chunks(fd: int, size: int, step: int, buffer: bytearray | None) -> Iterator[_Chunk]:
     """The first ``size`` bytes of the open file ``fd`` in order (to its end if it says 0:
     procfs), read ``step`` bytes at a time into ``buffer`` (or a new one), each chunk valid until
@@ -166,17 +159,20 @@ def _chunks(fd: int, size: int, step: int, buffer: bytearray | None) -> Iterator
     bench's evict-and-read-once (the mapping then pays in page faults what it saves in waits).
     16 MiB reads outgrow the cache (~0.15 CPU-s per GB more). Never worse, and a read cannot
     SIGBUS on a file truncated under it, as a mapping can.
+
+    The reading ahead is the kernel's, told the access is sequential (its window doubles). Until
+    2026-12-06 a ``POSIX_FADV_WILLNEED`` asked for 16 MiB windows ahead of the hasher; Linux fills
+    such a range with single pages where its own readahead allocates large folios, and each page
+    then costs its own work. Side by side cold on the 2-core VM (3-4 rounds): k3-8gb 2.99 s and
+    5.76 CPU-s without it against 3.79 s and 7.15 (openssl's 2.96 s, 5.81), k3-density 1.33 s
+    against 1.42.
     """
-    advise = hasattr(os, "posix_fadvise")
-    if advise:
+    if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     buf = buffer if buffer is not None and len(buffer) >= step else bytearray(step)
     view = memoryview(buf)
-    pos, ahead = 0, 0  # ahead: the read-ahead asked for reaches this far
+    pos = 0
     while not size or pos < size:
-        if advise and size and pos >= ahead - _READ_AHEAD // 2 and ahead < size:
-            os.posix_fadvise(fd, ahead, _READ_AHEAD, os.POSIX_FADV_WILLNEED)
-            ahead += _READ_AHEAD
         n = os.preadv(fd, [view[:step if not size else min(step, size - pos)]], pos)
         if not n:
             return
