@@ -30,7 +30,7 @@ from ..format.loadable import (
 from ..format.topology import (
     RankEnv,
 )
-from ..utils import format_ranges, human_bytes
+from ..utils import format_ranges, human_bytes, release_pages
 from ._memory import WEIGHT_OVERHEAD, loaded_bytes
 from ._preflight_report import (
     FAIL,
@@ -471,8 +471,7 @@ def _read_file(path: Path, buf: mmap.mmap, deadline: float) -> tuple[int, bool]:
 
 def _open_uncached(path: Path) -> int:
     fd = os.open(path, os.O_RDONLY)
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    release_pages(fd, 0, 0)  # length 0: to the end of the file
     return fd
 
 

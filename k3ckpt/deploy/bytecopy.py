@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from ..env import K3CKPT_LOCK_STALE_SECONDS
 from ..errors import SourceShortReadError
-from ..utils import pwrite_all
+from ..utils import pwrite_all, read_in_order, release_pages
 from ..utils.lock import OUTPUT_LOCK_NAME, DirLock
 
 #: Bytes per copy / hash step (and the size of each worker's buffers).
@@ -56,26 +56,7 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     kernel lets gigabytes of dirty pages pile up and the final ``fsync`` waits for all of them
     while the disk was idle before (Linux's ``POSIX_FADV_DONTNEED`` starts asynchronous
     writeback of dirty pages, then drops the clean ones)."""
-    if _FADV_DONTNEED is not None:
-        os.posix_fadvise(fd, offset, length, _FADV_DONTNEED)
-
-
-_FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
-_FADV_SEQUENTIAL = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
-
-
-def _read_ahead_sequentially(fd: int) -> None:
-    """Tell the kernel a source is read in order (its readahead window doubles), and leave
-    the reading ahead to it. Not ``POSIX_FADV_WILLNEED`` ahead of each copy, as until 2026-12-06:
-    Linux fills that range with single pages where its own readahead allocates large folios, and
-    every later step - the splice into the output's page cache, the LRU, reclaim - then works
-    page by page. Side by side on the 2-core VM (k3-density copied in 8 MiB ``copy_file_range``
-    calls, cold, 3 rounds): 0.98-1.20 sys CPU-s against 1.43-1.71, the wall the same or lower
-    (1.77-1.86 s against 1.72-1.99)."""
-    if _FADV_SEQUENTIAL is not None:
-        os.posix_fadvise(fd, 0, 0, _FADV_SEQUENTIAL)
-
-
+    release_pages(fd, offset, length)
 def _gather_rows(data: memoryview, out: memoryview, rows: int, length: int, stride: int) -> None:
     """``out[:rows * length]`` = the first ``length`` bytes of each of ``rows`` rows ``stride``
     apart in ``data``. A slice assignment per row, not numpy: a TP slice of a later dim has
@@ -293,7 +274,7 @@ class FdCache:
                 fd = self._fds.get(file)
                 if fd is None:
                     fd = self._fds[file] = os.open(self._path_of(file), os.O_RDONLY)
-                    _read_ahead_sequentially(fd)
+                    read_in_order(fd)  # the kernel reads ahead (not WILLNEED: see there)
         return fd
 
     def path_of_fd(self, fd: int) -> Path | None:

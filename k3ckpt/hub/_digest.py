@@ -22,6 +22,7 @@ import threading
 from typing import Any, Protocol
 
 from ..integrity.hashing import HashError, hash_file
+from ..utils import release_pages
 from . import _transfer
 from .client import HubFile
 
@@ -121,7 +122,7 @@ class StreamDigest:
             self.feed(view[:n])
             pos += n
         if cached:  # read once, as O_DIRECT would have left them: not held in the cache
-            _transfer.release_cache(fd, start, length)  # type: ignore[arg-type]  # fd is open here
+            release_pages(fd, start, length)  # type: ignore[arg-type]  # fd is open here
 
     def claim(self, index: int) -> bool:
         """Take the digest over for the worker streaming chunk ``index`` if every byte before

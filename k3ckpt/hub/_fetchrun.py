@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..faults import pause_point
-from ..utils import fsync_dir
+from ..utils import fsync_dir, release_pages
 from . import _dest, _http, _transfer, schedule
 from ._digest import mismatch
 from ._filejob import WHOLE, FileJob, stream_chunk, stream_whole
@@ -187,7 +187,7 @@ class FetchRun:
                 os.fdatasync(job.fd) if hasattr(os, "fdatasync") else os.fsync(job.fd)  # type: ignore[arg-type]  # fd is open here
                 if index in job.cached and job.digest.next > index:
                     # written through the cache and hashed as it arrived: its pages are clean now
-                    _transfer.release_cache(job.fd, *job.chunk(index))  # type: ignore[arg-type]  # fd is open here
+                    release_pages(job.fd, *job.chunk(index))  # type: ignore[arg-type]  # fd is open here
                 job.done.add(index)
                 job.write_journal()
                 complete = len(job.done) == job.nchunks

@@ -147,7 +147,7 @@ def stream_chunk(listing: HubListing, job: FileJob, index: int, headers: dict[st
     page cache even where the file is written with ``O_DIRECT``: its bytes are read back to be
     hashed, and from the cache that read is a memory copy, not a disk read beside the run's
     writes (on a disk-bound run, the joined bytes' second trip over the disk). The pages are let
-    go once hashed (:func:`~k3ckpt.hub._transfer.release_cache`)."""
+    go once hashed (:func:`~k3ckpt.utils.release_pages`)."""
     start, length = job.chunk(index)
     digest = job.digest
     ahead = job.dfd is not None and digest.next != index  # a look without the lock: it picks a write path only

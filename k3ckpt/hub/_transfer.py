@@ -156,14 +156,6 @@ def open_direct(fd: int) -> int | None:
         return None
 
 
-def release_cache(fd: int, start: int, length: int) -> None:
-    """Let the page cache go of ``length`` bytes of ``fd`` from ``start``: its clean pages are
-    dropped, its dirty ones queued for writeback. For bytes written through the cache where the
-    run otherwise writes past it (``O_DIRECT``), once nothing will read them again."""
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
-
-
 def _readinto_of(resp: Any) -> Callable[[memoryview], int]:
     """How to read ``resp``'s body into a buffer. The ``http.client`` response under urllib3's
     (``raw._fp``) has ``readinto``: the socket fills our buffer directly, with http.client's own

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from ..env import K3CKPT_HASH_BUFFER
 from ..errors import HashError
+from ..utils import read_in_order
 
 Progress = Callable[[int], None]
 
@@ -160,15 +161,11 @@ def _chunks(fd: int, size: int, step: int, buffer: bytearray | None) -> Iterator
     16 MiB reads outgrow the cache (~0.15 CPU-s per GB more). Never worse, and a read cannot
     SIGBUS on a file truncated under it, as a mapping can.
 
-    The reading ahead is the kernel's, told the access is sequential (its window doubles). Until
-    2026-12-06 a ``POSIX_FADV_WILLNEED`` asked for 16 MiB windows ahead of the hasher; Linux fills
-    such a range with single pages where its own readahead allocates large folios, and each page
-    then costs its own work. Side by side cold on the 2-core VM (3-4 rounds): k3-8gb 2.99 s and
-    5.76 CPU-s without it against 3.79 s and 7.15 (openssl's 2.96 s, 5.81), k3-density 1.33 s
-    against 1.42.
+    The reading ahead is the kernel's (:func:`~k3ckpt.utils.read_in_order` says why: until
+    2026-12-06 16 MiB ``POSIX_FADV_WILLNEED`` windows ahead of the hasher cost a cold verify of
+    k3-density 1.42 s against 1.33, of k3-8gb 3.79 against 2.99).
     """
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    read_in_order(fd)
     buf = buffer if buffer is not None and len(buffer) >= step else bytearray(step)
     view = memoryview(buf)
     pos = 0

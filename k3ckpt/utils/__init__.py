@@ -9,6 +9,8 @@ from ._fs import (
     fsync_dir,
     is_within,
     pwrite_all,
+    read_in_order,
+    release_pages,
     temp_name,
     write_atomic,
 )
@@ -17,4 +19,4 @@ from ._parse import parse_rate, parse_size
 
 __all__ = ["atomic_output", "copy_file", "copy_files", "format_percent", "format_ranges", "format_some",
            "fsync_dir", "human_bytes", "human_count", "is_within", "load_json", "parse_rate", "parse_size", "pwrite_all",
-           "temp_name", "write_atomic"]
+           "read_in_order", "release_pages", "temp_name", "write_atomic"]

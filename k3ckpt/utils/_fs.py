@@ -127,6 +127,29 @@ def pwrite_all(fd: int, data: Any, offset: int) -> None:
         offset += n
 
 
+def read_in_order(fd: int) -> None:
+    """Tell the kernel ``fd`` is read from start to end (``POSIX_FADV_SEQUENTIAL``: its
+    readahead window doubles) and leave the reading ahead to it.
+
+    Not ``POSIX_FADV_WILLNEED`` on the ranges ahead, as verify and reshard did until 2026-12-06:
+    Linux's forced readahead fills such a range with single pages where its own readahead
+    allocates large folios, and every later step on them - the copy into a buffer or into another
+    file's page cache, the LRU, reclaim - then works page by page. Side by side cold on the 2-core
+    VM: verify of k3-8gb 2.99 s and 5.76 CPU-s without it against 3.79 s and 7.15 (openssl 2.96
+    s); k3-density copied in 8 MiB ``copy_file_range`` calls 0.98-1.20 sys CPU-s against
+    1.43-1.71, at the same wall. A no-op where the platform has no ``posix_fadvise``."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+
+def release_pages(fd: int, offset: int, length: int) -> None:
+    """Let the page cache go of ``length`` bytes of ``fd`` from ``offset`` (``POSIX_FADV_DONTNEED``):
+    Linux drops the clean pages and starts asynchronous writeback of the dirty ones. For bytes a
+    writer will not read again (a no-op where the platform has no ``posix_fadvise``)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
 def is_within(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:
     """True when ``path`` is ``root`` or lies inside it, comparing resolved paths (``..`` and
     symlinks followed as far as they exist; neither path need exist).
