@@ -61,43 +61,44 @@ class CostPerGB:
 
     #: per GB hashed by ``verify --manifest M`` of a partial share with a tensor-hash manifest (each
     #: rewritten file's sha256 and each tensor's: two digests of every byte), page cache empty.
-    #: BENCHMARKS.md "Time to ready, the estimate against a run (2026-12-05, #28)": k3-density at
-    #: 1 core, CPU-s beyond the start-up per GB of the share; each figure below the same way. (The
+    #: BENCHMARKS.md "Time to ready, the estimate against a run (2026-12-06, #28)" (its constants
+    #: paragraph; fitted on 2026-12-05's k3-density run at 1 core, in BENCHMARKS-history.md), CPU-s
+    #: beyond the start-up per GB of the share; each figure below the same way. (The
     #: same code costs up to ~1.3x more CPU per GB on one machine of this pool than on another:
     #: 2026-12-04's figures were 1.33 here, 0.97 for both fetches.) 1.64 until verify read 1 MiB
     #: at a time instead of mapping 16 MiB windows: the second digest of each byte then finds it
     #: in the CPU's cache (the evening re-run of that section, cdf4687).
     verify: float = 1.25
     #: per GB received by a whole ``fetch`` (sha256 of every byte, write, fsync). BENCHMARKS.md
-    #: "Time to ready, the estimate against a run (2026-12-05, #28)", bench_node's k3-density row.
+    #: "Time to ready, the estimate against a run (2026-12-06, #28)", bench_node's k3-density row.
     fetch: float = 1.09
     #: per GB received by ``fetch --ranks`` (``--format partial``: every tensor hashed against the
     #: manifest as it arrives, and each rewritten file's own sha256). BENCHMARKS.md "Time to
-    #: ready, the estimate against a run (2026-12-05, #28)".
+    #: ready, the estimate against a run (2026-12-06, #28)".
     rank_fetch: float = 1.17
     #: per GB written by ``reshard --node`` in the documented flow (every tensor's digest from the
     #: verify that ran before, the files' digests built from them: the kernel copy only).
-    #: BENCHMARKS.md "Time to ready, the estimate against a run (2026-12-05, #28)".
+    #: BENCHMARKS.md "Time to ready, the estimate against a run (2026-12-06, #28)".
     reshard: float = 0.40
     #: per GB received by ``fetch --node`` (each tensor's sha256 while receiving; the files'
     #: digests built from them). BENCHMARKS.md "Time to ready, the estimate against a run
-    #: (2026-12-05, #28)".
+    #: (2026-12-06, #28)".
     node_fetch: float = 1.29
     #: per GB downloaded by ``hf download`` (huggingface_hub over plain HTTP, no Xet): its Python
     #: read-and-write loop, in one thread. BENCHMARKS.md "Time to ready, the estimate against a
-    #: run (2026-12-05, #28)".
+    #: run (2026-12-06, #28)".
     hf_download: float = 1.86
     #: per GB hashed by ``hf cache verify`` (huggingface_hub's ``verify_maps``: hashlib's sha256,
     #: OpenSSL's, file after file in one thread, plus its reads). BENCHMARKS.md "Time to ready,
-    #: the estimate against a run (2026-12-05, #28)".
+    #: the estimate against a run (2026-12-06, #28)".
     hf_cache_verify: float = 0.71
     #: seconds a command that reads from the hub (``fetch``, ``hf download``) spends besides its
     #: bytes: the interpreter's start, the listing and headers before the first byte, the last
     #: syncs and renames after it (launch to exit on k3-tiny, bench_start). BENCHMARKS.md "Time
-    #: to ready, the estimate against a run (2026-12-05, #28)".
+    #: to ready, the estimate against a run (2026-12-06, #28)".
     hub_start_seconds: float = 0.6
     #: the same for a command on local files (``verify``, ``reshard``, ``hf cache verify``).
-    #: BENCHMARKS.md "Time to ready, the estimate against a run (2026-12-05, #28)".
+    #: BENCHMARKS.md "Time to ready, the estimate against a run (2026-12-06, #28)".
     local_start_seconds: float = 0.25
 
     def __post_init__(self) -> None:
