@@ -57,6 +57,8 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     while the disk was idle before (Linux's ``POSIX_FADV_DONTNEED`` starts asynchronous
     writeback of dirty pages, then drops the clean ones)."""
     release_pages(fd, offset, length)
+
+
 def _gather_rows(data: memoryview, out: memoryview, rows: int, length: int, stride: int) -> None:
     """``out[:rows * length]`` = the first ``length`` bytes of each of ``rows`` rows ``stride``
     apart in ``data``. A slice assignment per row, not numpy: a TP slice of a later dim has
