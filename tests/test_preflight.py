@@ -4,6 +4,7 @@ with fake ``nvidia-smi`` / ``rocm-smi`` executables (real subprocesses), and the
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shlex
@@ -16,6 +17,7 @@ from ckpt_edit import drop_tensors, flip_byte, set_expert_groups
 from helpers import run as run_cli
 from k3ckpt.deploy import preflight as pf
 from k3ckpt.deploy.reshard import reshard
+from k3ckpt.format.header import read_header
 from k3ckpt.format.topology import RankSelection
 from k3ckpt.integrity.manifest import build_manifest
 from k3ckpt.integrity.verify import verify_checkpoint
@@ -201,13 +203,53 @@ def test_missing_file_and_stray_file(layout: Path) -> None:
 def test_corrupted_file_needs_full_and_its_fix_forces(layout: Path) -> None:
     part = layout / "rank-00002" / "model-rank-2-part-0.safetensors"
     flip_byte(part, part.stat().st_size - 10)
+    last = max(read_header(part).tensors.items(), key=lambda kv: kv[1].begin)[0]
     assert pf.preflight(layout, environ=NO_GPU).ok  # sizes match: the default cannot see it
     rep = pf.preflight(layout, full=True, jobs=2, environ=NO_GPU)
     r = rows(rep)["rank 2"]
-    assert r.status == "FAIL" and "corrupted" in r.reason and "sha256" in r.reason
+    # the file's digest is its segments' (docs/layout.md): the tensor that differs is named
+    assert r.status == "FAIL" and r.reason.startswith(f"model-rank-2-part-0.safetensors: tensor {last!r}: sha256 ")
+    assert r.reason.endswith("(corrupted)")
     assert r.fix.endswith("--ranks 2 --force")  # a plain re-run would skip the rank: its sizes match
     run_fix(r.fix)
     assert pf.preflight(layout, full=True, environ=NO_GPU).ok
+
+
+@pytest.mark.parametrize("where", ["header padding", "header length"])
+def test_full_sees_a_changed_header(layout: Path, where: str) -> None:
+    """A rank file's digest covers its header: a byte of the JSON's padding changed (still valid
+    safetensors, every tensor intact) and a broken header are both corrupted files."""
+    part = layout / "rank-00001" / "model-rank-1-part-0.safetensors"
+    raw = bytearray(part.read_bytes())
+    if where == "header padding":
+        end = 8 + int.from_bytes(raw[:8], "little")
+        assert raw[end - 1:end] == b" "
+        raw[end - 1:end] = b"\t"  # JSON whitespace too: the header still parses, to the same tensors
+    else:
+        raw[0] ^= 0x40
+    part.write_bytes(bytes(raw))
+    assert pf.preflight(layout, environ=NO_GPU).ok  # sizes match
+    r = rows(pf.preflight(layout, full=True, environ=NO_GPU))["rank 1"]
+    want = "the header differs" if where == "header padding" else "not a safetensors file"
+    assert r.status == "FAIL" and want in r.reason and r.reason.endswith("(corrupted)"), r.reason
+    assert r.fix.endswith("--ranks 1 --force")
+
+
+def test_full_checks_a_manifest_that_records_the_plain_sha256(layout: Path) -> None:
+    """Rank manifests written before 2026-12-06 record each file's plain sha256 (``sha256``);
+    --full still checks those files by it."""
+    man = layout / "rank-00003" / "rank-manifest.json"
+    m = json.loads(man.read_text())
+    for name, entry in m["files"].items():
+        del entry["segments_sha256"]
+        entry["sha256"] = hashlib.sha256((layout / "rank-00003" / name).read_bytes()).hexdigest()
+    man.write_text(json.dumps(m))
+    assert pf.preflight(layout, full=True, environ=NO_GPU).ok
+    part = layout / "rank-00003" / "model-rank-3-part-0.safetensors"
+    flip_byte(part, part.stat().st_size - 10)
+    r = rows(pf.preflight(layout, full=True, environ=NO_GPU))["rank 3"]
+    assert r.status == "FAIL" and r.reason.startswith("model-rank-3-part-0.safetensors: sha256 ")
+    assert r.reason.endswith("(corrupted)")
 
 
 def test_rank_manifest_of_another_rank_or_source(layout: Path) -> None:

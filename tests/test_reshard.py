@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
+from helpers import segments_digest
 from k3ckpt.cli import main
 from k3ckpt.deploy import reshard as rs
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
@@ -73,7 +74,7 @@ def check_layout(src: Path, out: Path, *, ep: int = 1, tp: int = 1, world_size: 
         for fname in files:
             path = rdir / fname
             raw = path.read_bytes()
-            assert m["files"][fname] == {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+            assert m["files"][fname] == {"size": len(raw), "segments_sha256": segments_digest(raw)}
             hdr = read_header(path)
             assert hdr.data_start % 16 == 0
             with safe_open(str(path), framework="numpy") as so:
@@ -615,13 +616,13 @@ def test_rank_manifest_bytes_are_json_dumps_of_the_layout(k3_tiny: Path, gptoss_
     for src, sel in ((k3_tiny, RankSelection(ep=4, tp=2)), (gptoss_tiny, RankSelection(ep=2, world_size=4))):
         plan = rs.plan_reshard(src, sel, layout="rank", max_file_size=300_000)
         for rp in plan.units:
-            results = [{"sha256": hashlib.sha256(f.name.encode()).hexdigest(), "size": f.size,
+            results = [{"segments_sha256": hashlib.sha256(f.name.encode()).hexdigest(), "size": f.size,
                         "tensors": {t.name: hashlib.sha256(t.name.encode()).hexdigest() for t in f.tensors}}
                        for f in rp.files]
             want = rp.layout()
             want["source_index_sha256"] = plan.source_json["index_sha256"]
             for f, res in zip(rp.files, results):
-                want["files"][f.name].update(size=res["size"], sha256=res["sha256"])
+                want["files"][f.name].update(size=res["size"], segments_sha256=res["segments_sha256"])
                 for name, digest in res["tensors"].items():
                     want["tensors"][name]["sha256"] = digest
             assert rp.final_files(results, plan.source_json) == {"rank-manifest.json": (json.dumps(want) + "\n").encode()}

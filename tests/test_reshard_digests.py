@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import safetensors
 
 from helpers import assert_one_line_error, run, segments_digest, shard_of, tensor_digests
 from k3ckpt.format.checkpoint import INDEX_NAME, open_checkpoint
+from k3ckpt.format.header import DTYPE_BITS
 from k3ckpt.integrity.manifest import build_manifest
 from k3ckpt.integrity.verify import record_verified
 from k3ckpt.testing import inject_fault
@@ -57,10 +59,9 @@ def check_digests(src: Path, out: Path) -> dict[str, str]:
         assert set(m["files"]) == {p.name for p in d.glob("*.safetensors")}
         for fname, entry in m["files"].items():
             raw = (d / fname).read_bytes()
-            if d.name.startswith("node-"):  # a node file's digest is its segments' (docs/trust.md)
-                assert (entry["size"], entry["segments_sha256"]) == (len(raw), segments_digest(raw)), (d.name, fname)
-            else:
-                assert (entry["size"], entry["sha256"]) == (len(raw), _sha(raw)), (d.name, fname)
+            # a rank or node file's digest is its segments' (docs/trust.md), never a plain sha256
+            assert entry == {**entry, "size": len(raw), "segments_sha256": segments_digest(raw)}, (d.name, fname)
+            assert "sha256" not in entry
             for name, t in safetensors.deserialize(raw):
                 got = _sha(bytes(t["data"]))
                 assert m["tensors"][name]["sha256"] == got, (d.name, name)
@@ -268,10 +269,34 @@ def test_each_byte_hashed_once_per_digest(k3_tiny: Path, tmp_path: Path, cache: 
     check_digests(k3_tiny, tmp_path / "out")
 
 
+def test_rank_format_after_a_verify_hashes_only_the_cuts(k3_tiny: Path, tmp_path: Path, cache: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """--format rank with a verified manifest: a whole tensor's digest is the manifest's, and a
+    rank file's is its segments', so the only bytes hashed are the TP cuts (each distinct one
+    once) - no whole tensor, no file whole; every digest still equals hashlib over the output."""
+    from k3ckpt.deploy import reshard as rs
+    from k3ckpt.format.topology import RankSelection
+    from k3ckpt.integrity.manifest import Manifest
+
+    m = Manifest.load(_manifest(k3_tiny, tmp_path / "m.json"))
+    assert run("verify", str(k3_tiny), "--manifest", str(tmp_path / "m.json")).exit_code == 0
+    _count_hashing(monkeypatch)
+    _CountingSha256.total = 0
+    rs.reshard(k3_tiny, tmp_path / "out", RankSelection(ep=4, tp=2), layout="rank", jobs=1, manifest=m)
+    cuts: dict[tuple[str, str], int] = {}  # (tensor, its cut) -> bytes
+    for _, mk in _units(tmp_path / "out"):
+        for name, t in mk["tensors"].items():
+            if t["split"] is not None:
+                cuts[(name, json.dumps(t["split"]))] = math.prod(t["shape"]) * DTYPE_BITS[t["dtype"]] // 8
+    assert cuts and _CountingSha256.total == sum(cuts.values()) + (k3_tiny / INDEX_NAME).stat().st_size
+    check_digests(k3_tiny, tmp_path / "out")
+
+
 def test_rank_dense_parts_are_twins_hashed_once(k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--format rank: a rank's dense tensors (whole or its tp_rank's cut) are in parts of their
-    own, byte-identical on every rank of that tp_rank, so a run hashes each distinct part once
-    (and each distinct tensor slice once): the bytes hashed are exactly those sums."""
+    own, byte-identical on every rank of that tp_rank; a run hashes each distinct tensor slice
+    once and no file whole (a rank file's digest is its segments'): the bytes hashed are exactly
+    the slices' sum."""
     from k3ckpt.deploy import reshard as rs
     from k3ckpt.format.topology import RankSelection
 
@@ -293,9 +318,7 @@ def test_rank_dense_parts_are_twins_hashed_once(k3_tiny: Path, tmp_path: Path, m
             for name, t in safetensors.deserialize(raw):
                 slices[(name, json.dumps(mk["tensors"][name]["split"]))] = len(bytes(t["data"]))
     assert len(dense_parts[0]) == len(dense_parts[1]) == 1 and dense_parts[0] != dense_parts[1]
-    files = {(d / f).read_bytes() for d, mk in units for f in mk["files"]}
-    assert _CountingSha256.total == (sum(map(len, files)) + sum(slices.values())
-                                     + (k3_tiny / INDEX_NAME).stat().st_size)
+    assert _CountingSha256.total == sum(slices.values()) + (k3_tiny / INDEX_NAME).stat().st_size
     check_digests(k3_tiny, tmp_path / "out")
 
 

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, PreflightError
+from ..errors import CheckpointNotFoundError, PreflightError, SafetensorsHeaderError
 from ..format.checkpoint import Checkpoint, open_checkpoint
+from ..format.filedigest import SEGMENTS_KEY, recorded_digest
+from ..format.header import read_header
 from ..format.inspect import MISSING_EXPERTS
 from ..format.layout import (
     FORMAT,
@@ -32,7 +34,8 @@ from ..format.topology import (
     ranks_of_node,
     tensors_for_ranks,
 )
-from ..integrity.hashing import Progress, hash_files
+from ..integrity.hashing import FileDigest, HashError, Progress, Span, hash_files
+from ..integrity.segments import read_prefix, segments_of
 from ..utils import format_ranges, human_bytes, load_json
 from ._preflight_host import (
     device_slots,
@@ -259,7 +262,9 @@ class _RankState:
     warnings: list[str] = field(default_factory=list)
     content_bad: bool = False  # a file's bytes (not its size) differ: reshard needs --force
     files: dict[str, int] = field(default_factory=dict)  # rank-dir/file -> expected size
-    digests: dict[str, str] = field(default_factory=dict)  # rank-dir/file -> expected sha256
+    # rank-dir/file -> what its manifest records of its bytes: (SEGMENTS_KEY or "sha256", digest)
+    digests: dict[str, tuple[str, str]] = field(default_factory=dict)
+    tensor_digests: dict[str, str] = field(default_factory=dict)  # tensor -> the sha256 its manifest lists
     quant: tuple[int, int] | None = None  # (MXFP4 weights, FP8 tensors) of its manifest
 
     @property
@@ -405,6 +410,8 @@ class RankLayout:
             st.problems.append(f"{MANIFEST_NAME} comes from another source (index sha256 "
                                f"{str(m.get('source_index_sha256'))[:12]}..., topology.json has {src_digest[:12]}...)")
         self._files(st, rdir, m["files"])
+        st.tensor_digests = {name: t["sha256"] for name, t in m["tensors"].items()
+                             if isinstance(t, dict) and isinstance(t.get("sha256"), str)}
         st.quant = quant_counts(list(m["tensors"]),
                                 [t.get("dtype", "") if isinstance(t, dict) else "" for t in m["tensors"].values()])
         self._experts(st, m["tensors"], info.experts)
@@ -418,8 +425,8 @@ class RankLayout:
                 st.problems.append(f"{MANIFEST_NAME}: bad entry for file {name!r}")
                 continue
             st.files[rel] = size
-            if isinstance(entry.get("sha256"), str):
-                st.digests[rel] = entry["sha256"]
+            if (recorded := recorded_digest(entry)) is not None:
+                st.digests[rel] = recorded
             try:
                 got = (rdir / name).stat().st_size
             except FileNotFoundError:
@@ -453,18 +460,42 @@ class RankLayout:
             st.problems.append(f"{MANIFEST_NAME} " + " and ".join(parts) + f" (topology places {format_ranges(list(want))})")
 
     def _compare_digests(self, states: list[_RankState]) -> None:
+        """``--full``: hash every file of the ranks and compare what its manifest records - its
+        segments' digest (each tensor's sha256 from one read, then the header's: a mismatch names
+        the tensor), or the plain sha256 manifests written before 2026-12-06 record."""
         # files with a wrong size already have their problem; hashing them would say it twice
         todo = {rel: st for st in states for rel in st.digests if _size_of(self.root / rel) == st.files[rel]}
+        spans: dict[str, list[Span]] = {}
+        starts: dict[str, int] = {}
+        for rel in sorted(todo):
+            if todo[rel].digests[rel][0] != SEGMENTS_KEY:
+                continue
+            try:
+                header = read_header(self.root / rel, rel)
+            except SafetensorsHeaderError as e:
+                _corrupted(todo.pop(rel), rel, f"not a safetensors file ({e.problem})")
+                continue
+            spans[rel] = [Span(name, *header.absolute_range(name)) for name in header.tensors]
+            starts[rel] = header.data_start
         self.ask.plan_bytes(sum(todo[rel].files[rel] for rel in todo))
-        digests, errors = hash_files(self.root, sorted(todo), jobs=self.ask.jobs, progress=self.ask.progress)
+        digests, errors = hash_files(self.root, sorted(todo), jobs=self.ask.jobs, spans=spans,
+                                     progress=self.ask.progress, spans_only=spans.__contains__)
         for rel, err in sorted(errors.items()):
             todo[rel].problems.append(f"{rel.split('/', 1)[1]}: cannot read ({err.strerror or err})")
         for rel, d in sorted(digests.items()):
             st = todo[rel]
-            if d.sha256 != st.digests[rel]:
-                st.content_bad = True
-                st.problems.append(f"{rel.split('/', 1)[1]}: sha256 {d.sha256[:12]}..., manifest says "
-                                   f"{st.digests[rel][:12]}... (corrupted)")
+            kind, want = st.digests[rel]
+            if kind != SEGMENTS_KEY:
+                if d.sha256 != want:
+                    _corrupted(st, rel, f"sha256 {d.sha256[:12]}..., manifest says {want[:12]}...")
+                continue
+            try:
+                got = segments_of(read_prefix(self.root / rel, starts[rel]), spans[rel], d.spans or {})
+            except (HashError, OSError, ValueError) as e:
+                st.problems.append(f"{rel.split('/', 1)[1]}: cannot read ({e})")
+                continue
+            if got != want:
+                _corrupted(st, rel, _segments_mismatch(spans[rel], d, st.tensor_digests, got, want))
 
     def _rank_row(self, st: _RankState) -> Check:
         name = f"rank {st.rank}"
@@ -525,6 +556,23 @@ def verify_advice(root: Path) -> str:
     if share_marker(root) is not None:
         return f"no digests checked here: use k3ckpt verify {root} --manifest <tensor-hash manifest> for every tensor's sha256"
     return "no per-file digests to compare: use k3ckpt verify --manifest for sha256"
+
+
+def _corrupted(st: _RankState, rel: str, what: str) -> None:
+    """Record that a file of the rank (``rel``, under the layout's root) holds other bytes than
+    its manifest says: a re-run of reshard must overwrite it (``--force``)."""
+    st.content_bad = True
+    st.problems.append(f"{rel.split('/', 1)[1]}: {what} (corrupted)")
+
+
+def _segments_mismatch(spans: list[Span], d: FileDigest, listed: dict[str, str], got: str, want: str) -> str:
+    """What differs in a file whose segments' digest is not its manifest's: the first tensor
+    (in the file's order) whose sha256 is not the one the manifest lists, else the header."""
+    found = d.spans or {}
+    for s in sorted(spans, key=lambda s: s.start):
+        if s.name in found and s.name in listed and found[s.name] != listed[s.name]:
+            return f"tensor {s.name!r}: sha256 {found[s.name][:12]}..., manifest says {listed[s.name][:12]}..."
+    return f"segments sha256 {got[:12]}..., manifest says {want[:12]}... (the header differs)"
 
 
 def _size_of(path: Path) -> int | None:

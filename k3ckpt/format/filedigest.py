@@ -1,5 +1,5 @@
-"""A node file's digest from its segments - its header, then each tensor's data - and which
-digest a node marker records of a file. Pure functions of bytes and digests (``hashlib`` only),
+"""A node or rank file's digest from its segments - its header, then each tensor's data - and
+which digest a node marker (or a rank manifest) records of a file. Pure functions of bytes and digests (``hashlib`` only),
 so ``verify`` uses them without loading the node-directory planner.
 
 Why segments: a safetensors file is exactly its header followed by its tensors' bytes (the data
@@ -17,8 +17,9 @@ from collections.abc import Iterable
 
 __all__ = ["SEGMENTS_KEY", "SHA256_HEX", "recorded_digest", "segments_sha256"]
 
-#: The key of a node file's digest in ``k3ckpt-node.json``'s ``files`` (:func:`segments_sha256`;
-#: markers of version 1 recorded the file's plain sha256 under ``sha256`` instead).
+#: The key of a file's digest in ``k3ckpt-node.json``'s and ``rank-manifest.json``'s ``files``
+#: (:func:`segments_sha256`; node markers of version 1, and rank manifests written before
+#: 2026-12-06, recorded the file's plain sha256 under ``sha256`` instead).
 SEGMENTS_KEY = "segments_sha256"
 #: A sha256 as every digest here is written: 64 lowercase hex digits (``hexdigest()``'s form).
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -46,9 +47,10 @@ def segments_sha256(prefix: bytes, tensors: Iterable[tuple[int, int, str]]) -> s
 
 
 def recorded_digest(entry: object) -> tuple[str, str] | None:
-    """``(key, digest)`` of what a ``k3ckpt-node.json`` ``files`` entry records of its file's bytes:
-    ``(SEGMENTS_KEY, ...)`` (version 2: :func:`segments_sha256`) or ``("sha256", ...)`` (version
-    1: the plain sha256 of the file); None when it records neither."""
+    """``(key, digest)`` of what a ``k3ckpt-node.json`` (or ``rank-manifest.json``) ``files`` entry
+    records of its file's bytes: ``(SEGMENTS_KEY, ...)`` (:func:`segments_sha256`) or
+    ``("sha256", ...)`` (a node marker of version 1, a rank manifest before 2026-12-06: the plain
+    sha256 of the file); None when it records neither."""
     if not isinstance(entry, dict):
         return None
     for key in (SEGMENTS_KEY, "sha256"):

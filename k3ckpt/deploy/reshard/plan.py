@@ -104,16 +104,15 @@ class OutTensor(NamedTuple):
 @dataclass
 class OutFile:
     """One output file: its header bytes, its tensors (in write order) and their ``(begin, end)``
-    in its data buffer. ``segments``: its digest is built from its header's and tensors' sha256
-    (a node file, :func:`~k3ckpt.format.filedigest.segments_sha256`), so no byte of it is hashed
-    whole; else (a rank file) its plain sha256 is computed while it is written."""
+    in its data buffer. Its digest, a rank file's as a node file's, is built from its header's
+    and tensors' sha256 (:func:`~k3ckpt.format.filedigest.segments_sha256`), so no byte of it
+    is hashed whole."""
 
     rank: int
     name: str
     tensors: list[OutTensor]
     prefix: bytes = b""
     offsets: list[tuple[int, int]] = field(default_factory=list)
-    segments: bool = False
 
     @property
     def size(self) -> int:
@@ -277,9 +276,10 @@ class RankPlan:
     def final_files(self, results: list[dict[str, Any]], source: dict[str, Any]) -> dict[str, bytes]:
         """What is written after the weights, in order: the manifest, with the digests of
         ``results`` (one per file)."""
-        # json.dumps of layout() with the digests added (each tensor's and file's "sha256" last,
-        # "source_index_sha256" after "files"); the tensor entries written in C-level loops
-        # (a K3 rank lists ~60k; one dict each through the encoder cost ~2 us apiece). No indent.
+        # json.dumps of layout() with the digests added (each tensor's "sha256" and each file's
+        # "segments_sha256" last, "source_index_sha256" after "files"); the tensor entries written
+        # in C-level loops (a K3 rank lists ~60k; one dict each through the encoder cost ~2 us
+        # apiece). No indent.
         names: list[str] = []
         files: list[str] = []
         cols: list[OutTensor] = []
@@ -296,7 +296,8 @@ class RankPlan:
                   ("split", ["null" if t.split is None else json.dumps(t.split) for t in cols]),
                   ("sha256", json_strings(list(map(digests.__getitem__, names))))]
         head = {"rank": self.rank, "ep_rank": self.ep_rank, "tp_rank": self.tp_rank, "moe_tp_rank": self.moe_tp_rank}
-        tail = {"files": {f.name: {"size": res["size"], "sha256": res["sha256"]} for f, res in zip(self.files, results)},
+        tail = {"files": {f.name: {"size": res["size"], SEGMENTS_KEY: res[SEGMENTS_KEY]}
+                          for f, res in zip(self.files, results)},
                 "source_index_sha256": source["index_sha256"]}
         text = json.dumps(head)[:-1] + ', "tensors": ' + json_records(names, fields) + ", " + json.dumps(tail)[1:]
         return {MANIFEST_NAME: (text + "\n").encode()}
@@ -513,6 +514,6 @@ def _node_plan(ckpt: Checkpoint, idx: InventoryIndex, topo: Topology, node: int,
     _require_experts(ckpt.root, idx, [(f"node {node}", nd.experts)])
     starts = {name: hdr.data_start for name, hdr in ckpt.shards.items()}
     # whole tensors: one run each (the full K3 inventory is ~497k tensors)
-    files = [OutFile(node, f.name, _whole_tensors(list(f.tensors), starts), f.prefix, list(f.offsets), segments=True)
+    files = [OutFile(node, f.name, _whole_tensors(list(f.tensors), starts), f.prefix, list(f.offsets))
              for f in nd.files]
     return NodePlan(nd, files)

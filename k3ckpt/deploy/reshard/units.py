@@ -85,10 +85,9 @@ def _record_proofs(outp: Path, rp: RankPlan | NodePlan, results: list[dict[str, 
 
     node = isinstance(rp, NodePlan)
     key = share_reference_key(sum(len(f.tensors) for f in rp.files)) if node else None
-    # a node file's digest is its segments' (never a plain sha256: the stat cache's "sha256" is one)
-    digest = SEGMENTS_KEY if node else "sha256"
+    # a file's digest is its segments' (never a plain sha256: the stat cache's "sha256" is one)
     entries: dict[str, dict[str, Any]] = {
-        f.name: {digest: res[digest], "share_ref": key, "share_issues": [] if node else None,
+        f.name: {SEGMENTS_KEY: res[SEGMENTS_KEY], "share_ref": key, "share_issues": [] if node else None,
                  "proven": joined_origin([proofs.get(t.src_file) for t in f.tensors])}
         for f, res in zip(rp.files, results)}
     if node:
