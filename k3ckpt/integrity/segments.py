@@ -1,9 +1,11 @@
-"""A node file's digest computed from the file on disk: its header's bytes and each tensor's
-sha256, in one read of the tensors' bytes (:func:`~k3ckpt.format.filedigest.segments_sha256`).
+"""A node or rank file's digest computed from the file on disk: its header's bytes and each
+tensor's sha256, in one read of the tensors' bytes
+(:func:`~k3ckpt.format.filedigest.segments_sha256`).
 
-``k3ckpt-node.json`` (version 2) records that digest for every node file, and the tensors'
-sha256 beside it: hashing each byte once gives both. ``verify`` of a share, the offline check
-of a node fetch and a node fetch resuming over complete files check a node file this way.
+``k3ckpt-node.json`` (version 2) records that digest for every node file, and a rank's
+``rank-manifest.json`` for every rank file, with the tensors' sha256 beside it: hashing each
+byte once gives both. ``verify`` of a share, the offline check of a node fetch, a node fetch
+resuming over complete files and ``preflight --full`` of a rank layout check a file this way.
 """
 
 from __future__ import annotations
