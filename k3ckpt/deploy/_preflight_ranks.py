@@ -475,6 +475,9 @@ class RankLayout:
             except SafetensorsHeaderError as e:
                 _corrupted(todo.pop(rel), rel, f"not a safetensors file ({e.problem})")
                 continue
+            except OSError as e:  # (unreadable: not a verdict on its bytes)
+                todo.pop(rel).problems.append(f"{rel.split('/', 1)[1]}: cannot read ({e.strerror or e})")
+                continue
             spans[rel] = [Span(name, *header.absolute_range(name)) for name in header.tensors]
             starts[rel] = header.data_start
         self.ask.plan_bytes(sum(todo[rel].files[rel] for rel in todo))
