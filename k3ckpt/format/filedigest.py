@@ -1,6 +1,6 @@
 """A node or rank file's digest from its segments - its header, then each tensor's data - and
-which digest a node marker (or a rank manifest) records of a file. Pure functions of bytes and digests (``hashlib`` only),
-so ``verify`` uses them without loading the node-directory planner.
+which digest a node marker (or a rank manifest) records of a file. Pure functions of bytes and
+digests (``hashlib`` only), so ``verify`` uses them without loading the node-directory planner.
 
 Why segments: a safetensors file is exactly its header followed by its tensors' bytes (the data
 buffer has no holes), so a digest over the header's sha256 and each tensor's sha256 in file

@@ -22,13 +22,13 @@ once, for its tensor, and a file whose tensors' digests are all known is copied 
 not hashed at all. (A rank file's plain sha256, recorded until 2026-12-06, hashed every output
 byte once more - 1.5x the source's bytes in the rank format: side by side, cold, a rank-format
 reshard of k3-density after verify took 3.4 CPU-s instead of 5.8, and 3.4 s instead of 4.1.)
-A tensor slice's digest is computed once per run, fed from that same read, and reused wherever several ranks or
-nodes hold the same slice (replicated tensors, TP slices across dp ranks); a file byte-identical
-to another of the run (a twin: a node's dense files, a rank's dense parts) takes its digests
-from that one and is only copied, as soon as that one is written. With ``--manifest``
-(:func:`manifest_digests`) whole tensors of source files that ``verify`` or ``fetch`` last found
-unchanged and equal to the manifest (by the file's sha256, or tensor by tensor for a share's
-rewritten shard) take their digest from it and are not hashed at all; every
+A tensor slice's digest is computed once per run, fed from that same read, and reused wherever
+several ranks or nodes hold the same slice (replicated tensors, TP slices across dp ranks); a
+file byte-identical to another of the run (a twin: a node's dense files, a rank's dense parts)
+takes its digests from that one and is only copied, as soon as that one is written. With
+``--manifest`` (:func:`manifest_digests`) whole tensors of source files that ``verify`` or
+``fetch`` last found unchanged and equal to the manifest (by the file's sha256, or tensor by
+tensor for a share's rewritten shard) take their digest from it and are not hashed at all; every
 other tensor is hashed as above, so a source that does not match the manifest never gets its
 digests.
 
