@@ -31,8 +31,9 @@ remote hub would not), in ``--runs`` rounds:
      (taking verify's digests), ``preflight NODE``;
    - naive: ``hf download REPO``, ``hf cache verify REPO``, ``preflight SNAPSHOT``.
 3. **The estimate**: ``plan SRC --tp 2 --dp 2 --gpus-per-node 2 --link L --disk D --cores C
-   --json`` with the round's medians of L and D; each step's predicted seconds beside the median
-   measured (the engine's load is left out: no engine loads these shapes here).
+   --memory RAM --json`` with the round's medians of L and D and this machine's RAM; each step's
+   predicted seconds beside the median measured (the engine's load is left out: no engine loads
+   these shapes here).
 
 The report: per core count, every step predicted vs measured (ratio measured / predicted; the
 target is within 25 %), and per route the wall from an empty disk to preflight PASS, the bytes
@@ -147,10 +148,10 @@ def run_route(route: str, setup: bl.Setup, hub: bl.Hub, shape: bl.Shape, cores: 
     return {"steps": steps, "on_disk_bytes": on_disk}
 
 
-def predicted(path: Path, link: float, disk: float, cores: int) -> dict[str, dict[str, Any]]:
+def predicted(path: Path, link: float, disk: float, cores: int, memory: int) -> dict[str, dict[str, Any]]:
     """Route name -> step name -> the estimate's step (``plan --json``'s ``time_to_ready``), node 0."""
     t = bl.run_timed([*bl.K3, "plan", str(path), *TOPO, "--link", f"{link:.0f}B/s", "--disk", f"{disk:.0f}B/s",
-                      "--cores", str(cores), "--json"], capture=True)
+                      "--cores", str(cores), "--memory", str(memory), "--json"], capture=True)
     node = json.loads(t.stdout)["time_to_ready"]["nodes"][0]
     return {r["name"]: {s["name"]: s for s in r["steps"]} for r in node["routes"]}
 
@@ -173,6 +174,7 @@ def measure(setup: bl.Setup, shapes: dict[str, bl.Shape], core_counts: list[int]
             with bl.Hub({f"{REPO_PREFIX}/{shape.name}": shape.path}, setup.work, cpus=hub_cpus) as hub:
                 print(f"\n{shape.name}, {cores} core(s), hub on {hub_cpus or 'the same CPUs'}", flush=True)
                 got: dict[str, Any] = {"shape": shape.name, "path": str(shape.path), "cores": cores,
+                                       "memory_bytes": bl.physical_memory(),
                                        "hub_cpus": hub_cpus or "shared", "links": [], "disks": [],
                                        "runs": {r: [] for r in ROUTES}}
                 for i in range(runs):
@@ -211,7 +213,8 @@ def compare(measured: list[dict[str, Any]]) -> list[bl.Table]:
         link, disk = statistics.median(got["links"]), statistics.median(got["disks"])
         limits.rows.append({"shape": got["shape"], "cores": got["cores"], "hub_cpus": got["hub_cpus"],
                             "link_gb_s": link / bl.GB, "disk_gb_s": disk / bl.GB})
-        est = predicted(Path(got["path"]), link, disk, got["cores"])
+        # (a report from before 2026-12-06's flush model has no memory: it was run on this machine)
+        est = predicted(Path(got["path"]), link, disk, got["cores"], got.get("memory_bytes") or bl.physical_memory())
         walls: dict[str, float] = {}
         for route, route_runs in got["runs"].items():
             totals = [sum(v["wall_s"] for v in r["steps"].values()) for r in route_runs]

@@ -564,11 +564,16 @@ def git_rev() -> str:
     return rev + ("-dirty" if dirty else "")
 
 
+def physical_memory() -> int:
+    """This machine's bytes of RAM."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def machine(work: Path, sha_seconds: int = 2) -> dict[str, Any]:
     """What a reader needs to compare two runs of a benchmark."""
     return {
         "cpu": cpu_model(), "nproc": os.cpu_count(), "arch": platform.machine(),
-        "ram_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
+        "ram_gib": round(physical_memory() / 2**30, 1),
         "kernel": platform.release(), "python": platform.python_version(), "filesystem": filesystem(work),
         "openssl_sha256_gb_per_s_per_core": round(openssl_sha256_speed(sha_seconds) / GB, 4),
         "load_avg_1min": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

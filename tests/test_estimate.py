@@ -19,6 +19,8 @@ from engines import load_vllm, missing_reason, rank_read_bytes
 from helpers import assert_one_line_error, run
 from k3ckpt.deploy import MEASURED_COSTS, CostPerGB, Limits, plan_topology
 from k3ckpt.deploy.estimate import (
+    DIRTY_BACKGROUND_RATIO,
+    DIRTY_EXPIRE_SECONDS,
     NAIVE,
     ONE_STEP,
     TWO_STEP,
@@ -26,6 +28,7 @@ from k3ckpt.deploy.estimate import (
     format_duration,
     step_estimate,
     step_threads,
+    unwritten_at_exit,
 )
 from k3ckpt.format import open_checkpoint
 from k3ckpt.format.roles import classify
@@ -142,6 +145,35 @@ def test_on_the_reference_node_every_step_of_the_recommended_route_waits_on_the_
         assert {s.name: s.bound for s in best.steps if s.bound == "cpu"} == {}
 
 
+def test_a_step_left_to_the_page_cache_ends_with_its_flush() -> None:
+    """``hf download`` does not sync: the step ends when what the kernel still holds dirty at
+    its exit is on the disk, at the disk's rate - all of it for a short step, its last 30 s of
+    writes for a long one, at most 10 % of the memory when the memory is known."""
+    assert (DIRTY_EXPIRE_SECONDS, DIRTY_BACKGROUND_RATIO) == (30.0, 0.10)  # the kernel's defaults
+    short = step_estimate("hf download", LIMITS, downloads=10 * GB, writes=10 * GB, cpu_seconds=20.0, unsynced=True)
+    assert short.flush_bytes == 10 * GB and short.flush_seconds == 5.0  # 10 GB / 2 GB/s
+    assert short.seconds == 10.0 + 5.0 and short.bound == "link"
+    long = step_estimate("hf download", LIMITS, downloads=120 * GB, writes=120 * GB, unsynced=True)
+    assert long.link_seconds == 120.0 and long.flush_bytes == 30 * GB  # the last 30 of 120 s
+    small = step_estimate("hf download", dataclasses.replace(LIMITS, memory=64 * GB), downloads=120 * GB,
+                          writes=120 * GB, unsynced=True)
+    assert small.flush_bytes == int(6.4 * GB) and small.seconds == pytest.approx(120.0 + 3.2)
+    synced = step_estimate("fetch", LIMITS, downloads=10 * GB, writes=10 * GB)
+    assert synced.flush_bytes == 0 and synced.seconds == 10.0
+    assert unwritten_at_exit(0, 0.0, None) == 0
+
+
+def test_only_the_naive_download_is_left_to_the_page_cache(k3_tiny: Path) -> None:
+    """k3ckpt's commands sync their files before they exit; ``hf download`` is the one step
+    with a flush, and the memory bounds it."""
+    sel = RankSelection(tp=2, dp=2, gpus_per_node=2)
+    for memory in (None, 1000.0):
+        rep = plan_topology(k3_tiny, sel, limits=dataclasses.replace(LIMITS, memory=memory))
+        assert rep.ready is not None
+        flushed = {s.name: s.flush_bytes for r in rep.ready.nodes[0].routes for s in r.steps if s.flush_bytes}
+        assert flushed == {"hf download": rep.ready.checkpoint_bytes if memory is None else 100}
+
+
 def test_a_tie_names_the_first_limit() -> None:
     s = step_estimate("x", LIMITS, downloads=2 * GB, reads=4 * GB, cpu_seconds=8.0)
     assert s.seconds == 2.0 and s.bound == "link"
@@ -152,6 +184,8 @@ def test_costs_and_limits_refuse_what_cannot_be() -> None:
         CostPerGB(verify=0)
     with pytest.raises(ValueError, match="limits must be positive"):
         Limits(link=1e9, disk=0, cores=1)
+    with pytest.raises(ValueError, match="memory 0"):
+        Limits(link=1e9, disk=1e9, cores=1, memory=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         MEASURED_COSTS.verify = 1.0  # type: ignore[misc]
 
@@ -329,12 +363,24 @@ def test_cli_json_gives_the_same_numbers(k3_tiny: Path) -> None:
                         limits=Limits(link=25e9 / 8, disk=7e9, cores=64))
     assert rep.ready is not None
     assert got == json.loads(json.dumps(rep.ready.to_json()))
-    assert got["limits"] == {"link_bytes_per_second": 3.125e9, "disk_bytes_per_second": 7e9, "cores": 64}
+    assert got["limits"] == {"link_bytes_per_second": 3.125e9, "disk_bytes_per_second": 7e9, "cores": 64,
+                             "memory_bytes": None}
     assert got["cpu_seconds_per_gb"] == dataclasses.asdict(MEASURED_COSTS)
-    step = got["nodes"][0]["routes"][0]["steps"][0]
-    assert step["seconds"] == step["start_seconds"] + max(step["link_seconds"], step["disk_seconds"],
-                                                          step["cpu_wall_seconds"])
+    for step in (s for r in got["nodes"][0]["routes"] for s in r["steps"]):
+        assert step["seconds"] == step["start_seconds"] + max(step["link_seconds"], step["disk_seconds"],
+                                                              step["cpu_wall_seconds"]) + step["flush_seconds"]
+        assert step["flush_seconds"] == step["flush_bytes"] / 7e9
+    with_memory = json.loads(run(*args, "--memory", "2TiB", "--json").stdout)["time_to_ready"]
+    assert with_memory["limits"]["memory_bytes"] == 2 * 2**40
     assert "time_to_ready" not in json.loads(run(*args[:7], "--json").stdout)  # only when asked
+
+
+def test_cli_prints_the_memory_given(k3_tiny: Path) -> None:
+    res = run("plan", str(k3_tiny), "--tp", "2", *RATES, "--memory", "24GiB")
+    assert res.exit_code == 0, res.output
+    assert "64 cores, 25.77 GB of memory" in res.stdout
+    assert "(its last 30 s of writes,\n               at most 10% of the memory)" in res.stdout
+    assert "(its last 30 s of writes)\n" in run("plan", str(k3_tiny), "--tp", "2", *RATES).stdout
 
 
 @pytest.mark.parametrize(("args", "needles"), [
@@ -345,6 +391,8 @@ def test_cli_json_gives_the_same_numbers(k3_tiny: Path) -> None:
     (["--link", "25Gbit", "--disk", "7GB/s", "--cores", "0"], ["--cores"]),
     (["--link", "25Gbit", "--cores", "8"], ["go together", "add --disk"]),
     (["--link", "25Gbit", "--disk", "7GB/s", "--cores", "8", "--format", "rank"], ["drop --format rank"]),
+    (["--memory", "24GiB"], ["--memory is for the time to ready", "add --link, --disk and --cores"]),
+    (["--link", "25Gbit", "--disk", "7GB/s", "--cores", "8", "--memory", "0"], ["--memory", "must be positive"]),
 ])
 @pytest.mark.parametrize("as_json", [False, True])
 def test_cli_refuses_bad_limits_in_one_line(k3_tiny: Path, args: list[str], needles: list[str],

@@ -13,6 +13,7 @@ from ._options import (
     CONTEXT,
     AliasedChoice,
     ByteRate,
+    ByteSize,
     Decorator,
     handle_errors,
     jobs_option,
@@ -69,10 +70,12 @@ def _engine_topology(**extra: str) -> Decorator:
 @click.option("--disk", type=ByteRate(), help="Time to ready: each node's disk bandwidth, reads and writes together "
               "(7GB/s).")
 @click.option("--cores", type=click.IntRange(1), help="Time to ready: each node's CPU cores.")
+@click.option("--memory", type=ByteSize(), help="Time to ready, optional: each node's RAM (2TiB). hf download leaves "
+              "up to 10 % of it for the kernel to write after it exits.")
 @json_option()
 @handle_errors
 def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, layout: str,
-         link: float | None, disk: float | None, cores: int | None) -> None:
+         link: float | None, disk: float | None, cores: int | None, memory: int | None) -> None:
     """What each rank of a TP/EP topology holds, and which accelerators fit it.
 
     SOURCE is a local checkpoint or a manifest (so a deployment can be planned before anything
@@ -103,7 +106,10 @@ def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, l
     if any(v is not None for v in given.values()) and any(v is None for v in given.values()):
         missing = ", ".join(k for k, v in given.items() if v is None)
         raise click.UsageError(f"--link, --disk and --cores go together (the time to ready needs all three): add {missing}")
-    limits = Limits(link, disk, cores) if link is not None and disk is not None and cores is not None else None
+    if memory is not None and link is None:
+        raise click.UsageError("--memory is for the time to ready: add --link, --disk and --cores")
+    limits = (Limits(link, disk, cores, memory) if link is not None and disk is not None and cores is not None
+              else None)
     rep = plan_topology(source, selection, kv_budget=kv_budget, layout=layout, limits=limits)
     if as_json:
         emit_json(rep.to_json())

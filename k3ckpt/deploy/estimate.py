@@ -15,7 +15,10 @@ a second, noticeable only on a small checkpoint), where CPU-seconds = GB process
 spread evenly over the cores the tool hashes on by default (:func:`step_threads`: for ``fetch``
 its default requests on the node's cores, at most 16 writers for ``reshard``, one thread for
 ``hf download`` and ``hf cache verify``). One disk rate covers reads and writes together: a step
-that reads and writes the same bytes (reshard) moves them twice through the disk. The routes:
+that reads and writes the same bytes (reshard) moves them twice through the disk. A step ends
+when its bytes are on the disk: k3ckpt's commands sync before they exit, but ``hf download``
+writes through the page cache and leaves the kernel to write the rest, so its step adds the
+flush of what is still unwritten when it exits (:func:`unwritten_at_exit`). The routes:
 
 - **two steps**: ``fetch`` (the whole checkpoint on one node, else ``fetch --ranks`` of the
   node's ranks: dense tensors plus the node's experts), ``verify``, ``reshard --node`` into the
@@ -50,6 +53,13 @@ GB = 10**9
 #: Tensor parts vLLM's weight filter skips for experts that are not the rank's (``should_skip_weight``:
 #: names ending in ``.weight`` or ``.weight_packed``); every other part (scales) is always read.
 FILTERED_PARTS = frozenset({"weight", "weight_packed"})
+
+#: The kernel's defaults for writes left in the page cache (Documentation/admin-guide/sysctl/vm.rst):
+#: pages dirty for longer than ``vm.dirty_expire_centisecs`` (3000) are written by the flusher
+#: threads, and once dirty pages pass ``vm.dirty_background_ratio`` (10) percent of the memory
+#: the kernel can use for them, they write in the background until below it.
+DIRTY_EXPIRE_SECONDS = 30.0
+DIRTY_BACKGROUND_RATIO = 0.10
 
 
 @dataclass(frozen=True)
@@ -114,15 +124,18 @@ MEASURED_COSTS = CostPerGB()
 @dataclass(frozen=True)
 class Limits:
     """What one node can do: ``link`` bytes/s in from the network, ``disk`` bytes/s through its
-    disk (reads and writes together), ``cores`` CPU cores."""
+    disk (reads and writes together), ``cores`` CPU cores; ``memory``, its bytes of RAM, if
+    known (only the naive route's flush depends on it: :func:`unwritten_at_exit`)."""
 
     link: float
     disk: float
     cores: int
+    memory: float | None = None
 
     def __post_init__(self) -> None:
-        if not (self.link > 0 and self.disk > 0 and self.cores >= 1):
-            raise ValueError(f"limits must be positive: link {self.link!r}, disk {self.disk!r}, cores {self.cores!r}")
+        if not (self.link > 0 and self.disk > 0 and self.cores >= 1 and (self.memory is None or self.memory > 0)):
+            raise ValueError(f"limits must be positive: link {self.link!r}, disk {self.disk!r}, cores {self.cores!r}"
+                             + (f", memory {self.memory!r}" if self.memory is not None else ""))
 
 
 @dataclass
@@ -157,10 +170,13 @@ class StepEstimate:
     disk_seconds: float
     cpu_wall_seconds: float
     start_seconds: float = 0.0
+    #: what the command left unwritten in the page cache at its exit, then flushed at the disk's rate
+    flush_bytes: int = 0
+    flush_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.start_seconds + max(self.link_seconds, self.disk_seconds, self.cpu_wall_seconds)
+        return self.start_seconds + max(self.link_seconds, self.disk_seconds, self.cpu_wall_seconds) + self.flush_seconds
 
     @property
     def bound(self) -> str:
@@ -174,15 +190,28 @@ class StepEstimate:
 
 def step_estimate(name: str, limits: Limits, *, downloads: int = 0, reads: int = 0, writes: int = 0,
                   hashes: int = 0, cpu_seconds: float = 0.0, threads: int | None = None,
-                  start: float = 0.0) -> StepEstimate:
+                  start: float = 0.0, unsynced: bool = False) -> StepEstimate:
     """A step's time under ``limits``: ``start`` plus max(downloads / link, (reads + writes) /
     disk, CPU-s / the cores it can use), where a tool that hashes in ``threads`` threads uses at
-    most that many."""
+    most that many; a step that leaves its ``writes`` to the kernel (``unsynced``) adds the flush
+    of what is unwritten at its exit (:func:`unwritten_at_exit`) at the disk's rate."""
     cores = limits.cores if threads is None else min(limits.cores, threads)
+    link_s, disk_s, cpu_s = downloads / limits.link, (reads + writes) / limits.disk, cpu_seconds / cores
+    flush = unwritten_at_exit(writes, max(link_s, disk_s, cpu_s), limits.memory) if unsynced else 0
     return StepEstimate(name, download_bytes=downloads, read_bytes=reads, write_bytes=writes, hash_bytes=hashes,
-                        cpu_seconds=cpu_seconds,
-                        link_seconds=downloads / limits.link, disk_seconds=(reads + writes) / limits.disk,
-                        cpu_wall_seconds=cpu_seconds / cores, start_seconds=start)
+                        cpu_seconds=cpu_seconds, link_seconds=link_s, disk_seconds=disk_s, cpu_wall_seconds=cpu_s,
+                        start_seconds=start, flush_bytes=flush, flush_seconds=flush / limits.disk)
+
+
+def unwritten_at_exit(written: int, seconds: float, memory: float | None) -> int:
+    """The bytes still dirty in the page cache when a command that wrote ``written`` bytes over
+    ``seconds`` without syncing exits: the kernel has written what was dirty for longer than
+    :data:`DIRTY_EXPIRE_SECONDS`, and whatever passed :data:`DIRTY_BACKGROUND_RATIO` of
+    ``memory`` when it is known (on a node that serves K3, with a TB or more, the expiry binds first)."""
+    left = written if seconds <= DIRTY_EXPIRE_SECONDS else written * DIRTY_EXPIRE_SECONDS / seconds
+    if memory is not None:
+        left = min(left, DIRTY_BACKGROUND_RATIO * memory)
+    return int(left)
 
 
 @dataclass(frozen=True)
@@ -228,7 +257,7 @@ class ReadyEstimate:
 
     def to_json(self) -> dict[str, Any]:
         return {"limits": {"link_bytes_per_second": self.limits.link, "disk_bytes_per_second": self.limits.disk,
-                           "cores": self.limits.cores},
+                           "cores": self.limits.cores, "memory_bytes": self.limits.memory},
                 "cpu_seconds_per_gb": asdict(self.costs), "checkpoint_bytes": self.checkpoint_bytes,
                 "nodes": [n.to_json() for n in self.nodes]}
 
@@ -302,7 +331,7 @@ def estimate_ready(idx: InventoryIndex, topo: Topology, nodes: Sequence[NodeByte
         naive = RouteEstimate(NAIVE, (
             step_estimate("hf download", limits, downloads=checkpoint_bytes, writes=checkpoint_bytes,
                           cpu_seconds=_cpu(costs.hf_download, checkpoint_bytes), threads=threads["hf download"],
-                          start=hub),
+                          start=hub, unsynced=True),
             step_estimate("hf cache verify", limits, reads=checkpoint_bytes, hashes=checkpoint_bytes,
                           cpu_seconds=_cpu(costs.hf_cache_verify, checkpoint_bytes), threads=threads["hf cache verify"],
                           start=local),
@@ -339,9 +368,13 @@ def render_ready(est: ReadyEstimate) -> list[str]:
         "of download / link,",
         "               (read + write) / disk and CPU-s / the cores it hashes on (fetch and",
         f"               fetch --node {threads['fetch']} requests, reshard {threads['reshard']} writers, hf download "
-        f"and hf cache verify {threads['hf cache verify']})",
+        f"and hf cache verify {threads['hf cache verify']});",
+        f"               hf download then flushes what it left unwritten (its last {DIRTY_EXPIRE_SECONDS:g} s of writes"
+        + ("," if lim.memory is not None else ")"),
+        *([f"               at most {DIRTY_BACKGROUND_RATIO:.0%} of the memory)"] if lim.memory is not None else []),
         f"limits         per node: link {human_bytes(lim.link)}/s ({lim.link * 8 / GB:g} Gbit/s), "
-        f"disk {human_bytes(lim.disk)}/s (reads + writes), {lim.cores} cores",
+        f"disk {human_bytes(lim.disk)}/s (reads + writes), {lim.cores} cores"
+        + (f", {human_bytes(int(lim.memory))} of memory" if lim.memory is not None else ""),
         f"CPU-s per GB   fetch {c.fetch:.2f}, fetch --ranks {c.rank_fetch:.2f}, verify {c.verify:.2f}, "
         f"reshard {c.reshard:.2f},",
         f"               fetch --node {c.node_fetch:.2f}, hf download {c.hf_download:.2f}, "
