@@ -213,7 +213,7 @@ def compare(measured: list[dict[str, Any]]) -> list[bl.Table]:
         link, disk = statistics.median(got["links"]), statistics.median(got["disks"])
         limits.rows.append({"shape": got["shape"], "cores": got["cores"], "hub_cpus": got["hub_cpus"],
                             "link_gb_s": link / bl.GB, "disk_gb_s": disk / bl.GB})
-        # (a report from before 2026-12-06's flush model has no memory: it was run on this machine)
+        # (a report made before ccff790 has no memory_bytes: this machine's is taken for it)
         est = predicted(Path(got["path"]), link, disk, got["cores"], got.get("memory_bytes") or bl.physical_memory())
         walls: dict[str, float] = {}
         for route, route_runs in got["runs"].items():
