@@ -362,6 +362,10 @@ def render_ready(est: ReadyEstimate) -> list[str]:
 
     lim, c = est.limits, est.costs
     threads = step_threads(lim.cores)
+    flush = f"               hf download then flushes what it left unwritten (its last {DIRTY_EXPIRE_SECONDS:g} s of writes"
+    flush_lines = ([f"{flush},", f"               at most {DIRTY_BACKGROUND_RATIO:.0%} of the memory)"]
+                   if lim.memory is not None else [f"{flush})"])
+    memory = f", {human_bytes(int(lim.memory))} of memory" if lim.memory is not None else ""
     lines = [
         "time to ready  all nodes at once, each step after the last; a step takes its start-up",
         f"               ({c.hub_start_seconds:g} s from the hub, {c.local_start_seconds:g} s local) plus the longest "
@@ -369,12 +373,9 @@ def render_ready(est: ReadyEstimate) -> list[str]:
         "               (read + write) / disk and CPU-s / the cores it hashes on (fetch and",
         f"               fetch --node {threads['fetch']} requests, reshard {threads['reshard']} writers, hf download "
         f"and hf cache verify {threads['hf cache verify']});",
-        f"               hf download then flushes what it left unwritten (its last {DIRTY_EXPIRE_SECONDS:g} s of writes"
-        + ("," if lim.memory is not None else ")"),
-        *([f"               at most {DIRTY_BACKGROUND_RATIO:.0%} of the memory)"] if lim.memory is not None else []),
+        *flush_lines,
         f"limits         per node: link {human_bytes(lim.link)}/s ({lim.link * 8 / GB:g} Gbit/s), "
-        f"disk {human_bytes(lim.disk)}/s (reads + writes), {lim.cores} cores"
-        + (f", {human_bytes(int(lim.memory))} of memory" if lim.memory is not None else ""),
+        f"disk {human_bytes(lim.disk)}/s (reads + writes), {lim.cores} cores{memory}",
         f"CPU-s per GB   fetch {c.fetch:.2f}, fetch --ranks {c.rank_fetch:.2f}, verify {c.verify:.2f}, "
         f"reshard {c.reshard:.2f},",
         f"               fetch --node {c.node_fetch:.2f}, hf download {c.hf_download:.2f}, "
