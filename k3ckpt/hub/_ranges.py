@@ -37,6 +37,7 @@ from ..errors import (
     RangeNotSupportedError,
     SafetensorsHeaderError,
 )
+from ..format.checkpoint import bulk_allocation
 from ..format.header import HeaderColumns, parse_header_columns
 from . import _http
 from ._endpoints import auth_headers, file_url
@@ -339,5 +340,6 @@ def fetch_headers_each(
         except K3ckptError as e:
             return e
 
-    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(paths) or 1))) as ex:
+    # the cyclic GC paused: each header parsed is ~3 containers per tensor, kept (bulk_allocation)
+    with bulk_allocation(), ThreadPoolExecutor(max_workers=max(1, min(jobs, len(paths) or 1))) as ex:
         return dict(zip(paths, ex.map(one, paths)))

@@ -47,6 +47,7 @@ from ..format.filedigest import SEGMENTS_KEY, recorded_digest
 from ..format.header import read_header
 from ..format.layout import NODE_MARKER, PARTIAL_MARKER, READY_NAME
 from ..format.nodedir import NODE_ALIGN, NODE_MAX_FILE_SIZE, NodeDir, NodeFile, plan_node_dir
+from ..format.roles import classify
 from ..format.topology import RankSelection, Topology, build_index, fp8_block_of, ranks_of_node
 from ..integrity.hashing import HashError, Span, hash_file
 from ..integrity.manifest import Manifest
@@ -246,12 +247,14 @@ def plan_node_fetch(
                       on_listing=lambda listing: other_files(listing, include, exclude, skip=marked))
     listing = src.listing
     with bulk_allocation():  # ~10^6 fresh acyclic tuples at the full K3 scale
-        idx = build_index(src.tensors, fp8_block=fp8_block_of(src.config))
+        # classified once for both: the index and the sorting of the node's experts
+        roles = dict(zip(src.tensors, map(classify, src.tensors)))
+        idx = build_index(src.tensors, roles, fp8_block=fp8_block_of(src.config))
         topo = selection.topology_for(idx, src.config, engine=True)
         # without --gpus-per-node one node holds the whole world, as reshard reads it
         gpn = selection.gpus_per_node if selection.gpus_per_node is not None else topo.world_size
-        nd = plan_node_dir(src.tensors, topo, selection.node, gpn, max_file_size=max_file_size, index=idx,
-                           align=NODE_ALIGN)
+        nd = plan_node_dir(src.tensors, topo, selection.node, gpn, max_file_size=max_file_size, roles=roles,
+                           index=idx, align=NODE_ALIGN)
         _require_experts(listing, idx.expert_names, nd)
         wanted = {t.name for f in nd.files for t in f.tensors}
         if manifest is not None:
