@@ -330,6 +330,41 @@ def test_manifest_of_other_headers_is_refused_before_any_tensor_byte(served_hub:
     assert res.exit_code == 2 and "has no tensor hashes" in res.output
 
 
+@pytest.mark.parametrize("change", ["dtype", "shape", "file", "offsets", "missing", "extra"])
+def test_a_manifest_differing_in_any_column_is_refused(served_hub: Any, tensor_manifest: Path, tmp_path: Path,
+                                                       change: str) -> None:
+    """The manifest is compared with the hub's headers column by column (file, dtype, shape,
+    offsets, the set of names): a difference in any one is found and named."""
+    h, _ = served_hub
+    doc = json.loads(tensor_manifest.read_text())
+    name = next(n for n in sorted(doc["tensors"]) if ".experts.1.w2.weight_packed" in n)
+    entry = doc["tensors"][name]
+    if change == "dtype":
+        entry["dtype"] = "I8" if entry["dtype"] != "I8" else "U8"
+    elif change == "shape":
+        entry["shape"] = [entry["shape"][0] * 2, entry["shape"][1] // 2]  # the same bytes, another shape
+    elif change == "file":
+        entry["file"] = next(f for f in sorted(doc["files"]) if f.endswith(".safetensors") and f != entry["file"])
+    elif change == "offsets":
+        entry["offsets"] = [entry["offsets"][0] - 2, entry["offsets"][1] - 2]
+    elif change == "missing":
+        del doc["tensors"][name]
+    else:
+        doc["tensors"][name + "_extra"] = dict(entry)
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps(doc))
+    res = fetch(h, tmp_path / "d", "--manifest", str(bad))
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert "another checkpoint or revision" in res.output
+    if change in ("dtype", "shape", "file", "offsets"):
+        assert f"tensor {name!r}: {change} " in res.output
+    elif change == "missing":
+        assert f"tensor {name!r} (" in res.output and "is not in the manifest" in res.output
+    else:
+        assert f"tensor {name + '_extra'!r} is in no shard header" in res.output
+    assert not (tmp_path / "d").exists()
+
+
 def test_shard_headers_are_read_while_the_index_arrives(served_hub: Any, tmp_path: Path) -> None:
     """Planning reads the top-level shards' headers while the index (~45 MB at K3's scale) is on
     its way, not after it: with the index's body stalled for two seconds, every shard's header is

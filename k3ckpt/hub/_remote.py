@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from ..errors import ConfigError, K3ckptError, RankFetchError
@@ -103,12 +105,15 @@ def check_manifest(manifest: Manifest, label: str, headers: list[ShardHeader], w
     """The manifest must describe the hub's headers exactly and hash every wanted tensor."""
     where = f"manifest {label}"
     require_tensor_hashes(manifest, label, listing)
-    unhashed = next((n for n in sorted(wanted) if n in manifest.tensors and not manifest.tensors[n].sha256), None)
+    known = manifest.tensors
+    unhashed = None
+    if not all(map(_ENTRY_SHA256, filter(None, map(known.get, wanted)))):  # C-level loops; sorted only to name one
+        unhashed = next(n for n in sorted(wanted) if n in known and not known[n].sha256)
     if unhashed is not None:
         raise RankFetchError(f"{where}: tensor {unhashed!r} has no sha256")
+    if _describes(manifest, headers):
+        return
     actual = tensors_from_headers(headers)
-    if actual == {n: t._replace(sha256=None) for n, t in manifest.tensors.items()}:
-        return  # compared in C: the common case costs no per-tensor Python
     hub = f"{listing.hub}:{listing.repo}@{listing.revision}"
     for name, a in sorted(actual.items()):
         m = manifest.tensors.get(name)
@@ -122,6 +127,36 @@ def check_manifest(manifest: Manifest, label: str, headers: list[ShardHeader], w
     missing = sorted(manifest.tensors.keys() - actual.keys())
     raise RankFetchError(f"{where}: tensor {missing[0]!r} is in no shard header on {hub} "
                          f"({len(missing)} such); it describes another checkpoint or revision")
+
+
+def _describes(manifest: Manifest, headers: list[ShardHeader]) -> bool:
+    """Whether ``manifest`` has exactly the tensors of ``headers``, each in the same file with the
+    same dtype, shape and absolute offsets - compared column by column in C-level loops, with no
+    object made per tensor (at K3's 497k tensors, building and comparing entries took 2.5 s)."""
+    known = manifest.tensors
+    if len(known) != sum(len(h.tensors) for h in headers):
+        return False
+    for h in headers:
+        entries = list(map(known.get, h.tensors))
+        if None in entries:
+            return False
+        infos = h.tensors.values()
+        if set(map(_ENTRY_FILE, entries)) - {h.file}:
+            return False
+        if list(map(_ENTRY_DTYPE, entries)) != list(map(_INFO_DTYPE, infos)):
+            return False
+        if list(map(_ENTRY_SHAPE, entries)) != list(map(_INFO_SHAPE, infos)):
+            return False
+        ds = repeat(h.data_start)
+        offsets = zip(map(operator.add, ds, map(_INFO_BEGIN, infos)), map(operator.add, ds, map(_INFO_END, infos)))
+        if list(map(_ENTRY_OFFSETS, entries)) != list(offsets):
+            return False
+    return True
+
+
+# TensorEntry (file, dtype, shape, offsets, sha256) and TensorInfo (name, dtype, shape, begin, end, file) fields
+_ENTRY_FILE, _ENTRY_DTYPE, _ENTRY_SHAPE, _ENTRY_OFFSETS, _ENTRY_SHA256 = (operator.itemgetter(i) for i in range(5))
+_INFO_DTYPE, _INFO_SHAPE, _INFO_BEGIN, _INFO_END = (operator.itemgetter(i) for i in range(1, 5))
 
 
 def require_tensor_hashes(manifest: Manifest, label: str, source: HubListing | str) -> None:
