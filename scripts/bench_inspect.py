@@ -48,11 +48,8 @@ def main() -> int:
     bl.add_common_args(ap, "bench_inspect", runs=5)
     args = ap.parse_args()
     setup = bl.start("bench_inspect", args)
-    full = setup.work / "k3-full"
+    full = bl.k3_full(setup.work)
     py = sys.executable
-    if not (full / bl.INDEX).is_file():
-        subprocess.run([*bl.K3, "synth", str(full), "--preset", "k3-full", "--headers-only", "--force"], check=True,
-                       stdout=subprocess.DEVNULL)
     # Warm the page cache once with a first inspect (the headers only: the shards are sparse,
     # 1.56 TB apparent, so the shared cache control - which reads inputs - is given none), as on
     # a node that has just downloaded the checkpoint.

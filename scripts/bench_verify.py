@@ -27,7 +27,6 @@ import contextlib
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,10 +56,7 @@ def contenders(setup: bl.Setup, shape: bl.Shape, hub: bl.Hub | None) -> list[bl.
 
 
 def quick_reverify(setup: bl.Setup) -> bl.Table:
-    full = setup.work / "k3-full"
-    if not (full / bl.INDEX).is_file():
-        subprocess.run([*bl.K3, "synth", str(full), "--preset", "k3-full", "--headers-only", "--force"], check=True,
-                          cwd=bl.ROOT, stdout=subprocess.DEVNULL)
+    full = bl.k3_full(setup.work)
     env = bl.child_env(K3CKPT_CACHE_DIR=str(setup.work / "quick-cache"))
     shutil.rmtree(setup.work / "quick-cache", ignore_errors=True)
     cmd = [*bl.K3, "verify", str(full), "--quick"]

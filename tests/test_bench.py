@@ -5,6 +5,7 @@ is asserted (benchmarks live in BENCHMARKS.md); the runs here are ``true``/``fal
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -226,6 +227,27 @@ def test_the_hub_can_be_pinned_apart_from_the_client(k3_tiny: Path, tmp_path: Pa
     cpus = sorted(os.sched_getaffinity(0))
     with bl.Hub({"bench/k3-tiny": k3_tiny}, tmp_path, cpus=cpus[-1:]) as hub:
         assert hub.pid is not None and os.sched_getaffinity(hub.pid) == set(cpus[-1:])
+
+
+def test_bench_scales_manifest_of_holes_is_the_one_hashing_them_builds(tmp_path: Path) -> None:
+    """bench_scale gives k3-full's tensors the digest of their length in zero bytes instead of
+    streaming 1.56 TB: on a headers-only checkpoint that is exactly what hashing them gives."""
+    import subprocess
+
+    import bench_scale
+
+    from k3ckpt.integrity import Manifest
+
+    src = tmp_path / "holes"
+    subprocess.run([*bl.K3, "synth", str(src), "--headers-only"], check=True, cwd=bl.ROOT, stdout=subprocess.DEVNULL)
+    built = bench_scale.built_manifest(src, tmp_path / "built.json")
+    with bl.Hub({"bench/holes": src}, tmp_path) as hub:
+        ours = bench_scale.zero_run_manifest("bench/holes", hub, tmp_path / "ours.json")
+    a, b = Manifest.load(built), Manifest.load(ours)
+    assert a.tensor_hashes and b.tensor_hashes and len(a.tensors) > 100
+    assert a.tensors == b.tensors
+    assert {f: e.sha256 for f, e in a.files.items()} == {f: e.sha256 for f, e in b.files.items()}
+    assert bench_scale.zeros_sha256((1 << 24) + 5) == hashlib.sha256(bytes((1 << 24) + 5)).hexdigest()
 
 
 # -- bench_start's trace reader ------------------------------------------------------------------

@@ -26,6 +26,7 @@ from k3ckpt.deploy.estimate import (
     TWO_STEP,
     engine_read_bytes,
     format_duration,
+    start_seconds,
     step_estimate,
     step_threads,
     unwritten_at_exit,
@@ -294,7 +295,10 @@ def test_routes_on_k3_tiny(k3_tiny: Path) -> None:
     """Two 2-GPU nodes of tp 2 x dp 2: each step's bytes and CPU-seconds from the node's share and
     the costs, its time from the limits."""
     costs = CostPerGB(verify=1.0, fetch=2.5, rank_fetch=2.0, reshard=3.0, node_fetch=4.0, hf_download=5.0,
-                      hf_cache_verify=0.5, hub_start_seconds=0.5, local_start_seconds=0.25)
+                      hf_cache_verify=0.5, hub_start_seconds=0.5, local_start_seconds=0.25,
+                      rank_fetch_per_tensor=1e-3, verify_per_tensor=2e-3, reshard_per_tensor=3e-3,
+                      node_fetch_per_tensor=4e-3)
+    n = len(open_checkpoint(k3_tiny).tensors)
     rep = plan_topology(k3_tiny, RankSelection(tp=2, dp=2, gpus_per_node=2), limits=LIMITS, costs=costs)
     assert rep.ready is not None and len(rep.ready.nodes) == 2
     for node, nb in zip(rep.ready.nodes, rep.nodes):
@@ -318,10 +322,12 @@ def test_routes_on_k3_tiny(k3_tiny: Path) -> None:
         assert download.cpu_wall_seconds == pytest.approx(download.cpu_seconds)  # one interpreter
         assert cache_verify.hash_bytes == whole and cache_verify.cpu_seconds == pytest.approx(0.5 * whole / GB)
         assert cache_verify.cpu_wall_seconds == pytest.approx(cache_verify.cpu_seconds)  # one thread
-        # the start-up: 0.5 s for a command reading the hub, 0.25 s for one on local files, none for the load
-        assert [s.start_seconds for r in node.routes for s in r.steps] == [
-            0.5, 0.25, 0.25, 0.0, 0.5, 0.0, 0.5, 0.25, 0.0]
-        assert fetch.seconds == pytest.approx(0.5 + max(fetch.link_seconds, fetch.disk_seconds, fetch.cpu_wall_seconds))
+        # the start-up: 0.5 s for a command reading the hub, 0.25 s for one on local files, none for
+        # the load; and for each step reading every header, its cost per tensor of the checkpoint
+        assert [s.start_seconds for r in node.routes for s in r.steps] == pytest.approx([
+            0.5 + 1e-3 * n, 0.25 + 2e-3 * n, 0.25 + 3e-3 * n, 0.0, 0.5 + 4e-3 * n, 0.0, 0.5, 0.25, 0.0])
+        assert fetch.seconds == pytest.approx(fetch.start_seconds + max(fetch.link_seconds, fetch.disk_seconds,
+                                                                        fetch.cpu_wall_seconds))
         assert load_orig.read_bytes > load.read_bytes
         for route in node.routes:
             assert route.seconds == pytest.approx(sum(s.seconds for s in route.steps))
@@ -334,6 +340,8 @@ def test_one_node_fetches_the_whole_checkpoint(k3_tiny: Path) -> None:
     assert fetch.name == "fetch" and fetch.download_bytes == rep.nodes[0].total_bytes
     # a whole fetch hashes each file once, at fetch's cost; a rank fetch's cost is rank_fetch
     assert fetch.cpu_seconds == pytest.approx(MEASURED_COSTS.fetch * fetch.download_bytes / GB)
+    # and reads no header: its start-up is the command's alone
+    assert fetch.start_seconds == MEASURED_COSTS.hub_start_seconds
 
 
 # -- the CLI -------------------------------------------------------------------------------------
@@ -348,6 +356,11 @@ def test_cli_prints_the_time_to_ready(k3_tiny: Path) -> None:
     assert "node     ranks" in out  # the plan is still there, the estimate after it
     assert "link 3.12 GB/s (25 Gbit/s), disk 7.00 GB/s (reads + writes), 64 cores" in out
     assert "nodes 0-1, each (2 GPUs)" in out
+    n = len(open_checkpoint(k3_tiny).tensors)
+    starts = {k: f"{v:.1f} s" for k, v in start_seconds(MEASURED_COSTS, n).items()}
+    assert (f"of these {n:,} tensors first: fetch --ranks {starts['fetch --ranks']}, verify of a share "
+            f"{starts['verify']},") in out
+    assert f"reshard {starts['reshard --node']}, fetch --node {starts['fetch --node']}) plus the longest" in out
     for line in (TWO_STEP, "  fetch --ranks", "  verify", "  reshard --node", "  load (vLLM, 2 ranks)",
                  ONE_STEP, "  fetch --node", NAIVE, "  hf download", "  hf cache verify"):
         assert any(x.startswith(line) for x in out.splitlines()), line
@@ -366,6 +379,7 @@ def test_cli_json_gives_the_same_numbers(k3_tiny: Path) -> None:
     assert got["limits"] == {"link_bytes_per_second": 3.125e9, "disk_bytes_per_second": 7e9, "cores": 64,
                              "memory_bytes": None}
     assert got["cpu_seconds_per_gb"] == dataclasses.asdict(MEASURED_COSTS)
+    assert got["tensors"] == len(open_checkpoint(k3_tiny).tensors)
     for step in (s for r in got["nodes"][0]["routes"] for s in r["steps"]):
         assert step["seconds"] == step["start_seconds"] + max(step["link_seconds"], step["disk_seconds"],
                                                               step["cpu_wall_seconds"]) + step["flush_seconds"]

@@ -89,8 +89,9 @@ def plan(source: str, selection: RankSelection, kv_budget: int, as_json: bool, l
     With --link, --disk and --cores (each node's), also the time to ready of every node by
     three routes - fetch, verify and reshard; the one-step fetch --node; the naive hf download
     of everything, hf cache verify - each followed by vLLM's load, from the CPU-seconds per GB
-    measured in BENCHMARKS.md: per step the longest of download / link, (read + write) / disk
-    and CPU-s / cores.
+    measured in BENCHMARKS.md: per step its start-up (longer where it reads every header, by
+    the checkpoint's tensors) plus the longest of download / link, (read + write) / disk and
+    CPU-s / cores.
 
     \b
     Examples:

@@ -9,8 +9,10 @@ overlap perfectly (bytes stream), so a step takes the longest of
     download / link,   (read + write) / disk,   CPU-seconds / cores used
 
 plus the command's start-up (:attr:`CostPerGB.hub_start_seconds`, :attr:`CostPerGB.local_start_seconds`:
-the interpreter, the listing or the headers before the first byte, the last syncs after it - under
-a second, noticeable only on a small checkpoint), where CPU-seconds = GB processed x the step's measured CPU-s per GB
+the interpreter, the listing before the first byte, the last syncs after it - under a second),
+and for a step that reads every header and plans from them (``fetch --ranks``, ``fetch --node``,
+``verify``, ``reshard --node``: :func:`start_seconds`) a cost per tensor of the checkpoint,
+seconds at K3's ~497k tensors, where CPU-seconds = GB processed x the step's measured CPU-s per GB
 (:class:`CostPerGB`, measured as the route runs: an empty page cache, a tensor-hash manifest),
 spread evenly over the cores the tool hashes on by default (:func:`step_threads`: for ``fetch``
 its default requests on the node's cores, at most 16 writers for ``reshard``, one thread for
@@ -110,6 +112,21 @@ class CostPerGB:
     #: the same for a command on local files (``verify``, ``reshard``, ``hf cache verify``).
     #: BENCHMARKS.md "Time to ready, the estimate against a run (2026-12-06, #28)".
     local_start_seconds: float = 0.25
+    #: seconds per tensor of the checkpoint that ``fetch --ranks`` adds to its start-up: the index
+    #: and every shard's header read from the hub and planned from, the tensor-hash manifest
+    #: loaded and checked against them (k3-full's 497,385 tensors against k3-tiny's).
+    #: BENCHMARKS.md "Start-up at K3's inventory (2026-12-06, #28)".
+    rank_fetch_per_tensor: float = 26.0e-6
+    #: the same for ``fetch --node``. BENCHMARKS.md "Start-up at K3's inventory (2026-12-06, #28)".
+    node_fetch_per_tensor: float = 24.6e-6
+    #: the same for ``verify --manifest M`` of a share: the manifest and every header read and
+    #: checked against each other before the first byte is hashed (a whole checkpoint's verify
+    #: hashes while it parses them: none is counted there). BENCHMARKS.md "Start-up at K3's
+    #: inventory (2026-12-06, #28)".
+    verify_per_tensor: float = 13.6e-6
+    #: the same for ``reshard --node``: every header read and the node's directory planned.
+    #: BENCHMARKS.md "Start-up at K3's inventory (2026-12-06, #28)".
+    reshard_per_tensor: float = 8.9e-6
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -254,12 +271,13 @@ class ReadyEstimate:
     costs: CostPerGB
     checkpoint_bytes: int
     nodes: list[NodeEstimate] = field(default_factory=list)
+    tensors: int = 0  # the checkpoint's: the start-up of a step reading every header grows with them
 
     def to_json(self) -> dict[str, Any]:
         return {"limits": {"link_bytes_per_second": self.limits.link, "disk_bytes_per_second": self.limits.disk,
                            "cores": self.limits.cores, "memory_bytes": self.limits.memory},
                 "cpu_seconds_per_gb": asdict(self.costs), "checkpoint_bytes": self.checkpoint_bytes,
-                "nodes": [n.to_json() for n in self.nodes]}
+                "tensors": self.tensors, "nodes": [n.to_json() for n in self.nodes]}
 
 
 def step_threads(cores: int) -> dict[str, int | None]:
@@ -274,6 +292,18 @@ def step_threads(cores: int) -> dict[str, int | None]:
     requests = default_requests(cores)
     return {"fetch": requests, "fetch --node": requests, "reshard": MAX_DEFAULT_WRITERS, "verify": None,
             "hf download": 1, "hf cache verify": 1}
+
+
+def start_seconds(costs: CostPerGB, tensors: int) -> dict[str, float]:
+    """The start-up of each step that reads every header of a checkpoint of ``tensors`` tensors
+    before its first byte (``verify``: of a share); the whole ``fetch`` and the ``hf`` steps read
+    none, and a whole checkpoint's ``verify`` hashes while it reads them: theirs is the command's
+    alone."""
+    hub, local = costs.hub_start_seconds, costs.local_start_seconds
+    return {"fetch --ranks": hub + costs.rank_fetch_per_tensor * tensors,
+            "verify": local + costs.verify_per_tensor * tensors,
+            "reshard --node": local + costs.reshard_per_tensor * tensors,
+            "fetch --node": hub + costs.node_fetch_per_tensor * tensors}
 
 
 def _cpu(gb_cost: float, nbytes: int) -> float:
@@ -302,9 +332,10 @@ def estimate_ready(idx: InventoryIndex, topo: Topology, nodes: Sequence[NodeByte
                    limits: Limits, costs: CostPerGB = MEASURED_COSTS) -> ReadyEstimate:
     """The three routes (module docstring) for every node of ``nodes`` (the node directories of
     ``topo``, :func:`k3ckpt.deploy.plan.node_bytes`); ``checkpoint_bytes``: the whole checkpoint."""
-    out = ReadyEstimate(limits, costs, checkpoint_bytes)
+    out = ReadyEstimate(limits, costs, checkpoint_bytes, tensors=idx.num_tensors)
     threads = step_threads(limits.cores)
     hub, local = costs.hub_start_seconds, costs.local_start_seconds
+    starts = start_seconds(costs, idx.num_tensors)
     for nb in nodes:
         held = {e for r in nb.ranks for e in topo.rank_info(r).experts}
         share = nb.total_bytes
@@ -315,17 +346,18 @@ def estimate_ready(idx: InventoryIndex, topo: Topology, nodes: Sequence[NodeByte
         two = RouteEstimate(TWO_STEP, (
             step_estimate("fetch" if whole else "fetch --ranks", limits, downloads=share, writes=share,
                           hashes=share, cpu_seconds=_cpu(costs.fetch if whole else costs.rank_fetch, share),
-                          threads=threads["fetch"], start=hub),
+                          threads=threads["fetch"], start=hub if whole else starts["fetch --ranks"]),
             step_estimate("verify", limits, reads=share, hashes=share, cpu_seconds=_cpu(costs.verify, share),
-                          threads=threads["verify"], start=local),
+                          threads=threads["verify"], start=local if whole else starts["verify"]),
             step_estimate("reshard --node", limits, reads=share, writes=share, hashes=share,
-                          cpu_seconds=_cpu(costs.reshard, share), threads=threads["reshard"], start=local),
+                          cpu_seconds=_cpu(costs.reshard, share), threads=threads["reshard"],
+                          start=starts["reshard --node"]),
             step_estimate(load_name, limits, reads=load_node),
         ))
         one = RouteEstimate(ONE_STEP, (
             step_estimate("fetch --node", limits, downloads=share, writes=share, hashes=share,
                           cpu_seconds=_cpu(costs.node_fetch, share), threads=threads["fetch --node"],
-                          start=hub),
+                          start=starts["fetch --node"]),
             step_estimate(load_name, limits, reads=load_node),
         ))
         naive = RouteEstimate(NAIVE, (
@@ -366,10 +398,15 @@ def render_ready(est: ReadyEstimate) -> list[str]:
     flush_lines = ([f"{flush},", f"               at most {DIRTY_BACKGROUND_RATIO:.0%} of the memory)"]
                    if lim.memory is not None else [f"{flush})"])
     memory = f", {human_bytes(int(lim.memory))} of memory" if lim.memory is not None else ""
+    starts = {name: f"{seconds:.1f} s" for name, seconds in start_seconds(c, est.tensors).items()}
     lines = [
         "time to ready  all nodes at once, each step after the last; a step takes its start-up",
-        f"               ({c.hub_start_seconds:g} s from the hub, {c.local_start_seconds:g} s local) plus the longest "
-        "of download / link,",
+        f"               ({c.hub_start_seconds:g} s from the hub, {c.local_start_seconds:g} s local, and reading and "
+        "planning from every header",
+        f"               of these {est.tensors:,} tensors first: fetch --ranks {starts['fetch --ranks']}, "
+        f"verify of a share {starts['verify']},",
+        f"               reshard {starts['reshard --node']}, fetch --node {starts['fetch --node']}) plus the longest of "
+        "download / link,",
         "               (read + write) / disk and CPU-s / the cores it hashes on (fetch and",
         f"               fetch --node {threads['fetch']} requests, reshard {threads['reshard']} writers, hf download "
         f"and hf cache verify {threads['hf cache verify']});",

@@ -137,7 +137,7 @@ def _describes(manifest: Manifest, headers: list[ShardHeader]) -> bool:
     if len(known) != sum(len(h.tensors) for h in headers):
         return False
     for h in headers:
-        entries = list(map(known.get, h.tensors))
+        entries: list[Any] = list(map(known.get, h.tensors))  # TensorEntry, or None for a name it lacks
         if None in entries:
             return False
         infos = h.tensors.values()
