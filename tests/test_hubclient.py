@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import http.server
+import os
 import random
 import re
 import shutil
@@ -315,6 +316,42 @@ def test_fetch_header_of_every_shard_reads_only_the_header(which: str, hub: Loop
         assert hub.bytes_sent(name) == 8 + local.header_len < local.file_size
         assert hub.requests(name, method="GET") == 2
     assert hub.total_bytes_sent() == sum(8 + read_header(served / n).header_len for n in shards)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="headers are parsed in workers only with two cores or more")
+def test_many_headers_are_parsed_in_worker_processes_with_the_same_outcome(
+        served: Path, hash_cache: Path, write_raw: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With many shards the headers' JSON is parsed in forked workers: each header, and each
+    failure - of the bytes (a length past the end) or of the parse (not JSON) - is what parsing
+    in the threads gives."""
+    import resource
+
+    from k3ckpt.format import checkpoint
+
+    bad_json = "broken/not-json.safetensors"
+    root = served.parent / "many"
+    if not root.exists():
+        shutil.copytree(served, root)
+        write_raw(root / bad_json, b"{not json", b"\0" * 16)
+    with LoopbackHub({REPO: root}, cache_dir=hash_cache) as h:
+        listing = list_repo("hf", REPO, endpoint=h.url)
+        paths = sorted(p for p in listing.files if p.endswith(".safetensors"))
+        assert OVERRUN in paths and bad_json in paths and len(paths) == 10
+        monkeypatch.setattr(checkpoint, "PARALLEL_HEADER_MIN_FILES", 10**6)
+        in_threads = hubclient.fetch_headers_each(listing, paths, jobs=4)
+        monkeypatch.setattr(checkpoint, "PARALLEL_HEADER_MIN_FILES", 2)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        in_workers = hubclient.fetch_headers_each(listing, paths, jobs=4)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert after.ru_utime + after.ru_stime > before.ru_utime + before.ru_stime  # workers ran, and were reaped
+    assert set(in_workers) == set(paths)
+    for p in paths:
+        a, b = in_threads[p], in_workers[p]
+        if p in (OVERRUN, bad_json):
+            assert isinstance(a, SafetensorsHeaderError) and type(b) is type(a) and str(b) == str(a)
+        else:
+            assert not isinstance(b, Exception) and b == a
+    assert "not valid JSON" in str(in_workers[bad_json])
 
 
 def test_fetch_headers_each_pauses_the_gc_and_gives_it_back(hub: LoopbackHub, served: Path) -> None:

@@ -467,6 +467,24 @@ def names_digest(names: Iterable[str]) -> tuple[int, int]:
 PARALLEL_HEADER_MIN_FILES = 16
 
 
+def header_pool(files: int, jobs: int | None = None) -> ProcessPoolExecutor | None:
+    """Forked worker processes to parse ``files`` shard headers in (JSON decoding holds the GIL),
+    one per core up to ``jobs`` and ``files``; ``None`` below :data:`PARALLEL_HEADER_MIN_FILES`
+    files, on one core, or where ``fork`` is not available. The workers are forked lazily, at
+    the first job submitted."""
+    workers = min(jobs or os.cpu_count() or 1, files)
+    if workers <= 1 or files < PARALLEL_HEADER_MIN_FILES:
+        return None
+    # imported here: a small checkpoint (and every command that never opens a large one)
+    # does not pay for loading multiprocessing
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    if "fork" not in mp.get_all_start_methods():
+        return None
+    return ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork"))
+
+
 class HeaderReader:
     """Reads and validates shard headers, in worker processes for large checkpoints.
 
@@ -481,22 +499,13 @@ class HeaderReader:
         self.root = root
         self._shared = shared
         self._futures: dict[str, Future] = {}
-        self._pool: ProcessPoolExecutor | None = None
         try:
             seen = sorted(e.name for e in os.scandir(root) if e.name.endswith(".safetensors") and e.is_file())
         except OSError:
             seen = []
-        workers = min(jobs or os.cpu_count() or 1, len(seen))
         self._index: Future | None = None
-        if workers <= 1 or len(seen) < PARALLEL_HEADER_MIN_FILES:
-            return
-        # imported here: a small checkpoint (and every command that never opens a large one)
-        # does not pay for loading multiprocessing
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
-        if "fork" in mp.get_all_start_methods():
-            self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork"))
+        self._pool: ProcessPoolExecutor | None = header_pool(len(seen), jobs)
+        if self._pool is not None:
             if (root / INDEX_NAME).is_file():
                 self._index = self._pool.submit(_index_digests_job, str(root), tolerant)
             for f in seen:

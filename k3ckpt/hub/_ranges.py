@@ -18,13 +18,17 @@ Server and client quirks worked around:
 
 from __future__ import annotations
 
+import gc
 import struct
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import requests
 import urllib3.exceptions
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 from ..env import K3CKPT_MAX_HEADER_BYTES
 from ..errors import (
@@ -37,7 +41,7 @@ from ..errors import (
     RangeNotSupportedError,
     SafetensorsHeaderError,
 )
-from ..format.checkpoint import bulk_allocation
+from ..format.checkpoint import bulk_allocation, header_pool
 from ..format.header import HeaderColumns, parse_header_columns
 from . import _http
 from ._endpoints import auth_headers, file_url
@@ -275,6 +279,13 @@ def fetch_header(
             malformed header.
         HubError: As :func:`read_range`.
     """
+    return _parse(*_header_bytes(listing, path, auth_headers(listing, token), timeout, retry or DEFAULT_RETRY))
+
+
+def _header_bytes(listing: HubListing, path: str, headers: Mapping[str, str], timeout: float,
+                  policy: RetryPolicy) -> tuple[bytes, str, str, int]:
+    """``(header JSON, path, label, file size)`` of a remote shard: :func:`fetch_header`'s reads
+    and checks, all but the parse."""
     entry = listing.files.get(path)
     if entry is None:
         raise EntryNotFoundError("not in the listing", hub=listing.hub, repo=listing.repo, revision=listing.revision,
@@ -283,16 +294,23 @@ def fetch_header(
     size = entry.size
     if size < 8:
         raise SafetensorsHeaderError(label, f"file is {size} bytes, too short for a safetensors header")
-    headers = auth_headers(listing, token)
-    policy = retry or DEFAULT_RETRY
     (n,) = struct.unpack("<Q", _read(listing, path, 0, 8, headers, timeout, policy))
     limit = K3CKPT_MAX_HEADER_BYTES.get()  # read at call time, as the local reader does
     if n > limit:
         raise SafetensorsHeaderError(label, f"header length {n} exceeds the {limit}-byte limit")
     if 8 + n > size:
         raise SafetensorsHeaderError(label, f"header length {n} runs past the end of the {size}-byte file (truncated?)")
-    raw = _read(listing, path, 8, n, headers, timeout, policy)
+    return _read(listing, path, 8, n, headers, timeout, policy), path, label, size
+
+
+def _parse(raw: bytes, path: str, label: str, size: int) -> HeaderColumns:
     return parse_header_columns(raw, file=path, path=label, file_size=size)
+
+
+def _parse_in_worker(raw: bytes, path: str, label: str, size: int) -> HeaderColumns:
+    """:func:`_parse` in a forked worker, whose every allocation is acyclic (bulk_allocation)."""
+    gc.disable()
+    return _parse(raw, path, label, size)
 
 
 def fetch_headers(
@@ -332,14 +350,35 @@ def fetch_headers_each(
     error it failed with (``SafetensorsHeaderError``, ``HubError``), the others read all the same.
     For a caller that learns only later which of the files it needs (:func:`read_source` reads
     the likely shards while the index that names them arrives)."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import Future, ThreadPoolExecutor
 
-    def one(path: str) -> HeaderColumns | K3ckptError:
+    headers, policy = auth_headers(listing, token), retry or DEFAULT_RETRY
+    # Parsing holds the interpreter lock (75 MB of JSON at K3's scale): with many shards it goes
+    # to forked workers, forked here - before this call's threads exist - by a first job.
+    workers = header_pool(len(paths))
+    if workers is not None:
+        workers.submit(int).result()
+
+    def one(path: str) -> HeaderColumns | K3ckptError | Future[HeaderColumns]:
         try:
-            return fetch_header(listing, path, token=token, timeout=timeout, retry=retry)
+            got = _header_bytes(listing, path, headers, timeout, policy)
+            return _parse(*got) if workers is None else workers.submit(_parse_in_worker, *got)
         except K3ckptError as e:
             return e
 
-    # the cyclic GC paused: each header parsed is ~3 containers per tensor, kept (bulk_allocation)
-    with bulk_allocation(), ThreadPoolExecutor(max_workers=max(1, min(jobs, len(paths) or 1))) as ex:
-        return dict(zip(paths, ex.map(one, paths)))
+    def outcome(got: HeaderColumns | K3ckptError | Future[HeaderColumns]) -> HeaderColumns | K3ckptError:
+        if not isinstance(got, Future):
+            return got
+        try:
+            return got.result()
+        except K3ckptError as e:  # raised in the worker, sent back as it was
+            return e
+
+    try:
+        # the cyclic GC paused: each header parsed is ~3 containers per tensor, kept (bulk_allocation)
+        with bulk_allocation(), ThreadPoolExecutor(max_workers=max(1, min(jobs, len(paths) or 1))) as ex:
+            read = dict(zip(paths, ex.map(one, paths)))
+            return {p: outcome(r) for p, r in read.items()}
+    finally:
+        if workers is not None:
+            workers.shutdown(wait=True, cancel_futures=True)
