@@ -116,17 +116,17 @@ class CostPerGB:
     #: and every shard's header read from the hub and planned from, the tensor-hash manifest
     #: loaded and checked against them (k3-full's 497,385 tensors against k3-tiny's).
     #: BENCHMARKS.md "Start-up at K3's inventory (2026-12-06, #28)".
-    rank_fetch_per_tensor: float = 26.0e-6
+    rank_fetch_per_tensor: float = 16.8e-6
     #: the same for ``fetch --node``. BENCHMARKS.md "Start-up at K3's inventory (2026-12-06, #28)".
-    node_fetch_per_tensor: float = 24.6e-6
+    node_fetch_per_tensor: float = 18.9e-6
     #: the same for ``verify --manifest M`` of a share: the manifest and every header read and
     #: checked against each other before the first byte is hashed (a whole checkpoint's verify
     #: hashes while it parses them: none is counted there). BENCHMARKS.md "Start-up at K3's
     #: inventory (2026-12-06, #28)".
-    verify_per_tensor: float = 13.6e-6
+    verify_per_tensor: float = 13.1e-6
     #: the same for ``reshard --node``: every header read and the node's directory planned.
     #: BENCHMARKS.md "Start-up at K3's inventory (2026-12-06, #28)".
-    reshard_per_tensor: float = 8.9e-6
+    reshard_per_tensor: float = 8.3e-6
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():

@@ -354,7 +354,8 @@ def fetch_headers_each(
 
     headers, policy = auth_headers(listing, token), retry or DEFAULT_RETRY
     # Parsing holds the interpreter lock (75 MB of JSON at K3's scale): with many shards it goes
-    # to forked workers, forked here - before this call's threads exist - by a first job.
+    # to forked workers, forked here by a first job, before this call's threads start (a
+    # caller's thread may run meanwhile: the children only parse, and touch none of its locks).
     workers = header_pool(len(paths))
     if workers is not None:
         workers.submit(int).result()
