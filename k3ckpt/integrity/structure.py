@@ -4,8 +4,9 @@
 rules, the index against the headers), symlinks leading out of the directory, the inspect
 report's errors (config against tensors, MoE layers complete, MXFP4 pairs) and - with a
 manifest - where its tensor layout differs from the headers' into issues
-(:class:`~k3ckpt.integrity.report.Issue`). :func:`layout_matches` decides the common case (the
-manifest and the headers agree) in C-level column compares.
+(:class:`~k3ckpt.integrity.report.Issue`). :func:`layout_matches` (:func:`headers_match`, which a node
+fetch's plan uses too) decides the common case (the manifest and the headers agree) in C-level
+column compares.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..format.checkpoint import Checkpoint
+from ..format.header import ShardHeader
 from .manifest import Manifest, tensors_from_headers
 from .report import Issue
 
@@ -95,14 +97,24 @@ def _layout_issues(ckpt: Checkpoint, manifest: Manifest, same: bool | None = Non
 
 def layout_matches(ckpt: Checkpoint, manifest: Manifest) -> bool:
     """Do the headers hold exactly the manifest's tensors, each in the same file with the same
-    dtype, shape and offsets? The common case, decided shard by shard on columns compared in C
-    (``map`` and list equality): building a :class:`TensorEntry` per tensor took verify's main
-    thread longer than the rest of its structure check. ``False`` is not a verdict: the caller
-    then compares tensor by tensor (and so does any checkpoint with a name in two shards)."""
+    dtype, shape and offsets? The common case, decided by :func:`headers_match`. ``False`` is
+    not a verdict: the caller then compares tensor by tensor (and so does any checkpoint with a
+    name in two shards)."""
+    if len(ckpt.tensors) != sum(len(h.tensors) for h in ckpt.shards.values()):
+        return False  # a name in two shards
+    return headers_match(list(ckpt.shards.values()), manifest)
+
+
+def headers_match(headers: list[ShardHeader], manifest: Manifest) -> bool:
+    """Do ``headers`` (no name in two of them) hold exactly the manifest's tensors, each in the
+    same file with the same dtype, shape and absolute offsets? Decided shard by shard on columns
+    compared in C (``map`` and list equality), with no object made per tensor: building a
+    :class:`TensorEntry` per tensor took verify's main thread longer than the rest of its
+    structure check, and a node fetch's plan 2.5 s at K3's 497k tensors."""
     m = manifest.tensors
-    if not len(ckpt.tensors) == sum(len(h.tensors) for h in ckpt.shards.values()) == len(m):
+    if sum(len(h.tensors) for h in headers) != len(m):
         return False
-    for h in ckpt.shards.values():
+    for h in headers:
         infos = list(h.tensors.values())  # TensorInfo: name, dtype, shape, begin, end, file
         entries: list[Any] = list(map(m.get, h.tensors))  # TensorEntry: file, dtype, shape, offsets, sha256
         if None in entries:
