@@ -95,6 +95,21 @@ def test_node_dir_verifies_clean_against_the_tensor_manifest(resharded: Path, ma
     assert (share["tensors_checked"], share["tensors_not_local"], share["tensors_missing"]) == (held, skipped, 0)
 
 
+def test_a_bad_manifest_is_said_first_while_the_share_opens(node: Path, tmp_path: Path) -> None:
+    """verify opens a share's headers while it parses the manifest: a manifest that cannot be
+    read is the one error said, as when it was read first - also when the share cannot be opened."""
+    notjson = tmp_path / "m.json"
+    notjson.write_text("not json")
+    res = verify(node, "--manifest", str(notjson))
+    assert res.exit_code == 2 and res.output.startswith(f"k3ckpt: error: {notjson}: not valid JSON (")
+    assert res.output.count("\n") == 1
+    (node / "model.safetensors.index.json").write_text("not json")
+    alone = verify(node)
+    assert alone.exit_code == 2 and "model.safetensors.index.json: not valid JSON" in alone.output  # its own error
+    res = verify(node, "--manifest", str(tmp_path / "absent.json"))
+    assert res.exit_code == 2 and res.output.strip() == f"k3ckpt: error: {tmp_path / 'absent.json'}: not found"
+
+
 def test_a_flipped_byte_in_one_expert_is_named(node: Path, manifests: dict[str, Path]) -> None:
     flip_byte(node / EXPERT_FILE, data_offset(node / EXPERT_FILE, EXPERT) + 7)
     res = verify(node, "--manifest", str(manifests["tensors"]))

@@ -90,10 +90,12 @@ def verify_share(
     cache: StatCache | None,
     progress: Callable[[int], None] | None,
     on_plan: Callable[[int], None] | None,
+    ckpt: Checkpoint | None = None,
 ) -> None:
     """Fill ``report`` (a :class:`~k3ckpt.integrity.report.VerifyReport`) for the share at ``root``.
 
     ``expected``: the reference's files (path -> ``Expected``), empty when there is none.
+    ``ckpt``: the share opened already (``open_checkpoint(root, strict=False)``), else opened here.
 
     Raises:
         ShareReferenceError: the reference knows only whole files and a shard is rewritten.
@@ -109,7 +111,8 @@ def verify_share(
     excluded = {f for f in marker.get("excluded") or [] if isinstance(f, str) and not f.endswith(".safetensors")}
 
     present, stats = stat_present(root, report)
-    ckpt = open_checkpoint(root, jobs=jobs, strict=False)
+    if ckpt is None:
+        ckpt = open_checkpoint(root, jobs=jobs, strict=False)
     actual = tensors_from_headers(ckpt.shards.values())
     facts.tensors_present = len(actual)
     weight = set(ckpt.shards)
