@@ -121,8 +121,9 @@ class CostPerGB:
     node_fetch_per_tensor: float = 18.9e-6
     #: the same for ``verify --manifest M`` of a share: the manifest and every header read and
     #: checked against each other before the first byte is hashed (a whole checkpoint's verify
-    #: hashes while it parses them: none is counted there). BENCHMARKS.md "Start-up at K3's
-    #: inventory (2026-12-06, #28)".
+    #: hashes while it parses them: none is counted there). Measured as a whole checkpoint's
+    #: ``--quick``, an upper bound: a share parses its headers while the manifest loads.
+    #: BENCHMARKS.md "Start-up at K3's inventory (2026-12-06, #28)".
     verify_per_tensor: float = 13.1e-6
     #: the same for ``reshard --node``: every header read and the node's directory planned.
     #: BENCHMARKS.md "Start-up at K3's inventory (2026-12-06, #28)".
