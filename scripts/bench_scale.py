@@ -104,16 +104,13 @@ def contenders(shape: str, path: Path, manifest: Path, hub: bl.Hub, work: Path) 
     fetch = [*bl.K3, "fetch", repo, "--local-dir", str(work / "out"), "--manifest", str(manifest), "--dry-run"]
     # the same ranks in the rank-aware fetch's words (ep = tp x dp, whole tensors), as bench_ready's
     ranks = ["--ep", str(tp * dp), "--tp", str(tp), "--gpus-per-node", str(gpus), "--node", "0", "--format", "partial"]
-    meta = {"shape": shape}
-    return [
-        bl.Contender(f"fetch --node ({shape})", [*fetch, *layout], env=env, meta={**meta, "step": "fetch --node"}),
-        bl.Contender(f"fetch --ranks ({shape})", [*fetch, *ranks], env=env,
-                     meta={**meta, "step": "fetch --ranks"}),
+    return [  # labelled "STEP (SHAPE)": main() pairs each step's two shapes by it
+        bl.Contender(f"fetch --node ({shape})", [*fetch, *layout], env=env),
+        bl.Contender(f"fetch --ranks ({shape})", [*fetch, *ranks], env=env),
         bl.Contender(f"verify ({shape})", [*bl.K3, "verify", str(path), "--manifest", str(manifest), "--quick",
-                                           "--no-cache"], meta={**meta, "step": "verify"}),
-        bl.Contender(f"reshard --node ({shape})", [sys.executable, "-c", RESHARD_PLAN, str(path), str(tp), str(dp),
-                                                   str(gpus)],
-                     meta={**meta, "step": "reshard --node"}),
+                                           "--no-cache"]),
+        bl.Contender(f"reshard --node ({shape})",
+                     [sys.executable, "-c", RESHARD_PLAN, str(path), str(tp), str(dp), str(gpus)]),
     ]
 
 
